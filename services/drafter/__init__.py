@@ -1,0 +1,1 @@
+"""Drafter: owns the DFlash drafter, the Domino correction head and per-request drafter contexts."""

@@ -1,0 +1,296 @@
+"""DFlash block-diffusion drafter and the Domino causal correction head (modules + checkpoint I/O).
+
+Sources: ZDF ``dflash/model.py``, DART ``utils/draft_model.py``, DOM ``code/dflash.py``
+(algorithms.md §1–§2). State-dict keys are unprefixed and match the released
+``z-lab/Qwen3-4B-DFlash-b16`` / ``Huang2020/Qwen3-4B-Domino-b16`` checkpoints (load with
+``strict=True``). The drafter has no embedding and no lm_head: both are borrowed from the target.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
+    """``round(1 + i * (L - 4) / (n - 1))`` for ``i < n`` (single layer: ``L // 2``), algorithms.md §1.1."""
+    if n == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+
+
+@dataclass
+class DrafterConfig:
+    """Drafter hyper-parameters, serialised as a HF ``config.json`` with a ``dflash_config`` block."""
+
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    vocab_size: int = 49152
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 100000.0
+    max_position_embeddings: int = 8192
+    block_size: int = 16
+    num_target_layers: int = 30
+    target_hidden_size: int = 576
+    mask_token_id: int = 16
+    target_layer_ids: list[int] = field(default_factory=lambda: default_target_layer_ids(30))
+    projector_type: str | None = "domino"  # None = plain DFlash (no correction head)
+    shift_label: bool = True
+    pure_draft_prefix_len: int = 1
+    gru_hidden_dim: int = 256
+    emb_dim: int = 128
+
+    def __post_init__(self) -> None:
+        if self.projector_type not in (None, "domino"):
+            raise ValueError(f"unsupported projector_type {self.projector_type!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def feature_dim(self) -> int:
+        """Width of the concatenated target features: ``len(target_layer_ids) * target_hidden_size``."""
+        return len(self.target_layer_ids) * self.target_hidden_size
+
+    @property
+    def num_draft_slots(self) -> int:
+        """Draft depth D: 16 rows under shift-label, ``block_size - 1`` otherwise."""
+        return self.block_size if self.shift_label else self.block_size - 1
+
+    def to_hf(self) -> dict:
+        """The released config.json layout (algorithms.md §1.1)."""
+        dc = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.projector_type:
+            dc.update(projector_type=self.projector_type, shift_label=self.shift_label,
+                      pure_draft_prefix_len=self.pure_draft_prefix_len, gru_hidden_dim=self.gru_hidden_dim,
+                      emb_dim=self.emb_dim)
+        return {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings, "attention_bias": False,
+            "layer_types": ["full_attention"] * self.num_hidden_layers, "tie_word_embeddings": False,
+            "dtype": "bfloat16", "block_size": self.block_size, "num_target_layers": self.num_target_layers,
+            "target_hidden_size": self.target_hidden_size, "dflash_config": dc,
+        }
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "DrafterConfig":
+        """Parse a released or our own config.json (tolerates DART's older field spellings)."""
+        dc = dict(cfg.get("dflash_config") or {})
+        proj = dc.get("projector_type")
+        proj = "domino" if proj == "causal_v5" else proj
+        emb_dim = dc.get("emb_dim", cfg.get("emb_dim", 256))
+        n_layers = cfg.get("num_target_layers", 36)
+        layer_ids = dc.get("target_layer_ids") or default_target_layer_ids(n_layers)
+        return cls(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
+            vocab_size=cfg["vocab_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 40960),
+            block_size=cfg.get("block_size", 16), num_target_layers=n_layers,
+            target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
+            mask_token_id=dc.get("mask_token_id", cfg.get("mask_token_id", 0)), target_layer_ids=list(layer_ids),
+            projector_type=proj, shift_label=bool(dc.get("shift_label", False)),
+            pure_draft_prefix_len=int(dc.get("pure_draft_prefix_len", 1 if proj else 0)),
+            gru_hidden_dim=int(dc.get("gru_hidden_dim", cfg.get("gru_hidden_dim", emb_dim))), emb_dim=int(emb_dim),
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learned scale (weight key ``weight``), computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight.to(x.dtype)
+
+
+def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """Rotary embedding (half-split layout, as HF Llama/Qwen3). ``x [..., T, Dh]``, ``pos [T]``."""
+    dh = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, dh, 2, device=x.device, dtype=torch.float32) / dh))
+    ang = pos.float()[:, None] * inv[None, :]  # [T, Dh/2]
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
+    rot = torch.cat([-x2, x1], dim=-1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Qwen3-style GQA attention whose keys/values are [context rows; block rows], non-causal."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.c = c
+        h, nh, nkv, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(h, nh * dh, bias=False)
+        self.k_proj = nn.Linear(h, nkv * dh, bias=False)
+        self.v_proj = nn.Linear(h, nkv * dh, bias=False)
+        self.o_proj = nn.Linear(nh * dh, h, bias=False)
+        self.q_norm = RMSNorm(dh, c.rms_norm_eps)
+        self.k_norm = RMSNorm(dh, c.rms_norm_eps)
+
+    def kv(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (normed, rotated) and values of rows ``x [..., T, H]`` at positions ``pos [T]``: ``[..., Hkv, T, Dh]``."""
+        c = self.c
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))).transpose(-2, -3)
+        v = self.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim)).transpose(-2, -3)
+        return rope(k, pos, c.rope_theta), v
+
+    def forward(self, x: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_mask: Tensor | None = None) -> Tensor:
+        """Block queries ``x [B, Q, H]`` attend to cached context ``[B, Hkv, C, Dh]`` plus the block itself.
+
+        ``ctx_mask`` (optional, ``[B, Q, C]`` bool, True = visible) restricts context rows (training).
+        """
+        c = self.c
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim))).transpose(1, 2)
+        q = rope(q, pos, c.rope_theta)
+        bk, bv = self.kv(x, pos)
+        k, v = torch.cat([ctx_k, bk], dim=2), torch.cat([ctx_v, bv], dim=2)
+        mask = None
+        if ctx_mask is not None:
+            blk = torch.ones(*ctx_mask.shape[:2], x.shape[1], dtype=torch.bool, device=x.device)
+            mask = torch.cat([ctx_mask, blk], dim=-1)[:, None]  # [B, 1, Q, C+Q]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).flatten(-2))
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP (Qwen3)."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One drafter layer: context rows enter only as extra keys/values (no input_layernorm on them)."""
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, h: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_mask: Tensor | None = None) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), pos, ctx_k, ctx_v, ctx_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash backbone (+ optional Domino head). Keys: ``layers.N.*``, ``fc``, ``hidden_norm``, ``norm``,
+    and for Domino ``prefix_gru.weight_{ih,hh}_l0``, ``embed_proj.{0,2}.weight``.
+    """
+
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.config = c
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.fc = nn.Linear(c.feature_dim, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.projector_type == "domino":
+            self.prefix_gru = nn.GRU(c.target_hidden_size, c.gru_hidden_dim, num_layers=1, batch_first=True, bias=False)
+            self.embed_proj = nn.Sequential(nn.Linear(c.hidden_size + c.gru_hidden_dim, c.emb_dim, bias=False),
+                                            nn.SiLU(), nn.Linear(c.emb_dim, c.vocab_size, bias=False))
+
+    @property
+    def has_head(self) -> bool:
+        """Whether a Domino correction head is present."""
+        return self.config.projector_type == "domino"
+
+    def context_kv(self, features: Tensor, pos: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer context keys/values of target features ``[B, C, F]`` at positions ``pos [C]``."""
+        ctx = self.hidden_norm(self.fc(features))  # [B, C, H], shared by every layer
+        return [layer.self_attn.kv(ctx, pos) for layer in self.layers]
+
+    def block_forward(self, block_emb: Tensor, pos: Tensor, ctx_kv: list[tuple[Tensor, Tensor]],
+                      ctx_mask: Tensor | None = None) -> Tensor:
+        """Block rows ``[B, Q, H]`` (target embeddings of [root, MASK...]) -> drafter states ``[B, Q, H]``."""
+        h = block_emb
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            h = layer(h, pos, k, v, ctx_mask)
+        return self.norm(h)
+
+    # ----- Domino head pieces (algorithms.md §2.1, §2.3) -----
+    def head_split(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(W_z [E, H], W_s [E, G], W_out [V, E])``: embed_proj.0 split into drafter and GRU columns."""
+        w0 = self.embed_proj[0].weight
+        h = self.config.hidden_size
+        return w0[:, :h], w0[:, h:], self.embed_proj[2].weight
+
+    def gru_cell(self, x: Tensor, h: Tensor) -> Tensor:
+        """Bias-free GRU cell (PyTorch gate order r, z, n): ``x [C, H_t]``, ``h [C, G]`` -> ``[C, G]``."""
+        w_ih, w_hh = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
+        gi, gh = x @ w_ih.T, h @ w_hh.T
+        ir, iz, i_n = gi.chunk(3, -1)
+        hr, hz, hn = gh.chunk(3, -1)
+        r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
+        n = torch.tanh(i_n + r * hn)
+        return (1 - z) * n + z * h
+
+    def correction(self, hd: Tensor, states: Tensor) -> Tensor:
+        """Full-vocabulary additive bias ``embed_proj([hd; h])``: ``hd [.., H]``, ``states [.., G]`` -> ``[.., V]``."""
+        return self.embed_proj(torch.cat([hd, states], dim=-1))
+
+
+def save_drafter(model: DFlashDrafter, out_dir: str | Path, extra: dict | None = None) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the released layout (bf16 weights)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_hf()
+    if extra:
+        cfg.update(extra)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DFlashDrafter:
+    """Load a drafter directory with ``strict=True``.
+
+    Raises:
+        FileNotFoundError: missing config.json / model.safetensors.
+        RuntimeError: key or shape mismatch (strict load).
+    """
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    cfg = DrafterConfig.from_hf(json.loads((p / "config.json").read_text()))
+    with torch.device("meta"):
+        model = DFlashDrafter(cfg)
+    sd = load_file(str(p / "model.safetensors"), device=device)
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
+    return model.eval()
+
+
+def config_summary(c: DrafterConfig) -> dict:
+    """Plain dict of a config (for logs and model cards)."""
+    return asdict(c)

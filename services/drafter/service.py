@@ -1,0 +1,202 @@
+"""The drafter's compute, transport-agnostic: per-request drafter contexts and tree building.
+
+One call per round: append the newly committed tokens' target features to the request's drafter
+context (K/V only), run the block ``[root, MASK x (block_size - 1)]``, project to logits with the
+target's lm_head, and build the method's tree (algorithms.md §1.3, §2.2, §2.3, §4).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from services.drafter.model import DFlashDrafter
+from services.tree import DraftTree, chain, chain_rollout, dartree, ddtree, domino_ddtree, seqheap
+
+METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree")
+HEAD_METHODS = frozenset({"domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree"})
+
+
+@dataclass(frozen=True)
+class TreeDefaults:
+    """Server-side defaults of the tree knobs (paper: B=64, W=12, beta=-0.2, K=64)."""
+
+    budget: int = 64
+    width: int = 12
+    depth_bonus: float = -0.2
+    candidates: int = 64
+
+
+class DominoScorer:
+    """Domino correction head for one round, as a :class:`services.tree.TreeScorer`.
+
+    ``score = cand_vals + SiLU(W_z h_d[slot] + W_s h) . W_out[cand]^T``; states are GRU states
+    after ``[root, d_1 .. d_i]`` (algorithms.md §2.3).
+
+    Args:
+        drafter: a drafter with a Domino head; embed: target embedding; hd: ``[D, H]`` drafter rows.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, hd: Tensor):
+        self.drafter, self.embed = drafter, embed
+        wz, self.ws, self.wout = drafter.head_split()
+        self.z = hd @ wz.T  # [D, E]
+
+    def root_state(self, root_token: int) -> Tensor:
+        x = self.embed(torch.tensor([root_token], device=self.z.device)).to(self.z.dtype)
+        return self.drafter.gru_cell(x, torch.zeros(1, self.ws.shape[1], dtype=self.z.dtype, device=self.z.device))
+
+    def score(self, slot: int, parent_states: Tensor, cand_ids: Tensor | None, cand_vals: Tensor) -> Tensor:
+        mid = F.silu(self.z[slot][None, :] + parent_states @ self.ws.T)  # [P, E]
+        w = self.wout if cand_ids is None else self.wout[cand_ids]  # [M, E]
+        return cand_vals.float()[None, :] + (mid @ w.T).float()
+
+    def advance(self, parent_states: Tensor, tokens: Tensor) -> Tensor:
+        return self.drafter.gru_cell(self.embed(tokens).to(parent_states.dtype), parent_states)
+
+
+class DrafterService:
+    """Owns the drafter, the borrowed target embedding / lm_head, and per-request drafter contexts.
+
+    Args:
+        drafter: DFlash drafter (with or without a Domino head), eval mode.
+        embed: the target's ``embed_tokens``; lm_head: the target's output projection.
+        defaults: server defaults of the tree knobs.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
+                 defaults: TreeDefaults = TreeDefaults(), description: str = ""):
+        self.drafter, self.embed, self.lm_head = drafter.eval(), embed, lm_head
+        self.cfg = drafter.config
+        self.defaults = defaults
+        self.description = description
+        self._ctx: dict[str, list[tuple[Tensor, Tensor]]] = {}
+        self._ctx_len: dict[str, int] = {}
+        self.dtype = next(drafter.parameters()).dtype
+
+    def info(self) -> dict:
+        """Handshake fields."""
+        c = self.cfg
+        return {"vocab_size": c.vocab_size, "block_size": c.block_size, "mask_token_id": c.mask_token_id,
+                "feature_dim": c.feature_dim, "max_position": c.max_position_embeddings,
+                "num_draft_slots": c.num_draft_slots, "has_head": self.drafter.has_head,
+                "methods": [m for m in METHODS if m == "ar" or self.drafter.has_head or m not in HEAD_METHODS],
+                "description": self.description}
+
+    def num_contexts(self) -> int:
+        """Requests holding a drafter context (a gauge: returns to 0 when all are released)."""
+        return len(self._ctx)
+
+    def release(self, request_id: str) -> None:
+        """Drop a request's drafter context (idempotent)."""
+        self._ctx.pop(request_id, None)
+        self._ctx_len.pop(request_id, None)
+
+    def _append_context(self, request_id: str, features: Tensor, start: int) -> None:
+        n = features.shape[0]
+        have = self._ctx_len.get(request_id, 0)
+        if have != start - n:
+            raise ValueError(f"drafter context of {request_id!r} holds {have} positions, expected {start - n}")
+        if n == 0:
+            return
+        pos = torch.arange(start - n, start)
+        kv = self.drafter.context_kv(features.to(self.dtype)[None], pos)
+        old = self._ctx.get(request_id)
+        self._ctx[request_id] = kv if old is None else [
+            (torch.cat([ok, k], 2), torch.cat([ov, v], 2)) for (ok, ov), (k, v) in zip(old, kv)]
+        self._ctx_len[request_id] = start
+
+    @torch.inference_mode()
+    def block_logits(self, request_id: str, features: Tensor, root_token: int, start: int) -> tuple[Tensor, Tensor]:
+        """Append context, run the block: ``(hd [D, H], base_logits [D, V] float32)``."""
+        self._append_context(request_id, features, start)
+        c = self.cfg
+        ids = torch.tensor([root_token] + [c.mask_token_id] * (c.block_size - 1))
+        pos = torch.arange(start, start + c.block_size)
+        h = self.drafter.block_forward(self.embed(ids).to(self.dtype)[None], pos, self._ctx[request_id])[0]
+        hd = h if c.shift_label else h[1:]
+        return hd, self.lm_head(hd.to(self.lm_head.weight.dtype)).float()
+
+    @torch.inference_mode()
+    def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
+              spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
+        """Propose a tree for one round.
+
+        Args:
+            committed_ids: tokens committed since the last call (first call: the prompt).
+            features: ``[len(committed_ids), F]`` target features at those positions.
+            root_token: the last committed token, at position ``start`` (not in the context).
+            spec: an object with ``method, budget, width, depth_bonus, candidates`` (None = default).
+            max_depth: cap on tree depth (context-window limit).
+        Returns:
+            ``(tree, {"draft": s, "tree_build": s})``.
+        Raises:
+            ValueError: unknown method, method needs a head this drafter lacks, inconsistent context.
+        """
+        if features.shape[0] != len(committed_ids):
+            raise ValueError("features must have one row per committed token")
+        method = spec.method
+        if method not in METHODS or method == "ar":
+            raise ValueError(f"method {method!r} does not draft (choose from {METHODS[1:]})")
+        if method in HEAD_METHODS and not self.drafter.has_head:
+            raise ValueError(f"method {method!r} needs a Domino correction head; this drafter has none")
+        t0 = time.perf_counter()
+        hd, base = self.block_logits(request_id, features, root_token, start)
+        depth = base.shape[0] if max_depth is None else max(0, min(max_depth, base.shape[0]))
+        hd, base = hd[:depth], base[:depth]
+        t1 = time.perf_counter()
+        tree = self._build(method, spec, hd, base, root_token) if depth else DraftTree.empty()
+        return tree, {"draft": t1 - t0, "tree_build": time.perf_counter() - t1}
+
+    def _build(self, method: str, spec, hd: Tensor, base: Tensor, root: int) -> DraftTree:
+        d = self.defaults
+        budget = spec.budget if spec.budget is not None else d.budget
+        width = spec.width if spec.width is not None else d.width
+        beta = spec.depth_bonus if spec.depth_bonus is not None else d.depth_bonus
+        k = spec.candidates if spec.candidates is not None else d.candidates
+        prefix = self.cfg.pure_draft_prefix_len
+        if method == "dflash":
+            return chain(torch.argmax(base, dim=-1))
+        if method == "ddtree":
+            return ddtree(torch.log_softmax(base, dim=-1), budget)
+        scorer = DominoScorer(self.drafter, self.embed, hd.to(self.dtype))
+        if method == "domino":
+            return chain(chain_rollout(base, scorer, root, prefix)[0])
+        if method == "domino-ddtree":
+            return domino_ddtree(chain_rollout(base, scorer, root, prefix)[1], budget)
+        if method == "seqheap":
+            return seqheap(base, scorer, root, K=k, B=budget, beta=beta, pure_draft_prefix_len=prefix)
+        variant = method.split("-")[1]
+        return dartree(base, scorer, root, K=k, W=width, B=budget, beta=beta if variant == "pruned" else 0.0,
+                       variant=variant, pure_draft_prefix_len=prefix)
+
+
+def load_borrowed_weights(target_dir: str | Path, dtype: torch.dtype = torch.float32
+                          ) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
+    """Load only the target's ``embed_tokens`` and ``lm_head`` (tied models reuse the embedding).
+
+    Used by a drafter process that does not hold the whole target.
+    """
+    from safetensors import safe_open
+
+    p = Path(target_dir)
+    files = sorted(p.glob("*.safetensors"))
+    embed_w = head_w = None
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in st.keys():
+                if key.endswith("embed_tokens.weight"):
+                    embed_w = st.get_tensor(key)
+                elif key == "lm_head.weight":
+                    head_w = st.get_tensor(key)
+    if embed_w is None:
+        raise FileNotFoundError(f"no embed_tokens weight in {p}")
+    embed = torch.nn.Embedding.from_pretrained(embed_w.to(dtype), freeze=True)
+    head = torch.nn.Linear(embed_w.shape[1], embed_w.shape[0], bias=False)
+    head.weight = torch.nn.Parameter((head_w if head_w is not None else embed_w).to(dtype), requires_grad=False)
+    return embed, head

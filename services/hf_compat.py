@@ -1,0 +1,63 @@
+"""Every transformers-version-specific call lives here (cache layout, GGUF loading, 4-D masks).
+
+Tested with transformers 5.24 (CPU) ; the cache helpers also handle the 4.x ``key_cache`` layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def cache_layers(cache) -> list[tuple[Tensor, Tensor]]:
+    """``[(keys, values)]`` per layer of a HF ``DynamicCache``; tensors are ``[1, H, T, Dh]``."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache))
+
+
+def set_cache_layer(cache, i: int, keys: Tensor, values: Tensor) -> None:
+    """Replace layer ``i``'s keys and values of a ``DynamicCache`` in place."""
+    if hasattr(cache, "layers"):
+        cache.layers[i].keys, cache.layers[i].values = keys, values
+    else:
+        cache.key_cache[i], cache.value_cache[i] = keys, values
+
+
+def cache_length(cache) -> int:
+    """Number of cached positions."""
+    return int(cache.get_seq_length())
+
+
+def new_dynamic_cache(config=None):
+    """An empty ``DynamicCache``."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=config)
+    except TypeError:
+        return DynamicCache()
+
+
+def load_gguf_model(directory: str, filename: str):
+    """Load a GGUF causal LM, dequantized to float32, and its tokenizer (never touches the hub)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=filename, dtype=torch.float32)
+    return model, tok
+
+
+def cache_kwargs(model, cache) -> dict:
+    """Keyword that passes a KV cache to ``model.forward`` (``cache`` in 5.x, ``past_key_values`` before)."""
+    import inspect
+
+    params = inspect.signature(type(model).forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first ``length`` positions (a negative ``crop`` argument works in 4.x and 5.x)."""
+    remove = cache_length(cache) - length
+    if remove > 0:
+        cache.crop(-remove)

@@ -1,0 +1,1 @@
+"""Drafter training pipeline: self-distilled data generation, feature extraction, training."""

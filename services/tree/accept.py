@@ -1,0 +1,119 @@
+"""Acceptance: the tree walk (greedy or one target sample per node) and chain rejection sampling.
+
+Sources: ``follow_verified_tree`` (DART/DDT, algorithms.md §5) and standard speculative rejection
+sampling (DeepSpec ``utils/sampling.py``, algorithms.md §3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from services.tree.draft_tree import VerifyBuffers
+
+
+@dataclass(frozen=True)
+class AcceptResult:
+    """Outcome of one verify round.
+
+    Attributes:
+        accepted_rows: ``[L]`` long verify rows of the accepted path, root (row 0) first.
+        bonus_token: the target's token after the last accepted row.
+    """
+
+    accepted_rows: Tensor
+    bonus_token: int
+
+    @property
+    def accept_length(self) -> int:
+        """Accepted draft tokens (bonus and root excluded)."""
+        return int(self.accepted_rows.numel()) - 1
+
+
+def sample_target_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                         generator: torch.Generator | None = None) -> Tensor:
+    """One target token per verify row: argmax at ``temperature == 0``, else one independent sample.
+
+    Args:
+        logits: ``[R, V]`` target logits (R = N + 1 verify rows).
+        temperature: >= 0; top_p in (0, 1]; top_k >= 0 (0 = off); generator: per-request RNG.
+    Returns:
+        ``[R]`` long token ids.
+    """
+    assert logits.ndim == 2, "logits must be [R, V]"
+    if temperature == 0:
+        return torch.argmax(logits, dim=-1)
+    probs = target_probs(logits, temperature, top_p, top_k)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def target_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:
+    """The distribution each row is sampled from: softmax(logits / T) restricted by top-k, top-p.
+
+    Returns:
+        ``[R, V]`` float32 probabilities, rows sum to 1.
+    """
+    x = logits.float() / temperature
+    if top_k and top_k < x.shape[-1]:
+        kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, idx = torch.sort(x, dim=-1, descending=True)
+        cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
+        drop = (cum - torch.softmax(sorted_x, dim=-1)) >= top_p  # keep the smallest prefix reaching top_p
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(-1, idx, sorted_x)
+    return torch.softmax(x, dim=-1)
+
+
+def walk(buffers: VerifyBuffers, target_tokens: Tensor) -> AcceptResult:
+    """Follow the target's tokens down the tree: the longest path whose every node matches.
+
+    A draft row is *matched* when its token equals the target token of its parent row; it is
+    accepted when it and all its ancestors are matched. Siblings carry distinct tokens, so the
+    accepted rows form one root-to-node path. Vectorised over rows (no per-node Python loop).
+
+    Args:
+        buffers: the round's :class:`VerifyBuffers`.
+        target_tokens: ``[N+1]`` long, the target's token at every verify row (argmax or sample).
+    Returns:
+        :class:`AcceptResult` with the accepted rows (root first) and the bonus token.
+    """
+    ids = buffers.input_ids
+    assert target_tokens.shape == ids.shape, "target_tokens must be [N+1]"
+    parent_tok = target_tokens[buffers.parent_rows.clamp(min=0)]
+    matched = ids == parent_tok
+    matched[0] = True
+    ok = ~(buffers.tree_mask & ~matched[None, :]).any(dim=1)  # [N+1]
+    rows = ok.nonzero().flatten()  # ascending rows = depth order along one path
+    return AcceptResult(rows, int(target_tokens[rows[-1]]))
+
+
+def rejection_accept_chain(draft_tokens: Tensor, draft_probs: Tensor, target_probs_: Tensor,
+                           generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Classic speculative rejection sampling on a chain drafted by *sampling* from ``q``.
+
+    Accept draft ``x_i`` with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first rejection
+    emit a sample of the residual ``max(p_i - q_i, 0)`` (normalised); if all are accepted, emit a
+    sample of ``p_D``. The emitted tokens are distributed exactly as the target's.
+
+    Args:
+        draft_tokens: ``[D]`` long; draft_probs: ``[D, V]`` q; target_probs_: ``[D+1, V]`` p.
+    Returns:
+        ``(num_accepted, next_token)``.
+    """
+    d = draft_tokens.numel()
+    assert draft_probs.shape[0] == d and target_probs_.shape[0] == d + 1, "need q [D, V] and p [D+1, V]"
+    u = torch.rand(d, generator=generator, device=draft_probs.device)
+    for i in range(d):  # loop over depth
+        x = int(draft_tokens[i])
+        p, q = float(target_probs_[i, x]), float(draft_probs[i, x])
+        if q > 0 and float(u[i]) < min(1.0, p / q):
+            continue
+        residual = (target_probs_[i] - draft_probs[i]).clamp(min=0)
+        if float(residual.sum()) <= 0:
+            residual = target_probs_[i]
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return d, int(torch.multinomial(target_probs_[d], 1, generator=generator))

@@ -1,0 +1,247 @@
+"""The speculative decode loop: draft -> verify -> walk -> commit, one round per ``step``.
+
+One loop for every method (architecture.md). Commit is token by token: EOS, stop token ids and
+``max_tokens`` take effect at the exact token; nothing after (and including) a terminator is
+emitted, counted in usage, or counted in the round statistics. Clock rules: algorithms.md §6.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from math import isfinite
+
+import torch
+
+from services.drafter.service import METHODS
+from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
+from services.verifier.drafter_client import DrafterClient
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling. ``temperature == 0`` is greedy.
+
+    Raises:
+        ValueError: one-line reason for an out-of-range field.
+    """
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
+        if not isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (got {self.temperature!r})")
+        if not isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p!r})")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (got {self.top_k!r})")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+
+
+@dataclass
+class SpecParams:
+    """Speculation knobs of one request (``None`` = the server default)."""
+
+    method: str = "dartree-pruned"
+    budget: int | None = None
+    width: int | None = None
+    depth_bonus: float | None = None
+    candidates: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown speculative method {self.method!r} (choose from {', '.join(METHODS)})")
+        for name, lo, hi in (("budget", 1, 1024), ("width", 1, 256), ("candidates", 1, 1024)):
+            v = getattr(self, name)
+            if v is not None and not lo <= v <= hi:
+                raise ValueError(f"speculative.{name} must be in [{lo}, {hi}] (got {v})")
+        if self.depth_bonus is not None and (not isfinite(self.depth_bonus) or self.depth_bonus > 0):
+            raise ValueError(f"speculative.depth_bonus must be <= 0 (got {self.depth_bonus})")
+
+
+@dataclass
+class RoundOutput:
+    """What one ``step`` emitted.
+
+    Attributes:
+        token_ids: emitted tokens (accepted drafts + bonus), cut before any terminator / at max_tokens.
+        finish_reason: None while running, "stop" (EOS or stop id) or "length".
+        num_draft_tokens: draft nodes verified this round (0 for prefill and AR rounds).
+        accept_length: accepted draft tokens among ``token_ids`` (bonus excluded).
+        accepted_per_depth: ``[1] * accept_length`` (depth d accepted), for per-depth counters.
+        timings: seconds per phase: draft, tree_build, verify, commit, total.
+        prefill_seconds: > 0 only for the prefill step (which emits the first token).
+        is_prefill: this step ran the prompt and emitted the first token (not a speculative round).
+    """
+
+    token_ids: list[int]
+    finish_reason: str | None
+    num_draft_tokens: int = 0
+    accept_length: int = 0
+    accepted_per_depth: list[int] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    prefill_seconds: float = 0.0
+    is_prefill: bool = False
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    spec: SpecParams
+    cache: object = None
+    start: int = 0
+    root: int = -1
+    ctx_ids: list[int] = field(default_factory=list)
+    ctx_feats: torch.Tensor | None = None
+    generated: int = 0
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits. ``max_context`` defaults to the target's position limit."""
+
+    max_context: int | None = None
+
+
+class SpecEngine:
+    """Runs requests round by round over a :class:`TargetModel` and a :class:`DrafterClient`.
+
+    Args:
+        target: the verifier's target model; drafter: drafter client (None = AR only).
+    """
+
+    def __init__(self, target, drafter: DrafterClient | None, config: EngineConfig = EngineConfig(),
+                 max_draft_depth: int = 16):
+        self.target, self.drafter = target, drafter
+        self.vocab_size = target.vocab_size
+        self.max_context = min(config.max_context or target.max_context, target.max_context)
+        self.eos_token_ids = target.eos_token_ids
+        self.max_draft_depth = max_draft_depth
+        self._reqs: dict[str, _Request] = {}
+
+    def num_active(self) -> int:
+        """Requests holding state (KV cache or pending prefill)."""
+        return len(self._reqs)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                    spec: SpecParams) -> None:
+        """Admit a request (prefill happens at its first ``step``).
+
+        Raises:
+            ValueError: empty prompt, ids outside the vocabulary, prompt + max_tokens beyond the
+                context window, a drafting method without a drafter, or a duplicate id.
+        """
+        if request_id in self._reqs:
+            raise ValueError(f"request id {request_id!r} is already active")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(prompt_ids) + sampling.max_tokens > self.max_context:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+                             f"context window of {self.max_context} tokens")
+        if spec.method != "ar" and self.drafter is None:
+            raise ValueError(f"method {spec.method!r} needs a drafter; this server runs without one")
+        gen = None
+        if sampling.temperature > 0:
+            gen = torch.Generator(device=self.target.device)
+            gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        self._reqs[request_id] = _Request(list(prompt_ids), sampling, spec, generator=gen)
+
+    def abort(self, request_id: str) -> None:
+        """Free a request's KV cache and drafter context (idempotent)."""
+        req = self._reqs.pop(request_id, None)
+        if req is not None and self.drafter is not None and req.spec.method != "ar":
+            self.drafter.release(request_id)
+
+    def step(self, request_id: str) -> RoundOutput:
+        """Run one round of a request (its first step prefills and emits the first token).
+
+        Raises:
+            KeyError: unknown request id.
+        """
+        req = self._reqs[request_id]
+        try:
+            out = self._prefill(req) if req.cache is None else self._round(request_id, req)
+        except BaseException:
+            self.abort(request_id)
+            raise
+        if out.finish_reason is not None:
+            self.abort(request_id)
+        return out
+
+    def _sample(self, req: _Request, logits: torch.Tensor) -> torch.Tensor:
+        s = req.sampling
+        return sample_target_tokens(logits, s.temperature, s.top_p, s.top_k, req.generator)
+
+    def _emit(self, req: _Request, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Commit semantics: cut at the first terminator (excluded) or when max_tokens is reached."""
+        s = req.sampling
+        out: list[int] = []
+        for tok in tokens:
+            if (tok in self.eos_token_ids and not s.ignore_eos) or tok in s.stop_token_ids:
+                return out, "stop"
+            out.append(tok)
+            req.generated += 1
+            if req.generated >= s.max_tokens:
+                return out, "length"
+        return out, None
+
+    def _prefill(self, req: _Request) -> RoundOutput:
+        t0 = time.perf_counter()
+        req.cache = self.target.new_cache()
+        logits, feats = self.target.prefill(req.prompt_ids, req.cache)
+        first = int(self._sample(req, logits[None])[0])
+        req.start, req.root = len(req.prompt_ids), first
+        req.ctx_ids, req.ctx_feats = list(req.prompt_ids), feats
+        ids, finish = self._emit(req, [first])
+        dt = time.perf_counter() - t0
+        return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True)
+
+    def _round(self, request_id: str, req: _Request) -> RoundOutput:
+        t0 = time.perf_counter()
+        timings: dict[str, float] = {}
+        room = self.max_context - req.start - 1  # positions left after the root
+        tree = DraftTree.empty()
+        if req.spec.method != "ar" and room > 0:
+            tree, dt = self.drafter.draft(request_id, req.ctx_ids, req.ctx_feats, req.root, req.start, req.spec,
+                                          max_depth=min(room, self.max_draft_depth))
+            timings.update(dt)
+        t1 = time.perf_counter()
+        buffers = derive_buffers(tree, req.root)
+        logits, feats = self.target.verify(buffers, req.cache, req.start)
+        target_tokens = self._sample(req, logits)
+        res = walk(buffers, target_tokens.cpu())
+        t2 = time.perf_counter()
+        self.target.commit(req.cache, req.start, res.accepted_rows)
+        rows = res.accepted_rows
+        accepted = buffers.input_ids[rows[1:]].tolist()
+        ids, finish = self._emit(req, accepted + [res.bonus_token])
+        req.ctx_ids = buffers.input_ids[rows].tolist()
+        req.ctx_feats = feats[rows.to(feats.device)]
+        req.start += rows.numel()
+        req.root = res.bonus_token
+        t3 = time.perf_counter()
+        n_acc = min(len(ids), len(accepted))
+        timings.update(verify=t2 - t1, commit=t3 - t2, total=t3 - t0)
+        return RoundOutput(ids, finish, num_draft_tokens=tree.num_nodes, accept_length=n_acc,
+                           accepted_per_depth=[1] * n_acc, timings=timings)
+
+    def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams):
+        """Yield :class:`RoundOutput` until the request finishes (convenience for CLI and tests)."""
+        self.add_request(request_id, prompt_ids, sampling, spec)
+        while True:
+            out = self.step(request_id)
+            yield out
+            if out.finish_reason is not None:
+                return

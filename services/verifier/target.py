@@ -1,0 +1,131 @@
+"""The target model: prefill, one-forward tree verify with a 4-D tree mask, and KV compaction.
+
+Source: DART/DDT ``prepare_tree_attention_inputs``, ``compact_dynamic_cache`` (algorithms.md §5).
+Features for the drafter are the outputs of ``target_layer_ids`` decoder layers, taken with
+forward hooks (DART's approach: no ``output_hidden_states`` materialisation).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from services import hf_compat
+from services.tree.draft_tree import VerifyBuffers
+
+
+class TargetModel:
+    """A HF causal LM (llama, qwen2, qwen3) wrapped for speculative verification.
+
+    Args:
+        model: a loaded ``*ForCausalLM`` in eval mode (SDPA or eager attention).
+        target_layer_ids: 0-based decoder layers whose outputs are tapped as drafter features.
+    Attributes:
+        vocab_size, max_context (``max_position_embeddings``), eos_token_id, hidden_size,
+        feature_dim (``len(target_layer_ids) * hidden_size``), dtype.
+    """
+
+    def __init__(self, model, target_layer_ids: list[int]):
+        self.model = model.eval()
+        cfg = model.config
+        self.config = cfg
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
+        eos = getattr(cfg, "eos_token_id", None)
+        self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        self.hidden_size = int(cfg.hidden_size)
+        self.target_layer_ids = list(target_layer_ids)
+        self.feature_dim = len(self.target_layer_ids) * self.hidden_size
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self._taps: dict[int, Tensor] = {}
+        self._cache_kw = next(iter(hf_compat.cache_kwargs(model, None)))
+        layers = model.model.layers
+        for i in self.target_layer_ids:
+            if not 0 <= i < len(layers):
+                raise ValueError(f"target layer id {i} out of range for a {len(layers)}-layer target")
+            layers[i].register_forward_hook(self._hook(i))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target_layer_ids: list[int] | None = None,
+                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> "TargetModel":
+        """Load a local HF directory with SDPA attention (needed for the 4-D tree mask)."""
+        from transformers import AutoModelForCausalLM
+
+        from services.drafter.model import default_target_layer_ids
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa").to(device)
+        ids = target_layer_ids or default_target_layer_ids(model.config.num_hidden_layers)
+        return cls(model, ids)
+
+    def _hook(self, i: int):
+        def fn(_module, _inp, out):
+            self._taps[i] = out[0] if isinstance(out, tuple) else out
+        return fn
+
+    def _features(self) -> Tensor:
+        """``[T, F]`` concatenated tapped layer outputs of the last forward (ascending layer id)."""
+        feats = torch.cat([self._taps[i][0] for i in self.target_layer_ids], dim=-1)
+        self._taps.clear()
+        return feats
+
+    def embed_tokens(self) -> torch.nn.Module:
+        """The target's input embedding (borrowed by the drafter)."""
+        return self.model.get_input_embeddings()
+
+    def lm_head(self) -> torch.nn.Module:
+        """The target's output projection (borrowed by the drafter)."""
+        return self.model.get_output_embeddings()
+
+    def new_cache(self):
+        """An empty per-request KV cache."""
+        return hf_compat.new_dynamic_cache(self.config)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], cache) -> tuple[Tensor, Tensor]:
+        """Run the prompt causally into an empty ``cache``.
+
+        Returns:
+            ``logits [V]`` float32 at the last position and ``features [T, F]``.
+        """
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[0, -1].float(), self._features()
+
+    @torch.inference_mode()
+    def verify(self, buffers: VerifyBuffers, cache, start: int) -> tuple[Tensor, Tensor]:
+        """Score a whole tree in one forward over the committed cache (length ``start``).
+
+        Row 0 is the root at position ``start``; row ``i`` sits at ``start + depth_i`` and attends to
+        the cached prefix and to its ancestors-or-self only (4-D additive mask).
+
+        Returns:
+            ``logits [N+1, V]`` float32 and ``features [N+1, F]``. The cache grows by N + 1 rows
+            (call :meth:`commit` next).
+        """
+        assert hf_compat.cache_length(cache) == start, "cache length must equal the committed length"
+        n1 = buffers.input_ids.numel()
+        mask = torch.zeros(1, 1, n1, start + n1, dtype=self.dtype, device=self.device)
+        mask[0, 0, :, start:] = torch.where(buffers.tree_mask.to(self.device), 0.0, torch.finfo(self.dtype).min)
+        pos = (start + buffers.position_offsets).to(self.device)[None]
+        out = self.model(input_ids=buffers.input_ids.to(self.device)[None], position_ids=pos, attention_mask=mask,
+                         use_cache=True, **{self._cache_kw: cache})
+        return out.logits[0].float(), self._features()
+
+    @staticmethod
+    @torch.inference_mode()
+    def commit(cache, start: int, accepted_rows: Tensor) -> None:
+        """Compact the cache after a verify: rows ``start + accepted_rows[i]`` move to ``start + i``,
+        then crop to ``start + L``. No second forward. A contiguous prefix path is a plain crop.
+        """
+        rows = accepted_rows.tolist()
+        length = len(rows)
+        if rows != list(range(length)):
+            src = torch.tensor(rows) + start
+            for i, (k, v) in enumerate(hf_compat.cache_layers(cache)):
+                idx = src.to(k.device)
+                k[:, :, start:start + length] = k.index_select(2, idx)
+                v[:, :, start:start + length] = v.index_select(2, idx)
+        hf_compat.crop_cache(cache, start + length)
