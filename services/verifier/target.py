@@ -95,6 +95,12 @@ class TargetModel:
         return out.logits[0, -1].float(), self._features()
 
     @torch.inference_mode()
+    def teacher_forced(self, ids: list[int]) -> tuple[Tensor, Tensor]:
+        """One causal forward without a cache: ``(argmax next token [T], features [T, F])`` (training data)."""
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False)
+        return out.logits[0].argmax(-1), self._features()
+
+    @torch.inference_mode()
     def verify(self, buffers: VerifyBuffers, cache, start: int) -> tuple[Tensor, Tensor]:
         """Score a whole tree in one forward over the committed cache (length ``start``).
 

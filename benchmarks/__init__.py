@@ -1,0 +1,1 @@
+"""Micro- and end-to-end benchmarks; each script prints a human table, then one JSON line."""

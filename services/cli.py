@@ -1,0 +1,97 @@
+"""The ``dartree`` command line: serve, gateway, verifier, drafter, generate, bench, train-drafter.
+
+Heavy imports happen inside each sub-command, so ``dartree gateway`` never imports torch.
+Bad input ends with a one-line ``dartree: error: ...`` message and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate one completion in-process (no server)")
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--method", default="dartree-pruned")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--budget", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--depth-bonus", type=float, default=None)
+    p.add_argument("--candidates", type=int, default=None)
+    p.add_argument("--target", default=None, help="target: default SmolLM2-135M-Instruct, or a local HF dir")
+    p.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_generate)
+
+
+def _generate(a) -> int:
+    from services.generate import run_generate
+
+    return run_generate(a)
+
+
+def _add_train(sub) -> None:
+    from services.training.train import build_args
+
+    p = sub.add_parser("train-drafter", help="train a DFlash + Domino drafter for a target")
+    build_args(p)
+    p.set_defaults(func=lambda a: __import__("services.training.train", fromlist=["run"]).run(a) or 0)
+
+
+def _add_workers(sub) -> None:
+    from services import serve
+
+    for name, add, main in (("serve", serve.add_serve_args, serve.serve_main),
+                            ("gateway", serve.add_gateway_args, serve.gateway_main),
+                            ("verifier", serve.add_verifier_args, serve.verifier_main),
+                            ("drafter", serve.add_drafter_args, serve.drafter_main)):
+        helps = {"serve": "start gateway + verifier + drafter, supervised (the main job)",
+                 "gateway": "run the HTTP gateway alone", "verifier": "run the verifier worker alone",
+                 "drafter": "run the drafter worker alone"}
+        p = sub.add_parser(name, help=helps[name])
+        add(p)
+        p.set_defaults(func=main)
+
+
+def _add_bench(sub) -> None:
+    try:
+        from benchmarks.bench import add_bench_args, bench_main
+    except ImportError:
+        return
+    p = sub.add_parser("bench", help="benchmark methods and peers side by side (tables and figures)")
+    add_bench_args(p)
+    p.set_defaults(func=bench_main)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``dartree`` parser."""
+    ap = argparse.ArgumentParser(prog="dartree", description="DARTree Serve: lossless tree speculative decoding")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _add_workers(sub)
+    _add_generate(sub)
+    _add_bench(sub)
+    _add_train(sub)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"dartree: error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""``dartree generate``: one prompt through the in-process engine, with per-phase timings."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+
+def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torch.dtype, defaults=None):
+    """Load target + drafter in one process: ``(engine, tokenizer, drafter_note)``.
+
+    The drafter borrows the target's embedding and lm_head modules. Without a trained drafter a
+    randomly initialised one is used (tau ~ 1) and ``drafter_note`` says so.
+    """
+    from transformers import AutoTokenizer
+
+    from services.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
+    from services.drafter.service import DrafterService, TreeDefaults
+    from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
+    from services.verifier.drafter_client import InprocDrafterClient
+    from services.verifier.engine import SpecEngine
+    from services.verifier.target import TargetModel
+
+    tdir = resolve_target(target_ref)
+    tok = AutoTokenizer.from_pretrained(tdir)
+    ddir = Path(drafter_ref) if drafter_ref else DEFAULT_DRAFTER_DIR
+    note = f"drafter: {ddir}"
+    if (ddir / "config.json").exists():
+        drafter = load_drafter(ddir, dtype=dtype)
+    elif drafter_ref:
+        raise FileNotFoundError(f"drafter directory {drafter_ref!r} has no config.json")
+    else:
+        import json as _json
+
+        tcfg = _json.loads((tdir / "config.json").read_text())
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(DrafterConfig(
+            vocab_size=tcfg["vocab_size"], hidden_size=tcfg["hidden_size"], target_hidden_size=tcfg["hidden_size"],
+            num_target_layers=tcfg["num_hidden_layers"],
+            target_layer_ids=default_target_layer_ids(tcfg["num_hidden_layers"]))).to(dtype).eval()
+        note = "drafter: RANDOMLY INITIALISED (no trained drafter found): expect tau ~ 1, no speedup"
+    target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype)
+    service = DrafterService(drafter, target.embed_tokens(), target.lm_head(), defaults or TreeDefaults(),
+                             description=note)
+    engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=drafter.config.num_draft_slots)
+    return engine, tok, note
+
+
+def encode(tok, prompt: str, chat: bool) -> list[int]:
+    """Prompt ids: the chat template with a generation prompt, or plain text."""
+    if chat:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                      add_generation_prompt=True, return_dict=False)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    return tok.encode(prompt)
+
+
+def run_generate(a) -> int:
+    """Entry of ``dartree generate``."""
+    from services.verifier.engine import SamplingParams, SpecParams
+
+    sampling = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
+    spec = SpecParams(a.method, a.budget, a.width, a.depth_bonus, a.candidates)
+    engine, tok, note = build_inprocess(a.target, a.drafter, getattr(torch, a.dtype))
+    if not a.json:
+        print(f"[dartree] {note}", file=sys.stderr)
+    ids = encode(tok, a.prompt, a.chat)
+    tokens, rounds, emitted, phases = [], 0, [], {}
+    ttft, finish = 0.0, None
+    t0 = time.perf_counter()
+    for out in engine.generate(uuid.uuid4().hex, ids, sampling, spec):
+        tokens += out.token_ids
+        if out.is_prefill:
+            ttft = out.prefill_seconds
+        else:
+            rounds += 1
+            emitted.append(len(out.token_ids))
+            for k, v in out.timings.items():
+                phases[k] = phases.get(k, 0.0) + v
+        finish = out.finish_reason
+        if not a.json:
+            print(tok.decode(out.token_ids, skip_special_tokens=True), end="", flush=True)
+    wall = time.perf_counter() - t0
+    tau = sum(emitted) / rounds if rounds else 0.0
+    decode = wall - ttft
+    result = {"text": tok.decode(tokens, skip_special_tokens=True), "token_ids": tokens, "finish_reason": finish,
+              "method": a.method, "tau": round(tau, 3), "rounds": rounds, "prompt_tokens": len(ids),
+              "completion_tokens": len(tokens), "ttft_s": round(ttft, 4), "wall_s": round(wall, 3),
+              "tokens_per_s": round((len(tokens) - 1) / decode, 2) if decode > 0 and len(tokens) > 1 else None,
+              "round_ms": {k: round(1000 * v / max(rounds, 1), 3) for k, v in phases.items()}, "drafter": note}
+    if a.json:
+        print(json.dumps(result))
+    else:
+        print(f"\n[dartree] {a.method}: tau {tau:.2f} over {rounds} rounds, {result['tokens_per_s']} tok/s, "
+              f"finish {finish}", file=sys.stderr)
+    return 0

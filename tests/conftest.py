@@ -1,0 +1,19 @@
+"""Shared pytest hooks: skip ``gpu``-marked tests on machines without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every ``@pytest.mark.gpu`` test as skipped when no CUDA device is available."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch  # lazy: collecting torch-free tests (gateway) must not import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)
