@@ -19,6 +19,8 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     """
     from transformers import AutoTokenizer
 
+    from services.hf_compat import quiet_progress_bars
+
     from services.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
     from services.drafter.service import DrafterService, TreeDefaults
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
@@ -26,6 +28,7 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     from services.verifier.engine import SpecEngine
     from services.verifier.target import TargetModel
 
+    quiet_progress_bars()
     tdir = resolve_target(target_ref)
     tok = AutoTokenizer.from_pretrained(tdir)
     ddir = Path(drafter_ref) if drafter_ref else DEFAULT_DRAFTER_DIR
@@ -66,6 +69,8 @@ def run_generate(a) -> int:
 
     sampling = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
     spec = SpecParams(a.method, a.budget, a.width, a.depth_bonus, a.candidates)
+    if not a.prompt.strip() and not a.chat:
+        raise ValueError("the prompt is empty")
     engine, tok, note = build_inprocess(a.target, a.drafter, getattr(torch, a.dtype))
     if not a.json:
         print(f"[dartree] {note}", file=sys.stderr)

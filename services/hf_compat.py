@@ -61,3 +61,13 @@ def crop_cache(cache, length: int) -> None:
     remove = cache_length(cache) - length
     if remove > 0:
         cache.crop(-remove)
+
+
+def quiet_progress_bars() -> None:
+    """Silence transformers' per-load progress bars (``Loading weights``)."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass

@@ -113,8 +113,10 @@ class TargetModel:
         """
         assert hf_compat.cache_length(cache) == start, "cache length must equal the committed length"
         n1 = buffers.input_ids.numel()
-        mask = torch.zeros(1, 1, n1, start + n1, dtype=self.dtype, device=self.device)
-        mask[0, 0, :, start:] = torch.where(buffers.tree_mask.to(self.device), 0.0, torch.finfo(self.dtype).min)
+        mask = None  # a lone root (AR round) sees the whole cache: no mask needed
+        if n1 > 1:
+            mask = torch.zeros(1, 1, n1, start + n1, dtype=self.dtype, device=self.device)
+            mask[0, 0, :, start:] = torch.where(buffers.tree_mask.to(self.device), 0.0, torch.finfo(self.dtype).min)
         pos = (start + buffers.position_offsets).to(self.device)[None]
         out = self.model(input_ids=buffers.input_ids.to(self.device)[None], position_ids=pos, attention_mask=mask,
                          use_cache=True, **{self._cache_kw: cache})
