@@ -46,7 +46,19 @@ def sample_target_tokens(logits: Tensor, temperature: float, top_p: float = 1.0,
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
     probs = target_probs(logits, temperature, top_p, top_k)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return sample_rows(probs, generator)
+
+
+def sample_rows(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One sample per row of ``probs [R, V]`` by inverse-CDF (cumsum + searchsorted).
+
+    Same distribution as ``torch.multinomial(probs, 1)`` at a fraction of its cost on CPU (one
+    uniform per row instead of a per-row alias/sort pass); zero-probability tokens are never drawn.
+    """
+    cdf = probs.float().cumsum(dim=-1)  # [R, V]
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    return idx.clamp(max=probs.shape[-1] - 1)
 
 
 def target_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:

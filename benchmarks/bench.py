@@ -1,0 +1,603 @@
+"""``dartree bench``: every method and the peers side by side, the paper's tables and figures.
+
+Question answered: on this machine and target, what τ and speedup over ``ar`` does each speculative
+method reach per dataset and temperature, measured the same way in one run, and how do the HF
+``generate`` peers compare? Stages (all optional but the first, each resumable):
+
+1. main: methods × datasets × temperatures (Table 1, Table 2 ablation, Figs. 1a, 2, 5, 7, 8-9);
+2. sweeps (``--sweep-width/--sweep-budget/--sweep-beta/--sweep-candidates``, ``--sweep-grid``):
+   τ and speedup vs one knob (Figs. 4, 6) and the speedup-optimal point;
+3. serving (``--serving http://127.0.0.1:PORT``): aggregate tokens/s at concurrency 1-8 (Table 4).
+
+Every (method, dataset, temperature, knobs) cell is cached as JSON under ``<out>/cells/`` and
+skipped when present (delete it, or use another ``--out``, to re-measure). Output:
+``benchmarks/results/<YYYY-MM-DD>-<machine>/results.json`` (every number, versions, machine,
+config), ``results.md`` (tables) and ``fig*.png``. Prints a table, then (last stdout line) one JSON
+object. Measurement rules: ``benchmarks.bench_run`` and ``benchmarks.bench_stats`` docstrings.
+
+Usage: ``dartree bench`` (quick: 16 prompts/dataset, 256 new tokens, T = 0 and 1), ``dartree bench
+--full`` (reference sample counts, 2048 tokens), ``dartree bench --methods ar dartree-pruned
+--datasets gsm8k --temperatures 0 --sweep-budget --sweep-width --sweep-grid``; also
+``python -m benchmarks.bench ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from benchmarks.bench_run import (ENGINE_METHODS, EXAMPLE_ROUNDS, KNOBS_BY_METHOD, PEERS, CellStats, engine_runner,
+                                  hf_runner, method_knobs, run_cell)
+from benchmarks.bench_stats import (TABLE2_METHODS, add_speedups, lossless_check, merge_phase, phase_stats,
+                                    render_markdown, slim_cell, summarize, table1, table2)
+
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+QUICK_PROMPTS, QUICK_TOKENS = 16, 256
+FULL_TOKENS = 2048
+# Reference sample counts (algorithms.md §6; ShareGPT stands in for Alpaca's 128).
+FULL_COUNTS = {"gsm8k": 128, "math500": 128, "aime25": 30, "humaneval": 164, "mt-bench": 80, "sharegpt": 128}
+SWEEP_DEFAULTS = {"width": [4, 8, 12, 16], "budget": [8, 16, 32, 64], "depth_bonus": [0.0, -0.1, -0.2, -0.4],
+                  "candidates": [16, 32, 64, 128]}
+SWEEP_METHODS = {"width": ["dartree-pruned"], "budget": ["dartree-pruned", "ddtree"],
+                 "depth_bonus": ["dartree-pruned"], "candidates": ["dartree-pruned"]}
+WARMUP_PROMPT = "Warmup"
+ALL_METHODS = list(ENGINE_METHODS) + list(PEERS)
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``dartree bench`` (also used by ``python -m benchmarks.bench``)."""
+    from services.datasets import EVAL_DATASETS, UNAVAILABLE
+
+    g = p.add_argument_group("what to run")
+    g.add_argument("--methods", nargs="+", default=ALL_METHODS, choices=ALL_METHODS, metavar="METHOD",
+                   help=f"methods and peers (default: all: {' '.join(ALL_METHODS)}); ar is always added")
+    g.add_argument("--datasets", nargs="+", default=list(EVAL_DATASETS),
+                   choices=list(EVAL_DATASETS) + list(UNAVAILABLE), metavar="DATASET",
+                   help=f"default: {' '.join(EVAL_DATASETS)} (mbpp/alpaca are reported unavailable)")
+    g.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    g.add_argument("--prompts-per-dataset", type=int, default=None,
+                   help=f"prompts per dataset (quick default {QUICK_PROMPTS}; --full: reference counts)")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"new tokens per turn (quick default {QUICK_TOKENS}; --full: {FULL_TOKENS})")
+    g.add_argument("--full", action="store_true", help="the full protocol: reference sample counts, 2048 tokens")
+    g.add_argument("--seed", type=int, default=0, help="subset selection seed")
+    g.add_argument("--skip-main", action="store_true", help="run only the sweep / serving stages")
+    k = p.add_argument_group("tree knobs (default: the engine's defaults)")
+    k.add_argument("--budget", type=int, default=None)
+    k.add_argument("--width", type=int, default=None)
+    k.add_argument("--depth-bonus", type=float, default=None)
+    k.add_argument("--candidates", type=int, default=None)
+    s = p.add_argument_group("sweeps (separate optional stages; a flag without values uses the defaults)")
+    s.add_argument("--sweep-width", type=int, nargs="*", default=None, help=f"default {SWEEP_DEFAULTS['width']}")
+    s.add_argument("--sweep-budget", type=int, nargs="*", default=None, help=f"default {SWEEP_DEFAULTS['budget']}")
+    s.add_argument("--sweep-beta", type=float, nargs="*", default=None,
+                   help=f"depth bonus values, default {SWEEP_DEFAULTS['depth_bonus']}")
+    s.add_argument("--sweep-candidates", type=int, nargs="*", default=None,
+                   help=f"default {SWEEP_DEFAULTS['candidates']}")
+    s.add_argument("--sweep-grid", action="store_true",
+                   help="also run the budget × width grid of dartree-pruned (the CPU operating-point search)")
+    s.add_argument("--sweep-datasets", nargs="+", default=["gsm8k"])
+    s.add_argument("--sweep-prompts", type=int, default=None, help="prompts per sweep dataset (default: main)")
+    s.add_argument("--sweep-temperature", type=float, default=0.0)
+    s.add_argument("--sweep-methods", nargs="+", default=None, choices=ENGINE_METHODS[1:], metavar="METHOD",
+                   help="override the methods of every sweep (default: dartree-pruned; budget adds ddtree)")
+    v = p.add_argument_group("serving table (HTTP, loopback only)")
+    v.add_argument("--serving", metavar="URL", default=None,
+                   help="e.g. http://127.0.0.1:8000 (a running dartree serve)")
+    v.add_argument("--serving-max-tokens", type=int, default=128)
+    v.add_argument("--serving-timeout", type=float, default=300.0, help="deadline per (method, concurrency) level, s")
+    v.add_argument("--serving-requests-factor", type=int, default=2, help="requests per level = factor × concurrency")
+    v.add_argument("--serving-prompts", type=int, default=16)
+    v.add_argument("--serving-api-key", default=None, help="default: $DARTREE_API_KEY")
+    m = p.add_argument_group("models and output")
+    m.add_argument("--target", default=None, help="target: default SmolLM2-135M-Instruct, or a local HF dir")
+    m.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--device", default="cpu", help="cpu or cuda (needs build_inprocess(device=...))")
+    m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    m.add_argument("--warmup-tokens", type=int, default=16, help="untimed warmup generation per method (0 = none)")
+    m.add_argument("--out", default=None, help="results dir (default benchmarks/results/<date>-<machine>)")
+    m.add_argument("--no-figures", action="store_true")
+    m.add_argument("--no-progress", action="store_true")
+
+
+# ----------------------------------------------------------------------------------------------
+# Machine, versions, config
+# ----------------------------------------------------------------------------------------------
+def machine_id(device: str) -> str:
+    """Short platform string, e.g. ``cpu2-x86_64`` or ``cuda-h200-x86_64``."""
+    arch = platform.machine() or "unknown"
+    if device.startswith("cuda"):
+        import torch
+
+        name = torch.cuda.get_device_name().lower().replace("nvidia", "").strip().split()
+        return f"cuda-{(name[0] if name else 'gpu')}-{arch}"
+    return f"cpu{os.cpu_count()}-{arch}"
+
+
+def machine_info(device: str) -> dict:
+    import torch
+
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": device,
+            "python": platform.python_version()}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_kb"] = int(f.readline().split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return info
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "matplotlib", "dartree-serve"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        out["git"] = f"{sha}{'-dirty' if dirty else ''}" if sha else None
+    except (OSError, subprocess.SubprocessError):
+        out["git"] = None
+    return out
+
+
+def _fingerprint(path: str | Path | None) -> str:
+    """Names, sizes and mtimes of a model directory's files (cache invalidation when weights change)."""
+    if path is None:
+        return "none"
+    p = Path(path)
+    if not p.is_dir():
+        return str(p)
+    return ";".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in sorted(p.iterdir()) if f.is_file())
+
+
+def resolve_config(a) -> dict:
+    """Effective run configuration (datasets split into runnable and unavailable)."""
+    from services.datasets import UNAVAILABLE
+
+    prompts = {}
+    for ds in a.datasets:
+        if a.prompts_per_dataset is not None:
+            prompts[ds] = a.prompts_per_dataset
+        else:
+            prompts[ds] = FULL_COUNTS.get(ds, 128) if a.full else QUICK_PROMPTS
+    methods = list(dict.fromkeys(["ar"] + list(a.methods)))
+    return {"datasets": [d for d in a.datasets if d not in UNAVAILABLE], "prompts": prompts,
+            "unavailable_requested": [d for d in a.datasets if d in UNAVAILABLE], "methods": methods,
+            "temperatures": [float(t) for t in a.temperatures],
+            "max_new_tokens": a.max_new_tokens or (FULL_TOKENS if a.full else QUICK_TOKENS),
+            "seed": a.seed, "target": a.target or "smollm2-135m-instruct", "drafter": a.drafter, "dtype": a.dtype,
+            "device": a.device, "full": bool(a.full)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Cells
+# ----------------------------------------------------------------------------------------------
+def _knob_str(knobs: dict) -> str:
+    short = {"budget": "B", "width": "W", "depth_bonus": "beta", "candidates": "K"}
+    return "_".join(f"{short[k]}{knobs[k]:g}" for k in ("budget", "width", "depth_bonus", "candidates")
+                    if k in knobs) or "none"
+
+
+def cell_name(method: str, dataset: str, temperature: float, knobs: dict, n_prompts: int, sig: str) -> str:
+    return f"{method}__{dataset}__T{temperature:g}__{_knob_str(knobs)}__n{n_prompts}__{sig}.json"
+
+
+class Bench:
+    """Holds the lazily built engine, the tokenizer and the dataset cache of one run."""
+
+    def __init__(self, a, cfg: dict, out: Path):
+        self.a, self.cfg, self.out = a, cfg, out
+        self.cells_dir = out / "cells"
+        self.cells_dir.mkdir(parents=True, exist_ok=True)
+        self.engine = self.tok = None
+        self.note = None
+        self.defaults: dict = {}
+        self.supported: set[str] = set(ALL_METHODS)
+        self._prompts: dict[tuple[str, int], list] = {}
+        self._warm: set[str] = set()
+        self.unavailable: dict[str, str] = {}
+        from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
+
+        self.target_dir = resolve_target(a.target)
+        ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
+        self.sig = hashlib.sha1(json.dumps(
+            [_fingerprint(self.target_dir), _fingerprint(ddir) if (ddir / "config.json").exists() else "random",
+             cfg["dtype"], cfg["device"], cfg["max_new_tokens"], cfg["seed"]]).encode()).hexdigest()[:8]
+
+    # -- models ---------------------------------------------------------------------------------
+    def ensure_engine(self) -> None:
+        if self.engine is not None:
+            return
+        import torch
+
+        from services.generate import build_inprocess
+
+        kw = {}
+        if self.cfg["device"] != "cpu":
+            if "device" not in inspect.signature(build_inprocess).parameters:
+                raise RuntimeError("--device other than cpu needs services.generate.build_inprocess(device=...)")
+            kw["device"] = self.cfg["device"]
+        self.engine, self.tok, self.note = build_inprocess(self.a.target, self.a.drafter,
+                                                           getattr(torch, self.cfg["dtype"]), **kw)
+        svc = getattr(self.engine.drafter, "service", None)
+        d = getattr(svc, "defaults", None)
+        self.defaults = {k: getattr(d, k) for k in ("budget", "width", "depth_bonus", "candidates")} if d else {}
+        if svc is not None and hasattr(svc, "info"):
+            self.supported = set(svc.info()["methods"]) | set(PEERS)
+
+    def knobs(self, overrides: dict | None = None) -> dict:
+        """Effective tree knobs: flags, else the engine defaults (needs the engine for the defaults)."""
+        from services.drafter.service import TreeDefaults
+
+        base = self.defaults or {k: getattr(TreeDefaults(), k) for k in ("budget", "width", "depth_bonus",
+                                                                         "candidates")}
+        flags = {"budget": self.a.budget, "width": self.a.width, "depth_bonus": self.a.depth_bonus,
+                 "candidates": self.a.candidates}
+        out = {k: (flags[k] if flags[k] is not None else base[k]) for k in base}
+        out.update(overrides or {})
+        return out
+
+    def prompts(self, dataset: str, n: int) -> list:
+        from services.datasets import DatasetUnavailableError, load_eval
+
+        if (dataset, n) not in self._prompts:
+            try:
+                self._prompts[(dataset, n)] = load_eval(dataset, n, self.cfg["seed"])
+            except DatasetUnavailableError as e:
+                self.unavailable[dataset] = str(e)
+                self._prompts[(dataset, n)] = []
+        return self._prompts[(dataset, n)]
+
+    def warmup(self, method: str) -> None:
+        if method in self._warm or self.a.warmup_tokens <= 0:
+            return
+        self._warm.add(method)
+        run = self.runner(method, {}, 0.0)
+        ids = self.tok.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}], tokenize=True,
+                                           add_generation_prompt=True, return_dict=False)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        run(ids, self.a.warmup_tokens, 0, CellStats(), 0)
+
+    def runner(self, method: str, knobs: dict, temperature: float):
+        if method in PEERS:
+            return hf_runner(self.engine.target.model, method, tuple(self.engine.eos_token_ids),
+                             self.tok.pad_token_id)
+        return engine_runner(self.engine, self.tok, method, knobs, temperature)
+
+    # -- one cell -------------------------------------------------------------------------------
+    def cell(self, method: str, dataset: str, temperature: float, knobs: dict, n: int, progress: bool) -> dict:
+        """Load a cached cell or measure it; returns ``{status, reason?, file, data?}``."""
+        mk = method_knobs(method, knobs)
+        base = {"method": method, "dataset": dataset, "temperature": temperature, "knobs": mk, "n_prompts": n}
+        if method in PEERS and temperature != 0:
+            return {**base, "status": "n/a", "reason": "HF peers run greedy only (lossless at T = 0)"}
+        name = cell_name(method, dataset, temperature, mk, n, self.sig)
+        path = self.cells_dir / name
+        if path.exists():
+            data = json.loads(path.read_text())
+            return {**base, "status": "ok", "file": name, "data": data, "cached": True}
+        prompts = self.prompts(dataset, n)
+        if not prompts:
+            return {**base, "status": "n/a", "reason": self.unavailable.get(dataset, "no prompts")}
+        self.ensure_engine()
+        if method not in self.supported:
+            return {**base, "status": "n/a", "reason": f"the drafter does not support {method} (no Domino head)"}
+        from tqdm import tqdm
+
+        self.warmup(method)
+        total = sum(len(p.turns) for p in prompts)
+        bar = tqdm(total=total, desc=f"{method} {dataset} T={temperature:g} {_knob_str(mk)}", file=sys.stderr,
+                   leave=False, disable=not progress, dynamic_ncols=True)
+        partial = path.with_suffix(".partial")
+        stats = CellStats.from_json(json.loads(partial.read_text())) if partial.exists() else None
+        t0 = time.perf_counter()
+        try:
+            stats = run_cell(self.runner(method, mk, temperature), self.tok, prompts, self.cfg["max_new_tokens"],
+                             self.engine.max_context, EXAMPLE_ROUNDS, bar, stats,
+                             checkpoint=lambda st: _write_json(partial, st.to_json()))
+        except (RuntimeError, ValueError) as e:
+            return {**base, "status": "error", "reason": f"{type(e).__name__}: {e}"}
+        finally:
+            bar.close()
+        data = {**base, **stats.to_json(), "elapsed_s": time.perf_counter() - t0, "drafter_note": self.note,
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        _write_json(path, data)
+        partial.unlink(missing_ok=True)
+        return {**base, "status": "ok", "file": name, "data": data, "cached": False}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stages
+# ----------------------------------------------------------------------------------------------
+def plan_sweeps(a, bench: Bench) -> list[tuple[str, str, dict]]:
+    """``(sweep name, method, knobs)`` points of every requested sweep."""
+    pts = []
+    flags = {"width": a.sweep_width, "budget": a.sweep_budget, "depth_bonus": a.sweep_beta,
+             "candidates": a.sweep_candidates}
+    for name, vals in flags.items():
+        if vals is None:
+            continue
+        for m in a.sweep_methods or SWEEP_METHODS[name]:
+            if name not in KNOBS_BY_METHOD[m]:
+                continue
+            for v in (vals or SWEEP_DEFAULTS[name]):
+                pts.append((name, m, bench.knobs({name: v})))
+    if a.sweep_grid:
+        for b in (a.sweep_budget or SWEEP_DEFAULTS["budget"]):
+            for w in (a.sweep_width or SWEEP_DEFAULTS["width"]):
+                pts.append(("grid", "dartree-pruned", bench.knobs({"budget": b, "width": w})))
+    return pts
+
+
+def _row(c: dict, stage: str) -> dict:
+    r = {k: c[k] for k in ("method", "dataset", "temperature", "knobs", "n_prompts", "status")}
+    r.update(stage=stage, file=c.get("file"), reason=c.get("reason"))
+    if c["status"] == "ok":
+        r["summary"] = summarize(c["data"])
+        r["elapsed_s"] = c["data"].get("elapsed_s")
+    return r
+
+
+def run_stages(a, bench: Bench, cfg: dict) -> tuple[list[dict], dict[str, dict]]:
+    """Main and sweep cells, in a fixed order (``ar`` first in each dataset/temperature)."""
+    from tqdm import tqdm
+
+    progress = not a.no_progress
+    sweeping = any(x is not None for x in (a.sweep_width, a.sweep_budget, a.sweep_beta, a.sweep_candidates)) \
+        or a.sweep_grid
+    if not a.skip_main or sweeping:
+        bench.ensure_engine()  # the engine's tree defaults enter the cell keys
+    jobs: list[tuple[str, str, str, float, dict, int]] = []
+    if not a.skip_main:
+        for t in cfg["temperatures"]:
+            for ds in cfg["datasets"]:
+                for m in cfg["methods"]:
+                    jobs.append(("main", m, ds, t, None, cfg["prompts"][ds]))
+    sweep_pts = plan_sweeps(a, bench) if sweeping else []
+    for ds in a.sweep_datasets:
+        n = a.sweep_prompts or cfg["prompts"].get(ds) or (a.prompts_per_dataset or QUICK_PROMPTS)
+        if sweep_pts:
+            jobs.append(("sweep:ar", "ar", ds, a.sweep_temperature, None, n))
+        for name, m, knobs in sweep_pts:
+            jobs.append((f"sweep:{name}", m, ds, a.sweep_temperature, knobs, n))
+    rows, cells = [], {}
+    outer = tqdm(jobs, desc="cells", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    for stage, m, ds, t, knobs, n in outer:
+        c = bench.cell(m, ds, t, knobs if knobs is not None else bench.knobs(), n, progress)
+        rows.append(_row(c, stage))
+        if c["status"] == "ok":
+            cells[c["file"]] = slim_cell(c["data"])
+    outer.close()
+    return rows, cells
+
+
+def _sweep_results(rows: list[dict], cells: dict) -> dict:
+    """``{sweep name: [points]}`` averaged over sweep datasets, plus the speedup-optimal dartree point."""
+    out: dict[str, list] = {}
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["stage"].startswith("sweep:") and r["stage"] != "sweep:ar" and r["status"] == "ok":
+            key = (r["stage"][6:], r["method"], json.dumps(r["knobs"], sort_keys=True))
+            groups.setdefault(key, []).append(r)
+    for (name, m, kj), rs in groups.items():
+        ph = phase_stats(merge_phase([cells[r["file"]]["phase"] for r in rs]))
+        taus = [r["summary"]["tau"] for r in rs if r["summary"]["tau"] is not None]
+        sps = [r["summary"].get("speedup") for r in rs if r["summary"].get("speedup") is not None]
+        out.setdefault(name, []).append({
+            "method": m, "knobs": json.loads(kj), "datasets": [r["dataset"] for r in rs],
+            "tau": sum(taus) / len(taus) if taus else None, "speedup": sum(sps) / len(sps) if sps else None,
+            "round_ms": ph.get("total", {}).get("mean_ms")})
+    cands = [p for name, pts in out.items() for p in pts if p["method"] == "dartree-pruned" and p["speedup"]]
+    if cands:
+        out["best"] = max(cands, key=lambda p: p["speedup"])
+    return out
+
+
+def aggregate(rows: list[dict], cells: dict, cfg: dict, bench: Bench) -> dict:
+    """Tables, lossless check, latency, acceptance, depth distributions, example trees."""
+    from benchmarks.bench_stats import accept_curve, depth_fractions
+
+    add_speedups(rows)
+    main = [r for r in rows if r["stage"] == "main"]
+    temps = cfg["temperatures"]
+    res: dict = {"table1": {}, "table2": {}, "latency": {}, "acceptance": {}, "round_breakdown": {}}
+    for t in (temps if main else []):
+        res["table1"][f"{t:g}"] = table1(main, cfg["methods"], cfg["datasets"], t)
+        res["table2"][f"{t:g}"] = table2(main, cells, t, TABLE2_METHODS)
+        res["acceptance"][f"{t:g}"], res["round_breakdown"][f"{t:g}"] = {}, {}
+        for m in cfg["methods"]:
+            rs = [r for r in main if r["method"] == m and r["temperature"] == t and r["status"] == "ok"]
+            if not rs:
+                continue
+            sums = [r["summary"] for r in rs]
+
+            def mean(key, sums=sums):
+                xs = [s[key] for s in sums if s.get(key) is not None]
+                return sum(xs) / len(xs) if xs else None
+            res["latency"][f"{m}@{t:g}"] = {k: mean(k) for k in ("ttft_ms", "tpot_ms", "decode_tokens_per_s",
+                                                                   "e2e_tokens_per_s")}
+            hist: dict[str, int] = {}
+            for r in rs:
+                for k, v in cells[r["file"]]["accept_hist"].items():
+                    hist[k] = hist.get(k, 0) + v
+            if m != "ar" and m != "hf-generate":
+                res["acceptance"][f"{t:g}"][m] = accept_curve(hist)
+            res["round_breakdown"][f"{t:g}"][m] = phase_stats(merge_phase([cells[r["file"]]["phase"] for r in rs]))
+    t0_main = {(r["method"], r["dataset"]): cells[r["file"]] for r in main if r["temperature"] == 0
+               and r["status"] == "ok"}
+    files = {id(cells[r["file"]]): r["file"] for r in rows if r["status"] == "ok"}
+
+    def load_tokens(cell: dict, uid: str, turn: int):
+        data = json.loads((bench.cells_dir / files[id(cell)]).read_text())
+        return next((s.get("token_ids") for s in data["samples"] if s.get("uid") == uid and s.get("turn") == turn),
+                    None)
+
+    res["lossless"] = lossless_check(t0_main, cfg["methods"], load_tokens)
+    sweep_t0 = {((r["method"] if r["method"] == "ar" else f"{r['method']}[{_knob_str(r['knobs'])}]"), r["dataset"]):
+                cells[r["file"]] for r in rows if r["stage"].startswith("sweep:") and r["temperature"] == 0
+                and r["status"] == "ok"}
+    res["lossless_sweeps"] = lossless_check(sweep_t0, sorted({k[0] for k in sweep_t0}), load_tokens)
+    res["depth_fraction"] = {}
+    for m in cfg["methods"]:
+        hist: dict[str, int] = {}
+        for (mm, _), c in t0_main.items():
+            if mm == m:
+                for k, v in c.get("depth_hist", {}).items():
+                    hist[k] = hist.get(k, 0) + v
+        if hist:
+            res["depth_fraction"][m] = depth_fractions(hist)
+    examples: dict[str, list] = {}
+    for ds in cfg["datasets"]:
+        pair = [t0_main.get((m, ds)) for m in ("ddtree", "dartree-pruned")]
+        if all(c and c.get("examples") for c in pair):
+            for m, c in zip(("ddtree", "dartree-pruned"), pair):
+                uid = next((s["uid"] for s in c["samples"] if "uid" in s), "")
+                examples[m] = [{**e, "where": f"{ds} {uid}"} for e in c["examples"]]
+            break
+    res["example_trees"] = examples
+    res["sweeps"] = _sweep_results(rows, cells)
+    return res
+
+
+def _print_table(res: dict, cfg: dict) -> None:
+    dss = cfg["datasets"] + ["mean"]
+    for t, tab in res["table1"].items():
+        print(f"\nT = {t}: tau / speedup over ar")
+        print(f"{'method':<18}" + "".join(f"{d:>16}" for d in dss))
+        for m, per in tab.items():
+            cells = []
+            for d in dss:
+                v = per.get(d, {})
+                tau = "n/a" if v.get("tau") is None else f"{v['tau']:.2f}"
+                sp = "n/a" if v.get("speedup") is None else f"{v['speedup']:.2f}x"
+                cells.append(f"{tau + ' / ' + sp:>16}")
+            print(f"{m:<18}" + "".join(cells))
+    if res.get("lossless"):
+        print("\nlossless (T=0, token ids == ar): " + ", ".join(
+            f"{m} {v['mismatches']}/{v['checked']} mismatched" for m, v in res["lossless"].items()))
+
+
+def bench_main(a) -> int:
+    """Entry of ``dartree bench``: run the stages, write results.json / results.md / figures."""
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.serving:
+        from benchmarks.bench_serving import check_loopback
+
+        check_loopback(a.serving)  # fail before hours of measurement
+    cfg = resolve_config(a)
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    mid = machine_id(cfg["device"])
+    out = Path(a.out) if a.out else RESULTS_ROOT / f"{date}-{mid}"
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    bench = Bench(a, cfg, out)
+    rows, cells = run_stages(a, bench, cfg)
+    from services.datasets import UNAVAILABLE
+
+    unavailable = dict(UNAVAILABLE)
+    unavailable.update(bench.unavailable)
+    res: dict = {"schema": 1, "date": date, "machine_id": mid, "machine": machine_info(cfg["device"]),
+                 "versions": versions(), "command": _command_line(),
+                 "config": {**cfg, "knobs": bench.knobs(), "sweep_datasets": a.sweep_datasets},
+                 "drafter_note": bench.note or next((c.get("drafter_note") for c in cells.values()), None),
+                 "unavailable": unavailable,
+                 "definitions": "see benchmarks/bench_stats.py docstring (tau incl. bonus, macro over samples; "
+                                "speedup = TPOT_ar / TPOT_method, micro TPOT, decode clock after the first token)"}
+    res.update(aggregate(rows, cells, cfg, bench))
+    res["cells"] = rows
+    if a.serving:
+        from benchmarks.bench_serving import run_serving
+
+        res["serving"] = run_serving(a.serving, serving_prompts(bench, a.serving_prompts), res["config"]["knobs"]
+                                     ["budget"], res["config"]["knobs"]["width"], a.serving_max_tokens,
+                                     a.serving_timeout, a.serving_requests_factor, a.serving_api_key)
+    res["elapsed_s"] = time.perf_counter() - t_start
+    if not a.no_figures:
+        from benchmarks.bench_plots import make_figures
+
+        res["figures"] = make_figures(res, res["example_trees"], out)
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    (out / "results.md").write_text(render_markdown(res))
+    _print_table(res, cfg)
+    print(f"\nresults: {out}")
+    compact = {"results_dir": str(out), "elapsed_s": round(res["elapsed_s"], 1),
+               "table1": {t: {m: {d: [None if v.get("tau") is None else round(v["tau"], 3),
+                                      None if v.get("speedup") is None else round(v["speedup"], 3)]
+                                  for d, v in per.items()} for m, per in tab.items()}
+                          for t, tab in res["table1"].items()},
+               "mismatches": {m: v["mismatches"] for m, v in res["lossless"].items()},
+               "errors": [f"{r['method']}/{r['dataset']}/T{r['temperature']:g}: {r['reason']}" for r in rows
+                          if r["status"] == "error"],
+               "best_sweep_point": res["sweeps"].get("best"), "figures": res.get("figures", [])}
+    if res.get("serving"):
+        compact["serving_tokens_per_s"] = {
+            m: {c: (None if not isinstance(v, dict) or v.get("tokens_per_s") is None else round(v["tokens_per_s"], 1))
+                for c, v in per.items()} for m, per in res["serving"]["table"].items()}
+    print(json.dumps(compact))
+    return 1 if compact["errors"] else 0
+
+
+def _command_line() -> str:
+    prog = Path(sys.argv[0]).name
+    if prog in ("dartree", "cli.py", "__main__.py"):
+        return shlex.join(["dartree"] + sys.argv[1:])
+    if prog == "bench.py":
+        return shlex.join(["python", "-m", "benchmarks.bench"] + sys.argv[1:])
+    return shlex.join([prog] + sys.argv[1:])
+
+
+def serving_prompts(bench: Bench, n: int) -> list[str]:
+    """Chat-formatted prompt strings (GSM8K then ShareGPT) for the serving stage."""
+    from transformers import AutoTokenizer
+
+    tok = bench.tok or AutoTokenizer.from_pretrained(bench.target_dir)
+    ps = bench.prompts("gsm8k", n) or bench.prompts("sharegpt", n)
+    out = []
+    for p in ps:
+        try:
+            out.append(tok.apply_chat_template([{"role": "user", "content": p.turns[0]}], tokenize=False,
+                                               add_generation_prompt=True))
+        except (ValueError, AttributeError):
+            out.append(p.turns[0])
+    return out or ["Hello"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n")[0])
+    add_bench_args(p)
+    return bench_main(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
