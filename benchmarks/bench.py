@@ -15,7 +15,7 @@ skipped when present (delete it, or use another ``--out``, to re-measure). Outpu
 config), ``results.md`` (tables) and ``fig*.png``. Prints a table, then (last stdout line) one JSON
 object. Measurement rules: ``benchmarks.bench_run`` and ``benchmarks.bench_stats`` docstrings.
 
-Usage: ``dartree bench`` (quick: 16 prompts/dataset, 256 new tokens, T = 0 and 1), ``dartree bench
+Usage: ``dartree bench`` (quick: 4 prompts/dataset, 96 new tokens, T = 0 and 1), ``dartree bench
 --full`` (reference sample counts, 2048 tokens), ``dartree bench --methods ar dartree-pruned
 --datasets gsm8k --temperatures 0 --sweep-budget --sweep-width --sweep-grid``; also
 ``python -m benchmarks.bench ...``.
@@ -42,7 +42,7 @@ from benchmarks.bench_stats import (TABLE2_METHODS, add_speedups, lossless_check
                                     render_markdown, slim_cell, summarize, table1, table2)
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
-QUICK_PROMPTS, QUICK_TOKENS = 16, 256
+QUICK_PROMPTS, QUICK_TOKENS = 4, 96  # sized to finish in ~45 min on the 2-core CI-class CPU
 FULL_TOKENS = 2048
 # Reference sample counts (algorithms.md §6; ShareGPT stands in for Alpaca's 128).
 FULL_COUNTS = {"gsm8k": 128, "math500": 128, "aime25": 30, "humaneval": 164, "mt-bench": 80, "sharegpt": 128}

@@ -1,0 +1,1 @@
+"""HTTP gateway: OpenAI-compatible API, tokenization, incremental detokenization, SSE. Never imports torch."""

@@ -1,0 +1,177 @@
+"""FastAPI routes of the OpenAI-compatible API, the edge middleware (request ids, API key) and error shapes.
+
+Never imports torch (tests/test_layering.py): the gateway is HTTP, text and streaming only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import re
+import uuid
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient
+from gateway.handlers import Gateway, request_id_var
+from gateway.schemas import ApiError, ChatCompletionRequest, CompletionRequest
+from gateway.text import TextModel
+from services.metrics import GatewayMetrics
+
+log = logging.getLogger("gateway")
+REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces, <= 128 chars
+
+
+def create_app(config: GatewayConfig, engine: EngineClient, text: TextModel,
+               metrics: GatewayMetrics | None = None) -> FastAPI:
+    """The ASGI app; ``app.state.gateway`` holds the :class:`Gateway` (drain, counters)."""
+    gw = Gateway(config, engine, text, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        yield
+        await engine.close()
+
+    app = FastAPI(title="DARTree Serve", version="1", lifespan=lifespan)
+    app.state.gateway = gw
+    _routes(app, gw, config)
+    _error_handlers(app)
+    app.add_middleware(EdgeMiddleware, api_key=config.api_key, metrics_auth=config.metrics_auth)
+    _openapi(app)
+    return app
+
+
+def _routes(app: FastAPI, gw: Gateway, config: GatewayConfig) -> None:
+    @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
+    async def completions(request: Request) -> Response:
+        return await gw.handle(request, "completion")
+
+    @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
+    async def chat_completions(request: Request) -> Response:
+        return await gw.handle(request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return gw.models()
+
+    @app.get("/health/live")
+    async def live() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/health/ready")
+    async def ready() -> JSONResponse:
+        ok, why = gw.readiness()
+        return JSONResponse({"status": "ready" if ok else "unavailable", "detail": why}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _error_handlers(app: FastAPI) -> None:
+    def shaped(err: ApiError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
+        return shaped(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        return shaped(ApiError(400, f"invalid request: {err.errors()[0].get('msg', '')}", None, "invalid_value"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        return shaped(ApiError(err.status_code, str(err.detail), None, None, dict(err.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, err: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return shaped(ApiError(500, "internal server error", None, "internal_error"))
+
+
+class EdgeMiddleware:
+    """Pure ASGI (streaming-safe): validates/assigns X-Request-Id, echoes it, checks the API key."""
+
+    def __init__(self, app, api_key: str = "", metrics_auth: bool = False):
+        self.app, self.api_key, self.metrics_auth = app, api_key.encode(), metrics_auth
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        rid = headers.get(b"x-request-id")
+        if rid is not None:
+            rid = rid.decode("latin-1")
+            if not REQUEST_ID_RE.match(rid):
+                err = ApiError(400, "X-Request-Id must be 1 to 128 printable ASCII characters without spaces",
+                               "x-request-id", "invalid_request_id")
+                return await _send_error(err, scope, receive, send, None)
+        else:
+            rid = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        token = request_id_var.set(rid)
+        try:
+            if not self._authorized(scope["path"], headers.get(b"authorization", b"")):
+                err = ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", None,
+                               "invalid_api_key")
+                return await _send_error(err, scope, receive, send, rid)
+
+            async def send_with_id(message) -> None:
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+                await send(message)
+
+            await self.app(scope, receive, send_with_id)
+        finally:
+            request_id_var.reset(token)
+
+    def _authorized(self, path: str, auth: bytes) -> bool:
+        if not self.api_key:
+            return True
+        protected = path.startswith("/v1/") or (self.metrics_auth and path == "/metrics")
+        return not protected or hmac.compare_digest(auth, b"Bearer " + self.api_key)
+
+
+async def _send_error(err: ApiError, scope, receive, send, rid: str | None) -> None:
+    headers = {**err.headers, **({"x-request-id": rid} if rid else {})}
+    await JSONResponse(err.body(), status_code=err.status, headers=headers)(scope, receive, send)
+
+
+class RequestIdLogFilter(logging.Filter):
+    """Adds ``record.request_id`` (the current request's id, or "-") to every log record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get()
+        return True
+
+
+def _body(name: str) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+
+
+def _openapi(app: FastAPI) -> None:
+    """Document the request bodies (parsed by hand for exact error control) in the OpenAPI schema."""
+    original = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = original()
+        _, defs = models_json_schema([(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+                                     ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi

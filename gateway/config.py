@@ -1,0 +1,62 @@
+"""The gateway's configuration (one frozen dataclass; CLI flags and DARTREE_* variables mirror the fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Gateway settings. Every field is a CLI flag (``--field-name``) and an env var (``DARTREE_FIELD_NAME``).
+
+    Attributes:
+        host, port: where the HTTP API listens (loopback by default).
+        target: the target model (default name or a local HF directory); its tokenizer is read here.
+        served_model_name: the ``model`` clients send ("" = the target's name).
+        verifier_endpoint: ZMQ endpoint of the verifier ("" = the default ipc:// socket).
+        api_key: if set, ``Authorization: Bearer <key>`` is required on /v1/* (health stays open).
+        metrics_auth: also require the key on /metrics.
+        max_concurrent_requests: requests in flight before 429 (the gateway's admission limit).
+        max_body_bytes: largest request body accepted (413 beyond).
+        max_prompt_tokens: largest prompt accepted (0 = up to the context window).
+        max_tokens_limit: largest ``max_tokens`` accepted (0 = up to the context window).
+        default_max_tokens: completions' ``max_tokens`` when omitted (OpenAI: 16); chat uses the context.
+        default_temperature: temperature when omitted (OpenAI: 1.0).
+        request_timeout_s: a request still running after this is aborted (504 or error event).
+        drain_timeout_s: on SIGTERM, how long in-flight requests may finish (new ones get 503).
+        ping_interval_s, ping_timeout_s: verifier liveness probing (readiness and fail-fast).
+        retry_after_s: ``Retry-After`` sent with 429.
+        sse_keepalive_s: idle SSE streams get a comment line this often.
+        log_level: python logging level name.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    target: str = "smollm2-135m-instruct"
+    served_model_name: str = ""
+    verifier_endpoint: str = ""
+    api_key: str = ""
+    metrics_auth: bool = False
+    max_concurrent_requests: int = 64
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_tokens: int = 0
+    max_tokens_limit: int = 0
+    default_max_tokens: int = 16
+    default_temperature: float = 1.0
+    request_timeout_s: float = 600.0
+    drain_timeout_s: float = 30.0
+    ping_interval_s: float = 1.0
+    ping_timeout_s: float = 5.0
+    retry_after_s: int = 1
+    sse_keepalive_s: float = 15.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} is not a TCP port")
+        for name in ("max_concurrent_requests", "max_body_bytes", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("request_timeout_s", "drain_timeout_s", "ping_interval_s", "ping_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")

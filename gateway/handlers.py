@@ -1,0 +1,337 @@
+"""Request handling behind the routes: validate, tokenize, admit, run rounds, shape OpenAI responses.
+
+One code path (:meth:`Gateway._deltas`) turns the engine's rounds into response deltas; the
+streaming response writes each delta as one SSE event, the non-streaming one concatenates them, so
+both carry the same text, token ids, usage and finish reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient, EngineError
+from gateway.requests import Prepared, RequestBuilder, model_name, read_body
+from gateway.schemas import ApiError
+from gateway.text import CompletionText, TextModel
+from services.metrics import GatewayMetrics
+
+log = logging.getLogger("gateway")
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+_JSON = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Delta:
+    """One round's contribution to the response."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+class Gateway:
+    """Holds the engine client, tokenizer, limits and counters; the routes call its methods."""
+
+    def __init__(self, config: GatewayConfig, engine: EngineClient, text: TextModel,
+                 metrics: GatewayMetrics | None = None):
+        self.config, self.engine, self.text = config, engine, text
+        self.metrics = metrics or GatewayMetrics()
+        self.model_name = config.served_model_name or model_name(config.target)
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.requests = RequestBuilder(config, engine, text, self.model_name, self.readiness)
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (503); in-flight ones continue."""
+        self.draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight (``False`` on timeout)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def readiness(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining"
+        if not self.engine.ready:
+            return False, self.engine.detail or "starting"
+        return True, "ready"
+
+    def models(self) -> dict:
+        info = self.engine.info
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "dartree",
+                "root": self.config.target, "max_model_len": info.max_context if info else None}
+        return {"object": "list", "data": [card]}
+
+    # -------------------------------------------------------------------------------- requests
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        """Serve ``POST /v1/completions`` (kind "completion") or ``/v1/chat/completions`` ("chat")."""
+        arrival = time.monotonic()
+        try:
+            body = await read_body(request, self.config.max_body_bytes)
+            prep = self.requests.prepare(body, kind, request.state.request_id, arrival)
+            if self.in_flight >= self.config.max_concurrent_requests:
+                raise ApiError(429, "the server is at its concurrent request limit; retry later", None,
+                               "overloaded", headers={"Retry-After": str(self.config.retry_after_s)})
+        except ApiError as err:
+            self.metrics.rejected.labels(_reject_reason(err.status)).inc()
+            raise
+        self.metrics.prompt_tokens.inc(len(prep.gen.prompt_ids))
+        log.info("%s: %d prompt tokens, max_tokens %d, stream %s, spec %s", kind, len(prep.gen.prompt_ids),
+                 prep.gen.sampling.max_tokens, prep.stream, prep.gen.spec.method or "default")
+        lease = _Lease(self)
+        deltas = self._deltas(prep)
+        try:
+            if prep.stream:
+                first = await _race_disconnect(request, deltas.__anext__())
+                headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+                response = _SSEResponse(self._sse(prep, first, deltas), on_close=(deltas.aclose, lease.release),
+                                        media_type="text/event-stream", headers=headers)
+                lease = None  # handed to the response
+                return response
+            return JSONResponse(await _race_disconnect(request, self._collect(prep, deltas)))
+        except _Disconnected:
+            return Response(status_code=499)
+        except EngineError as err:
+            headers = {"Retry-After": str(self.config.retry_after_s)} if err.status == 429 else None
+            raise ApiError(err.status, err.message, err.param, err.code, headers) from None
+        finally:
+            if lease is not None:
+                await deltas.aclose()
+                lease.release()
+
+    def _admit(self) -> None:
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        self._idle.clear()
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+        self.metrics.in_flight.set(self.in_flight)
+        if self.in_flight == 0:
+            self._idle.set()
+
+    # --------------------------------------------------------------------------------- running
+
+    async def _deltas(self, prep: Prepared) -> AsyncIterator[Delta]:
+        """Rounds -> deltas (stop strings applied); records latency metrics and the finish reason."""
+        text = CompletionText(self.text, prep.gen.prompt_ids, prep.stop)
+        deadline = prep.arrival + self.config.request_timeout_s if self.config.request_timeout_s else None
+        chunks = self.engine.generate(prep.gen, deadline=deadline)
+        last, finish = None, "abort"
+        try:
+            async for chunk in chunks:
+                now = time.monotonic()
+                if last is None:
+                    self.metrics.ttft.observe(now - prep.arrival)
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                step = text.feed(chunk.token_ids)
+                if text.stopped is not None:
+                    self.engine.abort(prep.gen.request_id, "stop_string")
+                    finish = "stop"
+                    yield Delta(step.text, step.token_ids, "stop", text.stopped)
+                    return
+                tail = text.finish() if chunk.finish_reason else ""
+                finish = "stop" if text.stopped is not None else chunk.finish_reason
+                yield Delta(step.text + tail, step.token_ids, finish, text.stopped)
+                if finish:
+                    return
+        except EngineError:
+            finish = "error"
+            raise
+        finally:
+            await chunks.aclose()
+            self.metrics.requests.labels(finish or "abort").inc()
+            self.metrics.generation_tokens.inc(text.num_tokens)
+            self.metrics.e2e.observe(time.monotonic() - prep.arrival)
+            log.info("finished: %s, %d completion tokens, %.3f s", finish or "abort", text.num_tokens,
+                     time.monotonic() - prep.arrival)
+
+    async def _collect(self, prep: Prepared, deltas: AsyncIterator[Delta]) -> dict:
+        parts, ids, last = [prep.prompt_text] if prep.echo else [], [], Delta("", [])
+        async for d in deltas:
+            parts.append(d.text)
+            ids.extend(d.token_ids)
+            last = d
+        text = "".join(parts)
+        usage = _usage(len(prep.gen.prompt_ids), len(ids))
+        if prep.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason,
+                      "stop_reason": last.stop_reason}
+        if prep.return_token_ids:
+            choice["token_ids"] = ids
+        obj = "chat.completion" if prep.kind == "chat" else "text_completion"
+        return {"id": prep.response_id, "object": obj, "created": prep.created, "model": prep.model,
+                "choices": [choice], "usage": usage}
+
+    async def _sse(self, prep: Prepared, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
+        """SSE events: one per round with text (or a finish), an optional usage event, then [DONE]."""
+        num_tokens, sent_first, carried = 0, False, []
+        events = _with_keepalive(deltas, self.config.sse_keepalive_s)
+        try:
+            d: Delta | None = first
+            while d is not None:
+                if d is _KEEPALIVE:
+                    yield b": keep-alive\n\n"
+                else:
+                    num_tokens += len(d.token_ids)
+                    carried += d.token_ids  # ids of rounds whose text is still held back ride with the next event
+                    text = (prep.prompt_text if prep.echo and not sent_first else "") + d.text
+                    if text or d.finish_reason or not sent_first:
+                        yield _event(self._chunk(prep, text, d, carried, first_event=not sent_first))
+                        sent_first, carried = True, []
+                    if d.finish_reason:
+                        break
+                d = await anext(events, None)
+            if prep.include_usage:
+                yield _event({"id": prep.response_id, "object": _chunk_object(prep), "created": prep.created,
+                              "model": prep.model, "choices": [],
+                              "usage": _usage(len(prep.gen.prompt_ids), num_tokens)})
+        except EngineError as err:
+            yield _event({"error": {"message": err.message, "type": ApiError.TYPES.get(err.status, "error"),
+                                    "param": err.param, "code": err.code or str(err.status)}})
+        except Exception:  # a bug must still end the stream properly, without a traceback to the client
+            log.exception("stream failed")
+            yield _event(ApiError(500, "internal server error", None, "internal_error").body())
+        finally:
+            await events.aclose()
+            await deltas.aclose()
+        yield SSE_DONE
+
+    def _chunk(self, prep: Prepared, text: str, d: Delta, token_ids: list[int], first_event: bool) -> dict:
+        if prep.kind == "chat":
+            delta = {"role": "assistant", "content": text} if first_event else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": d.finish_reason}
+        if d.finish_reason:
+            choice["stop_reason"] = d.stop_reason
+        if prep.return_token_ids:
+            choice["token_ids"] = token_ids
+        out = {"id": prep.response_id, "object": _chunk_object(prep), "created": prep.created,
+               "model": prep.model, "choices": [choice]}
+        if prep.include_usage:
+            out["usage"] = None
+        return out
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+class _Disconnected(Exception):
+    """The client went away before the response started."""
+
+
+_KEEPALIVE = Delta("", [])
+
+
+class _Lease:
+    """One admitted request's slot; released exactly once."""
+
+    def __init__(self, gateway: Gateway):
+        self._gateway: Gateway | None = gateway
+        gateway._admit()
+
+    def release(self) -> None:
+        if self._gateway is not None:
+            self._gateway._release()
+            self._gateway = None
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that always runs its cleanup, even if the body never started."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close_deltas, release = self._on_close
+            await close_deltas()
+            release()
+
+
+def _chunk_object(prep: Prepared) -> str:
+    return "chat.completion.chunk" if prep.kind == "chat" else "text_completion"
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + _JSON.encode(obj) + b"\n\n"
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _reject_reason(status: int) -> str:
+    return {400: "invalid", 404: "unknown_model", 413: "too_large", 415: "content_type", 429: "overloaded",
+            503: "unavailable"}.get(status, str(status))
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _race_disconnect(request: Request, awaitable):
+    """Await ``awaitable``; if the client disconnects first, cancel it and raise :class:`_Disconnected`."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        log.info("client disconnected before the response started")
+        raise _Disconnected
+    return task.result()
+
+
+async def _with_keepalive(it: AsyncIterator, interval: float) -> AsyncIterator:
+    """Items of ``it``; ``_KEEPALIVE`` every ``interval`` seconds of silence (``it`` keeps running)."""
+    task = asyncio.ensure_future(it.__anext__())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=interval or None)
+            if not done:
+                yield _KEEPALIVE
+                continue
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            task = asyncio.ensure_future(it.__anext__())
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

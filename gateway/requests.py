@@ -1,0 +1,192 @@
+"""Turn an HTTP body into a validated, tokenized engine request (or an OpenAI-shaped error).
+
+Checks, in order: JSON schema and types (400), unsupported output-changing fields (400), model
+(404), readiness (503), prompt (empty, out-of-vocabulary ids, too long), max_tokens against the
+limits and the context window, speculative settings against what the verifier serves.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from gateway.config import GatewayConfig
+from gateway.engine_client import EngineClient
+from gateway.schemas import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_stop,
+    unsupported_field,
+    validation_error,
+)
+from gateway.text import TemplateError, TextModel
+from services.protocol import Generate, SamplingSpec, SpecSpec
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    kind: str                       # "completion" | "chat"
+    response_id: str
+    model: str
+    gen: Generate
+    prompt_text: str                # for echo
+    stop: list[str]
+    echo: bool
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    arrival: float
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class RequestBuilder:
+    """Validation and tokenization for one server (config, engine limits, tokenizer)."""
+
+    def __init__(self, config: GatewayConfig, engine: EngineClient, text: TextModel, model_name: str,
+                 readiness: Callable[[], tuple[bool, str]]):
+        self.config, self.engine, self.text = config, engine, text
+        self.model_name, self.readiness = model_name, readiness
+
+    def prepare(self, body: bytes, kind: str, log_id: str, arrival: float) -> Prepared:
+        """Parse and validate a body into a :class:`Prepared` request (raises :class:`ApiError`)."""
+        cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        try:
+            req = cls.model_validate_json(body)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        bad = unsupported_field(req)
+        if bad:
+            raise ApiError(400, bad[1], bad[0], "unsupported_parameter")
+        if req.model is not None and req.model != self.model_name:
+            raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{self.model_name}'",
+                           "model", "model_not_found")
+        stop = req.stop_list()
+        check_stop(stop)
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+        ready, why = self.readiness()
+        if not ready:
+            raise ApiError(503, f"the server is not ready: {why}", None, "service_unavailable")
+        prompt_ids, prompt_text = self._prompt(req)
+        max_tokens = self._max_tokens(req, len(prompt_ids), "messages" if kind == "chat" else "prompt")
+        sampling = SamplingSpec(
+            max_tokens=max_tokens,
+            temperature=self.config.default_temperature if req.temperature is None else req.temperature,
+            top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
+            stop_token_ids=tuple(self._check_ids(req.stop_token_ids or [], "stop_token_ids")),
+            ignore_eos=req.ignore_eos)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return Prepared(kind=kind, response_id=f"{prefix}-{log_id}", model=self.model_name,
+                        gen=Generate(f"{log_id}-{uuid.uuid4().hex[:8]}", prompt_ids, sampling, self._spec(req)),
+                        prompt_text=prompt_text, stop=stop, echo=bool(getattr(req, "echo", False)),
+                        stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                        return_token_ids=req.return_token_ids, arrival=arrival)
+
+    def _prompt(self, req) -> tuple[list[int], str]:
+        if isinstance(req, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                        for m in req.messages]
+            try:
+                text = self.text.render_chat(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+            except TemplateError as exc:
+                raise ApiError(400, str(exc), "messages", "invalid_messages") from None
+            ids, param = self.text.encode(text, add_special_tokens=False), "messages"
+        else:
+            prompt = req.prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+                if len(prompt) != 1:
+                    raise ApiError(400, "only one prompt per request is supported", "prompt", "batch_not_supported")
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                ids, text = self.text.encode(prompt), prompt
+            else:
+                ids = self._check_ids(prompt, "prompt")
+                text = self.text.decode(ids) if req.echo else ""
+            param = "prompt"
+        if not ids:
+            raise ApiError(400, "the prompt is empty (it must contain at least one token)", param, "empty_prompt")
+        limit = self._limit("max_prompt_tokens", self.config.max_prompt_tokens)
+        if limit and len(ids) > limit:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens, over the limit of {limit}", param,
+                           "context_length_exceeded")
+        return ids, text
+
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        vocab = (self.engine.info.vocab_size if self.engine.info else 0) or self.text.vocab_size
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab:
+                raise ApiError(400, f"token id {t} is outside the vocabulary [0, {vocab})", f"{param}[{i}]",
+                               "invalid_token_id")
+        return list(ids)
+
+    def _limit(self, name: str, local: int) -> int:
+        limits = self.engine.info.limits if self.engine.info else None
+        values = [v for v in (local, getattr(limits, name, 0) if limits else 0) if v]
+        return min(values) if values else 0
+
+    def _max_tokens(self, req, num_prompt: int, prompt_param: str) -> int:
+        ctx = self.engine.info.max_context if self.engine.info else 0
+        explicit = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        limit = self._limit("max_tokens", self.config.max_tokens_limit)
+        if ctx and num_prompt >= ctx:
+            raise ApiError(400, f"the prompt has {num_prompt} tokens; this model's context window is {ctx}",
+                           prompt_param, "context_length_exceeded")
+        room = ctx - num_prompt if ctx else 0
+        if explicit is None:
+            default = self.config.default_max_tokens if isinstance(req, CompletionRequest) else room
+            return max(1, min(v for v in (default, room, limit) if v)) if (default or room or limit) else 16
+        if limit and explicit > limit:
+            raise ApiError(400, f"'{param}' = {explicit} is over this server's limit of {limit}", param, "invalid_value")
+        if ctx and explicit > room:
+            raise ApiError(400, f"this model's context window is {ctx} tokens, but {num_prompt + explicit} were "
+                           f"requested ({num_prompt} in the prompt, {explicit} to generate)", param,
+                           "context_length_exceeded")
+        return explicit
+
+    def _spec(self, req) -> SpecSpec:
+        opts = req.speculative
+        if opts is None:
+            return SpecSpec()
+        info = self.engine.info
+        if opts.method is not None and info and info.methods and opts.method not in info.methods:
+            raise ApiError(400, f"unknown speculative method '{opts.method}'; known: {', '.join(info.methods)}",
+                           "speculative.method", "invalid_value")
+        max_budget = info.limits.max_budget if info and info.limits else 0
+        if opts.budget is not None and max_budget and opts.budget > max_budget:
+            raise ApiError(400, f"speculative budget {opts.budget} is over the server's maximum {max_budget}",
+                           "speculative.budget", "invalid_value")
+        return SpecSpec(method=opts.method, budget=opts.budget, width=opts.width, depth_bonus=opts.depth_bonus,
+                        candidates=opts.candidates)
+
+
+def model_name(target: str) -> str:
+    from pathlib import PurePath
+
+    return PurePath(target.rstrip("/")).name or target
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing oversize bodies (413) and non-JSON content types (415)."""
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if ctype != "application/json" and not ctype.endswith("+json"):
+        raise ApiError(415, f"content type '{ctype}' is not supported; send application/json", None,
+                       "unsupported_media_type")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body is over the {limit}-byte limit", None, "body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is over the {limit}-byte limit", None, "body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)

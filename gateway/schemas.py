@@ -1,0 +1,203 @@
+"""OpenAI-compatible request models (pydantic) and the gateway's validation rules.
+
+Types are strict (``"5"`` is not an int) and ranges are checked here, so the verifier only ever
+sees well-formed requests. Fields that would change the output but are not implemented exactly
+under tree speculation are rejected by :func:`unsupported_field` with a 400 naming the field,
+never silently ignored (serving.md §2.1). Unknown fields that do not change the output are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class ApiError(Exception):
+    """An HTTP error in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+             415: "invalid_request_error", 429: "rate_limit_error", 500: "internal_error",
+             503: "service_unavailable", 504: "timeout_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body clients see."""
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class SpeculativeOptions(_Strict):
+    """The ``speculative`` extension: per-request tree settings (``None`` = server default)."""
+
+    method: str | None = None
+    budget: int | None = Field(None, ge=1)
+    width: int | None = Field(None, ge=1)
+    depth_bonus: Finite | None = None
+    candidates: int | None = Field(None, ge=1)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: Finite | None = Field(None, ge=0.0, le=2.0)
+    top_p: Finite = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)                      # extension (vLLM): 0 or -1 = disabled
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    user: str | None = None
+    speculative: SpeculativeOptions | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None   # extension (vLLM)
+    ignore_eos: bool = False                                          # extension (vLLM)
+    return_token_ids: bool = False                                    # extension: token ids in choices
+    presence_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Finite] | None = None
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt)."""
+
+    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` is an alias of ``max_tokens``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# Output-changing fields we do not implement exactly: value that means "off" for each.
+_UNSUPPORTED_EXTRA = {
+    "min_tokens": (0, None), "min_p": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
+    "length_penalty": (1, 1.0, None), "use_beam_search": (False, None), "prompt_logprobs": (None, 0),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "response_format": (None, {"type": "text"}), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "bad_words": (None, []), "allowed_token_ids": (None, []), "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,), "include_stop_str_in_output": (False, None),
+    "skip_special_tokens": (True, None), "spaces_between_special_tokens": (True, None),
+    "top_a": (None, 0), "typical_p": (None, 1, 1.0), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "reasoning_effort": (None,),
+}
+
+
+def unsupported_field(req: _Sampling) -> tuple[str, str] | None:
+    """``(param, message)`` for the first output-changing field that is set but not implemented."""
+    checks: list[tuple[str, Any, tuple]] = [
+        ("n", req.n, (1,)),
+        ("presence_penalty", req.presence_penalty, (None, 0, 0.0)),
+        ("frequency_penalty", req.frequency_penalty, (None, 0, 0.0)),
+        ("logit_bias", req.logit_bias, (None, {})),
+    ]
+    if isinstance(req, CompletionRequest):
+        checks += [("best_of", req.best_of, (None, 1)), ("logprobs", req.logprobs, (None,)),
+                   ("suffix", req.suffix, (None, ""))]
+    if isinstance(req, ChatCompletionRequest):
+        checks += [("logprobs", req.logprobs, (None, False)), ("top_logprobs", req.top_logprobs, (None, 0))]
+    for name, value, off in checks:
+        if not any(value == o and type(value) is type(o) for o in off):
+            return name, f"'{name}' = {value!r} is not supported by this server (it would change the output)"
+    for name, value in (req.model_extra or {}).items():
+        if name in _UNSUPPORTED_EXTRA and value not in _UNSUPPORTED_EXTRA[name]:
+            return name, f"'{name}' is not supported by this server (it would change the output)"
+    return None
+
+
+def validation_error(exc: ValidationError) -> ApiError:
+    """A pydantic error as a 400 naming the offending field (``param``).
+
+    For a union (``prompt``, ``stop``) pydantic reports one error per member; the deepest one is
+    the most specific (``prompt[1]`` rather than "not a string").
+    """
+    errors = exc.errors(include_url=False)
+    err = max(errors, key=lambda e: len(_clean_loc(e["loc"])))
+    if err["type"] == "json_invalid":
+        return ApiError(400, "the request body is not valid JSON (UTF-8)", None, "invalid_json")
+    param = _param(_clean_loc(err["loc"]))
+    msg = err["msg"]
+    if err["type"] == "missing":
+        return ApiError(400, f"'{param}' is required", param, "missing_required_parameter")
+    if err["type"] == "extra_forbidden":
+        return ApiError(400, f"unknown field '{param}'", param, "unknown_parameter")
+    if not param:
+        return ApiError(400, f"the request body must be a JSON object: {msg}", None, "invalid_type")
+    return ApiError(400, f"invalid '{param}': {msg}", param, "invalid_value")
+
+
+def _clean_loc(loc) -> list:
+    """``loc`` without pydantic's union-member tags (``'str'``, ``'list[int]'``, ``'TextPart'``...)."""
+    tags = {"str", "int", "float", "bool", "dict", "none", "constrained-int", "constrained-float"}
+    return [x for x in loc if not (isinstance(x, str) and (x in tags or "[" in x or x[:1].isupper()))]
+
+
+def _param(loc: list) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def check_stop(stop: list[str]) -> None:
+    """At most 4 non-empty stop strings of bounded length."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}", "stop")
+    for s in stop:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise ApiError(400, f"stop strings must have 1 to {MAX_STOP_CHARS} characters", "stop")

@@ -1,0 +1,87 @@
+"""Run the gateway process: resolve the tokenizer, connect to the verifier, serve HTTP, drain on SIGTERM.
+
+On SIGTERM/SIGINT the gateway keeps listening but answers new requests with 503 (readiness goes
+false), lets in-flight requests finish for up to ``drain_timeout_s``, then stops uvicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import uvicorn
+
+from gateway.app import RequestIdLogFilter, create_app
+from gateway.config import GatewayConfig
+from gateway.engine_client import ZmqEngineClient
+from gateway.text import TextModel
+from services.protocol import PeerInfo
+from services.wire import ipc_endpoint, new_epoch
+
+log = logging.getLogger("gateway")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+
+
+def model_dir(target: str) -> Path:
+    """The local directory holding the target's tokenizer (never converts or downloads anything)."""
+    from services.models.registry import DEFAULT_TARGET, cache_root
+
+    path = cache_root() / DEFAULT_TARGET if target in ("", DEFAULT_TARGET) else Path(target).expanduser()
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {path}: start the verifier first (it prepares the "
+                                f"default target) or pass --target <local HF directory>")
+    return path
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.addFilter(RequestIdLogFilter())
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def build_app(config: GatewayConfig):
+    """The FastAPI app wired to a ZMQ engine client (connects when the app starts)."""
+    text = TextModel(model_dir(config.target))
+    local = PeerInfo(role="gateway", epoch=new_epoch(), tokenizer_hash=text.tokenizer_hash,
+                     eos_token_id=text.eos_token_id, special_token_ids=text.special_token_ids)
+    endpoint = config.verifier_endpoint or ipc_endpoint("verifier")
+    engine = ZmqEngineClient(endpoint, local, config.ping_interval_s, config.ping_timeout_s)
+    return create_app(config, engine, text)
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn that drains (503 for new requests, in-flight finish) before it stops."""
+
+    def __init__(self, config: uvicorn.Config, app, drain_timeout_s: float):
+        super().__init__(config)
+        self._app, self._drain_timeout_s = app, drain_timeout_s
+        self._drain_task: asyncio.Task | bool | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain_task is not None or sig not in (signal.SIGTERM, signal.SIGINT):
+            return super().handle_exit(sig, frame)  # a second signal stops at once
+        loop = asyncio.get_event_loop()
+        self._drain_task = True  # set before the task exists: a second signal must not start another
+        loop.call_soon_threadsafe(lambda: setattr(self, "_drain_task", loop.create_task(self._drain())))
+
+    async def _drain(self) -> None:
+        gw = self._app.state.gateway
+        gw.begin_drain()
+        log.info("draining: %d requests in flight, up to %.0f s", gw.in_flight, self._drain_timeout_s)
+        if not await gw.wait_idle(self._drain_timeout_s):
+            log.warning("drain timeout: %d requests still in flight are cut", gw.in_flight)
+        self.should_exit = True
+
+
+def run_gateway(config: GatewayConfig) -> None:
+    """Serve until drained (blocking)."""
+    setup_logging(config.log_level)
+    app = build_app(config)
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
+                        access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+    _DrainingServer(uv, app, config.drain_timeout_s).run()

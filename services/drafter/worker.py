@@ -1,0 +1,233 @@
+"""The drafter process: a ROUTER on an I/O thread, a compute loop calling :class:`DrafterService`.
+
+Loop (R11): recv (inbox queue) -> dispatch by message type (HELLO, DRAFT, RELEASE) -> compute ->
+send (through the I/O thread). PINGs are answered on the I/O thread so liveness never waits behind
+a draft. A malformed message is logged, counted and dropped; an exception inside a draft becomes an
+error reply for that request only. Torch is imported by :func:`run_drafter_process`, not at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.metrics import DrafterMetrics
+from services.protocol import (
+    PROTOCOL_VERSION,
+    DraftReply,
+    Hello,
+    HelloAck,
+    MessageType,
+    PeerInfo,
+    Pong,
+    check_compatible,
+    check_hello_version,
+    config_eos_token_id,
+    special_token_ids,
+    tokenizer_hash,
+)
+from services.runtime import request_id_var
+from services.wire import Decoded
+
+log = logging.getLogger("drafter")
+
+
+@dataclass(frozen=True)
+class DrafterWorkerConfig:
+    """Drafter process settings (CLI ``--field-name``, env ``DARTREE_FIELD_NAME``).
+
+    Attributes:
+        target: target model (name or local HF dir) whose embedding / lm_head the drafter borrows.
+        drafter: drafter checkpoint directory ("" = the shipped default drafter).
+        drafter_endpoint: where the drafter listens ("" = the default ipc:// socket).
+        device, dtype: where and in which precision the drafter runs.
+        budget, width, depth_bonus, candidates: server defaults of the tree knobs (None = the
+            drafter service's defaults).
+        cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC tensor pool (used only on a CUDA device).
+        drafter_metrics_port, metrics_host: Prometheus endpoint (port 0 = off).
+        max_tensor_bytes: largest tensor frame accepted.
+    """
+
+    target: str = "smollm2-135m-instruct"
+    drafter: str = ""
+    drafter_endpoint: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    budget: int | None = None
+    width: int | None = None
+    depth_bonus: float | None = None
+    candidates: int | None = None
+    cuda_ipc: bool = True
+    ipc_slots: int = 16
+    ipc_slot_bytes: int = 8 << 20
+    drafter_metrics_port: int = 8002
+    metrics_host: str = "127.0.0.1"
+    max_tensor_bytes: int = 1 << 30
+    log_level: str = "INFO"
+
+
+class DrafterWorker:
+    """Per-process drafter state: the service, the verifier's epoch, live request contexts.
+
+    Args:
+        service: a ``DrafterService`` (or any object with ``draft``/``release``/``num_contexts``).
+        info: this drafter's handshake info.
+        transport: a :class:`services.ipc_pool.TensorTransport`.
+        send: ``send(identity, msg, frames)`` (the I/O thread's :meth:`ServerIO.send`).
+    """
+
+    def __init__(self, service, info: PeerInfo, transport, metrics: DrafterMetrics | None = None,
+                 send: Callable | None = None):
+        self.service, self.info, self.transport = service, info, transport
+        self.metrics = metrics or DrafterMetrics()
+        self.send = send
+        self.inbox: queue.Queue = queue.Queue()
+        self._verifier_epoch: str | None = None
+        self._contexts: set[str] = set()
+        self._handlers = {MessageType.HELLO: self._hello, MessageType.DRAFT: self._draft,
+                          MessageType.RELEASE: self._release}
+
+    # ------------------------------------------------------------------------------ I/O thread
+
+    def on_io_message(self, identity: bytes, dec: Decoded):
+        """Answer PINGs on the I/O thread; queue what the compute loop handles; drop the rest."""
+        if dec.type == MessageType.PING:
+            return Pong(dec.msg.nonce, self.info.epoch, ready=True)
+        if dec.type in self._handlers:
+            return None
+        log.warning("dropped an unexpected %s message", dec.type.name)
+        self.metrics.ipc_errors.labels("verifier").inc()
+        return False
+
+    # ------------------------------------------------------------------------- compute thread
+
+    def event_loop(self, stop: threading.Event) -> None:
+        """recv -> dispatch -> compute -> send, until ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                identity, dec = self.inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self.handle(identity, dec)
+
+    def handle(self, identity: bytes, dec: Decoded) -> None:
+        self.metrics.calls.labels(dec.type.name.lower()).inc()
+        self._handlers[dec.type](identity, dec)
+        self.metrics.contexts.set(len(self._contexts))
+
+    def _hello(self, identity: bytes, dec: Decoded) -> None:
+        hello: Hello = dec.msg
+        reason = check_hello_version(hello.protocol_version) or check_compatible(self.info, hello.info)
+        if reason is None:
+            if self._verifier_epoch not in (None, hello.info.epoch):
+                log.warning("a new verifier (epoch %s) connected: dropping %d stale contexts", hello.info.epoch,
+                            len(self._contexts))
+                for rid in list(self._contexts):
+                    self._forget(rid)
+            self._verifier_epoch = hello.info.epoch
+            self.transport.attach(hello.info.pool)
+        else:
+            log.error("refusing verifier: %s", reason)
+        self.send(identity, HelloAck(PROTOCOL_VERSION, reason is None, self.info, reason or ""))
+
+    def _draft(self, identity: bytes, dec: Decoded) -> None:
+        msg = dec.msg
+        token = request_id_var.set(msg.request_id)
+        frames: list = []
+        try:
+            features = self.transport.unpack([msg.features], dec.frames, copy=True)[0]  # [L, F]
+            tree, timings = self.service.draft(msg.request_id, msg.committed_ids, features, msg.root_token,
+                                               msg.start, msg.spec, max_depth=msg.max_depth)
+            self._contexts.add(msg.request_id)
+            metas, frames = self.transport.pack([tree.draft_tokens, tree.parents, tree.depths, tree.scores])
+            reply = DraftReply(msg.request_id, msg.round_id, self.info.epoch, tuple(metas), timings)
+            for phase, seconds in timings.items():
+                self.metrics.seconds.labels(phase).observe(seconds)
+        except Exception as exc:  # one request's failure must not stop the drafter
+            log.warning("draft failed: %s: %s", type(exc).__name__, exc)
+            self.metrics.errors.inc()
+            reply = DraftReply(msg.request_id, msg.round_id, self.info.epoch, error=f"{type(exc).__name__}: {exc}"[:4000])
+            frames = []
+        finally:
+            request_id_var.reset(token)
+        self.send(identity, reply, frames)
+
+    def _release(self, identity: bytes, dec: Decoded) -> None:
+        self._forget(dec.msg.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self.service.release(request_id)
+        self._contexts.discard(request_id)
+
+
+# ------------------------------------------------------------------------------------ process entry
+
+def build_drafter_service(config: DrafterWorkerConfig):
+    """Load the drafter checkpoint and the target's borrowed embedding / lm_head: ``(service, target_dir)``."""
+    import torch
+
+    from services.drafter.model import load_drafter
+    from services.drafter.service import DrafterService, TreeDefaults, load_borrowed_weights
+    from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
+
+    dtype = getattr(torch, config.dtype)
+    target_dir = resolve_target(config.target)
+    drafter_dir = Path(config.drafter) if config.drafter else DEFAULT_DRAFTER_DIR
+    drafter = load_drafter(drafter_dir, dtype=dtype, device=config.device)
+    embed, head = load_borrowed_weights(target_dir, dtype)
+    knobs = {k: getattr(config, k) for k in ("budget", "width", "depth_bonus", "candidates")
+             if getattr(config, k) is not None}
+    service = DrafterService(drafter, embed.to(config.device), head.to(config.device), TreeDefaults(**knobs),
+                             description=str(drafter_dir))
+    return service, target_dir
+
+
+def drafter_info(service, target_dir: Path, epoch: str, device: str, transport) -> PeerInfo:
+    """This drafter's handshake info from the service and the target directory."""
+    info = service.info()
+    return PeerInfo(role="drafter", epoch=epoch, tokenizer_hash=tokenizer_hash(target_dir),
+                    vocab_size=int(info["vocab_size"]), eos_token_id=config_eos_token_id(target_dir),
+                    special_token_ids=special_token_ids(target_dir), block_size=int(info["block_size"]),
+                    feature_dim=int(info["feature_dim"]), max_position=int(info["max_position"]),
+                    target_layer_ids=tuple(int(i) for i in info.get("target_layer_ids") or
+                                           getattr(getattr(service, "cfg", None), "target_layer_ids", ())),
+                    model=str(info.get("description", "")), methods=tuple(info["methods"]), device=device,
+                    pool=transport.export())
+
+
+def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = None) -> None:
+    """Entry of the drafter process (blocking until SIGTERM, or SIGINT when run alone)."""
+    import zmq
+
+    from services.ipc_pool import make_transport
+    from services.runtime import on_stop_signals, prepare_process, start_metrics_server
+    from services.wire import ServerIO, ipc_endpoint, new_epoch
+
+    prepare_process("dartree-drafter", config.log_level, parent_pid)
+    service, target_dir = build_drafter_service(config)
+    transport = make_transport(config.device, config.cuda_ipc, config.ipc_slots, config.ipc_slot_bytes)
+    info = drafter_info(service, target_dir, new_epoch(), config.device, transport)
+    metrics = DrafterMetrics(drafter=info.model)
+    start_metrics_server(config.drafter_metrics_port, config.metrics_host, metrics.registry)
+    stop = threading.Event()
+    on_stop_signals(lambda signum: stop.set(), supervised=parent_pid is not None)
+    ctx = zmq.Context()
+    worker = DrafterWorker(service, info, transport, metrics)
+    endpoint = config.drafter_endpoint or ipc_endpoint("drafter")
+    io = ServerIO(ctx, endpoint, "drafter", on_message=worker.on_io_message,
+                  on_error=lambda reason: metrics.ipc_errors.labels("verifier").inc(),
+                  refuse=lambda reason: HelloAck(PROTOCOL_VERSION, False, info, reason),
+                  max_tensor_bytes=config.max_tensor_bytes, inbox=worker.inbox)
+    worker.send = io.send
+    io.start()
+    log.info("drafter ready on %s (block %d, methods %s)", endpoint, info.block_size, ", ".join(info.methods))
+    try:
+        worker.event_loop(stop)
+    finally:
+        io.close()
+        ctx.destroy(linger=0)
+        log.info("drafter stopped")

@@ -1,0 +1,193 @@
+"""Speculative-decoding counters (plain ints) and the Prometheus adapters of each process.
+
+Every metric name is defined here once (architecture.md "Metrics", serving.md §3.6). Each process
+owns a disjoint set and exports it from its own registry:
+
+- verifier: ``dartree_spec_*``, ``dartree_round_seconds{phase}``, ``dartree_request_queue_seconds``,
+  ``dartree_num_requests_running`` / ``_waiting``, ``dartree_aborts_total{reason}``;
+- gateway: ``dartree_time_to_first_token_seconds``, ``dartree_inter_token_latency_seconds`` (time
+  between two streamed rounds of one request), ``dartree_e2e_request_latency_seconds``,
+  ``dartree_requests_total{finish_reason}``, ``dartree_prompt_tokens_total``,
+  ``dartree_generation_tokens_total``, ``dartree_rejected_requests_total{reason}``;
+- drafter: ``dartree_drafter_*``; every process: ``dartree_ipc_errors_total{peer}``, ``dartree_info``.
+
+Counting convention: spec counters count only tokens actually *emitted* (after EOS, stop ids and
+max_tokens cut a round). ``accept_length`` counts accepted draft tokens (bonus excluded); the
+acceptance-length histogram observes tokens emitted per round (bonus included), so its mean is tau.
+
+PromQL recipes (windows are examples)::
+
+    # tau, mean tokens emitted per round (bonus included)
+    sum(rate(dartree_spec_acceptance_length_sum[5m])) / sum(rate(dartree_spec_acceptance_length_count[5m]))
+    # the same from counters (equal except for rounds cut short by EOS/stop/length)
+    1 + sum(rate(dartree_spec_accepted_tokens_total[5m])) / sum(rate(dartree_spec_rounds_total[5m]))
+    # draft acceptance rate (accepted draft tokens per proposed tree node)
+    sum(rate(dartree_spec_accepted_tokens_total[5m])) / sum(rate(dartree_spec_draft_tokens_total[5m]))
+    # acceptance by depth d (fraction of rounds whose accepted path reached depth d)
+    sum by (depth) (rate(dartree_spec_accepted_tokens_per_depth_total[5m])) / scalar(sum(rate(dartree_spec_rounds_total[5m])))
+    # mean round time by phase
+    sum by (phase) (rate(dartree_round_seconds_sum[5m])) / sum by (phase) (rate(dartree_round_seconds_count[5m]))
+    # p99 time to first token
+    histogram_quantile(0.99, sum by (le) (rate(dartree_time_to_first_token_seconds_bucket[5m])))
+    # generation throughput (tokens/s)
+    sum(rate(dartree_generation_tokens_total[1m]))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+disable_created_metrics()  # no *_created series: they double the exposition and no dashboard uses them
+
+SPEC_ROUNDS = "dartree_spec_rounds_total"
+SPEC_DRAFT_TOKENS = "dartree_spec_draft_tokens_total"
+SPEC_ACCEPTED_TOKENS = "dartree_spec_accepted_tokens_total"
+SPEC_ACCEPTED_PER_DEPTH = "dartree_spec_accepted_tokens_per_depth_total"
+SPEC_ACCEPTANCE_LENGTH = "dartree_spec_acceptance_length"
+ROUND_SECONDS = "dartree_round_seconds"
+QUEUE_SECONDS = "dartree_request_queue_seconds"
+REQUESTS_RUNNING = "dartree_num_requests_running"
+REQUESTS_WAITING = "dartree_num_requests_waiting"
+ABORTS = "dartree_aborts_total"
+TTFT = "dartree_time_to_first_token_seconds"
+ITL = "dartree_inter_token_latency_seconds"
+E2E = "dartree_e2e_request_latency_seconds"
+REQUESTS = "dartree_requests_total"
+PROMPT_TOKENS = "dartree_prompt_tokens_total"
+GENERATION_TOKENS = "dartree_generation_tokens_total"
+REJECTED = "dartree_rejected_requests_total"
+IPC_ERRORS = "dartree_ipc_errors_total"
+INFO = "dartree_info"
+DRAFTER_CONTEXTS = "dartree_drafter_contexts"
+DRAFTER_CALLS = "dartree_drafter_calls_total"
+DRAFTER_ERRORS = "dartree_drafter_errors_total"
+
+ACCEPTANCE_BUCKETS = tuple(float(i) for i in range(1, 18)) + (24.0, 32.0, 65.0)
+ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+@dataclass
+class SpecStats:
+    """Plain counters of emitted speculative rounds (the engine's own count; no Prometheus here)."""
+
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    accepted_per_depth: list[int] = field(default_factory=list)  # [d - 1] = rounds that accepted depth d
+
+    def observe_round(self, num_draft_tokens: int, accept_length: int, accepted_per_depth: list[int],
+                      num_emitted: int) -> None:
+        """Count one round; all arguments describe *emitted* tokens only (see module docstring)."""
+        if accept_length > num_emitted or len(accepted_per_depth) > num_emitted:
+            raise ValueError(f"accept_length {accept_length} / depths {len(accepted_per_depth)} "
+                             f"exceed the {num_emitted} tokens emitted")
+        self.rounds += 1
+        self.draft_tokens += num_draft_tokens
+        self.accepted_tokens += accept_length
+        self.emitted_tokens += num_emitted
+        if len(self.accepted_per_depth) < len(accepted_per_depth):
+            self.accepted_per_depth.extend([0] * (len(accepted_per_depth) - len(self.accepted_per_depth)))
+        for i, hit in enumerate(accepted_per_depth):
+            self.accepted_per_depth[i] += int(hit)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: tokens emitted per round, bonus included (0.0 before the first round)."""
+        return self.emitted_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per proposed draft node (0.0 when nothing was drafted)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+
+def _info(registry: CollectorRegistry, **labels: str) -> None:
+    Gauge(INFO, "Static process information (value is always 1).", list(labels), registry=registry
+          ).labels(**labels).set(1)
+
+
+def _ipc_errors(registry: CollectorRegistry) -> Counter:
+    return Counter(IPC_ERRORS, "Malformed, refused or timed-out messages on a ZMQ link.", ["peer"],
+                   registry=registry)
+
+
+class VerifierMetrics:
+    """Prometheus adapter of the verifier: rounds, acceptance, phases, queue and request gauges."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, **info: str):
+        r = self.registry = registry or CollectorRegistry()
+        self.stats = SpecStats()
+        self.rounds = Counter(SPEC_ROUNDS, "Speculative rounds run (one verify each).", ["method"], registry=r)
+        self.draft_tokens = Counter(SPEC_DRAFT_TOKENS, "Draft tree nodes proposed.", ["method"], registry=r)
+        self.accepted = Counter(SPEC_ACCEPTED_TOKENS, "Accepted draft tokens emitted (bonus excluded).",
+                                ["method"], registry=r)
+        self.per_depth = Counter(SPEC_ACCEPTED_PER_DEPTH, "Rounds whose emitted accepted path reached a depth.",
+                                 ["method", "depth"], registry=r)
+        self.acceptance = Histogram(SPEC_ACCEPTANCE_LENGTH, "Tokens emitted per round, bonus included (mean = tau).",
+                                    ["method"], buckets=ACCEPTANCE_BUCKETS, registry=r)
+        self.round_seconds = Histogram(ROUND_SECONDS, "Round time by phase.", ["phase"], buckets=ROUND_BUCKETS,
+                                       registry=r)
+        self.queue = Histogram(QUEUE_SECONDS, "Time from arrival at the verifier to the first round.",
+                               buckets=TTFT_BUCKETS, registry=r)
+        self.running = Gauge(REQUESTS_RUNNING, "Requests being decoded.", registry=r)
+        self.waiting = Gauge(REQUESTS_WAITING, "Requests waiting for admission.", registry=r)
+        self.aborts = Counter(ABORTS, "Requests aborted before they finished.", ["reason"], registry=r)
+        self.ipc_errors = _ipc_errors(r)
+        _info(r, role="verifier", **info)
+
+    def observe_round(self, method: str, num_draft_tokens: int, accept_length: int,
+                      accepted_per_depth: list[int], num_emitted: int, timings: dict[str, float],
+                      prefill_seconds: float = 0.0) -> None:
+        """Record one engine round (a ``RoundOutput``'s fields)."""
+        self.stats.observe_round(num_draft_tokens, accept_length, accepted_per_depth, num_emitted)
+        self.rounds.labels(method).inc()
+        self.draft_tokens.labels(method).inc(num_draft_tokens)
+        self.accepted.labels(method).inc(accept_length)
+        for depth, hit in enumerate(accepted_per_depth, start=1):
+            if hit:
+                self.per_depth.labels(method, str(depth)).inc()
+        self.acceptance.labels(method).observe(num_emitted)
+        for phase, seconds in timings.items():
+            self.round_seconds.labels(phase).observe(seconds)
+        if prefill_seconds > 0:
+            self.round_seconds.labels("prefill").observe(prefill_seconds)
+
+
+class GatewayMetrics:
+    """Prometheus adapter of the gateway: client-visible latencies, finish reasons, token counts."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, **info: str):
+        r = self.registry = registry or CollectorRegistry()
+        self.ttft = Histogram(TTFT, "Arrival at the gateway to the first streamed token.", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram(ITL, "Time between two consecutive rounds of a request.", buckets=ITL_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram(E2E, "Arrival at the gateway to the last token.", buckets=E2E_BUCKETS, registry=r)
+        self.requests = Counter(REQUESTS, "Finished requests by finish reason.", ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter(GENERATION_TOKENS, "Completion tokens returned (usage).", registry=r)
+        self.rejected = Counter(REJECTED, "Requests refused before generation, by reason.", ["reason"], registry=r)
+        self.in_flight = Gauge("dartree_gateway_requests_in_flight", "Requests the gateway is serving.",
+                               registry=r)
+        self.ipc_errors = _ipc_errors(r)
+        _info(r, role="gateway", **info)
+
+
+class DrafterMetrics:
+    """Prometheus adapter of the drafter: live contexts, calls and errors."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, **info: str):
+        r = self.registry = registry or CollectorRegistry()
+        self.contexts = Gauge(DRAFTER_CONTEXTS, "Requests with a live drafter context.", registry=r)
+        self.calls = Counter(DRAFTER_CALLS, "Messages handled by type.", ["type"], registry=r)
+        self.errors = Counter(DRAFTER_ERRORS, "Draft calls that raised.", registry=r)
+        self.seconds = Histogram("dartree_drafter_seconds", "Drafter compute time by phase.", ["phase"],
+                                 buckets=ROUND_BUCKETS, registry=r)
+        self.ipc_errors = _ipc_errors(r)
+        _info(r, role="drafter", **info)

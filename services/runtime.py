@@ -1,0 +1,90 @@
+"""Process plumbing shared by the worker entries: logging with request ids, process title,
+parent-death guard, metrics HTTP server, stop/drain signals. Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("dartree_request_id", default="-")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s [%(request_id)s] %(message)s"
+_PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds ``record.request_id`` (set by the worker around each request's work; "-" otherwise)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "request_id"):
+            record.request_id = request_id_var.get()
+        return True
+
+
+def setup_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def set_process_title(name: str) -> None:
+    """Linux ``comm`` name (shown by ps/top), best effort."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def exit_with_parent(parent_pid: int | None) -> None:
+    """SIGTERM this process when its supervisor dies (Linux), plus a polling fallback."""
+    if parent_pid is None:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                log.error("supervisor %d is gone; stopping", parent_pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            threading.Event().wait(1.0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def start_metrics_server(port: int, host: str, registry) -> None:
+    """Serve ``registry`` on ``http://host:port/metrics`` (``port == 0``: disabled)."""
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=host, registry=registry)
+        log.info("metrics on http://%s:%d/metrics", host, port)
+
+
+def on_stop_signals(handler: Callable[[int], None], supervised: bool) -> None:
+    """Call ``handler(signum)`` on SIGTERM (and SIGINT when run alone; a supervisor owns Ctrl-C)."""
+    signal.signal(signal.SIGTERM, lambda s, f: handler(s))
+    if supervised:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGINT, lambda s, f: handler(s))
+
+
+def prepare_process(name: str, log_level: str, parent_pid: int | None) -> None:
+    """Everything a worker entry does first (R11): title, logging, parent-death guard."""
+    set_process_title(name)
+    setup_logging(log_level)
+    exit_with_parent(parent_pid)

@@ -1,0 +1,218 @@
+"""``ZmqDrafterClient``: the engine's :class:`DrafterClient` over ZMQ to a drafter process.
+
+Called on the verifier's compute thread, which needs each reply before it can verify, so the
+DEALER socket lives on that thread (a hop through an I/O thread would add latency to every round
+and overlap nothing). Every wait has a deadline and also watches the socket monitor: a drafter
+that dies, restarts (new epoch) or hangs raises :class:`DrafterUnavailable` quickly instead of
+blocking the loop. Requests whose drafter context was lost in a restart fail; new ones re-handshake.
+Torch is imported lazily (the module is importable by torch-free tooling).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import zmq
+
+from services.ipc_pool import FrameTransport, TensorTransport
+from services.protocol import (
+    PROTOCOL_VERSION,
+    DraftReply,
+    DraftRequest,
+    Hello,
+    HelloAck,
+    MessageType,
+    PeerInfo,
+    Ping,
+    Pong,
+    ProtocolError,
+    Release,
+    SpecSpec,
+    check_compatible,
+    check_hello_version,
+)
+from services.wire import decode, drain_monitor, encode, make_socket, version_mismatch
+
+log = logging.getLogger(__name__)
+
+
+class DrafterUnavailable(RuntimeError):
+    """The drafter did not answer in time, disconnected, or restarted (its contexts are gone)."""
+
+
+class DrafterRefused(RuntimeError):
+    """The drafter refused the handshake (mismatched pair): the verifier must not serve."""
+
+
+class DrafterError(RuntimeError):
+    """The drafter answered a draft request with an error."""
+
+
+class ZmqDrafterClient:
+    """Request/reply to a drafter's ROUTER, with handshake, deadlines and restart detection.
+
+    Args:
+        endpoint: the drafter's endpoint (``ipc://`` or ``tcp://``).
+        local: this verifier's handshake info (``pool`` is filled from ``transport``).
+        transport: how tensors travel (frames on CPU, CUDA-IPC pools on one GPU).
+        timeout_s: deadline of one draft round trip.
+    """
+
+    def __init__(self, endpoint: str, local: PeerInfo, transport: TensorTransport | None = None,
+                 timeout_s: float = 30.0, ctx: zmq.Context | None = None):
+        self.endpoint, self.timeout_s = endpoint, timeout_s
+        self.transport = transport or FrameTransport()
+        self.local = local
+        self.peer: PeerInfo | None = None
+        self._own_ctx = ctx is None
+        self._ctx = ctx or zmq.Context()
+        self._sock = make_socket(self._ctx, zmq.DEALER, endpoint, bind=False)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._round = itertools.count(1)
+        self._req_epoch: dict[str, str] = {}
+
+    # ----------------------------------------------------------------------------- handshake
+
+    def connect(self, wait_s: float = 60.0, hello_timeout_s: float = 2.0) -> PeerInfo:
+        """Handshake, retrying until ``wait_s`` (the drafter may still be loading).
+
+        Raises:
+            DrafterRefused: version or compatibility mismatch.
+            DrafterUnavailable: no answer within ``wait_s``.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self._handshake(min(hello_timeout_s, max(0.05, deadline - time.monotonic())))
+            except DrafterUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("waiting for the drafter at %s ...", self.endpoint)
+
+    def _handshake(self, timeout_s: float) -> PeerInfo:
+        local = PeerInfo(**{**_fields(self.local), "pool": self.transport.export()})
+        self._sock.send_multipart(encode(Hello(PROTOCOL_VERSION, local)))
+        ack: HelloAck = self._wait(lambda d: d.type == MessageType.HELLO_ACK, timeout_s, "handshake").msg
+        reason = check_hello_version(ack.protocol_version)
+        reason = reason or (None if ack.ok else ack.reason)
+        reason = reason or check_compatible(self.local, ack.info)
+        if reason:
+            raise DrafterRefused(f"drafter at {self.endpoint} refused: {reason}")
+        if self.peer is not None and self.peer.epoch != ack.info.epoch:
+            log.warning("drafter restarted (epoch %s -> %s): in-flight requests lose their context",
+                        self.peer.epoch, ack.info.epoch)
+        self.transport.attach(ack.info.pool)
+        self.peer = ack.info
+        return ack.info
+
+    # ---------------------------------------------------------------------------- DrafterClient
+
+    def draft(self, request_id: str, committed_ids: list[int], features, root_token: int, start: int, spec,
+              max_depth: int | None = None):
+        """One round trip: ``(DraftTree, timings incl. "ipc")``.
+
+        Raises:
+            DrafterUnavailable: no reply by the deadline, disconnect, or the drafter restarted.
+            DrafterError: the drafter reported an error for this request.
+        """
+        t0 = time.perf_counter()
+        if self.peer is None:
+            self._handshake(min(self.timeout_s, 2.0))
+        epoch = self._req_epoch.setdefault(request_id, self.peer.epoch)
+        if epoch != self.peer.epoch:
+            raise DrafterUnavailable("the drafter restarted; this request's drafter context is lost")
+        round_id = next(self._round)
+        metas, frames = self.transport.pack([features])
+        spec_msg = SpecSpec(method=spec.method, budget=spec.budget, width=spec.width,
+                            depth_bonus=spec.depth_bonus, candidates=spec.candidates)
+        msg = DraftRequest(request_id, round_id, list(committed_ids), metas[0], int(root_token), int(start),
+                           spec_msg, max_depth=max_depth)
+        self._sock.send_multipart(encode(msg, frames), copy=False)
+        dec = self._wait(lambda d: d.type == MessageType.DRAFT_REPLY and d.msg.round_id == round_id,
+                         self.timeout_s, f"draft for {request_id}")
+        reply: DraftReply = dec.msg
+        if reply.epoch != self.peer.epoch:
+            self.peer = None
+            raise DrafterUnavailable("the drafter restarted; this request's drafter context is lost")
+        if reply.error:
+            raise DrafterError(f"drafter: {reply.error}")
+        tree = self._tree(reply, dec.frames)
+        timings = dict(reply.timings)
+        timings["ipc"] = max(0.0, time.perf_counter() - t0 - sum(timings.values()))
+        return tree, timings
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's drafter context (fire and forget; idempotent)."""
+        self._req_epoch.pop(request_id, None)
+        try:
+            self._sock.send_multipart(encode(Release(request_id)), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("release of %s not sent (drafter queue full)", request_id)
+
+    def ping(self, timeout_s: float = 1.0) -> bool:
+        """Is the drafter answering (and the same process we handshook with)?"""
+        try:
+            if self.peer is None:
+                self._handshake(timeout_s)
+            nonce = next(self._round)
+            self._sock.send_multipart(encode(Ping(nonce)))
+            pong: Pong = self._wait(lambda d: d.type == MessageType.PONG and d.msg.nonce == nonce,
+                                    timeout_s, "ping").msg
+        except (DrafterUnavailable, DrafterRefused) as exc:
+            log.warning("drafter ping failed: %s", exc)
+            return False
+        if pong.epoch != self.peer.epoch:
+            self.peer = None  # restarted: the next call re-handshakes
+            return False
+        return pong.ready
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(0)
+        self._sock.close(0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    # ------------------------------------------------------------------------------- internals
+
+    def _wait(self, match, timeout_s: float, what: str):
+        """The first received message satisfying ``match``; others (stale replies) are dropped."""
+        deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.peer = None
+                raise DrafterUnavailable(f"no answer from the drafter within {timeout_s:g} s ({what})")
+            events = dict(poller.poll(int(left * 1000) + 1))
+            if self._monitor in events and zmq.EVENT_DISCONNECTED in drain_monitor(self._monitor):
+                self.peer = None
+                raise DrafterUnavailable(f"lost the connection to the drafter ({what})")
+            if self._sock in events:
+                parts = self._sock.recv_multipart(copy=False)
+                try:
+                    dec = decode(parts)
+                except ProtocolError as exc:
+                    log.warning("dropped a malformed message from the drafter: %s", exc)
+                    reason = version_mismatch(parts)
+                    if reason:
+                        raise DrafterRefused(f"drafter at {self.endpoint} refused: {reason}") from None
+                    continue
+                if match(dec):
+                    return dec
+
+    def _tree(self, reply: DraftReply, frames):
+        from services.tree import DraftTree
+
+        if len(reply.tree) != 4:
+            raise DrafterError(f"draft reply carries {len(reply.tree)} tensors, expected 4")
+        tokens, parents, depths, scores = self.transport.unpack(reply.tree, frames, copy=True)
+        return DraftTree(tokens.long(), parents.long(), depths.long(), scores.float())
+
+
+def _fields(info: PeerInfo) -> dict:
+    return {f: getattr(info, f) for f in info.__struct_fields__}

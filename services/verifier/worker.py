@@ -1,0 +1,436 @@
+"""The verifier process: request table, FIFO admission, fair round-robin over ``SpecEngine.step``.
+
+Loop (R11), on the compute thread: recv (drain the inbox filled by the gateway I/O thread) ->
+schedule (admit FIFO while fewer than ``max_running`` run; pick the next running request,
+round-robin) -> run one ``engine.step`` -> send its :class:`RoundChunk`. Aborts take effect at the
+next round boundary and free the engine's KV cache and the drafter context. Hello and Ping are
+answered on the I/O thread (readiness never waits behind a round). ``_schedule`` returns a list so
+verifying several requests' trees in one forward can be added without changing the loop.
+Torch is imported by :func:`run_verifier_process` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.metrics import VerifierMetrics
+from services.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Generate,
+    HelloAck,
+    MessageType,
+    PeerInfo,
+    Pong,
+    RequestError,
+    RoundChunk,
+    check_compatible,
+    check_hello_version,
+)
+from services.runtime import request_id_var
+from services.verifier.remote_drafter import DrafterError, DrafterUnavailable
+from services.wire import Decoded
+
+log = logging.getLogger("verifier")
+_PARAM_RE = re.compile(r"(speculative\.\w+|max_tokens|temperature|top_p|top_k|prompt|stop_token_ids)")
+
+
+@dataclass(frozen=True)
+class VerifierWorkerConfig:
+    """Verifier process settings (CLI ``--field-name``, env ``DARTREE_FIELD_NAME``).
+
+    Attributes:
+        target: target model (default name or local HF directory).
+        verifier_endpoint: where the verifier listens for the gateway ("" = default ipc:// socket).
+        drafter_endpoint: the drafter's endpoint ("" = default ipc:// socket; "none" = no drafter, AR only).
+        device, dtype: where and in which precision the target runs.
+        max_running: requests decoded concurrently (round-robin); max_waiting: queued beyond that (429 after).
+        max_context: context window (0 = the target's).
+        default_method: method when a request names none (must be one the drafter serves).
+        draft_timeout_s: deadline of one drafter round trip; drafter_wait_s: how long to wait for the
+            drafter at start; health_interval_s: idle drafter ping period.
+        drain_timeout_s: on SIGTERM, how long running requests may finish.
+        cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC pool for features (CUDA devices only).
+        verifier_metrics_port, metrics_host: Prometheus endpoint (port 0 = off).
+    """
+
+    target: str = "smollm2-135m-instruct"
+    verifier_endpoint: str = ""
+    drafter_endpoint: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_running: int = 8
+    max_waiting: int = 64
+    max_context: int = 0
+    default_method: str = "dartree-pruned"
+    draft_timeout_s: float = 30.0
+    drafter_wait_s: float = 600.0
+    health_interval_s: float = 1.0
+    drain_timeout_s: float = 30.0
+    cuda_ipc: bool = True
+    ipc_slots: int = 16
+    ipc_slot_bytes: int = 8 << 20
+    verifier_metrics_port: int = 8001
+    metrics_host: str = "127.0.0.1"
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.max_running < 1 or self.max_waiting < 0:
+            raise ValueError("max_running must be >= 1 and max_waiting >= 0")
+
+
+@dataclass
+class _Entry:
+    """One request in the table."""
+
+    identity: bytes          # the gateway connection to answer
+    gen: Generate
+    arrival: float
+    method: str
+    rounds: int = 0
+    spec_stats: dict = field(default_factory=dict)
+
+
+def default_params(gen: Generate, method: str):
+    """The engine's ``(SamplingParams, SpecParams)`` for a request (ValueError on bad values)."""
+    from services.verifier.engine import SamplingParams, SpecParams
+
+    s, p = gen.sampling, gen.spec
+    sampling = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                              seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    spec = SpecParams(method=method, budget=p.budget, width=p.width, depth_bonus=p.depth_bonus,
+                      candidates=p.candidates)
+    return sampling, spec
+
+
+class VerifierWorker:
+    """Request table and scheduling around an engine (``add_request`` / ``step`` / ``abort``).
+
+    Args:
+        engine: a ``SpecEngine`` (or a fake with the same four methods).
+        info: this verifier's handshake info (model, context, methods, limits, default spec).
+        config: limits and defaults.
+        send: ``send(identity, msg)`` to the gateway (the I/O thread's :meth:`ServerIO.send`).
+        drafter_ping: returns whether the drafter answers (called when idle); None = no drafter.
+        params: builds the engine's parameter objects from a :class:`Generate`.
+    """
+
+    def __init__(self, engine, info: PeerInfo, config: VerifierWorkerConfig, metrics: VerifierMetrics | None = None,
+                 send: Callable | None = None, drafter_ping: Callable[[], bool] | None = None,
+                 params: Callable = default_params):
+        self.engine, self.info, self.config = engine, info, config
+        self.metrics = metrics or VerifierMetrics()
+        self.send = send
+        self.inbox: queue.Queue = queue.Queue()
+        self.drafter_ok = True
+        self.draining = False
+        self._drafter_ping, self._params = drafter_ping, params
+        self._last_ping = 0.0
+        self._waiting: deque[_Entry] = deque()
+        self._running: dict[str, _Entry] = {}
+        self._order: deque[str] = deque()  # round-robin order of running ids
+        self._handlers = {MessageType.GENERATE: self._on_generate, MessageType.ABORT: self._on_abort}
+
+    # ------------------------------------------------------------------------------ I/O thread
+
+    def post(self, identity: bytes, msg) -> None:
+        """Queue a Generate/Abort for the compute loop without a socket (in-process transport, R15)."""
+        from services.protocol import MESSAGE_TYPES
+
+        self.inbox.put((identity, Decoded(MESSAGE_TYPES[type(msg)], msg, [])))
+
+    def on_io_message(self, identity: bytes, dec: Decoded):
+        """Hello/Ping answered here; Generate/Abort go to the compute loop; anything else dropped."""
+        if dec.type == MessageType.PING:
+            return self.status(dec.msg.nonce)
+        if dec.type == MessageType.HELLO:
+            return self.hello(dec.msg)
+        if dec.type in self._handlers:
+            return None
+        log.warning("dropped an unexpected %s message", dec.type.name)
+        self.metrics.ipc_errors.labels("gateway").inc()
+        return False
+
+    def hello(self, hello) -> HelloAck:
+        reason = check_hello_version(hello.protocol_version) or check_compatible(self.info, hello.info)
+        if reason:
+            log.error("refusing a gateway: %s", reason)
+        return HelloAck(PROTOCOL_VERSION, reason is None, self.info, reason or "")
+
+    def status(self, nonce: int = 0) -> Pong:
+        detail = "" if self.drafter_ok else "the drafter is not answering"
+        return Pong(nonce, self.info.epoch, ready=self.drafter_ok, draining=self.draining,
+                    num_running=len(self._running), num_waiting=len(self._waiting), detail=detail)
+
+    # ------------------------------------------------------------------------- compute thread
+
+    def event_loop(self, stop: threading.Event) -> None:
+        """Run until ``stop``; after :meth:`begin_drain`, until the table is empty or the drain times out."""
+        drain_deadline = None
+        while not stop.is_set():
+            if self.draining:
+                drain_deadline = drain_deadline or time.monotonic() + self.config.drain_timeout_s
+                if not self._has_work():
+                    break
+                if time.monotonic() > drain_deadline:
+                    log.warning("drain timeout: failing %d requests", len(self._running) + len(self._waiting))
+                    break
+            try:
+                self.run_once()
+            except Exception:  # a bug in scheduling must not kill the process: fail the table, go on
+                log.exception("verifier loop error; failing all requests")
+                self.fail_all(500, "internal error in the verifier", "internal_error")
+        self.fail_all(503, "the server is shutting down", "shutdown")
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def run_once(self, idle_timeout: float = 0.05) -> None:
+        """One loop iteration: recv -> schedule -> step -> send."""
+        self._recv(block=not self._has_work(), timeout=idle_timeout)
+        self._admit()
+        for rid in self._schedule():
+            self._step(rid)
+        self._update_gauges()
+        if not self._has_work():
+            self._check_drafter()
+
+    def fail_all(self, status: int, message: str, code: str) -> None:
+        """Abort every request with an error (shutdown, fatal engine error)."""
+        for entry in list(self._waiting) + list(self._running.values()):
+            self._error(entry, status, message, None, code)
+            self.engine.abort(entry.gen.request_id)
+        self._waiting.clear()
+        self._running.clear()
+        self._order.clear()
+        self._update_gauges()
+
+    def _has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def _recv(self, block: bool, timeout: float) -> None:
+        try:
+            item = self.inbox.get(timeout=timeout) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            identity, dec = item
+            self._handlers[dec.type](identity, dec.msg)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _on_generate(self, identity: bytes, gen: Generate) -> None:
+        rid = gen.request_id
+        entry = _Entry(identity, gen, time.monotonic(), gen.spec.method or self.config.default_method)
+        if self.draining:
+            return self._error(entry, 503, "the server is draining", None, "draining")
+        if rid in self._running or any(e.gen.request_id == rid for e in self._waiting):
+            return self._error(entry, 400, f"request id {rid!r} is already in flight", None, "duplicate_request_id")
+        if len(self._waiting) >= self.config.max_waiting and len(self._running) >= self.config.max_running:
+            return self._error(entry, 429, "the verifier queue is full; retry later", None, "overloaded")
+        self._waiting.append(entry)
+
+    def _on_abort(self, identity: bytes, abort: Abort) -> None:
+        rid = abort.request_id
+        entry = self._running.get(rid)
+        if entry is not None:
+            self._drop(rid)
+            self.engine.abort(rid)
+        else:
+            before = len(self._waiting)
+            self._waiting = deque(e for e in self._waiting if e.gen.request_id != rid)
+            if len(self._waiting) == before:
+                return  # already finished: nothing to free
+            self._update_gauges()
+        self.metrics.aborts.labels(abort.reason).inc()
+        log.info("aborted %s (%s)", rid, abort.reason)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.config.max_running:
+            entry = self._waiting.popleft()
+            rid = entry.gen.request_id
+            try:
+                sampling, spec = self._params(entry.gen, entry.method)
+                self.engine.add_request(rid, list(entry.gen.prompt_ids), sampling, spec)
+            except ValueError as exc:
+                m = _PARAM_RE.search(str(exc))
+                self._error(entry, 400, str(exc), m.group(1) if m else None, "invalid_value")
+                continue
+            self._running[rid] = entry
+            self._order.append(rid)
+
+    def _schedule(self) -> list[str]:
+        """Requests to step now: the next one round-robin (a batch of one)."""
+        if not self._order:
+            return []
+        rid = self._order.popleft()
+        self._order.append(rid)
+        return [rid]
+
+    def _step(self, rid: str) -> None:
+        entry = self._running[rid]
+        token = request_id_var.set(rid)
+        try:
+            if entry.rounds == 0:
+                self.metrics.queue.observe(time.monotonic() - entry.arrival)
+            out = self.engine.step(rid)
+        except Exception as exc:  # the engine already freed the request
+            self._drop(rid)
+            self._step_failed(entry, exc)
+            return
+        finally:
+            request_id_var.reset(token)
+        entry.rounds += 1
+        self._observe(entry, out)
+        if out.finish_reason is not None:
+            self._drop(rid)  # before sending: the table (and gauges) never outlive the last chunk
+        self.send(entry.identity, RoundChunk(rid, list(out.token_ids), out.finish_reason,
+                                             num_draft_tokens=out.num_draft_tokens, accept_length=out.accept_length))
+
+    def _step_failed(self, entry: _Entry, exc: Exception) -> None:
+        if isinstance(exc, DrafterUnavailable):
+            self.drafter_ok = False
+            log.error("drafter unavailable: %s", exc)
+            self._error(entry, 503, f"the drafter is unavailable: {exc}", None, "drafter_unavailable")
+        elif isinstance(exc, DrafterError):
+            log.error("%s", exc)
+            self._error(entry, 500, str(exc), None, "drafter_error")
+        else:
+            log.exception("engine step failed for %s", entry.gen.request_id)
+            self._error(entry, 500, "internal error in the verifier", None, "internal_error")
+        self.metrics.aborts.labels("error").inc()
+
+    def _observe(self, entry: _Entry, out) -> None:
+        if getattr(out, "is_prefill", False):
+            if out.prefill_seconds:
+                self.metrics.round_seconds.labels("prefill").observe(out.prefill_seconds)
+            return
+        self.metrics.observe_round(entry.method, out.num_draft_tokens, out.accept_length, list(out.accepted_per_depth),
+                                   len(out.token_ids), dict(out.timings), out.prefill_seconds)
+
+    def _drop(self, rid: str) -> None:
+        if self._running.pop(rid, None) is not None:
+            self._order.remove(rid)
+        self._update_gauges()
+
+    def _error(self, entry: _Entry, status: int, message: str, param: str | None, code: str) -> None:
+        self.send(entry.identity, RequestError(entry.gen.request_id, status, message[:4000], param, code))
+
+    def _update_gauges(self) -> None:
+        self.metrics.running.set(len(self._running))
+        self.metrics.waiting.set(len(self._waiting))
+
+    def _check_drafter(self) -> None:
+        if self._drafter_ping is None or time.monotonic() - self._last_ping < self.config.health_interval_s:
+            return
+        self._last_ping = time.monotonic()
+        ok = self._drafter_ping()
+        if ok != self.drafter_ok:
+            log.info("drafter is %s", "reachable again" if ok else "unreachable")
+        self.drafter_ok = ok
+
+
+# ------------------------------------------------------------------------------------ process entry
+
+def verifier_info(target_dir, engine, target, epoch: str, config: VerifierWorkerConfig, methods: tuple[str, ...],
+                  drafter: PeerInfo | None) -> PeerInfo:
+    """This verifier's handshake info (for the gateway)."""
+    from services.protocol import Limits, SpecSpec, special_token_ids, tokenizer_hash
+
+    limits = Limits(max_context=engine.max_context, max_prompt_tokens=engine.max_context - 1,
+                    max_tokens=engine.max_context - 1, max_budget=1024, max_running=config.max_running,
+                    max_waiting=config.max_waiting)
+    return PeerInfo(role="verifier", epoch=epoch, tokenizer_hash=tokenizer_hash(target_dir),
+                    vocab_size=engine.vocab_size, eos_token_id=int(engine.eos_token_ids[0]) if engine.eos_token_ids
+                    else -1, special_token_ids=special_token_ids(target_dir),
+                    block_size=drafter.block_size if drafter else 0, feature_dim=target.feature_dim,
+                    target_layer_ids=tuple(target.target_layer_ids), max_context=engine.max_context,
+                    model=target_dir.name, methods=methods, default_spec=SpecSpec(method=config.default_method),
+                    limits=limits, device=config.device)
+
+
+def _connect_drafter(config: VerifierWorkerConfig, target_dir, ctx, epoch: str):
+    """``(client, drafter info)`` or ``(None, None)`` when running without a drafter."""
+    from services.ipc_pool import make_transport
+    from services.protocol import config_eos_token_id, special_token_ids, tokenizer_hash
+    from services.verifier.remote_drafter import ZmqDrafterClient
+    from services.wire import ipc_endpoint
+
+    if config.drafter_endpoint == "none":
+        return None, None
+    local = PeerInfo(role="verifier", epoch=epoch, tokenizer_hash=tokenizer_hash(target_dir),
+                     eos_token_id=config_eos_token_id(target_dir), special_token_ids=special_token_ids(target_dir))
+    transport = make_transport(config.device, config.cuda_ipc, config.ipc_slots, config.ipc_slot_bytes)
+    client = ZmqDrafterClient(config.drafter_endpoint or ipc_endpoint("drafter"), local, transport,
+                              config.draft_timeout_s, ctx)
+    peer = client.connect(wait_s=config.drafter_wait_s)
+    log.info("drafter connected (block %d, methods %s)", peer.block_size, ", ".join(peer.methods))
+    return client, peer
+
+
+def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo | None):
+    """Load the target (tapping the drafter's layers) and wrap it in a ``SpecEngine``: ``(engine, target, dir)``."""
+    import torch
+
+    from services.models.registry import resolve_target
+    from services.verifier.engine import EngineConfig, SpecEngine
+    from services.verifier.target import TargetModel
+
+    target_dir = resolve_target(config.target)
+    layer_ids = list(drafter.target_layer_ids) if drafter and drafter.target_layer_ids else None
+    target = TargetModel.from_pretrained(target_dir, layer_ids, dtype=getattr(torch, config.dtype),
+                                         device=config.device)
+    if drafter is not None and drafter.feature_dim and drafter.feature_dim != target.feature_dim:
+        raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
+    engine = SpecEngine(target, drafter_client, EngineConfig(max_context=config.max_context or None),
+                        max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16)
+    return engine, target, target_dir
+
+
+def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = None) -> None:
+    """Entry of the verifier process (blocking until drained after SIGTERM)."""
+    import zmq
+
+    from services.models.registry import resolve_target
+    from services.runtime import on_stop_signals, prepare_process, start_metrics_server
+    from services.wire import ServerIO, ipc_endpoint, new_epoch
+
+    prepare_process("dartree-verifier", config.log_level, parent_pid)
+    epoch, ctx, stop = new_epoch(), zmq.Context(), threading.Event()
+    drafter_client, drafter = _connect_drafter(config, resolve_target(config.target), ctx, epoch)
+    engine, target, target_dir = build_engine(config, drafter_client, drafter)
+    methods = ("ar",) + tuple(m for m in (drafter.methods if drafter else ()) if m != "ar")
+    if config.default_method not in methods:
+        raise SystemExit(f"default method {config.default_method!r} is not served (available: {', '.join(methods)})")
+    info = verifier_info(target_dir, engine, target, epoch, config, methods, drafter)
+    metrics = VerifierMetrics(model=info.model, default_method=config.default_method)
+    start_metrics_server(config.verifier_metrics_port, config.metrics_host, metrics.registry)
+    worker = VerifierWorker(engine, info, config, metrics,
+                            drafter_ping=(lambda: drafter_client.ping(1.0)) if drafter_client else None)
+    on_stop_signals(lambda signum: stop.set() if worker.draining else worker.begin_drain(),
+                    supervised=parent_pid is not None)
+    endpoint = config.verifier_endpoint or ipc_endpoint("verifier")
+    io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
+                  on_error=lambda reason: metrics.ipc_errors.labels("gateway").inc(),
+                  refuse=lambda reason: HelloAck(PROTOCOL_VERSION, False, info, reason), inbox=worker.inbox)
+    worker.send = io.send
+    io.start()
+    log.info("verifier ready on %s (model %s, context %d, methods %s)", endpoint, info.model, info.max_context,
+             ", ".join(methods))
+    try:
+        worker.event_loop(stop)
+    finally:
+        io.close()
+        if drafter_client is not None:
+            drafter_client.close()
+        ctx.destroy(linger=0)
+        log.info("verifier stopped")

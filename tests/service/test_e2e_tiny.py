@@ -1,0 +1,261 @@
+"""``dartree serve`` end to end: three real processes on ipc://, a tiny random model, the openai client.
+
+Covers: completions and chat, streaming and not (stream == non-stream), greedy served == plain AR
+decoding, metrics from every process, concurrent identical requests, kill -9 of a worker mid-stream
+(clean error, restart, readiness false then true), and the SIGTERM drain. Tests run in file order
+on one server; the drain test stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from .tiny import make_tiny_models
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@dataclass
+class Server:
+    base: str
+    proc: subprocess.Popen
+    metrics_ports: tuple[int, int]
+    target_dir: Path
+    log: Path
+
+    def child(self, comm: str) -> psutil.Process:
+        for c in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if c.name() == comm and c.status() != psutil.STATUS_ZOMBIE:
+                    return c
+            except psutil.NoSuchProcess:
+                continue
+        raise LookupError(f"no child {comm}:\n{self.log.read_text()[-3000:]}")
+
+    def wait_ready(self, timeout: float = 180.0, want: bool = True) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                ok = httpx.get(self.base + "/health/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok == want:
+                return time.monotonic() - t0
+            time.sleep(0.1)
+        raise TimeoutError(f"readiness never became {want}:\n{self.log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_models(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    target_dir, drafter_dir = tiny
+    port, vport, dport = _free_ports(3)
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    cmd = [sys.executable, "-m", "services.serve", "--target", str(target_dir), "--drafter", str(drafter_dir),
+           "--port", str(port), "--verifier-metrics-port", str(vport), "--drafter-metrics-port", str(dport),
+           "--served-model-name", "tiny", "--budget", "8", "--candidates", "8", "--width", "4",
+           "--ping-interval-s", "0.2", "--ping-timeout-s", "3", "--draft-timeout-s", "10",
+           "--drain-timeout-s", "20", "--default-temperature", "0"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    srv = Server(f"http://127.0.0.1:{port}", proc, (vport, dport), target_dir, log)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def _ar_reference(target_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Plain greedy decoding of the tiny target in this process (the served answer must equal it)."""
+    from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+    from services.verifier.target import TargetModel
+
+    engine = SpecEngine(TargetModel.from_pretrained(target_dir, [1, 2]), None)
+    out = []
+    for r in engine.generate("ref", prompt_ids, SamplingParams(max_tokens=max_tokens), SpecParams(method="ar")):
+        out += r.token_ids
+    return out
+
+
+def _sse(r: httpx.Response) -> list:
+    events = [line[6:] for line in r.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_completions_and_chat_stream_equal_non_stream_and_equal_plain_decoding(server):
+    from gateway.text import TextModel
+
+    client = _client(server)
+    reference = _ar_reference(server.target_dir, TextModel(server.target_dir).encode("Hello world"), 24)
+    for method in ("dartree-pruned", "ddtree", "dflash", "ar"):
+        extra = {"speculative": {"method": method}, "return_token_ids": True}
+        plain = client.completions.create(model="tiny", prompt="Hello world", max_tokens=24, extra_body=extra)
+        chunks = list(client.completions.create(model="tiny", prompt="Hello world", max_tokens=24, stream=True,
+                                                extra_body=extra))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == plain.choices[0].text, method
+        ids = plain.choices[0].model_extra["token_ids"]
+        assert len(ids) == plain.usage.completion_tokens
+        assert ids == reference[:len(ids)], method  # lossless: the drafter changes speed, never output
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi 😀"}],
+                                          max_completion_tokens=16)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi 😀"}], max_completion_tokens=16, stream=True)
+        if c.choices)
+    assert streamed == chat.choices[0].message.content
+
+
+def test_every_process_exports_metrics_and_tau_is_consistent(server):
+    vport, dport = server.metrics_ports
+    v = httpx.get(f"http://127.0.0.1:{vport}/metrics").text
+    d = httpx.get(f"http://127.0.0.1:{dport}/metrics").text
+    g = httpx.get(server.base + "/metrics").text
+    assert "dartree_spec_rounds_total" in v and "dartree_drafter_calls_total" in d
+    assert "dartree_time_to_first_token_seconds" in g
+
+    rounds, accepted = _total(v, "dartree_spec_rounds_total"), _total(v, "dartree_spec_accepted_tokens_total")
+    emitted = _total(v, "dartree_spec_acceptance_length_sum")
+    assert rounds > 0 and accepted <= emitted <= accepted + rounds  # emitted = accepted + a bonus per uncut round
+    assert _total(v, "dartree_num_requests_running") == 0 and _total(d, "dartree_drafter_contexts") == 0
+
+
+def test_real_prometheus_scrapes_all_three_and_tau_matches_the_engine(server, tmp_path):
+    exe = shutil.which("prometheus")
+    if exe is None:
+        pytest.skip("no prometheus binary (Debian package 'prometheus'; the CI set-up installs it)")
+    vport, dport = server.metrics_ports
+    gport = int(server.base.rsplit(":", 1)[1])
+    (prom_port,) = _free_ports(1)
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text("global: {scrape_interval: 1s}\nscrape_configs:\n" + "".join(
+        f"  - job_name: {job}\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
+        for job, port in (("gateway", gport), ("verifier", vport), ("drafter", dport))))
+    prom = subprocess.Popen([exe, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    api = f"http://127.0.0.1:{prom_port}/api/v1/query"
+    try:
+        httpx.post(server.base + "/v1/completions", json={"prompt": "tau", "max_tokens": 30}, timeout=60)
+        v = httpx.get(f"http://127.0.0.1:{vport}/metrics").text  # the engine's own count, no traffic after this
+        own = _total(v, "dartree_spec_acceptance_length_sum") / _total(v, "dartree_spec_acceptance_length_count")
+        query = "sum(dartree_spec_acceptance_length_sum) / sum(dartree_spec_acceptance_length_count)"
+        tau, up = None, 0
+        for _ in range(120):
+            try:
+                up = len(httpx.get(api, params={"query": "up == 1"}).json()["data"]["result"])
+                res = httpx.get(api, params={"query": query}).json()["data"]["result"]
+                tau = float(res[0]["value"][1]) if res else None
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            if up == 3 and tau is not None and abs(tau - own) < 1e-9:
+                break
+            time.sleep(0.5)
+        assert up == 3 and tau == pytest.approx(own, abs=1e-9) and tau >= 1.0
+    finally:
+        prom.terminate()
+        prom.wait(20)
+
+
+def _total(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_concurrent_identical_greedy_requests_agree(server):
+    async def go():
+        async with httpx.AsyncClient(base_url=server.base, timeout=60) as c:
+            rs = await asyncio.gather(*(c.post("/v1/completions", json={"prompt": "The quick", "max_tokens": 20,
+                                                                        "stream": bool(i % 2)}) for i in range(6)))
+        return rs
+
+    texts = set()
+    for r in asyncio.run(go()):
+        assert r.status_code == 200
+        texts.add("".join(e["choices"][0]["text"] for e in _sse(r)) if r.headers["content-type"].startswith(
+            "text/event-stream") else r.json()["choices"][0]["text"])
+    assert len(texts) == 1
+
+
+@pytest.mark.parametrize("victim", ["dartree-drafter", "dartree-verifie"], ids=["drafter", "verifier"])
+def test_kill_9_of_a_worker_mid_stream_gives_a_clean_error_and_recovers(server, victim):
+    old = server.child(victim)
+    with httpx.Client(base_url=server.base, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 240, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    old.send_signal(signal.SIGKILL)
+                    break
+            tail = [line for line in lines if line.startswith("data: ")]
+    assert tail[-1] == "data: [DONE]" and "error" in json.loads(tail[-2][6:]), tail[-3:]
+    for _ in range(300):  # the supervisor notices the death and starts a new one
+        try:
+            if server.child(victim).pid != old.pid:
+                break
+        except LookupError:
+            pass
+        time.sleep(0.1)
+    assert server.child(victim).pid != old.pid
+    server.wait_ready(timeout=180)
+    ok = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 8}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+
+
+def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(server):
+    with httpx.Client(base_url=server.base, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 120, "stream": True}) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            refused = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert refused.status_code == 503
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+    assert server.proc.wait(60) == 0

@@ -1,0 +1,269 @@
+"""The gateway on a scripted engine: responses, streaming, stop strings, usage, errors, admission."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from .conftest import GatewayHarness
+from .fakes import Script
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def sse_events(body: str) -> list:
+    assert body.endswith("data: [DONE]\n\n"), body[-200:]
+    events = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def stream_text(events: list, chat: bool = False) -> str:
+    if chat:
+        return "".join(c["delta"].get("content", "") for e in events for c in e["choices"])
+    return "".join(c["text"] for e in events for c in e["choices"])
+
+
+TEXTS = ["Hello world, this is a test.", "你好，世界！这是一个测试。", "Emoji 😀🎉 party 🧪 time", "mixed 日本語 🎉!"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("sizes", [[1], [3, 1, 4], [7]])
+def test_stream_equals_non_stream_and_usage_counts_emitted_tokens(harness, text, sizes):
+    ids = harness.text.encode(text, add_special_tokens=False)
+    harness.script = lambda gen: Script(ids, round_sizes=sizes)
+
+    async def go():
+        plain = (await harness.complete(prompt="Say:", max_tokens=100, return_token_ids=True)).json()
+        r = await harness.complete(prompt="Say:", max_tokens=100, stream=True, return_token_ids=True,
+                                   stream_options={"include_usage": True})
+        return plain, r
+
+    plain, r = run(go())
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    usage_event = events[-1]
+    assert usage_event["choices"] == [] and usage_event["usage"] == plain["usage"]
+    body_events = events[:-1]
+    assert stream_text(body_events) == plain["choices"][0]["text"]
+    prompt_ids = harness.engine.generated[0].prompt_ids
+    assert plain["choices"][0]["text"] == harness.text.decode(prompt_ids + ids)[len(harness.text.decode(prompt_ids)):]
+    assert plain["usage"]["completion_tokens"] == len(ids) == len(plain["choices"][0]["token_ids"])
+    assert [t for e in body_events for t in e["choices"][0]["token_ids"]] == ids
+    assert len(body_events) <= -(-len(ids) // min(sizes)) + 1  # at most one event per round
+    assert body_events[-1]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"] == "stop"
+    assert all(e["id"] == body_events[0]["id"] for e in events)
+
+
+def test_max_tokens_gives_length_and_exact_usage(bl_harness):
+    h = bl_harness
+    r = run(h.complete(prompt="x", max_tokens=5)).json()
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"] == {"prompt_tokens": 1, "completion_tokens": 5, "total_tokens": 6}
+    assert h.engine.generated[0].sampling.max_tokens == 5
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_mid_round_cuts_text_ids_and_usage(bl_harness, stream):
+    h = bl_harness
+    ids = h.text.encode("one two STOP three four", add_special_tokens=False)
+    h.script = lambda gen: Script(ids, round_sizes=[len(ids)])  # everything in one round
+
+    async def go():
+        return await h.complete(prompt="x", max_tokens=50, stop=["STOP"], stream=stream, return_token_ids=True,
+                                **({"stream_options": {"include_usage": True}} if stream else {}))
+
+    r = run(go())
+    if stream:
+        events = sse_events(r.text)
+        text, usage = stream_text(events[:-1]), events[-1]["usage"]
+        kept = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
+        finish = events[-2]["choices"][0]
+    else:
+        body = r.json()
+        text, usage, finish = body["choices"][0]["text"], body["usage"], body["choices"][0]
+        kept = finish["token_ids"]
+    assert text == "one two "
+    assert finish["finish_reason"] == "stop" and finish["stop_reason"] == "STOP"
+    assert usage["completion_tokens"] == len(kept) < len(ids)
+    assert "STOP" in h.text.decode(kept) and h.text.decode(kept[:-1]).find("STOP") < 0
+    assert [a.reason for a in h.engine.aborts] == ["stop_string"]
+
+
+def test_echo_and_token_prompt(bl_harness):
+    h = bl_harness
+    prompt_ids = h.text.encode("Hi there", add_special_tokens=False)
+    r = run(h.complete(prompt=prompt_ids, max_tokens=3, echo=True)).json()
+    assert r["choices"][0]["text"].startswith("Hi there")
+    assert h.engine.generated[0].prompt_ids == prompt_ids
+    assert r["usage"]["prompt_tokens"] == len(prompt_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completion_uses_the_template(bl_harness, stream):
+    h = bl_harness
+    r = run(h.chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                   max_completion_tokens=4, stream=stream))
+    prompt = h.engine.generated[0].prompt_ids
+    assert h.text.decode(prompt, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert h.engine.generated[0].sampling.max_tokens == 4
+    if stream:
+        events = sse_events(r.text)
+        assert events[0]["object"] == "chat.completion.chunk"
+        assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert all("role" not in e["choices"][0]["delta"] for e in events[1:])
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+    else:
+        body = r.json()
+        assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+        assert body["choices"][0]["message"]["role"] == "assistant"
+        assert body["usage"]["completion_tokens"] == 4
+
+
+def test_chat_default_max_tokens_fills_the_context(bl_harness):
+    h = bl_harness
+    run(h.chat(messages=[{"role": "user", "content": "hi"}]))
+    gen = h.engine.generated[0]
+    assert gen.sampling.max_tokens == 256 - len(gen.prompt_ids)
+
+
+def test_speculative_and_sampling_fields_reach_the_engine(bl_harness):
+    h = bl_harness
+    run(h.complete(prompt="x", max_tokens=2, temperature=0.7, top_p=0.9, top_k=5, seed=11, ignore_eos=True,
+                   stop_token_ids=[7], speculative={"method": "ddtree", "budget": 32, "width": 4,
+                                                    "depth_bonus": -0.2, "candidates": 8}))
+    gen = h.engine.generated[0]
+    assert (gen.sampling.temperature, gen.sampling.top_p, gen.sampling.top_k, gen.sampling.seed) == (0.7, 0.9, 5, 11)
+    assert gen.sampling.ignore_eos and gen.sampling.stop_token_ids == (7,)
+    assert (gen.spec.method, gen.spec.budget, gen.spec.width, gen.spec.depth_bonus, gen.spec.candidates) == \
+        ("ddtree", 32, 4, -0.2, 8)
+
+
+def test_request_id_is_honoured_and_echoed(bl_harness):
+    h = bl_harness
+    r = run(h.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"X-Request-Id": "abc-1"}))
+    assert r.headers["x-request-id"] == "abc-1" and r.json()["id"] == "cmpl-abc-1"
+    assert h.engine.generated[0].request_id.startswith("abc-1-")
+    r = run(h.client.get("/health/live"))
+    assert len(r.headers["x-request-id"]) == 32
+
+
+def test_error_after_stream_started_is_an_error_event_then_done(bl_harness):
+    h = bl_harness
+    h.script = lambda gen: Script(list(range(10, 30)), round_sizes=[2], error_after_rounds=2)
+    r = run(h.complete(prompt="x", max_tokens=50, stream=True))
+    events = sse_events(r.text)
+    assert "error" in events[-1] and events[-1]["error"]["message"] == "scripted failure"
+    assert all("choices" in e for e in events[:-1])
+
+
+@pytest.mark.parametrize("status", [429, 400, 503])
+def test_engine_refusal_before_first_round_keeps_its_status(bl_harness, status):
+    h = bl_harness
+    h.script = lambda gen: Script([5], error_after_rounds=0, error_status=status)
+    for stream in (False, True):
+        r = run(h.complete(prompt="x", max_tokens=5, stream=stream))
+        assert r.status_code == status
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    if status == 429:
+        assert r.headers["retry-after"] == "1"
+
+
+def test_admission_limit_returns_429_with_retry_after(bytelevel_dir):
+    h = GatewayHarness(bytelevel_dir, max_concurrent_requests=2)
+    h.script = lambda gen: Script(list(range(10, 40)), round_sizes=[1], delay_s=0.01)
+
+    async def go():
+        return await asyncio.gather(*(h.complete(prompt="x", max_tokens=20) for _ in range(4)))
+
+    codes = sorted(r.status_code for r in run(go()))
+    assert codes == [200, 200, 429, 429]
+    assert h.gateway.in_flight == 0
+
+
+def test_not_ready_and_draining_are_503(bl_harness):
+    h = bl_harness
+    h.engine.is_ready = False
+    assert run(h.client.get("/health/ready")).status_code == 503
+    r = run(h.complete(prompt="x"))
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    h.engine.is_ready = True
+    assert run(h.client.get("/health/ready")).status_code == 200
+    h.gateway.begin_drain()
+    assert run(h.complete(prompt="x")).status_code == 503
+    assert run(h.client.get("/health/ready")).json()["detail"] == "draining"
+    assert run(h.client.get("/v1/models")).status_code == 200
+
+
+def test_api_key(bytelevel_dir):
+    h = GatewayHarness(bytelevel_dir, api_key="sekrit", metrics_auth=True)
+    r = run(h.complete(prompt="x", max_tokens=1))
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = run(h.client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                          headers={"Authorization": "Bearer sekrit"}))
+    assert r.status_code == 200
+    assert run(h.client.get("/health/live")).status_code == 200
+    assert run(h.client.get("/metrics")).status_code == 401
+    h2 = GatewayHarness(bytelevel_dir, api_key="sekrit")
+    assert run(h2.client.get("/metrics")).status_code == 200
+
+
+def test_models_metrics_and_openapi(bl_harness):
+    h = bl_harness
+    models = run(h.client.get("/v1/models")).json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 256
+    run(h.complete(prompt="x", max_tokens=3))
+    text = run(h.client.get("/metrics")).text
+    assert 'dartree_requests_total{finish_reason="length"} 1.0' in text
+    assert "dartree_generation_tokens_total 3.0" in text
+    assert "dartree_time_to_first_token_seconds_count 1.0" in text
+    spec = run(h.client.get("/openapi.json")).json()
+    assert "CompletionRequest" in spec["components"]["schemas"]
+    assert spec["paths"]["/v1/completions"]["post"]["requestBody"]["required"] is True
+
+
+def test_unknown_route_is_openai_shaped_404(bl_harness):
+    r = run(bl_harness.client.get("/v1/nope"))
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_deadline_aborts_the_request(bytelevel_dir):
+    h = GatewayHarness(bytelevel_dir, request_timeout_s=0.05)
+    h.script = lambda gen: Script(list(range(10, 40)), round_sizes=[1], delay_s=0.02)
+    r = run(h.complete(prompt="x", max_tokens=30))
+    assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+    assert [a.reason for a in h.engine.aborts] == ["deadline"]
+    assert h.gateway.in_flight == 0
+
+
+def test_many_concurrent_greedy_requests_agree(bl_harness):
+    h = bl_harness
+
+    async def go():
+        return await asyncio.gather(*(h.complete(prompt="x", max_tokens=30, stream=bool(i % 2)) for i in range(8)))
+
+    rs = run(go())
+    texts = {r.json()["choices"][0]["text"] if not r.headers["content-type"].startswith("text/event-stream")
+             else stream_text(sse_events(r.text)) for r in rs}
+    assert len(texts) == 1 and h.gateway.in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_internal_errors_are_500_without_traceback(bl_harness, stream):
+    h = bl_harness
+
+    def broken(gen):
+        raise RuntimeError("secret internals")
+
+    h.script = broken
+    r = run(h.complete(prompt="x", max_tokens=3, stream=stream))
+    if stream and r.status_code == 200:
+        assert sse_events(r.text)[-1]["error"]["code"] == "internal_error"
+    else:
+        assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
+    assert "secret" not in r.text and "Traceback" not in r.text
+    assert h.gateway.in_flight == 0

@@ -1,0 +1,119 @@
+"""Validation table: every bad-input class gets its status code, the OpenAI error shape and its ``param``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from .conftest import GatewayHarness
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+CASES = [
+    # (id, path, body, headers, status, param)
+    ("non-json", C, b"{not json", None, 400, None),
+    ("invalid-utf8", C, b'{"prompt": "\xff\xfe"}', None, 400, None),
+    ("json-array", C, b"[1, 2]", None, 400, None),
+    ("wrong-content-type", C, b'{"prompt": "x"}', {"content-type": "text/plain"}, 415, None),
+    ("body-too-large", C, {"prompt": "x" * 5000}, None, 413, None),
+    ("missing-prompt", C, {}, None, 400, "prompt"),
+    ("prompt-wrong-type", C, {"prompt": 5}, None, 400, "prompt"),
+    ("empty-prompt", C, {"prompt": ""}, None, 400, "prompt"),
+    ("token-out-of-vocab", C, {"prompt": [5, 10**6]}, None, 400, "prompt[1]"),
+    ("token-negative", C, {"prompt": [-1, 5]}, None, 400, "prompt[0]"),
+    ("batched-prompts", C, {"prompt": ["a", "b"]}, None, 400, "prompt"),
+    ("max-tokens-zero", C, {"prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
+    ("max-tokens-negative", C, {"prompt": "x", "max_tokens": -3}, None, 400, "max_tokens"),
+    ("max-tokens-huge", C, {"prompt": "x", "max_tokens": 10**9}, None, 400, "max_tokens"),
+    ("max-tokens-string", C, {"prompt": "x", "max_tokens": "5"}, None, 400, "max_tokens"),
+    ("max-tokens-bool", C, {"prompt": "x", "max_tokens": True}, None, 400, "max_tokens"),
+    ("context-exceeded", C, {"prompt": "x", "max_tokens": 256}, None, 400, "max_tokens"),
+    ("prompt-over-context", C, {"prompt": list(range(3, 259))}, None, 400, "prompt"),
+    ("temperature-negative", C, {"prompt": "x", "temperature": -0.5}, None, 400, "temperature"),
+    ("temperature-nan", C, b'{"prompt": "x", "temperature": NaN}', None, 400, "temperature"),
+    ("temperature-too-high", C, {"prompt": "x", "temperature": 3}, None, 400, "temperature"),
+    ("top-p-zero", C, {"prompt": "x", "top_p": 0}, None, 400, "top_p"),
+    ("seed-too-big", C, {"prompt": "x", "seed": 2**64}, None, 400, "seed"),
+    ("five-stop-strings", C, {"prompt": "x", "stop": list("abcde")}, None, 400, "stop"),
+    ("empty-stop-string", C, {"prompt": "x", "stop": [""]}, None, 400, "stop"),
+    ("stop-wrong-type", C, {"prompt": "x", "stop": [1]}, None, 400, "stop[0]"),
+    ("stop-token-out-of-vocab", C, {"prompt": "x", "stop_token_ids": [10**6]}, None, 400, "stop_token_ids[0]"),
+    ("n-2", C, {"prompt": "x", "n": 2}, None, 400, "n"),
+    ("best-of", C, {"prompt": "x", "best_of": 3}, None, 400, "best_of"),
+    ("presence-penalty", C, {"prompt": "x", "presence_penalty": 0.5}, None, 400, "presence_penalty"),
+    ("frequency-penalty", C, {"prompt": "x", "frequency_penalty": -1.0}, None, 400, "frequency_penalty"),
+    ("penalty-out-of-range", C, {"prompt": "x", "presence_penalty": 5}, None, 400, "presence_penalty"),
+    ("logit-bias", C, {"prompt": "x", "logit_bias": {"5": 10}}, None, 400, "logit_bias"),
+    ("logprobs", C, {"prompt": "x", "logprobs": 1}, None, 400, "logprobs"),
+    ("suffix", C, {"prompt": "x", "suffix": "end"}, None, 400, "suffix"),
+    ("min-tokens", C, {"prompt": "x", "min_tokens": 5}, None, 400, "min_tokens"),
+    ("repetition-penalty", C, {"prompt": "x", "repetition_penalty": 1.2}, None, 400, "repetition_penalty"),
+    ("unknown-model", C, {"prompt": "x", "model": "gpt-9"}, None, 404, "model"),
+    ("spec-unknown-method", C, {"prompt": "x", "speculative": {"method": "medusa"}}, None, 400, "speculative.method"),
+    ("spec-budget-zero", C, {"prompt": "x", "speculative": {"budget": 0}}, None, 400, "speculative.budget"),
+    ("spec-budget-over-max", C, {"prompt": "x", "speculative": {"budget": 1000}}, None, 400, "speculative.budget"),
+    ("spec-unknown-key", C, {"prompt": "x", "speculative": {"beam": 2}}, None, 400, "speculative.beam"),
+    ("spec-depth-bonus-nan", C, b'{"prompt": "x", "speculative": {"depth_bonus": NaN}}', None, 400,
+     "speculative.depth_bonus"),
+    ("stream-options-without-stream", C, {"prompt": "x", "stream_options": {"include_usage": True}}, None, 400,
+     "stream_options"),
+    ("request-id-too-long", C, {"prompt": "x"}, {"x-request-id": "a" * 129}, 400, "x-request-id"),
+    ("request-id-with-space", C, {"prompt": "x"}, {"x-request-id": "a b"}, 400, "x-request-id"),
+    ("chat-no-messages", CHAT, {"messages": []}, None, 400, "messages"),
+    ("chat-missing-messages", CHAT, {}, None, 400, "messages"),
+    ("chat-bad-role", CHAT, {"messages": [{"role": "bot", "content": "x"}]}, None, 400, "messages[0].role"),
+    ("chat-image-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     None, 400, "messages[0].content[0].type"),
+    ("chat-max-completion-tokens-zero", CHAT, {"messages": MSG, "max_completion_tokens": 0}, None, 400,
+     "max_completion_tokens"),
+    ("chat-context-exceeded", CHAT, {"messages": MSG, "max_completion_tokens": 10**4}, None, 400,
+     "max_completion_tokens"),
+    ("chat-logprobs", CHAT, {"messages": MSG, "logprobs": True}, None, 400, "logprobs"),
+    ("chat-tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, None, 400, "tools"),
+    ("chat-json-mode", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, None, 400,
+     "response_format"),
+]
+
+OK_CASES = [
+    ("special-tokens-only", C, {"prompt": "<|im_end|>", "max_tokens": 2}),
+    ("prompt-at-context-minus-one", C, {"prompt": list(range(3, 258)), "max_tokens": 1}),
+    ("harmless-unknown-fields", C, {"prompt": "x", "max_tokens": 1, "user": "u", "metadata": {"a": 1}}),
+    ("off-values-of-unsupported-fields", C, {"prompt": "x", "max_tokens": 1, "n": 1, "presence_penalty": 0,
+                                             "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1}),
+    ("single-prompt-in-a-list", C, {"prompt": ["x"], "max_tokens": 1}),
+    ("token-prompt-in-a-list", C, {"prompt": [[5, 6]], "max_tokens": 1}),
+    ("chat-minimal", CHAT, {"messages": MSG, "max_tokens": 1}),
+    ("top-k-disabled", C, {"prompt": "x", "max_tokens": 1, "top_k": -1}),
+]
+
+
+@pytest.fixture(scope="module")
+def vharness(bytelevel_dir):
+    return GatewayHarness(bytelevel_dir, max_body_bytes=4096)
+
+
+def _post(h, path, body, headers):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    return asyncio.run(h.client.post(path, content=data, headers=hdrs))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_rejected_with_status_and_param(vharness, case):
+    _, path, body, headers, status, param = case
+    r = _post(vharness, path, body, headers)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert "Traceback" not in r.text
+
+
+@pytest.mark.parametrize("case", OK_CASES, ids=[c[0] for c in OK_CASES])
+def test_edge_inputs_are_served(vharness, case):
+    _, path, body = case
+    r = _post(vharness, path, body, None)
+    assert r.status_code == 200, r.text

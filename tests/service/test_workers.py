@@ -1,0 +1,424 @@
+"""Verifier and drafter workers over real ZMQ ``ipc://`` sockets, with fake engines (threads, no models)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+
+import msgspec
+import pytest
+import zmq
+
+from gateway.engine_client import EngineError, ZmqEngineClient
+from services import protocol as p
+from services.drafter.worker import DrafterWorker, drafter_info
+from services.ipc_pool import FrameTransport
+from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
+from services.wire import ServerIO, decode, encode, new_epoch
+
+from .fakes import FakeDrafterService, FakeEngine, fake_params, verifier_info
+
+
+@pytest.fixture
+def sockdir():
+    d = tempfile.mkdtemp(prefix="dt-", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@contextmanager
+def running_verifier(sockdir, engine, **cfg):
+    ctx = zmq.Context()
+    endpoint = f"ipc://{sockdir}/verifier.sock"
+    config = VerifierWorkerConfig(**cfg)
+    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), config, params=fake_params)
+    io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
+                  on_error=lambda r: worker.metrics.ipc_errors.labels("gateway").inc(), inbox=worker.inbox,
+                  refuse=lambda reason: p.HelloAck(p.PROTOCOL_VERSION, False, worker.info, reason))
+    worker.send = io.send
+    io.start()
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.event_loop, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield worker, io, endpoint
+    finally:
+        stop.set()
+        thread.join(5)
+        io.close()
+        ctx.destroy(linger=0)
+
+
+def gateway_info(**kw) -> p.PeerInfo:
+    return p.PeerInfo(role="gateway", epoch="g", **kw)
+
+
+async def connected_client(endpoint, **kw) -> ZmqEngineClient:
+    client = ZmqEngineClient(endpoint, gateway_info(**kw), ping_interval_s=0.05, ping_timeout_s=1.0)
+    await client.start()
+    for _ in range(200):
+        if client.ready or "mismatch" in client.detail:
+            break
+        await asyncio.sleep(0.01)
+    return client
+
+
+def gen(rid: str, prompt=(5, 6), max_tokens: int = 16) -> p.Generate:
+    return p.Generate(rid, list(prompt), p.SamplingSpec(max_tokens=max_tokens), p.SpecSpec())
+
+
+# ----------------------------------------------------------------------------------------- verifier
+
+def test_generate_streams_rounds_and_frees_state(sockdir):
+    engine = FakeEngine()
+    with running_verifier(sockdir, engine) as (worker, io, endpoint):
+        async def go():
+            client = await connected_client(endpoint)
+            assert client.ready and client.info.max_context == 256
+            chunks = [c async for c in client.generate(gen("r1"))]
+            await client.close()
+            return chunks
+
+        chunks = asyncio.run(go())
+        assert [c.token_ids for c in chunks] == engine.rounds
+        assert [c.finish_reason for c in chunks] == [None, None, None, "stop"]
+        assert engine.num_active() == 0
+        r = worker.metrics.registry
+        assert r.get_sample_value("dartree_num_requests_running") == 0
+        # the first (prefill) round is not a speculative round
+        assert r.get_sample_value("dartree_spec_rounds_total", {"method": "dartree-pruned"}) == 3
+        assert r.get_sample_value("dartree_spec_acceptance_length_sum", {"method": "dartree-pruned"}) == 6
+
+
+def test_round_robin_interleaves_requests_fairly(sockdir):
+    engine = FakeEngine(rounds=[[1]] * 6, step_delay_s=0.01)
+    with running_verifier(sockdir, engine) as (worker, io, endpoint):
+        async def go():
+            client = await connected_client(endpoint)
+
+            async def one(rid):
+                return [c async for c in client.generate(gen(rid))]
+
+            out = await asyncio.gather(one("a"), one("b"))
+            await client.close()
+            return out
+
+        a, b = asyncio.run(go())
+        assert len(a) == len(b) == 6
+        order = engine.steps
+        first_both = max(order.index("a"), order.index("b"))
+        tail = order[first_both:first_both + 8]
+        assert all(x != y for x, y in zip(tail, tail[1:])), order  # alternating once both run
+
+
+def test_admission_limit_queues_fifo_then_refuses_with_429(sockdir):
+    engine = FakeEngine(rounds=[[1]] * 5, step_delay_s=0.02)
+    with running_verifier(sockdir, engine, max_running=1, max_waiting=1) as (worker, io, endpoint):
+        async def go():
+            client = await connected_client(endpoint)
+
+            async def one(rid):
+                try:
+                    return len([c async for c in client.generate(gen(rid))])
+                except EngineError as err:
+                    return err.status
+
+            tasks = []
+            for rid in "abc":
+                tasks.append(asyncio.create_task(one(rid)))
+                await asyncio.sleep(0.01)
+            out = await asyncio.gather(*tasks)
+            await client.close()
+            return out
+
+        assert asyncio.run(go()) == [5, 5, 429]
+        assert engine.steps.index("b") > engine.steps.index("a")
+
+
+def test_client_abort_frees_the_request_at_the_next_round(sockdir):
+    engine = FakeEngine(rounds=[[1]] * 200, step_delay_s=0.005)
+    with running_verifier(sockdir, engine) as (worker, io, endpoint):
+        async def go():
+            client = await connected_client(endpoint)
+            stream = client.generate(gen("long"))
+            async for _ in stream:
+                break
+            await stream.aclose()
+            for _ in range(100):
+                if engine.num_active() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            await client.close()
+
+        asyncio.run(go())
+        assert engine.num_active() == 0 and engine.aborted == ["long"]
+        assert worker.metrics.registry.get_sample_value("dartree_aborts_total", {"reason": "client"}) == 1
+        assert worker.metrics.registry.get_sample_value("dartree_num_requests_running") == 0
+
+
+@pytest.mark.parametrize("engine, status, param", [
+    (FakeEngine(), 400, "prompt"),
+    (FakeEngine(fail_on_step=1), 500, None),
+])
+def test_engine_errors_become_request_errors(sockdir, engine, status, param):
+    with running_verifier(sockdir, engine) as (worker, io, endpoint):
+        async def go():
+            client = await connected_client(endpoint)
+            try:
+                with pytest.raises(EngineError) as info:
+                    async for _ in client.generate(gen("x", prompt=(399,) if status == 400 else (5,))):
+                        pass
+                engine.fail_on_step = None
+                # the worker keeps serving
+                ok = [c async for c in client.generate(gen("y"))]
+            finally:
+                await client.close()
+            return info.value, ok
+
+        err, ok = asyncio.run(go())
+        assert err.status == status and err.param == param and "Traceback" not in err.message
+        assert ok[-1].finish_reason == "stop" and engine.num_active() == 0
+
+
+def test_drafter_unavailable_is_503(sockdir):
+    from services.verifier.remote_drafter import DrafterUnavailable
+
+    engine = FakeEngine(fail_on_step=1, fail_with=DrafterUnavailable("no answer within 1 s"))
+    with running_verifier(sockdir, engine) as (worker, io, endpoint):
+        async def go():
+            client = await connected_client(endpoint)
+            with pytest.raises(EngineError) as info:
+                async for _ in client.generate(gen("x")):
+                    pass
+            await client.close()
+            return info.value
+
+        err = asyncio.run(go())
+        assert err.status == 503 and err.code == "drafter_unavailable"
+
+
+def test_verifier_death_fails_in_flight_requests_fast(sockdir):
+    engine = FakeEngine(rounds=[[1]] * 500, step_delay_s=0.01)
+    with running_verifier(sockdir, engine) as (worker, io, endpoint):
+        async def go():
+            client = await connected_client(endpoint)
+            t0 = None
+            with pytest.raises(EngineError) as info:
+                async for _ in client.generate(gen("x")):
+                    if t0 is None:
+                        t0 = time.monotonic()
+                        io.close()  # the verifier's socket goes away mid-stream
+            dt = time.monotonic() - t0
+            ready = client.ready
+            await client.close()
+            return info.value, dt, ready
+
+        err, dt, ready = asyncio.run(go())
+        assert err.status == 503 and dt < 2.0 and not ready
+
+
+def test_mismatched_gateway_is_refused(sockdir):
+    with running_verifier(sockdir, FakeEngine()) as (worker, io, endpoint):
+        async def go():
+            client = await connected_client(endpoint, tokenizer_hash="other", vocab_size=999)
+            out = client.ready, client.detail
+            await client.close()
+            return out
+
+        ready, detail = asyncio.run(go())
+        assert not ready and "mismatch" in detail
+
+
+def test_malformed_messages_are_dropped_and_the_worker_keeps_serving(sockdir):
+    with running_verifier(sockdir, FakeEngine()) as (worker, io, endpoint):
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(endpoint)
+        raw.send_multipart([b"\x63", b"junk"])
+        raw.send_multipart([bytes((p.MessageType.GENERATE,)), b"\xc1"])
+        raw.send_multipart([bytes((p.MessageType.GENERATE,)), msgspec.msgpack.encode(["", [1], [5], []])])
+        raw.send_multipart(encode(p.Pong(1, "x", True)))  # a valid message of the wrong direction
+        same_layout = msgspec.msgpack.encode([p.PROTOCOL_VERSION + 1, ["gateway", "e"]])
+        raw.send_multipart([bytes((p.MessageType.HELLO,)), same_layout])
+        other_layout = msgspec.msgpack.encode([p.PROTOCOL_VERSION + 1, {"a": "new layout"}])
+        raw.send_multipart([bytes((p.MessageType.HELLO,)), other_layout])
+        raw.send_multipart(encode(p.Ping(9)))
+        replies = []
+        while raw.poll(2000):
+            replies.append(decode(raw.recv_multipart()).msg)
+            if isinstance(replies[-1], p.Pong):
+                break
+        raw.close(0)
+        ctx.destroy()
+        acks = [r for r in replies if isinstance(r, p.HelloAck)]
+        assert len(acks) == 2 and all(not a.ok and "protocol version mismatch" in a.reason for a in acks)
+        assert replies[-1].nonce == 9
+        errors = worker.metrics.registry.get_sample_value("dartree_ipc_errors_total", {"peer": "gateway"})
+        assert errors == 5
+
+        async def go():
+            client = await connected_client(endpoint)
+            out = [c async for c in client.generate(gen("after"))]
+            await client.close()
+            return out
+
+        assert asyncio.run(go())[-1].finish_reason == "stop"
+
+
+def test_drain_finishes_running_refuses_new_and_exits(sockdir):
+    engine = FakeEngine(rounds=[[1]] * 10, step_delay_s=0.01)
+    with running_verifier(sockdir, engine) as (worker, io, endpoint):
+        async def go():
+            client = await connected_client(endpoint)
+            stream = client.generate(gen("running"))
+            first = await anext(stream)
+            worker.begin_drain()
+            rest = [c async for c in stream]
+            await asyncio.sleep(0.1)
+            await client.close()
+            return [first, *rest]
+
+        out = asyncio.run(go())
+        assert out[-1].finish_reason == "stop" and len(out) == 10
+        assert worker.status().draining
+
+
+# ------------------------------------------------------------------------------------------ drafter
+
+@contextmanager
+def running_drafter(sockdir, service, name="drafter"):
+    ctx = zmq.Context()
+    endpoint = f"ipc://{sockdir}/{name}.sock"
+    transport = FrameTransport()
+    from pathlib import Path
+
+    info = drafter_info(service, Path(sockdir), new_epoch(), "cpu", transport)
+    worker = DrafterWorker(service, info, transport)
+    io = ServerIO(ctx, endpoint, "drafter", on_message=worker.on_io_message,
+                  on_error=lambda r: worker.metrics.ipc_errors.labels("verifier").inc(), inbox=worker.inbox)
+    worker.send = io.send
+    io.start()
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.event_loop, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield worker, io, endpoint
+    finally:
+        stop.set()
+        thread.join(5)
+        io.close()
+        ctx.destroy(linger=0)
+
+
+def drafter_client(endpoint, timeout_s=5.0, **kw):
+    from services.verifier.remote_drafter import ZmqDrafterClient
+
+    local = p.PeerInfo(role="verifier", epoch="v1", vocab_size=kw.pop("vocab_size", 400), **kw)
+    return ZmqDrafterClient(endpoint, local, FrameTransport(), timeout_s)
+
+
+def _spec(method="dartree-pruned", budget=None):
+    return p.SpecSpec(method=method, budget=budget)
+
+
+def test_drafter_round_trip_over_ipc(sockdir):
+    torch = pytest.importorskip("torch")
+    service = FakeDrafterService()
+    with running_drafter(sockdir, service) as (worker, io, endpoint):
+        client = drafter_client(endpoint)
+        peer = client.connect(wait_s=5)
+        assert peer.block_size == 4 and peer.target_layer_ids == (1, 2)
+        feats = torch.randn(3, 8)
+        tree, timings = client.draft("r1", [7, 8, 9], feats, 9, 3, _spec(budget=3), max_depth=2)
+        assert tree.draft_tokens.tolist() == [10, 11] and tree.parents.tolist() == [-1, 0]
+        assert tree.depths.tolist() == [1, 2] and tree.scores.dtype == torch.float32
+        assert set(timings) == {"draft", "tree_build", "ipc"} and timings["ipc"] >= 0
+        rid, committed, got, root, start, method, max_depth = service.calls[0]
+        assert (rid, committed, root, start, method, max_depth) == ("r1", [7, 8, 9], 9, 3, "dartree-pruned", 2)
+        assert torch.equal(got, feats)
+        assert client.ping()
+        client.release("r1")
+        for _ in range(100):
+            if not service.contexts:
+                break
+            time.sleep(0.01)
+        assert service.contexts == {} and worker.metrics.registry.get_sample_value("dartree_drafter_contexts") == 0
+        client.close()
+
+
+def test_drafter_refuses_a_mismatched_verifier(sockdir):
+    from services.verifier.remote_drafter import DrafterRefused
+
+    with running_drafter(sockdir, FakeDrafterService()) as (worker, io, endpoint):
+        client = drafter_client(endpoint, vocab_size=401)
+        with pytest.raises(DrafterRefused, match="vocab size"):
+            client.connect(wait_s=5)
+        client.close()
+
+
+def test_hung_drafter_hits_the_deadline(sockdir):
+    torch = pytest.importorskip("torch")
+    from services.verifier.remote_drafter import DrafterUnavailable
+
+    with running_drafter(sockdir, FakeDrafterService(hang_s=1.0)) as (worker, io, endpoint):
+        client = drafter_client(endpoint, timeout_s=0.3)
+        client.connect(wait_s=5)
+        t0 = time.monotonic()
+        with pytest.raises(DrafterUnavailable, match="within 0.3 s"):
+            client.draft("r", [1], torch.zeros(1, 8), 1, 1, _spec())
+        assert time.monotonic() - t0 < 0.8
+        client.close()
+
+
+def test_drafter_error_is_reported_and_the_drafter_keeps_serving(sockdir):
+    torch = pytest.importorskip("torch")
+    from services.verifier.remote_drafter import DrafterError
+
+    service = FakeDrafterService(fail=True)
+    with running_drafter(sockdir, service) as (worker, io, endpoint):
+        client = drafter_client(endpoint)
+        client.connect(wait_s=5)
+        with pytest.raises(DrafterError, match="scripted drafter failure"):
+            client.draft("r", [1], torch.zeros(1, 8), 1, 1, _spec())
+        service.fail = False
+        tree, _ = client.draft("r2", [1], torch.zeros(1, 8), 1, 1, _spec())
+        assert tree.num_nodes == 3
+        client.close()
+
+
+def test_drafter_restart_loses_old_contexts_but_serves_new_requests(sockdir):
+    torch = pytest.importorskip("torch")
+    from services.verifier.remote_drafter import DrafterUnavailable
+
+    with running_drafter(sockdir, FakeDrafterService()) as (worker, io, endpoint):
+        client = drafter_client(endpoint)
+        client.connect(wait_s=5)
+        client.draft("old", [1], torch.zeros(1, 8), 1, 1, _spec())
+    with running_drafter(sockdir, FakeDrafterService()) as (worker, io, endpoint):  # new process, new epoch
+        with pytest.raises(DrafterUnavailable):
+            client.draft("old", [2], torch.zeros(1, 8), 2, 2, _spec())
+        with pytest.raises(DrafterUnavailable):  # the disconnect or the new epoch is noticed for old contexts
+            client.draft("old", [2], torch.zeros(1, 8), 2, 2, _spec())
+        tree, _ = client.draft("new", [1], torch.zeros(1, 8), 1, 1, _spec())
+        assert tree.num_nodes == 3 and client.ping()
+        client.close()
+
+
+def test_new_verifier_epoch_drops_stale_drafter_contexts(sockdir):
+    torch = pytest.importorskip("torch")
+    service = FakeDrafterService()
+    with running_drafter(sockdir, service) as (worker, io, endpoint):
+        a = drafter_client(endpoint)
+        a.connect(wait_s=5)
+        a.draft("leaky", [1], torch.zeros(1, 8), 1, 1, _spec())
+        a.close()
+        from services.verifier.remote_drafter import ZmqDrafterClient
+
+        b = ZmqDrafterClient(endpoint, p.PeerInfo(role="verifier", epoch="v2"), FrameTransport(), 5.0)
+        b.connect(wait_s=5)
+        assert service.contexts == {}
+        b.close()

@@ -1,0 +1,135 @@
+"""Wire protocol: every message round-trips, tensors ride as side frames, bad input is refused."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from services import protocol as p
+from services.wire import decode, encode, frame_to_array, frame_to_tensor, tensor_to_frame
+
+
+def _info(**kw) -> p.PeerInfo:
+    base = dict(role="verifier", epoch="e1", tokenizer_hash="abc", vocab_size=100, eos_token_id=2,
+                special_token_ids=(0, 1, 2), block_size=16, feature_dim=32)
+    base.update(kw)
+    return p.PeerInfo(**base)
+
+
+EXAMPLES = [
+    p.Hello(p.PROTOCOL_VERSION, _info()),
+    p.HelloAck(p.PROTOCOL_VERSION, True, _info(role="drafter", limits=p.Limits(max_context=2048),
+                                               default_spec=p.SpecSpec(method="ar", budget=8))),
+    p.Ping(7),
+    p.Pong(7, "e1", True, num_running=2, num_waiting=1),
+    p.Generate("r1", [1, 2, 3], p.SamplingSpec(max_tokens=5, temperature=0.5, seed=3, stop_token_ids=(9,)),
+               p.SpecSpec(method="dartree-pruned", budget=16, depth_bonus=-0.2)),
+    p.RoundChunk("r1", [4, 5, 6], "stop", num_draft_tokens=16, accept_length=2),
+    p.Abort("r1", "deadline"),
+    p.RequestError("r1", 429, "full", param=None, code="overloaded"),
+    p.Release("r1"),
+]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    dec = decode(encode(msg))
+    assert dec.msg == msg
+    assert dec.type == p.MESSAGE_TYPES[type(msg)]
+
+
+def test_every_message_type_has_an_example_or_tensor_test():
+    covered = {type(m) for m in EXAMPLES} | {p.DraftRequest, p.DraftReply}
+    assert covered == set(p.MESSAGE_CLASSES.values())
+
+
+def test_draft_request_with_torch_tensor_frame_round_trips_zero_copy():
+    torch = pytest.importorskip("torch")
+    feats = torch.randn(3, 8).to(torch.bfloat16)  # [L, F]
+    meta, buf = tensor_to_frame(feats)
+    msg = p.DraftRequest("r", 4, [5, 6, 7], meta, root_token=7, start=10, spec=p.SpecSpec(method="ddtree"))
+    parts = encode(msg, [buf])
+    dec = decode([bytes(x) for x in parts])
+    assert dec.msg == msg and len(dec.frames) == 1
+    out = frame_to_tensor(dec.msg.features, dec.frames[0])
+    assert out.dtype == torch.bfloat16 and torch.equal(out, feats)
+
+
+def test_draft_reply_with_four_numpy_frames():
+    arrays = [np.arange(4, dtype=np.int64), np.array([-1, 0, 0, 1]), np.array([1, 2, 2, 3]),
+              np.linspace(0, 1, 4, dtype=np.float32)]
+    metas, frames = zip(*(tensor_to_frame(a) for a in arrays))
+    msg = p.DraftReply("r", 1, "ep", tree=tuple(metas), timings={"draft": 0.01, "tree_build": 0.002})
+    dec = decode(encode(msg, frames))
+    for meta, frame, ref in zip(dec.msg.tree, dec.frames, arrays):
+        np.testing.assert_array_equal(frame_to_array(meta, frame), ref)
+
+
+def test_empty_tensor_round_trips():
+    torch = pytest.importorskip("torch")
+    meta, buf = tensor_to_frame(torch.zeros(0, 5))
+    assert frame_to_tensor(meta, bytes(buf)).shape == (0, 5)
+
+
+@pytest.mark.parametrize("parts, match", [
+    ([b"\x63", b""], "unknown message type"),
+    ([b"\x03"], "at least 2"),
+    ([b"\x03", b"\xc1\xff"], "malformed PING"),
+    ([bytes((p.MessageType.GENERATE,)), msgspec.msgpack.encode(["r", [1, -5], [5], []])], "malformed GENERATE"),
+    ([b"\x03", msgspec.msgpack.encode([1]), b"extra"], "side frames"),
+    ([bytes((p.MessageType.ABORT,)), b"\x91" + b"\xa1x" * 70000], "over the"),
+])
+def test_malformed_messages_raise_protocol_error(parts, match):
+    with pytest.raises(p.ProtocolError, match=match):
+        decode(parts)
+
+
+def test_frame_size_must_match_its_metadata():
+    meta = p.TensorMeta("float32", (2, 3))
+    msg = p.DraftRequest("r", 0, [1, 2], meta, 2, 2, p.SpecSpec())
+    with pytest.raises(p.ProtocolError, match="frame of 20 bytes"):
+        decode(encode(msg, [b"\0" * 20]))
+    with pytest.raises(p.ProtocolError, match="not allowed"):
+        decode(encode(p.DraftRequest("r", 0, [1], p.TensorMeta("object", (1,)), 1, 1, p.SpecSpec()), [b"\0"]))
+    with pytest.raises(p.ProtocolError, match="over the 16 limit"):
+        decode(encode(msg, [b"\0" * 24]), max_tensor_bytes=16)
+    with pytest.raises(p.ProtocolError, match="describes 1 framed"):
+        decode(encode(msg))
+
+
+def test_unknown_fields_and_wrong_types_are_refused():
+    body = msgspec.msgpack.encode(["r", 3])  # Abort(request_id, reason) with reason of the wrong type
+    with pytest.raises(p.ProtocolError):
+        decode([bytes((p.MessageType.ABORT,)), body])
+    with pytest.raises(p.ProtocolError):
+        decode([bytes((p.MessageType.ABORT,)), msgspec.msgpack.encode(["", "client"])])  # empty id
+
+
+def test_version_mismatch_is_detected_even_with_another_layout():
+    future = msgspec.msgpack.encode([p.PROTOCOL_VERSION + 1, {"some": "new layout"}])
+    assert p.peek_protocol_version(future) == p.PROTOCOL_VERSION + 1
+    assert "protocol version mismatch" in p.check_hello_version(p.PROTOCOL_VERSION + 1)
+    assert p.check_hello_version(p.PROTOCOL_VERSION) is None
+
+
+@pytest.mark.parametrize("field, value, word", [
+    ("tokenizer_hash", "zzz", "tokenizer hash"), ("vocab_size", 101, "vocab size"),
+    ("eos_token_id", 0, "eos token id"), ("special_token_ids", (0, 1), "special token ids"),
+    ("block_size", 8, "block size"), ("feature_dim", 64, "feature dim"),
+])
+def test_handshake_refuses_mismatched_peers(field, value, word):
+    assert p.check_compatible(_info(), _info(role="drafter")) is None
+    reason = p.check_compatible(_info(), _info(role="drafter", **{field: value}))
+    assert reason is not None and word in reason
+
+
+def test_unknown_values_are_not_compared():
+    assert p.check_compatible(_info(), p.PeerInfo(role="gateway", epoch="x")) is None
+
+
+def test_tokenizer_hash(tmp_path):
+    assert p.tokenizer_hash(tmp_path) == ""
+    (tmp_path / "tokenizer.json").write_text("{}")
+    h = p.tokenizer_hash(tmp_path)
+    assert len(h) == 32 and h == p.tokenizer_hash(tmp_path)
