@@ -67,7 +67,8 @@ def target_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: 
     Returns:
         ``[R, V]`` float32 probabilities, rows sum to 1.
     """
-    x = logits.float() / temperature
+    x = logits.float()
+    x = (x - x.max(dim=-1, keepdim=True).values) / temperature  # max-shift first: no inf at tiny T
     if top_k and top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))

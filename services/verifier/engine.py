@@ -35,14 +35,17 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
         if not isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (got {self.temperature!r})")
         if not isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (got {self.top_p!r})")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (got {self.top_k!r})")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (got {self.top_k!r})")
+        for name in ("temperature", "top_p"):
+            if isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a number (got {getattr(self, name)!r})")
         self.stop_token_ids = tuple(self.stop_token_ids)
 
 
@@ -61,6 +64,8 @@ class SpecParams:
             raise ValueError(f"unknown speculative method {self.method!r} (choose from {', '.join(METHODS)})")
         for name, lo, hi in (("budget", 1, 1024), ("width", 1, 256), ("candidates", 1, 1024)):
             v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"speculative.{name} must be an integer (got {v!r})")
             if v is not None and not lo <= v <= hi:
                 raise ValueError(f"speculative.{name} must be in [{lo}, {hi}] (got {v})")
         if self.depth_bonus is not None and (not isfinite(self.depth_bonus) or self.depth_bonus > 0):
@@ -121,8 +126,11 @@ class SpecEngine:
     """
 
     def __init__(self, target, drafter: DrafterClient | None, config: EngineConfig = EngineConfig(),
-                 max_draft_depth: int = 16):
+                 max_draft_depth: int = 16, drafter_max_position: int | None = None):
         self.target, self.drafter = target, drafter
+        if drafter_max_position is None and hasattr(drafter, "info"):
+            drafter_max_position = int(drafter.info().get("max_position") or 0) or None
+        self.drafter_max_position = drafter_max_position  # no draft token at a position >= this
         self.vocab_size = target.vocab_size
         self.max_context = min(config.max_context or target.max_context, target.max_context)
         self.eos_token_ids = target.eos_token_ids
@@ -212,6 +220,8 @@ class SpecEngine:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         room = self.max_context - req.start - 1  # positions left after the root
+        if self.drafter_max_position:
+            room = min(room, self.drafter_max_position - req.start - 1)  # else: a plain round
         tree = DraftTree.empty()
         if req.spec.method != "ar" and room > 0:
             tree, dt = self.drafter.draft(request_id, req.ctx_ids, req.ctx_feats, req.root, req.start, req.spec,

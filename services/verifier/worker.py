@@ -392,7 +392,8 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     if drafter is not None and drafter.feature_dim and drafter.feature_dim != target.feature_dim:
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
     engine = SpecEngine(target, drafter_client, EngineConfig(max_context=config.max_context or None),
-                        max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16)
+                        max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
+                        drafter_max_position=(drafter.max_position or None) if drafter else None)
     return engine, target, target_dir
 
 

@@ -1,0 +1,341 @@
+"""Test fixtures for the engine tests: tiny random targets and drafters, and scripted drafter clients.
+
+Everything here runs in milliseconds on a CPU (float32 by default):
+
+- :func:`tiny_causal_lm` / :func:`tiny_target`: a random-weight HF llama or qwen3 causal LM with SDPA
+  attention (needed for the 4-D tree mask), optionally wrapped as a :class:`TargetModel`.
+- :func:`tiny_drafter_config` / :func:`tiny_drafter` / :func:`tiny_service`: a real-architecture
+  random DFlash drafter (with or without the Domino head) sized for a tiny target.
+- :func:`greedy_reference`: plain greedy decoding with ``model.generate(do_sample=False)``.
+- :class:`OracleDrafter`: a :class:`DrafterClient` that knows each request's reference continuation
+  and proposes the true path plus wrong siblings (full acceptance, non-trivial KV compaction).
+- :class:`RandomDrafter`: a :class:`DrafterClient` proposing random trees (almost nothing accepted).
+- :func:`random_tree`: a random valid :class:`DraftTree`.
+
+The scripted clients also check the client contract on every call (one feature row per committed
+token, a context that grows exactly by the committed tokens, the root equal to the reference) and
+record their calls, so a test can compare the features the engine handed over with a fresh
+teacher-forced forward.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from services.tree.draft_tree import DraftTree
+
+ARCHS = ("llama", "qwen3")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny targets and drafters
+# ----------------------------------------------------------------------------------------------
+def tiny_causal_lm(arch: str = "llama", *, vocab_size: int = 128, hidden_size: int = 32, intermediate_size: int = 64,
+                   num_layers: int = 3, num_heads: int = 4, num_kv_heads: int = 2, max_position_embeddings: int = 256,
+                   eos_token_id: int | None = 2, init_std: float = 0.1, tie_word_embeddings: bool = False,
+                   seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A random-weight HF ``LlamaForCausalLM`` or ``Qwen3ForCausalLM`` in eval mode, SDPA attention.
+
+    ``init_std`` (``initializer_range``) of 0.1 gives varied greedy continuations (0.02 loops fast).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny architecture {arch!r} (choose from {ARCHS})")
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                  num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  max_position_embeddings=max_position_embeddings, eos_token_id=eos_token_id, bos_token_id=1,
+                  pad_token_id=0, initializer_range=init_std, tie_word_embeddings=tie_word_embeddings,
+                  attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=hidden_size // num_heads, **common))
+    model.config._attn_implementation = "sdpa"
+    return model.to(dtype).eval()
+
+
+def tiny_target(arch: str = "llama", target_layer_ids: list[int] | None = None, **kw):
+    """A :class:`TargetModel` over :func:`tiny_causal_lm` (tapped layers default to ``[0, L-1]``)."""
+    from services.verifier.target import TargetModel
+
+    model = tiny_causal_lm(arch, **kw)
+    n = model.config.num_hidden_layers
+    return TargetModel(model, target_layer_ids if target_layer_ids is not None else sorted({0, n - 1}))
+
+
+def tiny_drafter_config(target, *, projector_type: str | None = "domino", block_size: int = 8,
+                        shift_label: bool | None = None, num_layers: int = 1, mask_token_id: int | None = None,
+                        gru_hidden_dim: int = 16, emb_dim: int = 8):
+    """A :class:`DrafterConfig` matching a tiny :class:`TargetModel` (same hidden size and vocabulary).
+
+    ``shift_label`` defaults to True with a Domino head and False without (the released layouts).
+    ``mask_token_id`` defaults to the last vocabulary id.
+    """
+    from services.drafter.model import DrafterConfig
+
+    cfg = target.config
+    heads = int(cfg.num_attention_heads)
+    return DrafterConfig(
+        hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=int(cfg.num_key_value_heads),
+        head_dim=target.hidden_size // heads, vocab_size=target.vocab_size, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=target.max_context, block_size=block_size,
+        num_target_layers=int(cfg.num_hidden_layers), target_hidden_size=target.hidden_size,
+        mask_token_id=target.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        target_layer_ids=list(target.target_layer_ids), projector_type=projector_type,
+        shift_label=(projector_type is not None) if shift_label is None else shift_label,
+        pure_draft_prefix_len=1 if projector_type else 0, gru_hidden_dim=gru_hidden_dim, emb_dim=emb_dim)
+
+
+def tiny_drafter(target, seed: int = 1, std: float = 0.2, **kw):
+    """A random DFlash(+Domino) drafter for ``target`` (weights ~ N(0, std); norms stay 1)."""
+    from services.drafter.model import DFlashDrafter
+
+    torch.manual_seed(seed)
+    d = DFlashDrafter(tiny_drafter_config(target, **kw))
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, std)
+    return d.to(target.dtype).eval()
+
+
+def tiny_service(target, drafter=None, defaults=None, **kw):
+    """A :class:`DrafterService` borrowing ``target``'s embedding and lm_head."""
+    from services.drafter.service import DrafterService, TreeDefaults
+
+    drafter = drafter if drafter is not None else tiny_drafter(target, **kw)
+    return DrafterService(drafter, target.embed_tokens(), target.lm_head(), defaults or TreeDefaults())
+
+
+def greedy_reference(model, prompt_ids: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt_ids`` with ``model.generate(do_sample=False)`` (EOS ignored)."""
+    x = torch.tensor([list(prompt_ids)])
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Trees
+# ----------------------------------------------------------------------------------------------
+def tree_from_nodes(tokens: list[int], parents: list[int]) -> DraftTree:
+    """A :class:`DraftTree` from lists (parents topological, ``-1`` = child of the root)."""
+    depths: list[int] = []
+    for i, p in enumerate(parents):
+        assert -1 <= p < i, "parents must be topological"
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return DraftTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                     torch.tensor(depths, dtype=torch.long), torch.zeros(len(tokens), dtype=torch.float32))
+
+
+def _shuffle_topological(tokens: list[int], parents: list[int], depths: list[int], rng: random.Random
+                         ) -> tuple[list[int], list[int]]:
+    """Reorder nodes by (depth, random key): still topological, but the true path is scattered."""
+    order = sorted(range(len(tokens)), key=lambda i: (depths[i], rng.random()))
+    new_of = {old: new for new, old in enumerate(order)}
+    return [tokens[i] for i in order], [-1 if parents[i] < 0 else new_of[parents[i]] for i in order]
+
+
+def random_tree(rng: random.Random, vocab_size: int, num_nodes: int, max_depth: int,
+                exclude: tuple[int, ...] = ()) -> DraftTree:
+    """A random valid tree: random parents (depth <= ``max_depth``), unique sibling tokens.
+
+    Tokens in ``exclude`` are never used (e.g. a MASK id). Returns fewer nodes only when the
+    vocabulary cannot supply distinct siblings.
+    """
+    allowed = [t for t in range(vocab_size) if t not in exclude]
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    used: dict[int, set[int]] = {}
+    if max_depth <= 0:
+        return DraftTree.empty()
+    for _ in range(num_nodes):
+        options = [-1] + [i for i in range(len(tokens)) if depths[i] < max_depth]
+        p = rng.choice(options)
+        sib = used.setdefault(p, set())
+        free = [t for t in allowed if t not in sib]
+        if not free:
+            continue
+        tok = rng.choice(free)
+        sib.add(tok)
+        tokens.append(tok)
+        parents.append(p)
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return tree_from_nodes(tokens, parents)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scripted drafter clients
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class DraftCall:
+    """One recorded ``draft`` call."""
+
+    request_id: str
+    committed_ids: list[int]
+    features: Tensor
+    root_token: int
+    start: int
+    max_depth: int | None
+    tree: DraftTree
+
+
+@dataclass
+class _ContractChecker:
+    """Tracks per-request context lengths exactly as :class:`DrafterService` does."""
+
+    ctx_len: dict[str, int] = field(default_factory=dict)
+    calls: list[DraftCall] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+
+    def check(self, request_id: str, committed_ids: list[int], features: Tensor, start: int) -> None:
+        if features.ndim != 2 or features.shape[0] != len(committed_ids):
+            raise AssertionError(f"features {tuple(features.shape)} for {len(committed_ids)} committed ids")
+        have = self.ctx_len.get(request_id, 0)
+        if have != start - len(committed_ids):
+            raise AssertionError(f"context of {request_id!r} holds {have}, expected {start - len(committed_ids)}")
+        self.ctx_len[request_id] = start
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+        self.ctx_len.pop(request_id, None)
+
+    def num_contexts(self) -> int:
+        return len(self.ctx_len)
+
+
+class OracleDrafter(_ContractChecker):
+    """Knows each request's reference sequence (prompt + greedy continuation) and drafts it.
+
+    Each round the tree holds the true continuation down to ``depth`` (capped by ``max_depth`` and
+    the end of the reference) plus ``distractors`` wrong siblings at every depth, each wrong sibling
+    carrying a wrong child of its own; nodes are shuffled within a depth, so the true path is not
+    rows ``0..L-1`` of the verify and commit must gather. With ``truth_prob < 1`` the true path is
+    cut at a random depth (a wrong token continues it), which exercises mid-path rejection.
+
+    Args:
+        references: ``{request_id: prompt + continuation}``; more via :meth:`set_reference`.
+        depth: maximum draft depth D; distractors: wrong siblings per depth; seed: RNG seed.
+        vocab_size: token range for wrong tokens; exclude: ids never drafted.
+        bait: a token used as the first wrong sibling at every depth where it is wrong (e.g. a stop
+            id that must not take effect from a rejected branch).
+    """
+
+    def __init__(self, references: dict[str, list[int]] | None = None, depth: int = 4, distractors: int = 2,
+                 vocab_size: int = 128, seed: int = 0, truth_prob: float = 1.0, exclude: tuple[int, ...] = (),
+                 bait: int | None = None):
+        super().__init__()
+        self.bait = bait
+        self.references = dict(references or {})
+        self.depth, self.distractors, self.vocab_size = depth, distractors, vocab_size
+        self.truth_prob = truth_prob
+        self.exclude = set(exclude)
+        self.rng = random.Random(seed)
+
+    def set_reference(self, request_id: str, sequence: list[int]) -> None:
+        self.references[request_id] = list(sequence)
+
+    def _wrong(self, avoid: set[int]) -> int:
+        while True:
+            t = self.rng.randrange(self.vocab_size)
+            if t not in avoid and t not in self.exclude:
+                return t
+
+    def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
+              spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
+        self.check(request_id, committed_ids, features, start)
+        ref = self.references[request_id]
+        if ref[start] != root_token:
+            raise AssertionError(f"root {root_token} at position {start} but the reference has {ref[start]}")
+        depth = self.depth if max_depth is None else min(self.depth, max_depth)
+        truth = ref[start + 1: start + 1 + max(depth, 0)]
+        if self.truth_prob < 1.0 and truth and self.rng.random() > self.truth_prob:
+            cut = self.rng.randrange(len(truth))  # keep truth[:cut], then a wrong token
+            truth = truth[:cut] + [self._wrong({truth[cut]})]
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        parent = -1
+        for d, tok in enumerate(truth, start=1):
+            siblings = {tok}
+            for j in range(self.distractors):
+                w = self.bait if j == 0 and self.bait is not None and self.bait != tok else self._wrong(siblings)
+                siblings.add(w)
+                tokens.append(w)
+                parents.append(parent)
+                depths.append(d)
+                if d < depth:  # a wrong child below the wrong sibling
+                    tokens.append(self._wrong(set()))
+                    parents.append(len(tokens) - 2)
+                    depths.append(d + 1)
+            tokens.append(tok)
+            parents.append(parent)
+            depths.append(d)
+            parent = len(tokens) - 1
+        tok_s, par_s = _shuffle_topological(tokens, parents, depths, self.rng)
+        tree = tree_from_nodes(tok_s, par_s)
+        tree.validate(vocab_size=self.vocab_size)
+        self.calls.append(DraftCall(request_id, list(committed_ids), features.detach().clone(), root_token, start,
+                                    max_depth, tree))
+        return tree, {"draft": 0.0, "tree_build": 0.0}
+
+
+class RandomDrafter(_ContractChecker):
+    """Proposes random trees of up to ``budget`` nodes (depth <= min(depth, max_depth))."""
+
+    def __init__(self, vocab_size: int, budget: int = 12, depth: int = 5, seed: int = 0,
+                 exclude: tuple[int, ...] = ()):
+        super().__init__()
+        self.vocab_size, self.budget, self.depth = vocab_size, budget, depth
+        self.exclude = tuple(exclude)
+        self.rng = random.Random(seed)
+
+    def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
+              spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
+        self.check(request_id, committed_ids, features, start)
+        depth = self.depth if max_depth is None else min(self.depth, max_depth)
+        tree = random_tree(self.rng, self.vocab_size, self.rng.randint(0, self.budget), depth, self.exclude)
+        self.calls.append(DraftCall(request_id, list(committed_ids), features.detach().clone(), root_token, start,
+                                    max_depth, tree))
+        return tree, {"draft": 0.0, "tree_build": 0.0}
+
+
+class FullTreeDrafter(_ContractChecker):
+    """Every token at every depth up to ``depth`` (``V + V^2 + ...`` nodes): for tiny vocabularies only.
+
+    Every target sample lands on a drafted node, so all ``depth + 1`` tokens of a round come from the
+    tree walk (used by the T > 0 distribution test).
+    """
+
+    def __init__(self, vocab_size: int, depth: int = 2):
+        super().__init__()
+        self.vocab_size, self.depth = vocab_size, depth
+
+    def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
+              spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
+        self.check(request_id, committed_ids, features, start)
+        depth = self.depth if max_depth is None else min(self.depth, max_depth)
+        tokens: list[int] = []
+        parents: list[int] = []
+        frontier = [-1]
+        for _ in range(depth):
+            nxt = []
+            for p in frontier:
+                for t in range(self.vocab_size):
+                    tokens.append(t)
+                    parents.append(p)
+                    nxt.append(len(tokens) - 1)
+            frontier = nxt
+        tree = tree_from_nodes(tokens, parents)
+        self.calls.append(DraftCall(request_id, list(committed_ids), features.detach().clone(), root_token, start,
+                                    max_depth, tree))
+        return tree, {"draft": 0.0, "tree_build": 0.0}
