@@ -44,9 +44,11 @@ log = logging.getLogger(__name__)
 class EngineError(Exception):
     """The engine refused or failed a request; carries the HTTP status and OpenAI error fields."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 local: bool = False):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.local = local  # raised by the gateway's side of the link (the verifier may still hold the request)
 
 
 class EngineClient(ABC):
@@ -105,7 +107,7 @@ class _QueueClient(EngineClient):
 
     def _fail_all(self, status: int, message: str, code: str) -> None:
         for q in self._queues.values():
-            q.put_nowait(EngineError(status, message, None, code))
+            q.put_nowait(EngineError(status, message, None, code, local=True))
 
     async def generate(self, gen: Generate, deadline: float | None = None) -> AsyncIterator[RoundChunk]:
         if not self.ready:
@@ -115,7 +117,7 @@ class _QueueClient(EngineClient):
             raise EngineError(400, f"request id {rid!r} is already in flight", None, "duplicate_request_id")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
-        done = False
+        done, reason = False, "client"
         try:
             self._send(gen)
             while True:
@@ -127,7 +129,9 @@ class _QueueClient(EngineClient):
                     self.abort(rid, "deadline")
                     raise EngineError(504, "the request ran past its deadline", None, "timeout") from None
                 if isinstance(item, EngineError):
-                    done = True
+                    # a verifier's RequestError: it already dropped the request. A link failure (hung or
+                    # lost verifier): it may resume and decode for nobody, so it gets an abort too.
+                    done, reason = not item.local, "error"
                     raise item
                 if item.finish_reason is not None:
                     done = True
@@ -137,7 +141,7 @@ class _QueueClient(EngineClient):
         finally:
             self._queues.pop(rid, None)
             if not done:
-                self.abort(rid, "client")
+                self.abort(rid, reason)
             self._aborted.discard(rid)
 
     def abort(self, request_id: str, reason: str = "client") -> None:
@@ -200,6 +204,8 @@ class ZmqEngineClient(_QueueClient):
             self._ctx.term()
 
     def _send(self, msg) -> None:
+        if self._sock is None or self._sock.closed:
+            return  # closed (gateway shutdown): nothing to tell the verifier any more
         fut = self._sock.send_multipart(encode(msg))
         if not fut.done():
             fut.add_done_callback(lambda f: f.exception())  # keep errors from being "never retrieved"

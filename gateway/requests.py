@@ -94,8 +94,13 @@ class RequestBuilder:
         if isinstance(req, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                         for m in req.messages]
+            kwargs = dict(req.chat_template_kwargs or {})
+            reserved = sorted(kwargs.keys() & {"messages", "add_generation_prompt"})
+            if reserved:  # these are the request's own fields; as template kwargs they would collide
+                raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs",
+                               "invalid_value")
             try:
-                text = self.text.render_chat(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+                text = self.text.render_chat(messages, req.add_generation_prompt, **kwargs)
             except TemplateError as exc:
                 raise ApiError(400, str(exc), "messages", "invalid_messages") from None
             ids, param = self.text.encode(text, add_special_tokens=False), "messages"

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+WIRE_INT_MAX = 2**31 - 1  # integers that travel to the verifier must fit msgpack (2**64 - 1 would; keep margin)
 
 
 class ApiError(Exception):
@@ -45,10 +46,10 @@ class SpeculativeOptions(_Strict):
     """The ``speculative`` extension: per-request tree settings (``None`` = server default)."""
 
     method: str | None = None
-    budget: int | None = Field(None, ge=1)
-    width: int | None = Field(None, ge=1)
+    budget: int | None = Field(None, ge=1, le=WIRE_INT_MAX)   # the verifier checks the real ranges
+    width: int | None = Field(None, ge=1, le=WIRE_INT_MAX)
     depth_bonus: Finite | None = None
-    candidates: int | None = Field(None, ge=1)
+    candidates: int | None = Field(None, ge=1, le=WIRE_INT_MAX)
 
 
 class StreamOptions(_Strict):
@@ -65,7 +66,7 @@ class _Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: Finite | None = Field(None, ge=0.0, le=2.0)
     top_p: Finite = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)                      # extension (vLLM): 0 or -1 = disabled
+    top_k: int = Field(0, ge=-1, le=WIRE_INT_MAX)     # extension (vLLM): 0 or -1 = disabled
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False

@@ -122,9 +122,11 @@ class IncrementalDetokenizer:
     """Token-by-token text that never emits a partial UTF-8 character.
 
     Decodes a sliding window (``prefix_offset .. end``) and emits the growth over the window's
-    previous text, unless the new text ends in U+FFFD (an incomplete character: held back).
-    Seeded with the prompt's last tokens so leading-space rules (SentencePiece) come out as in
-    the full text.
+    previous text. A trailing run of U+FFFD (an incomplete character) is held back, but the
+    complete characters before it are emitted at once: a token carrying the end of one
+    character and the first bytes of the next completes that character (a stop string ending
+    there matches at that token, not one later). Seeded with the prompt's last tokens so
+    leading-space rules (SentencePiece) come out as in the full text.
     """
 
     def __init__(self, model: TextModel, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
@@ -136,6 +138,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = tail
         self._prefix_offset = 0
         self._read_offset = len(tail)
+        self._emitted = 0  # characters of the window's growth already emitted (before a trailing U+FFFD run)
         self.num_prompt = len(tail)
 
     def _window_texts(self) -> tuple[str, str]:
@@ -147,16 +150,25 @@ class IncrementalDetokenizer:
         """Append one token; the text it completes (possibly ``""``)."""
         self.ids.append(token_id)
         prefix, new = self._window_texts()
-        if len(new) > len(prefix) and not new.endswith(REPLACEMENT):
-            self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-            return new[len(prefix):]
+        if len(new) <= len(prefix):
+            return ""
+        done = len(prefix) + self._emitted
+        if not new.endswith(REPLACEMENT):
+            self._prefix_offset, self._read_offset, self._emitted = self._read_offset, len(self.ids), 0
+            return new[done:]
+        stable = new.rstrip(REPLACEMENT)  # complete characters before the incomplete one are final
+        if len(stable) > done:
+            self._emitted = len(stable) - len(prefix)
+            return stable[done:]
         return ""
 
     def flush(self) -> str:
         """Everything held back (at the end of generation, incomplete characters included)."""
         prefix, new = self._window_texts()
+        done = len(prefix) + self._emitted
         self._prefix_offset = self._read_offset = len(self.ids)
-        return new[len(prefix):] if len(new) > len(prefix) else ""
+        self._emitted = 0
+        return new[done:] if len(new) > done else ""
 
 
 @dataclass

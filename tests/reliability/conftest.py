@@ -1,0 +1,96 @@
+"""Shared fixtures of the reliability suite: one ``dartree serve`` on the tiny models for the whole session.
+
+The server is the one ``tests/service/test_e2e_tiny.py`` starts (same models, same launcher), plus the
+limits and the API key the security checks need. Every test that talks to it sends :data:`AUTH`.
+Tests that must break a server (SIGSTOP, other models) start their own with :func:`start_server`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.service.test_e2e_tiny import REPO, Server, _free_ports
+from tests.service.tiny import make_tiny_models
+
+API_KEY = "reliability-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# the session server's limits (the security tests check each of them)
+MAX_CONCURRENT = 24
+MAX_PROMPT_TOKENS = 200
+MAX_TOKENS_LIMIT = 240
+MAX_BODY_BYTES = 256 * 1024
+
+
+@contextlib.contextmanager
+def start_server(target_dir: Path, drafter_dir: Path | str, log: Path, *extra: str, ready_timeout: float = 180.0):
+    """``dartree serve`` (python -m services.serve) on loopback; yields a :class:`Server`; SIGTERM at exit.
+
+    Only this process group's server is ever signalled (its PID came from our own Popen).
+    """
+    port, vport, dport = _free_ports(3)
+    cmd = [sys.executable, "-m", "services.serve", "--target", str(target_dir), "--drafter", str(drafter_dir),
+           "--port", str(port), "--verifier-metrics-port", str(vport), "--drafter-metrics-port", str(dport),
+           "--served-model-name", "tiny", "--default-temperature", "0", "--ping-interval-s", "0.2",
+           *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "OMP_WAIT_POLICY": "PASSIVE"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+    srv = Server(f"http://127.0.0.1:{port}", proc, (vport, dport), Path(target_dir), log)
+    try:
+        srv.wait_ready(timeout=ready_timeout)
+        yield srv
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    return make_tiny_models(tmp_path_factory.mktemp("tiny-rel"))
+
+
+@pytest.fixture(scope="session")
+def rel_server(tiny_models, tmp_path_factory):
+    """The tiny server with an API key (metrics left open) and small limits."""
+    target_dir, drafter_dir = tiny_models
+    log = tmp_path_factory.mktemp("rel-log") / "serve.log"
+    with start_server(target_dir, drafter_dir, log, "--api-key", API_KEY, "--budget", "8", "--candidates", "8",
+                      "--width", "4", "--ping-timeout-s", "3", "--draft-timeout-s", "10", "--drain-timeout-s", "10",
+                      "--max-concurrent-requests", str(MAX_CONCURRENT), "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
+                      "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-body-bytes", str(MAX_BODY_BYTES),
+                      "--max-running", "8", "--max-waiting", "64") as srv:
+        yield srv
+
+
+def metric_total(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` (optionally only those carrying ``labels``) in a /metrics page."""
+    total = 0.0
+    for line in text.splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        if labels and not all(f'{k}="{v}"' in line for k, v in labels.items()):
+            continue
+        total += float(line.split()[-1])
+    return total
+
+
+def scrape(server: Server) -> dict[str, str]:
+    """The three processes' /metrics pages."""
+    vport, dport = server.metrics_ports
+    return {"gateway": httpx.get(server.base + "/metrics", timeout=10).text,
+            "verifier": httpx.get(f"http://127.0.0.1:{vport}/metrics", timeout=10).text,
+            "drafter": httpx.get(f"http://127.0.0.1:{dport}/metrics", timeout=10).text}

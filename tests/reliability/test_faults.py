@@ -1,0 +1,235 @@
+"""Cancellation and hung workers against a running ``dartree serve`` (tiny models).
+
+- 100 streams whose clients hang up at random points (before the response starts, after k events,
+  after a random delay: mid-round included) leave nothing behind: the gateway's in-flight gauge,
+  the verifier's running/waiting gauges and the drafter's per-request contexts return to zero, and
+  the next greedy request with the same prompt returns what a fresh server returned (B20 class).
+- A hung worker (SIGSTOP) is detected by a deadline, never waited on forever: in-flight streams end
+  with an error event, readiness goes false, and after SIGCONT the server is ready and serves again.
+
+``kill -9`` of a worker and the SIGTERM drain are in ``tests/service/test_e2e_tiny.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from .conftest import AUTH, metric_total, scrape, start_server
+
+pytestmark = pytest.mark.e2e
+PROMPTS = ["The quick brown fox", "你好，世界", "Emoji 😀🎉 party", "def f(x):", "STOP here. END"]
+STREAMS, CONCURRENCY, BUDGET_S = 100, 10, 90.0
+
+
+def _greedy(base: str, prompt: str, n: int = 48, method: str = "dartree-pruned") -> list[int]:
+    r = httpx.post(base + "/v1/completions", headers=AUTH, timeout=60, json={
+        "prompt": prompt, "max_tokens": n, "temperature": 0, "return_token_ids": True,
+        "speculative": {"method": method}})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+async def _hang_up_before_response(base: str, body: dict, delay: float) -> str:
+    """Raw HTTP: send the request, wait ``delay`` (prefill may be running), close the socket."""
+    host, port = base.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Authorization: {AUTH['Authorization']}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    await writer.drain()
+    await asyncio.sleep(delay)
+    writer.transport.abort()  # RST-like close, no FIN handshake niceties
+    return "pre-response"
+
+
+async def _hang_up_mid_stream(client: httpx.AsyncClient, body: dict, events: int | None, seconds: float | None) -> str:
+    async with client.stream("POST", "/v1/completions", json=body, headers=AUTH) as r:
+        if r.status_code != 200:
+            return f"status {r.status_code}"
+        n, t0 = 0, time.monotonic()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                n += 1
+                if line == "data: [DONE]":
+                    return "finished"
+            if (events is not None and n >= events) or (seconds is not None and time.monotonic() - t0 >= seconds):
+                return "cut"  # leaving the block closes the connection mid-stream
+    return "finished"
+
+
+async def _chaos(base: str, seed: int) -> dict[str, int]:
+    rng = random.Random(seed)
+    sem = asyncio.Semaphore(CONCURRENCY)
+    outcome: dict[str, int] = {}
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        body = {"prompt": rng.choice(PROMPTS), "max_tokens": rng.randint(40, 200), "stream": True,
+                "temperature": rng.choice([0.0, 0.0, 0.8]), "seed": i,
+                "speculative": {"method": rng.choice(["dartree-pruned", "ddtree", "dflash", "ar"])}}
+        kind = rng.random()
+        async with sem:
+            try:
+                if kind < 0.2:
+                    res = await _hang_up_before_response(base, body, rng.uniform(0.0, 0.05))
+                elif kind < 0.6:
+                    res = await _hang_up_mid_stream(client, body, rng.randint(1, 12), None)
+                else:
+                    res = await _hang_up_mid_stream(client, body, None, rng.uniform(0.0, 0.3))
+            except (httpx.HTTPError, OSError) as exc:
+                res = f"client error {type(exc).__name__}"
+        outcome[res] = outcome.get(res, 0) + 1
+
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        await asyncio.wait_for(asyncio.gather(*(one(i, client) for i in range(STREAMS))), BUDGET_S)
+    return outcome
+
+
+def _state(server) -> dict[str, float]:
+    m = scrape(server)
+    return {"gateway_in_flight": metric_total(m["gateway"], "dartree_gateway_requests_in_flight"),
+            "running": metric_total(m["verifier"], "dartree_num_requests_running"),
+            "waiting": metric_total(m["verifier"], "dartree_num_requests_waiting"),
+            "drafter_contexts": metric_total(m["drafter"], "dartree_drafter_contexts"),
+            "client_aborts": metric_total(m["verifier"], "dartree_aborts_total", reason="client")}
+
+
+def _wait_idle(server, timeout: float = 15.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _state(server)
+        if s["gateway_in_flight"] == s["running"] == s["waiting"] == s["drafter_contexts"] == 0:
+            return s
+        if time.monotonic() > deadline:
+            return s
+        time.sleep(0.1)
+
+
+def test_random_client_disconnects_leave_no_state_behind(rel_server):
+    fresh = {p: _greedy(rel_server.base, p) for p in PROMPTS[:2]}
+    before = _state(rel_server)
+    t0 = time.monotonic()
+    outcome = asyncio.run(_chaos(rel_server.base, seed=1234))
+    elapsed = time.monotonic() - t0
+    assert sum(outcome.values()) == STREAMS and elapsed < BUDGET_S
+    assert not any(k.startswith("status") or k.startswith("client error") for k in outcome), outcome
+    assert outcome.get("cut", 0) + outcome.get("pre-response", 0) >= 50, outcome
+    after = _wait_idle(rel_server)
+    assert after["gateway_in_flight"] == after["running"] == after["waiting"] == after["drafter_contexts"] == 0, after
+    assert after["client_aborts"] - before["client_aborts"] >= outcome.get("cut", 0) // 2, (before, after, outcome)
+    for prompt, ids in fresh.items():  # same greedy answer as before the chaos, and with another method
+        assert _greedy(rel_server.base, prompt) == ids
+        assert _greedy(rel_server.base, prompt, method="ar") == ids
+    assert httpx.get(rel_server.base + "/health/ready").status_code == 200
+
+
+# ------------------------------------------------------------------------------------ hung workers
+@pytest.fixture(scope="module")
+def hang_server(tiny_models, tmp_path_factory):
+    target_dir, drafter_dir = tiny_models
+    log = tmp_path_factory.mktemp("hang") / "serve.log"
+    with start_server(target_dir, drafter_dir, log, "--ping-timeout-s", "1.5", "--draft-timeout-s", "1.5",
+                      "--health-interval-s", "0.5", "--budget", "8", "--candidates", "8", "--width", "4") as srv:
+        yield srv
+
+
+def _stream_until_error(server, body: dict, freeze, timeout: float = 30.0) -> tuple[list[str], float]:
+    """Start a stream, call ``freeze()`` after the first event, return the rest and the time to the end."""
+    with httpx.Client(base_url=server.base, timeout=timeout) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: {"):
+                    break
+            freeze()
+            t0 = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+            return rest, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("victim,code", [("dartree-drafter", "drafter_unavailable"),
+                                         ("dartree-verifie", "engine_unavailable")], ids=["drafter", "verifier"])
+def test_hung_worker_is_detected_by_a_deadline_and_recovers(hang_server, victim, code):
+    proc = hang_server.child(victim)
+    pid = proc.pid
+    body = {"prompt": "x", "max_tokens": 240, "stream": True, "speculative": {"method": "dflash"}}
+    try:
+        rest, waited = _stream_until_error(hang_server, body, lambda: proc.send_signal(signal.SIGSTOP))
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        err = json.loads(rest[-2][6:])["error"]
+        assert err["code"] == code and set(err) == {"message", "type", "param", "code"}, err
+        assert waited < 6.0  # the 1.5 s deadline, not forever
+        hang_server.wait_ready(timeout=10, want=False)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    hang_server.wait_ready(timeout=30)
+    assert hang_server.child(victim).pid == pid  # recovered, not restarted
+    r = httpx.post(hang_server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 8}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    state = _wait_idle(hang_server)
+    assert state["running"] == state["waiting"] == state["drafter_contexts"] == state["gateway_in_flight"] == 0, state
+
+
+def test_abandoned_requests_are_aborted_in_a_resumed_verifier(hang_server):
+    """The gateway fails in-flight requests when the verifier stops answering; when the verifier comes
+    back it must not keep decoding them to max_tokens for nobody: the gateway's abort reaches it."""
+    proc = hang_server.child("dartree-verifie")
+    vport = hang_server.metrics_ports[0]
+    aborts = lambda: metric_total(httpx.get(f"http://127.0.0.1:{vport}/metrics").text,  # noqa: E731
+                                  "dartree_aborts_total")
+    before = aborts()
+    body = {"prompt": "x", "max_tokens": 240, "stream": True, "speculative": {"method": "ar"}}
+    try:
+        rest, _ = _stream_until_error(hang_server, body, lambda: proc.send_signal(signal.SIGSTOP))
+        assert json.loads(rest[-2][6:])["error"]["code"] == "engine_unavailable"
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    hang_server.wait_ready(timeout=30)
+    deadline = time.monotonic() + 10
+    while aborts() == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborts() == before + 1
+
+
+@pytest.mark.parametrize("victim", ["dartree-drafter", "dartree-verifie"], ids=["drafter", "verifier"])
+def test_kill_9_during_a_non_streaming_request_is_a_503(hang_server, victim):
+    """The streaming case is in tests/service/test_e2e_tiny.py; this is the non-streaming one."""
+    import threading
+
+    old = hang_server.child(victim)
+    box: dict = {}
+
+    def request():
+        box["r"] = httpx.post(hang_server.base + "/v1/completions", timeout=60, json={
+            "prompt": "x", "max_tokens": 240, "speculative": {"method": "dflash"}})
+
+    t = threading.Thread(target=request)
+    t.start()
+    vport = hang_server.metrics_ports[0]
+    for _ in range(200):  # wait until the verifier runs it
+        if metric_total(httpx.get(f"http://127.0.0.1:{vport}/metrics").text, "dartree_num_requests_running") > 0:
+            break
+        time.sleep(0.01)
+    old.send_signal(signal.SIGKILL)
+    t.join(30)
+    r = box["r"]
+    assert r.status_code == 503, r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    for _ in range(300):
+        try:
+            if hang_server.child(victim).pid != old.pid:
+                break
+        except LookupError:
+            pass
+        time.sleep(0.1)
+    hang_server.wait_ready(timeout=120)
+    ok = httpx.post(hang_server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 8}, timeout=60)
+    assert ok.status_code == 200
