@@ -22,7 +22,7 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     from services.hf_compat import quiet_progress_bars
 
     from services.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
-    from services.drafter.service import DrafterService, TreeDefaults
+    from services.drafter.service import DrafterService, default_tree_knobs
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.verifier.drafter_client import InprocDrafterClient
     from services.verifier.engine import SpecEngine
@@ -48,7 +48,7 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
             target_layer_ids=default_target_layer_ids(tcfg["num_hidden_layers"]))).to(dtype).eval()
         note = "drafter: RANDOMLY INITIALISED (no trained drafter found): expect tau ~ 1, no speedup"
     target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype)
-    service = DrafterService(drafter, target.embed_tokens(), target.lm_head(), defaults or TreeDefaults(),
+    service = DrafterService(drafter, target.embed_tokens(), target.lm_head(), defaults or default_tree_knobs("cpu"),
                              description=note)
     engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=drafter.config.num_draft_slots)
     return engine, tok, note

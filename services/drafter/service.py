@@ -32,6 +32,14 @@ class TreeDefaults:
     candidates: int = 64
 
 
+def default_tree_knobs(device: str = "cpu") -> TreeDefaults:
+    """Per-device server defaults. On CUDA the paper's B=64, W=12. On CPU a 64-node verify costs
+    ~4x a one-token step, so the speedup-optimal budget is much smaller: B=16, W=12 was the best
+    point of ``dartree bench --sweep-grid`` (B 4-32 x W 2-12, GSM8K) on the 2-core CI machine,
+    2026-11-30 (benchmarks/results/2026-11-30-cpu2-x86_64-sweep)."""
+    return TreeDefaults() if str(device).startswith("cuda") else TreeDefaults(budget=16, width=12)
+
+
 class DominoScorer:
     """Domino correction head for one round, as a :class:`services.tree.TreeScorer`.
 

@@ -8,6 +8,8 @@ error reply for that request only. Torch is imported by :func:`run_drafter_proce
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import queue
 import threading
@@ -171,7 +173,7 @@ def build_drafter_service(config: DrafterWorkerConfig):
     import torch
 
     from services.drafter.model import load_drafter
-    from services.drafter.service import DrafterService, TreeDefaults, load_borrowed_weights
+    from services.drafter.service import DrafterService, default_tree_knobs, load_borrowed_weights
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
 
     dtype = getattr(torch, config.dtype)
@@ -181,7 +183,8 @@ def build_drafter_service(config: DrafterWorkerConfig):
     embed, head = load_borrowed_weights(target_dir, dtype)
     knobs = {k: getattr(config, k) for k in ("budget", "width", "depth_bonus", "candidates")
              if getattr(config, k) is not None}
-    service = DrafterService(drafter, embed.to(config.device), head.to(config.device), TreeDefaults(**knobs),
+    defaults = dataclasses.replace(default_tree_knobs(config.device), **knobs)
+    service = DrafterService(drafter, embed.to(config.device), head.to(config.device), defaults,
                              description=str(drafter_dir))
     return service, target_dir
 
