@@ -14,6 +14,7 @@ import uuid
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import ClientDisconnect
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -92,6 +93,13 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         return shaped(ApiError(err.status_code, str(err.detail), None, None, dict(err.headers or {})))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, err: ClientDisconnect) -> JSONResponse:
+        # The client closed the connection mid-body: nothing to answer, and not a server fault.
+        log.info("client disconnected before sending the whole request body")
+        return shaped(ApiError(400, "the client disconnected before the request body was complete", None,
+                               "client_disconnected"))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, err: Exception) -> JSONResponse:
