@@ -39,7 +39,7 @@ import time
 import uuid
 from pathlib import Path
 
-from benchmarks.load_test import _free_ports
+from services.runtime import free_loopback_ports
 
 PROMPTS = ["Explain, step by step, how a hash table handles collisions.",
            "Write a short poem about the sea.",
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:  # the tiny target has a 256-token window
         prompts = [p[:32] for p in prompts]
 
-    port, vport, dport = _free_ports(3)
+    port, vport, dport = free_loopback_ports(3)
     cmd = [sys.executable, "-m", "services.serve", "--port", str(port), "--verifier-metrics-port", str(vport),
            "--drafter-metrics-port", str(dport), "--default-temperature", "0", "--dtype", "float32",
            "--default-method", args.method, "--log-level", "WARNING"]

@@ -34,7 +34,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
+
+from services.runtime import free_loopback_ports
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 PROMPTS = [
@@ -84,22 +85,12 @@ def percentiles(xs: list[float]) -> dict:
 
 # ------------------------------------------------------------------------------------------ server
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @contextmanager
 def serve(args) -> tuple[str, int]:
     """Start ``python -m services.serve`` on free loopback ports; yield ``(url, pid)``; SIGTERM it at exit."""
     import httpx
 
-    port, vport, dport = _free_ports(3)
+    port, vport, dport = free_loopback_ports(3)
     cmd = [sys.executable, "-m", "services.serve", "--port", str(port), "--verifier-metrics-port", str(vport),
            "--drafter-metrics-port", str(dport), "--max-concurrent-requests", str(max(64, 2 * args.clients)),
            "--max-running", str(args.max_running), "--max-waiting", str(max(64, 2 * args.clients))]

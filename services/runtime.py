@@ -88,3 +88,16 @@ def prepare_process(name: str, log_level: str, parent_pid: int | None) -> None:
     set_process_title(name)
     setup_logging(log_level)
     exit_with_parent(parent_pid)
+
+
+def free_loopback_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 right now (for tests and benchmarks that start servers)."""
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports

@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.test_e2e_tiny import REPO, Server, _free_ports
+from services.runtime import free_loopback_ports
+from tests.service.test_e2e_tiny import REPO, Server
 from tests.service.tiny import make_tiny_models
 
 API_KEY = "reliability-key"
@@ -35,7 +36,7 @@ def start_server(target_dir: Path, drafter_dir: Path | str, log: Path, *extra: s
 
     Only this process group's server is ever signalled (its PID came from our own Popen).
     """
-    port, vport, dport = _free_ports(3)
+    port, vport, dport = free_loopback_ports(3)
     cmd = [sys.executable, "-m", "services.serve", "--target", str(target_dir), "--drafter", str(drafter_dir),
            "--port", str(port), "--verifier-metrics-port", str(vport), "--drafter-metrics-port", str(dport),
            "--served-model-name", "tiny", "--default-temperature", "0", "--ping-interval-s", "0.2",

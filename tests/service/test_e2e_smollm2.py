@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from .test_e2e_tiny import REPO, Server, _free_ports
+from services.runtime import free_loopback_ports
+
+from .test_e2e_tiny import REPO, Server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -25,7 +27,7 @@ def smol(tmp_path_factory):
 
     target_dir = resolve_target(None)  # converts the GGUF once (~20 s) if needed
     drafter = str(DEFAULT_DRAFTER_DIR) if (DEFAULT_DRAFTER_DIR / "config.json").is_file() else "none"
-    port, vport, dport = _free_ports(3)
+    port, vport, dport = free_loopback_ports(3)
     log = tmp_path_factory.mktemp("smol") / "serve.log"
     cmd = [sys.executable, "-m", "services.serve", "--drafter", drafter, "--port", str(port),
            "--verifier-metrics-port", str(vport), "--drafter-metrics-port", str(dport), "--default-temperature", "0"]

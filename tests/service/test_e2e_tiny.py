@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,20 +24,12 @@ import openai
 import psutil
 import pytest
 
+from services.runtime import free_loopback_ports
+
 from .tiny import make_tiny_models
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @dataclass
@@ -80,7 +71,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     target_dir, drafter_dir = tiny
-    port, vport, dport = _free_ports(3)
+    port, vport, dport = free_loopback_ports(3)
     log = tmp_path_factory.mktemp("log") / "serve.log"
     cmd = [sys.executable, "-m", "services.serve", "--target", str(target_dir), "--drafter", str(drafter_dir),
            "--port", str(port), "--verifier-metrics-port", str(vport), "--drafter-metrics-port", str(dport),
@@ -168,7 +159,7 @@ def test_real_prometheus_scrapes_all_three_and_tau_matches_the_engine(server, tm
         pytest.skip("no prometheus binary (Debian package 'prometheus'; the CI set-up installs it)")
     vport, dport = server.metrics_ports
     gport = int(server.base.rsplit(":", 1)[1])
-    (prom_port,) = _free_ports(1)
+    (prom_port,) = free_loopback_ports(1)
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text("global: {scrape_interval: 1s}\nscrape_configs:\n" + "".join(
         f"  - job_name: {job}\n    static_configs: [{{targets: ['127.0.0.1:{port}']}}]\n"
