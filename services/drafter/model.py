@@ -125,11 +125,17 @@ class RMSNorm(nn.Module):
 
 
 def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
-    """Rotary embedding (half-split layout, as HF Llama/Qwen3). ``x [..., T, Dh]``, ``pos [T]``."""
+    """Rotary embedding (half-split layout, as HF Llama/Qwen3).
+
+    ``x [..., T, Dh]`` with ``pos [T]`` (shared positions) or ``x [B, H, T, Dh]`` with ``pos [B, T]``
+    (per-row positions, e.g. one training block per anchor).
+    """
     dh = x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, dh, 2, device=x.device, dtype=torch.float32) / dh))
-    ang = pos.float()[:, None] * inv[None, :]  # [T, Dh/2]
+    ang = pos.float()[..., None] * inv  # [T, Dh/2] or [B, T, Dh/2]
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    if pos.ndim == 2:  # broadcast over heads
+        cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x[..., : dh // 2], x[..., dh // 2:]
     rot = torch.cat([-x2, x1], dim=-1)
     return (x.float() * cos + rot.float() * sin).to(x.dtype)

@@ -79,7 +79,7 @@ class Trainer:
             ctx_mask = (pos_ctx[None, None, :] < anchors[:, None, None]).expand(A, self.bs, t)
             pos_blk = anchors[:, None] + torch.arange(self.bs)[None, :]  # [A, Q]
             emb = F.embedding(block, self.embed_w)  # [A, Q, H]
-            hd = self._block(emb, pos_blk, ctx_kv, ctx_mask)  # [A, Q, H]
+            hd = m.block_forward(emb, pos_blk, ctx_kv, ctx_mask)  # [A, Q, H], positions per anchor
             base = hd @ self.head_w.T  # [A, Q, V]
             valid = labels >= 0
             tgt = labels.clamp(min=0)
@@ -102,39 +102,12 @@ class Trainer:
         stats["loss"] = float(loss.detach())
         return loss, stats
 
-    def _block(self, emb, pos_blk, ctx_kv, ctx_mask):
-        # Positions differ per anchor: run RoPE per row by flattening anchors into the batch.
-        h = emb
-        for layer, (k, v) in zip(self.m.layers, ctx_kv):
-            h = _layer_batched_pos(layer, h, pos_blk, k, v, ctx_mask)
-        return self.m.norm(h)
-
     @staticmethod
     @torch.no_grad()
     def _chain_tau(logits: torch.Tensor, labels: torch.Tensor) -> float:
         """Mean 1 + leading argmax matches per block (teacher-forced chain acceptance)."""
         ok = (logits.argmax(-1) == labels) & (labels >= 0)
         return float((ok.int().cumprod(1).sum(1) + 1).float().mean())
-
-
-def _layer_batched_pos(layer, h, pos_blk, ctx_k, ctx_v, ctx_mask):
-    """A decoder layer where every batch row has its own block positions ``pos_blk [A, Q]``."""
-    from services.drafter.model import rope
-
-    attn = layer.self_attn
-    c = attn.c
-    x = layer.input_layernorm(h)
-    q = attn.q_norm(attn.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim))).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))).transpose(1, 2)
-    v = attn.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim)).transpose(1, 2)
-    q = torch.stack([rope(q[i], pos_blk[i], c.rope_theta) for i in range(q.shape[0])])
-    k = torch.stack([rope(k[i], pos_blk[i], c.rope_theta) for i in range(k.shape[0])])
-    kk, vv = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
-    blk = torch.ones(*ctx_mask.shape[:2], h.shape[1], dtype=torch.bool)
-    mask = torch.cat([ctx_mask, blk], -1)[:, None]
-    o = F.scaled_dot_product_attention(q, kk.to(q.dtype), vv.to(q.dtype), attn_mask=mask, enable_gqa=True)
-    h = h + attn.o_proj(o.transpose(1, 2).flatten(-2))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def build_args(ap: argparse.ArgumentParser) -> None:
