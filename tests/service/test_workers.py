@@ -30,15 +30,8 @@ def sockdir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-@contextmanager
-def running_verifier(sockdir, engine, **cfg):
-    ctx = zmq.Context()
-    endpoint = f"ipc://{sockdir}/verifier.sock"
-    config = VerifierWorkerConfig(**cfg)
-    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), config, params=fake_params)
-    io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
-                  on_error=lambda r: worker.metrics.ipc_errors.labels("gateway").inc(), inbox=worker.inbox,
-                  refuse=lambda reason: p.HelloAck(p.PROTOCOL_VERSION, False, worker.info, reason))
+def _run(ctx, worker, io, endpoint):
+    """Wire a worker to its socket I/O, run its event loop on a thread, tear both down after."""
     worker.send = io.send
     io.start()
     stop = threading.Event()
@@ -51,6 +44,18 @@ def running_verifier(sockdir, engine, **cfg):
         thread.join(5)
         io.close()
         ctx.destroy(linger=0)
+
+
+@contextmanager
+def running_verifier(sockdir, engine, **cfg):
+    ctx = zmq.Context()
+    endpoint = f"ipc://{sockdir}/verifier.sock"
+    config = VerifierWorkerConfig(**cfg)
+    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), config, params=fake_params)
+    io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
+                  on_error=lambda r: worker.metrics.ipc_errors.labels("gateway").inc(), inbox=worker.inbox,
+                  refuse=lambda reason: p.HelloAck(p.PROTOCOL_VERSION, False, worker.info, reason))
+    yield from _run(ctx, worker, io, endpoint)
 
 
 def gateway_info(**kw) -> p.PeerInfo:
@@ -300,18 +305,7 @@ def running_drafter(sockdir, service, name="drafter"):
     worker = DrafterWorker(service, info, transport)
     io = ServerIO(ctx, endpoint, "drafter", on_message=worker.on_io_message,
                   on_error=lambda r: worker.metrics.ipc_errors.labels("verifier").inc(), inbox=worker.inbox)
-    worker.send = io.send
-    io.start()
-    stop = threading.Event()
-    thread = threading.Thread(target=worker.event_loop, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        yield worker, io, endpoint
-    finally:
-        stop.set()
-        thread.join(5)
-        io.close()
-        ctx.destroy(linger=0)
+    yield from _run(ctx, worker, io, endpoint)
 
 
 def drafter_client(endpoint, timeout_s=5.0, **kw):
