@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchmarks.bench_run import (ENGINE_METHODS, EXAMPLE_ROUNDS, KNOBS_BY_METHOD, PEERS, CellStats, engine_runner,
-                                  hf_runner, method_knobs, run_cell)
+                                  engine_turn, hf_runner, method_knobs, replay_runner, run_cell)
 from benchmarks.bench_stats import (TABLE2_METHODS, add_speedups, lossless_check, merge_phase, phase_stats,
                                     render_markdown, slim_cell, summarize, table1, table2)
 
@@ -72,6 +72,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--full", action="store_true", help="the full protocol: reference sample counts, 2048 tokens")
     g.add_argument("--seed", type=int, default=0, help="subset selection seed")
     g.add_argument("--skip-main", action="store_true", help="run only the sweep / serving stages")
+    g.add_argument("--tau-replay", action="store_true",
+                   help="T = 0 cells of drafting methods replay their acceptance against the ar output (the "
+                        "engine's drafter and trees, one teacher-forced target forward per sample instead of a "
+                        "verify per round): tau, acceptance and tree shapes only, no speedup; ~3-5x cheaper on CPU")
     k = p.add_argument_group("tree knobs (default: the engine's defaults)")
     k.add_argument("--budget", type=int, default=None)
     k.add_argument("--width", type=int, default=None)
@@ -99,6 +103,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--serving-requests-factor", type=int, default=2, help="requests per level = factor × concurrency")
     v.add_argument("--serving-prompts", type=int, default=16)
     v.add_argument("--serving-api-key", default=None, help="default: $DARTREE_API_KEY")
+    v.add_argument("--serving-verifier-metrics", metavar="URL", default="http://127.0.0.1:8001/metrics",
+                   help="the verifier's metrics, read for its --tree-schedule (labels the server-B/W row; "
+                        "start the server with --tree-schedule for that row to be a schedule)")
     m = p.add_argument_group("models and output")
     m.add_argument("--target", default=None, help="target: default SmolLM2-135M-Instruct, or a local HF dir")
     m.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
@@ -217,6 +224,7 @@ class Bench:
         self.supported: set[str] = set(ALL_METHODS)
         self._prompts: dict[tuple[str, int], list] = {}
         self._warm: set[str] = set()
+        self._refs: dict[tuple, tuple[list[int], str | None]] = {}  # (prompt ids, max_tokens) -> greedy output
         self.unavailable: dict[str, str] = {}
         from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
 
@@ -280,11 +288,34 @@ class Bench:
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         run(ids, self.a.warmup_tokens, 0, CellStats(), 0)
 
+    def replays(self, method: str, temperature: float) -> bool:
+        """Whether this cell is measured by :func:`replay_turn` (``--tau-replay``, T = 0, a drafting method)."""
+        return bool(getattr(self.a, "tau_replay", False)) and temperature == 0 and method in ENGINE_METHODS[1:]
+
+    def reference(self, ids: list[int], max_tokens: int) -> tuple[list[int], str | None]:
+        """Greedy output for a prompt: the ``ar`` cell's when it ran in this process, else a fresh ``ar`` run."""
+        key = (tuple(ids), max_tokens)
+        if key not in self._refs:
+            rec = engine_turn(self.engine, None, self.tok, ids, "ar", {}, 0.0, max_tokens, 0, CellStats(), 0,
+                              f"bench-ref-{len(self._refs)}")
+            self._refs[key] = (list(rec["tokens"]), rec["finish"])
+        return self._refs[key]
+
     def runner(self, method: str, knobs: dict, temperature: float):
         if method in PEERS:
             return hf_runner(self.engine.target.model, method, tuple(self.engine.eos_token_ids),
                              self.tok.pad_token_id)
-        return engine_runner(self.engine, self.tok, method, knobs, temperature)
+        if self.replays(method, temperature):
+            return replay_runner(self.engine, self.tok, method, knobs, self.reference)
+        inner = engine_runner(self.engine, self.tok, method, knobs, temperature)
+        if method != "ar" or temperature != 0:
+            return inner
+
+        def run_ar(ids, max_tokens, seed, stats, keep):  # remember greedy outputs for --tau-replay
+            rec = inner(ids, max_tokens, seed, stats, keep)
+            self._refs[(tuple(ids), max_tokens)] = (list(rec["tokens"]), rec["finish"])
+            return rec
+        return run_ar
 
     # -- one cell -------------------------------------------------------------------------------
     def cell(self, method: str, dataset: str, temperature: float, knobs: dict, n: int, progress: bool) -> dict:
@@ -293,7 +324,9 @@ class Bench:
         base = {"method": method, "dataset": dataset, "temperature": temperature, "knobs": mk, "n_prompts": n}
         if method in PEERS and temperature != 0:
             return {**base, "status": "n/a", "reason": "HF peers run greedy only (lossless at T = 0)"}
-        name = cell_name(method, dataset, temperature, mk, n, self.sig)
+        replay = self.replays(method, temperature)
+        base["replay"] = replay
+        name = cell_name(method + ("~replay" if replay else ""), dataset, temperature, mk, n, self.sig)
         path = self.cells_dir / name
         if path.exists():
             data = json.loads(path.read_text())
@@ -306,7 +339,8 @@ class Bench:
             return {**base, "status": "n/a", "reason": f"the drafter does not support {method} (no Domino head)"}
         from tqdm import tqdm
 
-        self.warmup(method)
+        if not replay:
+            self.warmup(method)
         total = sum(len(p.turns) for p in prompts)
         bar = tqdm(total=total, desc=f"{method} {dataset} T={temperature:g} {_knob_str(mk)}", file=sys.stderr,
                    leave=False, disable=not progress, dynamic_ncols=True)
@@ -359,7 +393,7 @@ def plan_sweeps(a, bench: Bench) -> list[tuple[str, str, dict]]:
 
 def _row(c: dict, stage: str) -> dict:
     r = {k: c[k] for k in ("method", "dataset", "temperature", "knobs", "n_prompts", "status")}
-    r.update(stage=stage, file=c.get("file"), reason=c.get("reason"))
+    r.update(stage=stage, file=c.get("file"), reason=c.get("reason"), replay=bool(c.get("replay")))
     if c["status"] == "ok":
         r["summary"] = summarize(c["data"])
         r["elapsed_s"] = c["data"].get("elapsed_s")
@@ -453,6 +487,8 @@ def aggregate(rows: list[dict], cells: dict, cfg: dict, bench: Bench) -> dict:
             res["round_breakdown"][f"{t:g}"][m] = phase_stats(merge_phase([cells[r["file"]]["phase"] for r in rs]))
     t0_main = {(r["method"], r["dataset"]): cells[r["file"]] for r in main if r["temperature"] == 0
                and r["status"] == "ok"}
+    t0_verified = {(r["method"], r["dataset"]): cells[r["file"]] for r in main if r["temperature"] == 0
+                   and r["status"] == "ok" and not r.get("replay")}  # replayed cells copy ar's tokens
     files = {id(cells[r["file"]]): r["file"] for r in rows if r["status"] == "ok"}
 
     def load_tokens(cell: dict, uid: str, turn: int):
@@ -460,7 +496,8 @@ def aggregate(rows: list[dict], cells: dict, cfg: dict, bench: Bench) -> dict:
         return next((s.get("token_ids") for s in data["samples"] if s.get("uid") == uid and s.get("turn") == turn),
                     None)
 
-    res["lossless"] = lossless_check(t0_main, cfg["methods"], load_tokens)
+    res["lossless"] = lossless_check(t0_verified, cfg["methods"], load_tokens)
+    res["replayed"] = sorted({f"{r['method']}@{r['dataset']}" for r in rows if r.get("replay")})
     sweep_t0 = {((r["method"] if r["method"] == "ar" else f"{r['method']}[{_knob_str(r['knobs'])}]"), r["dataset"]):
                 cells[r["file"]] for r in rows if r["stage"].startswith("sweep:") and r["temperature"] == 0
                 and r["status"] == "ok"}
@@ -515,6 +552,7 @@ def bench_main(a) -> int:
         from benchmarks.bench_serving import check_loopback
 
         check_loopback(a.serving)  # fail before hours of measurement
+        check_loopback(a.serving_verifier_metrics, "--serving-verifier-metrics")
     cfg = resolve_config(a)
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     mid = machine_id(cfg["device"])
@@ -541,7 +579,8 @@ def bench_main(a) -> int:
 
         res["serving"] = run_serving(a.serving, serving_prompts(bench, a.serving_prompts), res["config"]["knobs"]
                                      ["budget"], res["config"]["knobs"]["width"], a.serving_max_tokens,
-                                     a.serving_timeout, a.serving_requests_factor, a.serving_api_key)
+                                     a.serving_timeout, a.serving_requests_factor, a.serving_api_key,
+                                     verifier_metrics=a.serving_verifier_metrics)
     res["elapsed_s"] = time.perf_counter() - t_start
     if not a.no_figures:
         from benchmarks.bench_plots import make_figures

@@ -320,3 +320,88 @@ def hf_runner(model, method: str, eos_ids: tuple[int, ...], pad_id: int | None):
             stats.add_round(n - 1, {"total": dt})
         return rec
     return run
+
+
+def _walk_reference(tree, seq: list[int], i: int) -> list[int]:
+    """Node indices of the longest tree path whose tokens equal ``seq[i + 1], seq[i + 2], ...``."""
+    toks, pars = tree.draft_tokens.tolist(), tree.parents.tolist()
+    return _accepted_nodes(toks, pars, seq[i + 1:i + 1 + len(toks)])
+
+
+@torch.inference_mode()
+def replay_turn(engine, tok, prompt_ids: list[int], ref: list[int], finish: str | None, method: str, knobs: dict,
+                stats: CellStats, keep_examples: int, request_id: str) -> dict:
+    """Acceptance of ``method`` at T = 0 replayed against the greedy reference ``ref`` (no target verify).
+
+    At T = 0 the engine's output is the greedy continuation whatever the method (lossless), so the
+    round structure is fixed by the reference: round k drafts from the committed prefix, accepts the
+    longest tree path equal to the reference and emits it plus the bonus token. This runs the
+    engine's own drafter client and tree builders with the drafter context fed from ONE
+    teacher-forced target forward over ``prompt + ref`` instead of per-round tree verifies: the
+    ``τ``, accept histogram and tree shapes equal the engine's up to float near-ties in the drafter
+    (features differ from the incremental verify's by ~1e-6; tests/bench/test_replay.py checks
+    equality on tiny models). It measures no time (``decode_s = 0``, no speedup).
+
+    Args:
+        ref: the ``ar`` output token ids (terminator excluded, as the engine returns them);
+        finish: its finish reason ("stop" appends the target's greedy terminator, counted as emitted
+            like :func:`engine_turn` does).
+    Returns:
+        The sample record of :func:`engine_turn` with ``replay: True``.
+    """
+    from services.tree import DraftTree
+    from services.verifier.engine import SpecParams, _fill_knobs
+
+    seq = list(ref)
+    full = list(prompt_ids) + seq
+    argmax, feats = engine.target.teacher_forced(full)
+    if finish == "stop":
+        seq.append(int(argmax[-1]))
+    spec = _fill_knobs(SpecParams(method, **knobs), None)
+    p0 = len(prompt_ids)
+    ctx_ids, ctx_feats = list(prompt_ids), feats[:p0]
+    taus: list[int] = []
+    i = 0
+    try:
+        while i + 1 < len(seq):
+            start = p0 + i
+            room = engine.max_context - start - 1
+            if engine.drafter_max_position:
+                room = min(room, engine.drafter_max_position - start - 1)
+            tree, dt = DraftTree.empty(), {}
+            if room > 0:
+                tree, dt = engine.drafter.draft(request_id, ctx_ids, ctx_feats, seq[i], start, spec,
+                                                max_depth=min(room, engine.max_draft_depth))
+            path = _walk_reference(tree, seq, i)
+            a = len(path)
+            emitted = min(a + 1, len(seq) - (i + 1))
+            hits_stop = finish == "stop" and i + emitted == len(seq) - 1
+            taus.append(emitted)
+            stats.add_round(min(a, emitted - (1 if hits_stop else 0)), dt)
+            if tree.num_nodes:
+                stats.add_tree(tree)
+                if len(stats.examples) < keep_examples:
+                    acc = seq[i + 1:i + 1 + a]
+                    bonus = seq[i + 1 + a] if i + 1 + a < len(seq) else None
+                    stats.examples.append(tree_record(tree, seq[i], acc, bonus, tok, len(taus)))
+            ctx_ids, ctx_feats = seq[i:i + a + 1], feats[start:start + a + 1]
+            i += a + 1
+    finally:
+        engine.drafter.release(request_id)
+    return {"tokens": list(ref), "finish": finish, "ttft_s": 0.0, "decode_s": 0.0, "rounds": len(taus),
+            "tau": sum(taus) / len(taus) if taus else None, "taus_sum": sum(taus), "replay": True}
+
+
+def replay_runner(engine, tok, method: str, knobs: dict, reference):
+    """A ``runner`` for :func:`run_cell` that replays ``method`` against greedy references (T = 0 only).
+
+    ``reference(prompt_ids, max_tokens) -> (token ids, finish)`` gives the greedy output (the ``ar``
+    cell's, or a fresh ``ar`` run).
+    """
+    counter = iter(range(10**9))
+
+    def run(ids, max_tokens, seed, stats, keep):
+        ref, finish = reference(ids, max_tokens)
+        return replay_turn(engine, tok, ids, ref, finish, method, knobs, stats, keep,
+                           f"replay-{method}-{next(counter)}")
+    return run

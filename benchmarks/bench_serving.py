@@ -6,6 +6,15 @@ For each method and each concurrency level ``c`` (1, 2, 4, 8), ``requests_per_le
 from the first send to the last response; speedup = throughput / ``ar``'s at the same ``c``.
 Bounded in count (requests per level) and time (a deadline per level; unfinished requests are
 cancelled and reported). Loopback servers only.
+
+The two DARTree rows: "fixed" sends ``budget``/``width`` (they always win over any schedule); the
+"schedule" row sends neither, so the server decides. It is a load-dependent schedule only if the
+server was started with one, e.g. ``dartree serve --tree-schedule 1:16x12,2:12x8,4:8x6,8:4x4``
+(or ``DARTREE_TREE_SCHEDULE``); otherwise the row measures the server's default B/W. The bench reads
+the schedule from the verifier's ``dartree_info{tree_schedule=...}`` metric
+(``--serving-verifier-metrics``, default the verifier's default port) and labels the row with what
+it found. The verifier runs one request's round at a time (no batched verify), so a schedule is not
+expected to raise tokens/s here (``services/verifier/schedule.py``).
 """
 
 from __future__ import annotations
@@ -17,17 +26,21 @@ from urllib.parse import urlparse
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 CONCURRENCY = (1, 2, 4, 8)
+VERIFIER_METRICS = "http://127.0.0.1:8001/metrics"  # the verifier's default metrics endpoint
 
 
-def serving_methods(budget: int, width: int) -> list[tuple[str, dict]]:
-    """(label, ``speculative`` object) per row; the schedule row leaves B/W to the server."""
+def serving_methods(budget: int, width: int, schedule: str | None = None) -> list[tuple[str, dict]]:
+    """(label, ``speculative`` object) per row; the last row leaves B/W to the server, labelled by
+    ``schedule`` (the server's ``--tree-schedule``: "" = none, None = could not be read)."""
+    server_row = ("server B/W schedule " + schedule if schedule else
+                  "server default B/W, no schedule" if schedule == "" else "server B/W, schedule unknown")
     return [("ar", {"method": "ar"}), ("domino", {"method": "domino"}), ("ddtree", {"method": "ddtree"}),
             (f"dartree-pruned (fixed B={budget}, W={width})",
              {"method": "dartree-pruned", "budget": budget, "width": width}),
-            ("dartree-pruned (server B/W schedule)", {"method": "dartree-pruned"})]
+            (f"dartree-pruned ({server_row})", {"method": "dartree-pruned"})]
 
 
-def check_loopback(url: str) -> str:
+def check_loopback(url: str, flag: str = "--serving") -> str:
     """``url`` without a trailing slash.
 
     Raises:
@@ -35,8 +48,27 @@ def check_loopback(url: str) -> str:
     """
     u = urlparse(url)
     if u.scheme not in ("http", "https") or u.hostname not in LOOPBACK:
-        raise ValueError(f"--serving must be a loopback http URL such as http://127.0.0.1:8000 (got {url!r})")
+        raise ValueError(f"{flag} must be a loopback http URL such as http://127.0.0.1:8000 (got {url!r})")
     return url.rstrip("/")
+
+
+def read_server_schedule(metrics_url: str, transport=None) -> str | None:
+    """The verifier's ``--tree-schedule`` from its ``dartree_info`` metric ("" = none; None = unreadable)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with httpx.Client(timeout=5.0, transport=transport, trust_env=False) as client:
+            r = client.get(check_loopback(metrics_url, "--serving-verifier-metrics"))
+        r.raise_for_status()
+        families = list(text_string_to_metric_families(r.text))
+    except (httpx.HTTPError, ValueError):
+        return None
+    for fam in families:
+        for sample in fam.samples:
+            if sample.name == "dartree_info" and sample.labels.get("role") == "verifier":
+                return sample.labels.get("tree_schedule", "")
+    return None
 
 
 async def _one(client, url: str, body: dict, headers: dict) -> dict:
@@ -79,7 +111,7 @@ async def run_level(client, url: str, spec: dict, prompts: list[str], concurrenc
 
 async def run_serving_async(url: str, prompts: list[str], methods: list[tuple[str, dict]], concurrency=CONCURRENCY,
                             requests_per_level=lambda c: 2 * c, max_tokens: int = 128, deadline_s: float = 300.0,
-                            api_key: str | None = None, transport=None) -> dict:
+                            api_key: str | None = None, transport=None, schedule: str | None = None) -> dict:
     """The whole serving table: ``{"table": {label: {c: row}}, ...}`` with speedups over ``ar``."""
     import httpx
 
@@ -104,15 +136,26 @@ async def run_serving_async(url: str, prompts: list[str], methods: list[tuple[st
             base = ar.get(c, {}).get("tokens_per_s") if isinstance(ar.get(c), dict) else None
             row["speedup"] = row["tokens_per_s"] / base if base and row["tokens_per_s"] else None
     return {"url": url, "concurrency": list(concurrency), "max_tokens": max_tokens, "table": table,
-            "note": "T = 0, non-streaming; the schedule row sends no budget/width (the server's load-dependent "
-                    "default applies if it is configured)"}
+            "server_tree_schedule": schedule, "note": _note(schedule)}
+
+
+def _note(schedule: str | None) -> str:
+    server = (f"the verifier's --tree-schedule {schedule} picks B/W per round from its running count"
+              if schedule else "the server has no --tree-schedule, so its default B/W apply at every load"
+              if schedule == "" else "the server's --tree-schedule could not be read (verifier metrics "
+              "unreachable), so it is unknown whether a schedule applies")
+    return (f"T = 0, non-streaming; the last dartree-pruned row sends no budget/width: {server}. Rounds of "
+            "different requests are not batched into one verify forward, so a schedule trades tokens/s for "
+            "per-request latency; it is not expected to raise throughput here")
 
 
 def run_serving(url: str, prompts: list[str], budget: int, width: int, max_tokens: int, deadline_s: float,
-                requests_factor: int = 2, api_key: str | None = None, transport=None) -> dict:
-    """Synchronous entry used by ``benchmarks.bench``."""
+                requests_factor: int = 2, api_key: str | None = None, transport=None,
+                verifier_metrics: str | None = VERIFIER_METRICS) -> dict:
+    """Synchronous entry used by ``benchmarks.bench`` (``verifier_metrics`` None: schedule unknown)."""
     key = api_key if api_key is not None else os.environ.get("DARTREE_API_KEY")
-    return asyncio.run(run_serving_async(url, prompts, serving_methods(budget, width),
+    schedule = read_server_schedule(verifier_metrics, transport) if verifier_metrics else None
+    return asyncio.run(run_serving_async(url, prompts, serving_methods(budget, width, schedule),
                                          requests_per_level=lambda c: max(1, requests_factor * c),
                                          max_tokens=max_tokens, deadline_s=deadline_s, api_key=key,
-                                         transport=transport))
+                                         transport=transport, schedule=schedule))

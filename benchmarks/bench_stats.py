@@ -76,10 +76,13 @@ def summarize(cell: dict) -> dict:
     tokens = sum(s["num_tokens"] for s in samples)
     wall = sum(s["ttft_s"] + s["decode_s"] for s in samples)
     trees = cell.get("num_trees", 0)
+    if any(s.get("replay") for s in samples):  # --tau-replay: acceptance only, nothing was timed
+        dec = wall = 0.0
+        tpots, ttft = [], None
     return {
         "num_samples": len(samples), "num_tokens": tokens, "num_rounds": rounds,
         "tau": _mean(taus), "tau_micro": (sum(s["taus_sum"] for s in samples) / rounds) if rounds else None,
-        "tpot_ms": 1000 * dec / after if after else None,
+        "tpot_ms": 1000 * dec / after if after and dec > 0 else None,
         "tpot_macro_ms": 1000 * _mean(tpots) if tpots else None,
         "ttft_ms": 1000 * ttft if ttft is not None else None,
         "decode_tokens_per_s": after / dec if dec > 0 else None,

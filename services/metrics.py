@@ -4,7 +4,8 @@ Every metric name is defined here once (architecture.md "Metrics", serving.md §
 owns a disjoint set and exports it from its own registry:
 
 - verifier: ``dartree_spec_*``, ``dartree_round_seconds{phase}``, ``dartree_request_queue_seconds``,
-  ``dartree_num_requests_running`` / ``_waiting``, ``dartree_aborts_total{reason}``;
+  ``dartree_num_requests_running`` / ``_waiting``, ``dartree_aborts_total{reason}``,
+  ``dartree_spec_scheduled_budget`` / ``_width`` (the ``--tree-schedule`` pick at the current load);
 - gateway: ``dartree_time_to_first_token_seconds``, ``dartree_inter_token_latency_seconds`` (time
   between two streamed rounds of one request), ``dartree_e2e_request_latency_seconds``,
   ``dartree_requests_total{finish_reason}``, ``dartree_prompt_tokens_total``,
@@ -50,6 +51,8 @@ ROUND_SECONDS = "dartree_round_seconds"
 QUEUE_SECONDS = "dartree_request_queue_seconds"
 REQUESTS_RUNNING = "dartree_num_requests_running"
 REQUESTS_WAITING = "dartree_num_requests_waiting"
+SCHEDULED_BUDGET = "dartree_spec_scheduled_budget"
+SCHEDULED_WIDTH = "dartree_spec_scheduled_width"
 ABORTS = "dartree_aborts_total"
 TTFT = "dartree_time_to_first_token_seconds"
 ITL = "dartree_inter_token_latency_seconds"
@@ -137,6 +140,12 @@ class VerifierMetrics:
                                buckets=TTFT_BUCKETS, registry=r)
         self.running = Gauge(REQUESTS_RUNNING, "Requests being decoded.", registry=r)
         self.waiting = Gauge(REQUESTS_WAITING, "Requests waiting for admission.", registry=r)
+        self.scheduled_budget = Gauge(SCHEDULED_BUDGET, "Tree budget the load schedule picks at the current running "
+                                      "count, for requests that set none (0 = no schedule: drafter default).",
+                                      registry=r)
+        self.scheduled_width = Gauge(SCHEDULED_WIDTH, "Tree width the load schedule picks at the current running "
+                                     "count, for requests that set none (0 = no schedule: drafter default).",
+                                     registry=r)
         self.aborts = Counter(ABORTS, "Requests aborted before they finished.", ["reason"], registry=r)
         self.ipc_errors = _ipc_errors(r)
         _info(r, role="verifier", **info)

@@ -182,7 +182,8 @@ def run(a) -> None:
         step, elapsed_prev = st["step"], st.get("elapsed", 0.0)
         rng.setstate(st["rng"])
         print(f"[train] resumed at step {step} ({elapsed_prev / 60:.1f} min trained)", flush=True)
-    (work / "config.json").write_text(json.dumps({"args": vars(a), "drafter": cfg.to_hf()}, indent=2))
+    args_log = {k: v for k, v in vars(a).items() if not callable(v)}  # the CLI adds its handler function
+    (work / "config.json").write_text(json.dumps({"args": args_log, "drafter": cfg.to_hf()}, indent=2))
     trainer = Trainer(drafter, embed_w, head_w, a)
     heldout = torch.load(Path(a.feat_dir) / f"{HELDOUT_SHARD}.pt")[: a.heldout]
     paths = shard_paths(Path(a.feat_dir))

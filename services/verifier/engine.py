@@ -7,6 +7,7 @@ emitted, counted in usage, or counted in the round statistics. Clock rules: algo
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from math import isfinite
@@ -16,6 +17,7 @@ import torch
 from services.drafter.service import METHODS
 from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
 from services.verifier.drafter_client import DrafterClient
+from services.verifier.schedule import MAX_BUDGET, MAX_WIDTH
 
 
 @dataclass
@@ -62,7 +64,7 @@ class SpecParams:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown speculative method {self.method!r} (choose from {', '.join(METHODS)})")
-        for name, lo, hi in (("budget", 1, 1024), ("width", 1, 256), ("candidates", 1, 1024)):
+        for name, lo, hi in (("budget", 1, MAX_BUDGET), ("width", 1, MAX_WIDTH), ("candidates", 1, 1024)):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ValueError(f"speculative.{name} must be an integer (got {v!r})")
@@ -95,6 +97,15 @@ class RoundOutput:
     timings: dict[str, float] = field(default_factory=dict)
     prefill_seconds: float = 0.0
     is_prefill: bool = False
+
+
+def _fill_knobs(spec: SpecParams, tree_knobs: tuple[int, int] | None) -> SpecParams:
+    """``spec`` with its unset budget / width taken from ``tree_knobs`` (explicit values win)."""
+    if tree_knobs is None or (spec.budget is not None and spec.width is not None):
+        return spec
+    budget, width = tree_knobs
+    return dataclasses.replace(spec, budget=budget if spec.budget is None else spec.budget,
+                               width=width if spec.width is None else spec.width)
 
 
 @dataclass
@@ -172,15 +183,18 @@ class SpecEngine:
         if req is not None and self.drafter is not None and req.spec.method != "ar":
             self.drafter.release(request_id)
 
-    def step(self, request_id: str) -> RoundOutput:
+    def step(self, request_id: str, tree_knobs: tuple[int, int] | None = None) -> RoundOutput:
         """Run one round of a request (its first step prefills and emits the first token).
 
+        Args:
+            tree_knobs: ``(budget, width)`` for this round only, filling what the request's
+                ``SpecParams`` leaves unset (the verifier's load schedule); None = drafter defaults.
         Raises:
             KeyError: unknown request id.
         """
         req = self._reqs[request_id]
         try:
-            out = self._prefill(req) if req.cache is None else self._round(request_id, req)
+            out = self._prefill(req) if req.cache is None else self._round(request_id, req, tree_knobs)
         except BaseException:
             self.abort(request_id)
             raise
@@ -216,7 +230,7 @@ class SpecEngine:
         dt = time.perf_counter() - t0
         return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True)
 
-    def _round(self, request_id: str, req: _Request) -> RoundOutput:
+    def _round(self, request_id: str, req: _Request, tree_knobs: tuple[int, int] | None) -> RoundOutput:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         room = self.max_context - req.start - 1  # positions left after the root
@@ -224,8 +238,8 @@ class SpecEngine:
             room = min(room, self.drafter_max_position - req.start - 1)  # else: a plain round
         tree = DraftTree.empty()
         if req.spec.method != "ar" and room > 0:
-            tree, dt = self.drafter.draft(request_id, req.ctx_ids, req.ctx_feats, req.root, req.start, req.spec,
-                                          max_depth=min(room, self.max_draft_depth))
+            tree, dt = self.drafter.draft(request_id, req.ctx_ids, req.ctx_feats, req.root, req.start,
+                                          _fill_knobs(req.spec, tree_knobs), max_depth=min(room, self.max_draft_depth))
             timings.update(dt)
         t1 = time.perf_counter()
         buffers = derive_buffers(tree, req.root)

@@ -2,7 +2,8 @@
 
 Loop (R11), on the compute thread: recv (drain the inbox filled by the gateway I/O thread) ->
 schedule (admit FIFO while fewer than ``max_running`` run; pick the next running request,
-round-robin) -> run one ``engine.step`` -> send its :class:`RoundChunk`. Aborts take effect at the
+round-robin) -> run one ``engine.step`` (tree budget/width from ``--tree-schedule`` at the current
+running count, if set) -> send its :class:`RoundChunk`. Aborts take effect at the
 next round boundary and free the engine's KV cache and the drafter context. Hello and Ping are
 answered on the I/O thread (readiness never waits behind a round). ``_schedule`` returns a list so
 verifying several requests' trees in one forward can be added without changing the loop.
@@ -36,6 +37,7 @@ from services.protocol import (
 )
 from services.runtime import request_id_var
 from services.verifier.remote_drafter import DrafterError, DrafterUnavailable
+from services.verifier.schedule import MAX_BUDGET, parse_tree_schedule
 from services.wire import Decoded
 
 log = logging.getLogger("verifier")
@@ -54,6 +56,10 @@ class VerifierWorkerConfig:
         max_running: requests decoded concurrently (round-robin); max_waiting: queued beyond that (429 after).
         max_context: context window (0 = the target's).
         default_method: method when a request names none (must be one the drafter serves).
+        tree_schedule: load-dependent tree budget/width, ``"1:16x12,2:12x8,4:8x6,8:4x4"`` (``N:BxW`` =
+            at >= N running requests, B nodes and width W; per round; only for requests that leave
+            budget/width unset). "" = off: the drafter defaults at every load. Off by default because
+            rounds are not batched here, so it trades tokens/s for latency (``services/verifier/schedule.py``).
         draft_timeout_s: deadline of one drafter round trip; drafter_wait_s: how long to wait for the
             drafter at start; health_interval_s: idle drafter ping period.
         drain_timeout_s: on SIGTERM, how long running requests may finish.
@@ -70,6 +76,7 @@ class VerifierWorkerConfig:
     max_waiting: int = 64
     max_context: int = 0
     default_method: str = "dartree-pruned"
+    tree_schedule: str = ""
     draft_timeout_s: float = 30.0
     drafter_wait_s: float = 600.0
     health_interval_s: float = 1.0
@@ -84,6 +91,7 @@ class VerifierWorkerConfig:
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_waiting < 0:
             raise ValueError("max_running must be >= 1 and max_waiting >= 0")
+        parse_tree_schedule(self.tree_schedule, MAX_BUDGET, self.max_running)  # ValueError: one line
 
 
 @dataclass
@@ -132,6 +140,7 @@ class VerifierWorker:
         self.drafter_ok = True
         self.draining = False
         self._drafter_ping, self._params = drafter_ping, params
+        self.tree_schedule = parse_tree_schedule(config.tree_schedule)
         self._last_ping = 0.0
         self._waiting: deque[_Entry] = deque()
         self._running: dict[str, _Entry] = {}
@@ -282,7 +291,7 @@ class VerifierWorker:
         try:
             if entry.rounds == 0:
                 self.metrics.queue.observe(time.monotonic() - entry.arrival)
-            out = self.engine.step(rid)
+            out = self.engine.step(rid, tree_knobs=self.tree_knobs())
         except Exception as exc:  # the engine already freed the request
             self._drop(rid)
             self._step_failed(entry, exc)
@@ -295,6 +304,10 @@ class VerifierWorker:
             self._drop(rid)  # before sending: the table (and gauges) never outlive the last chunk
         self.send(entry.identity, RoundChunk(rid, list(out.token_ids), out.finish_reason,
                                              num_draft_tokens=out.num_draft_tokens, accept_length=out.accept_length))
+
+    def tree_knobs(self) -> tuple[int, int] | None:
+        """``(budget, width)`` the schedule picks at the current running count (None = drafter defaults)."""
+        return self.tree_schedule.pick(len(self._running)) if self.tree_schedule else None
 
     def _step_failed(self, entry: _Entry, exc: Exception) -> None:
         if isinstance(exc, DrafterUnavailable):
@@ -328,6 +341,9 @@ class VerifierWorker:
     def _update_gauges(self) -> None:
         self.metrics.running.set(len(self._running))
         self.metrics.waiting.set(len(self._waiting))
+        budget, width = self.tree_knobs() or (0, 0)
+        self.metrics.scheduled_budget.set(budget)
+        self.metrics.scheduled_width.set(width)
 
     def _check_drafter(self) -> None:
         if self._drafter_ping is None or time.monotonic() - self._last_ping < self.config.health_interval_s:
@@ -347,7 +363,7 @@ def verifier_info(target_dir, engine, target, epoch: str, config: VerifierWorker
     from services.protocol import Limits, SpecSpec, special_token_ids, tokenizer_hash
 
     limits = Limits(max_context=engine.max_context, max_prompt_tokens=engine.max_context - 1,
-                    max_tokens=engine.max_context - 1, max_budget=1024, max_running=config.max_running,
+                    max_tokens=engine.max_context - 1, max_budget=MAX_BUDGET, max_running=config.max_running,
                     max_waiting=config.max_waiting)
     return PeerInfo(role="verifier", epoch=epoch, tokenizer_hash=tokenizer_hash(target_dir),
                     vocab_size=engine.vocab_size, eos_token_id=int(engine.eos_token_ids[0]) if engine.eos_token_ids
@@ -413,7 +429,8 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     if config.default_method not in methods:
         raise SystemExit(f"default method {config.default_method!r} is not served (available: {', '.join(methods)})")
     info = verifier_info(target_dir, engine, target, epoch, config, methods, drafter)
-    metrics = VerifierMetrics(model=info.model, default_method=config.default_method)
+    metrics = VerifierMetrics(model=info.model, default_method=config.default_method,
+                              tree_schedule=str(parse_tree_schedule(config.tree_schedule) or ""))
     start_metrics_server(config.verifier_metrics_port, config.metrics_host, metrics.registry)
     worker = VerifierWorker(engine, info, config, metrics,
                             drafter_ping=(lambda: drafter_client.ping(1.0)) if drafter_client else None)

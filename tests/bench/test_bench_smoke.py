@@ -106,8 +106,11 @@ def test_serving_table_mock():
     from benchmarks.bench_serving import check_loopback, run_serving
 
     seen = []
+    info = 'dartree_info{role="verifier",model="m",tree_schedule="1:16x12,4:8x6"} 1.0\n'
 
     def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":  # the verifier's metrics: where the bench reads the schedule
+            return httpx.Response(200, text=info)
         body = json.loads(request.content)
         seen.append(body["speculative"])
         n = 4 if body["speculative"]["method"] == "ar" else 8
@@ -119,8 +122,31 @@ def test_serving_table_mock():
     assert res["table"]["ar"]["8"]["completed"] == 8
     assert res["table"]["ddtree"]["1"]["speedup"] > 0
     assert {"method": "dartree-pruned", "budget": 16, "width": 4} in seen
+    assert {"method": "dartree-pruned"} in seen  # the server-B/W row sends neither knob
+    assert res["server_tree_schedule"] == "1:16x12,4:8x6"
+    assert "dartree-pruned (server B/W schedule 1:16x12,4:8x6)" in res["table"]
+    assert "--tree-schedule 1:16x12,4:8x6 picks B/W per round" in res["note"]
     with pytest.raises(ValueError):
         check_loopback("http://example.com:8000")
+
+
+def test_serving_schedule_row_is_labelled_by_what_the_verifier_reports():
+    import httpx
+
+    from benchmarks.bench_serving import read_server_schedule, serving_methods
+
+    def metrics(text: str | None):
+        return httpx.MockTransport(lambda r: httpx.Response(200, text=text) if text is not None
+                                   else httpx.Response(404))
+
+    url = "http://127.0.0.1:8001/metrics"
+    assert read_server_schedule(url, metrics('dartree_info{role="verifier",tree_schedule=""} 1.0\n')) == ""
+    assert read_server_schedule(url, metrics('dartree_info{role="gateway"} 1.0\n')) is None
+    assert read_server_schedule(url, metrics(None)) is None
+    assert read_server_schedule("http://127.0.0.1:9/metrics") is None  # nothing listens on port 9
+    assert read_server_schedule("http://example.com/metrics", metrics("")) is None  # not loopback: not read
+    assert serving_methods(16, 4, "")[-1][0] == "dartree-pruned (server default B/W, no schedule)"
+    assert serving_methods(16, 4, None)[-1][0] == "dartree-pruned (server B/W, schedule unknown)"
 
 
 def test_cell_resume_skips_finished_prompts():

@@ -165,6 +165,7 @@ class FakeEngine:
         self.step_delay_s, self.fail_on_step, self.fail_with = step_delay_s, fail_on_step, fail_with
         self.active: dict[str, int] = {}
         self.steps: list[str] = []
+        self.knobs: list[tuple[int, tuple[int, int] | None]] = []  # (active requests, tree_knobs) per step
         self.aborted: list[str] = []
         self.lock = threading.Lock()
 
@@ -173,12 +174,13 @@ class FakeEngine:
             raise ValueError("prompt (1 tokens) + max_tokens (9999) exceeds the context window of 256 tokens")
         self.active[request_id] = 0
 
-    def step(self, request_id: str) -> FakeRound:
+    def step(self, request_id: str, tree_knobs: tuple[int, int] | None = None) -> FakeRound:
         import time
 
         time.sleep(self.step_delay_s)
         k = self.active[request_id]
         self.steps.append(request_id)
+        self.knobs.append((len(self.active), tree_knobs))
         if self.fail_on_step is not None and k == self.fail_on_step:
             self.abort(request_id)
             raise self.fail_with or RuntimeError("boom")

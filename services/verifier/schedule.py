@@ -1,0 +1,82 @@
+"""Load-dependent tree budget/width: ``--tree-schedule "1:16x12,2:12x8,4:8x6,8:4x4"``.
+
+Each ``N:BxW`` step reads "while at least N requests are running, draft trees of B nodes and width
+W". The verifier picks the step once per round from its running count, so a request's tree shrinks
+while the server is busy and grows back when it empties. The pick fills only the ``budget`` /
+``width`` a request left unset (``speculative`` values always win); below the first threshold, or
+with no schedule (the default), the drafter's defaults apply (``default_tree_knobs``).
+
+What it can and cannot buy in this engine: rounds of different requests are *not* batched into
+one verify forward; the verifier runs one request's round at a time, round-robin. A round's cost
+for a given B is therefore the same at every load, and aggregate tokens/s is τ(B) / round time(B)
+of whichever B is in use: no schedule beats the best fixed B on throughput, and next to the
+speedup-optimal default it can only lower it. What it can buy is latency fairness under load,
+where round time grows with B (CPU: README "Verify cost vs tree size"; on a GPU verify cost is
+nearly flat in B, so there is little to gain): between two of its own rounds a request waits for
+every other running request's round, so shorter rounds deliver each stream's chunks more often and
+reach a newly admitted request sooner, and fewer rejected nodes are drafted and verified per round.
+Nothing here measures that trade, which is why the schedule is off by default. It becomes a
+throughput tool only once several requests' trees share one verify forward (then a smaller B per
+request keeps the batched forward within the device's flat-cost region).
+
+Torch-free (the verifier config validates it at start-up).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MAX_BUDGET = 1024  # largest tree budget a request or the schedule may ask for (Limits.max_budget)
+MAX_WIDTH = 256    # largest tree width
+_STEP_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class TreeSchedule:
+    """``steps``: ``(min_running, budget, width)`` with strictly increasing ``min_running``."""
+
+    steps: tuple[tuple[int, int, int], ...]
+
+    def pick(self, num_running: int) -> tuple[int, int] | None:
+        """``(budget, width)`` of the last step whose threshold is <= ``num_running`` (None: below all)."""
+        chosen = None
+        for min_running, budget, width in self.steps:
+            if num_running < min_running:
+                break
+            chosen = (budget, width)
+        return chosen
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}:{b}x{w}" for n, b, w in self.steps)
+
+
+def parse_tree_schedule(text: str, max_budget: int = MAX_BUDGET, max_running: int | None = None
+                        ) -> TreeSchedule | None:
+    """Parse ``"N:BxW,N:BxW,..."`` ("" or "none" = no schedule).
+
+    Raises:
+        ValueError: one line naming the bad step: malformed, threshold < 1 or not increasing
+            (or above ``max_running``, where it could never apply), budget outside
+            ``[1, max_budget]``, width outside ``[1, MAX_WIDTH]``.
+    """
+    if text.strip().lower() in ("", "none"):
+        return None
+    steps: list[tuple[int, int, int]] = []
+    for part in text.split(","):
+        m = _STEP_RE.match(part)
+        if m is None:
+            raise ValueError(f"tree_schedule: {part.strip()!r} is not MIN_RUNNING:BUDGETxWIDTH "
+                             f"(example: 1:16x12,4:8x6)")
+        n, b, w = (int(g) for g in m.groups())
+        if n < 1 or (steps and n <= steps[-1][0]):
+            raise ValueError(f"tree_schedule: thresholds must be >= 1 and strictly increasing (got {n} "
+                             f"after {steps[-1][0] if steps else 'nothing'})")
+        if max_running is not None and n > max_running:
+            raise ValueError(f"tree_schedule: threshold {n} exceeds max_running {max_running} (it could never apply)")
+        if not 1 <= b <= max_budget:
+            raise ValueError(f"tree_schedule: budget {b} (at {n} running) must be in [1, {max_budget}]")
+        if not 1 <= w <= MAX_WIDTH:
+            raise ValueError(f"tree_schedule: width {w} (at {n} running) must be in [1, {MAX_WIDTH}]")
+        steps.append((n, b, w))
+    return TreeSchedule(tuple(steps))
