@@ -24,6 +24,7 @@ Usage: ``dartree bench`` (quick: 4 prompts/dataset, 96 new tokens, T = 0 and 1),
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -72,6 +73,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--full", action="store_true", help="the full protocol: reference sample counts, 2048 tokens")
     g.add_argument("--seed", type=int, default=0, help="subset selection seed")
     g.add_argument("--skip-main", action="store_true", help="run only the sweep / serving stages")
+    g.add_argument("--max-turns", type=int, default=0,
+                   help="user turns per prompt (0 = all; 1 = MT-Bench first turns only)")
     g.add_argument("--tau-replay", action="store_true",
                    help="T = 0 cells of drafting methods replay their acceptance against the ar output (the "
                         "engine's drafter and trees, one teacher-forced target forward per sample instead of a "
@@ -195,7 +198,7 @@ def resolve_config(a) -> dict:
             "temperatures": [float(t) for t in a.temperatures],
             "max_new_tokens": a.max_new_tokens or (FULL_TOKENS if a.full else QUICK_TOKENS),
             "seed": a.seed, "target": a.target or "smollm2-135m-instruct", "drafter": a.drafter, "dtype": a.dtype,
-            "device": a.device, "full": bool(a.full)}
+            "device": a.device, "full": bool(a.full), "max_turns": int(getattr(a, "max_turns", 0) or 0)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,7 +235,8 @@ class Bench:
         ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
         self.sig = hashlib.sha1(json.dumps(
             [_fingerprint(self.target_dir), _fingerprint(ddir) if (ddir / "config.json").exists() else "random",
-             cfg["dtype"], cfg["device"], cfg["max_new_tokens"], cfg["seed"]]).encode()).hexdigest()[:8]
+             cfg["dtype"], cfg["device"], cfg["max_new_tokens"], cfg["seed"]]
+            + ([cfg["max_turns"]] if cfg.get("max_turns") else [])).encode()).hexdigest()[:8]
 
     # -- models ---------------------------------------------------------------------------------
     def ensure_engine(self) -> None:
@@ -272,7 +276,9 @@ class Bench:
 
         if (dataset, n) not in self._prompts:
             try:
-                self._prompts[(dataset, n)] = load_eval(dataset, n, self.cfg["seed"])
+                ps = load_eval(dataset, n, self.cfg["seed"])
+                k = self.cfg.get("max_turns") or 0
+                self._prompts[(dataset, n)] = [dataclasses.replace(p, turns=p.turns[:k]) for p in ps] if k else ps
             except DatasetUnavailableError as e:
                 self.unavailable[dataset] = str(e)
                 self._prompts[(dataset, n)] = []

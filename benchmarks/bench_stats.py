@@ -225,6 +225,12 @@ def render_markdown(res: dict) -> str:
     lines += ["", "τ = mean tokens per speculative round incl. the bonus (macro over samples); speedup = AR TPOT / "
               "method TPOT (decode clock after the first token, AR measured by the same loop). HF peers are "
               "greedy only (n/a at T > 0).", ""]
+    if res.get("replayed"):
+        lines += ["**τ replay** (`--tau-replay`): the T = 0 cells of " + ", ".join(f"`{c}`" for c in res["replayed"])
+                  + " replayed acceptance against `ar`'s greedy output with the engine's drafter and tree builders "
+                  "(one teacher-forced target forward per sample instead of a verify per round; equal to the "
+                  "engine round for round, tests/bench/test_replay.py). They measure τ, acceptance and tree "
+                  "shapes only: no speedup, and they are not part of the lossless check.", ""]
     ll = res.get("lossless", {})
     if ll:
         lines += ["## Lossless check (T = 0: token ids equal to `ar`)", "", "| Method | samples | mismatches |",

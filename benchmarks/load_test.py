@@ -10,9 +10,13 @@ Procedure: (1) solo phase: each prompt is requested alone, greedy, non-streaming
 clients (httpx, loopback only) loop for ``--duration`` seconds, each sending one streaming request
 at a time drawn from the mix (prompts x ``--max-tokens`` x ``--temperatures``); greedy streamed
 token ids are compared with the solo ones;
-(3) RSS of the three processes is sampled every second (psutil); growth = last-25%-window mean /
-mean of the samples right after warm-up - 1. Bounded: requests end by the deadline plus
-``--request-timeout``; the client count and the duration are fixed.
+(3) at the deadline no client starts a new request; requests still in flight may finish within
+``--request-timeout`` more seconds and are counted (any still running then are cancelled and
+counted as errors of kind ``unfinished``); (4) RSS of the three processes is sampled every second
+(psutil); growth = last-25%-window mean / mean of the samples right after warm-up - 1.
+Bounded: the run ends by the deadline plus ``--request-timeout``; the client count and the
+duration are fixed. Reported: TTFT percentiles (for a queued request, mostly its wait in the
+verifier's queue), inter-event and end-to-end latency, and errors by kind.
 
 Usage::
 
@@ -33,17 +37,13 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
-from pathlib import Path
 from urllib.parse import urlparse
-
-from services.runtime import free_loopback_ports
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 PROMPTS = [
@@ -86,48 +86,16 @@ def percentiles(xs: list[float]) -> dict:
 # ------------------------------------------------------------------------------------------ server
 
 @contextmanager
-def serve(args) -> tuple[str, int]:
-    """Start ``python -m services.serve`` on free loopback ports; yield ``(url, pid)``; SIGTERM it at exit."""
-    import httpx
+def serve(args):
+    """:func:`services.testing.start_server` with the load test's limits; yields ``(url, supervisor pid)``."""
+    from services.testing import start_server
 
-    port, vport, dport = free_loopback_ports(3)
-    cmd = [sys.executable, "-m", "services.serve", "--port", str(port), "--verifier-metrics-port", str(vport),
-           "--drafter-metrics-port", str(dport), "--max-concurrent-requests", str(max(64, 2 * args.clients)),
-           "--max-running", str(args.max_running), "--max-waiting", str(max(64, 2 * args.clients))]
-    if args.target:
-        cmd += ["--target", args.target]
-    if args.drafter:
-        cmd += ["--drafter", args.drafter]
-    cmd += args.serve_arg
-    log_path = Path(args.serve_log)
-    log = open(log_path, "w")
-    _log(f"[load] starting: {' '.join(cmd)} (log {log_path})")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            cwd=Path(__file__).resolve().parents[1])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + args.startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"server exited with {proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"server not ready within {args.startup_timeout:.0f} s; see {log_path}")
-            time.sleep(0.5)
-        yield url, proc.pid
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        log.close()
+    flags = ["--max-concurrent-requests", str(max(64, 2 * args.clients)), "--max-running", str(args.max_running),
+             "--max-waiting", str(max(64, 2 * args.clients)), *args.serve_arg]
+    _log(f"[load] starting dartree serve {' '.join(flags)} (log {args.serve_log})")
+    with start_server(*flags, log=args.serve_log, target=args.target or None, drafter=args.drafter or None,
+                      ready_timeout=args.startup_timeout, stop_timeout=90) as srv:
+        yield srv.base, srv.proc.pid
 
 
 class RssSampler:
@@ -210,6 +178,11 @@ async def _solo(client, url: str, headers: dict, kind: dict, extra: dict) -> lis
     return r.json()["choices"][0]["token_ids"]
 
 
+def _error(stats: dict, kind: str, message: str) -> None:
+    """Record one failed (or wrong) request: its kind for the counts, its message for the samples."""
+    stats["errors"].append((kind, message[:200]))
+
+
 async def _stream_one(client, url: str, headers: dict, body: dict, stats: dict) -> list[int] | None:
     """One streaming request; records latencies into ``stats``; returns the token ids or None on error."""
     t0 = time.perf_counter()
@@ -217,7 +190,7 @@ async def _stream_one(client, url: str, headers: dict, body: dict, stats: dict) 
     try:
         async with client.stream("POST", url + "/v1/completions", headers=headers, json=body) as r:
             if r.status_code != 200:
-                stats["errors"].append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                _error(stats, f"http_{r.status_code}", f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                 return None
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
@@ -226,7 +199,8 @@ async def _stream_one(client, url: str, headers: dict, body: dict, stats: dict) 
                     break
                 ev = json.loads(line[6:])
                 if "error" in ev:
-                    stats["errors"].append(f"error event: {ev['error'].get('message')}")
+                    err = ev["error"]
+                    _error(stats, f"error_event:{err.get('code')}", f"error event: {err.get('message')}")
                     return None
                 if ev.get("usage"):
                     usage = ev["usage"]
@@ -243,24 +217,26 @@ async def _stream_one(client, url: str, headers: dict, body: dict, stats: dict) 
                         stats["itl"].append(now - last)
                     last = now
     except Exception as exc:  # noqa: BLE001 - every client-side failure is an error of the run
-        stats["errors"].append(f"{type(exc).__name__}: {exc}"[:200])
+        _error(stats, type(exc).__name__, f"{type(exc).__name__}: {exc}")
         return None
     stats["e2e"].append(time.perf_counter() - t0)
     stats["tokens"] += len(ids)
     if usage is not None and usage.get("completion_tokens") != len(ids):
-        stats["errors"].append(f"usage {usage.get('completion_tokens')} != {len(ids)} streamed ids")
+        _error(stats, "usage_mismatch", f"usage {usage.get('completion_tokens')} != {len(ids)} streamed ids")
     return ids
 
 
 async def run_load(url: str, args, headers: dict) -> dict:
+    """Solo answers, then ``args.clients`` looping clients until the deadline, then the drain of in-flight requests."""
     import httpx
 
     kinds = mix(args)
     extra = {"speculative": {"method": args.method}} if args.method else {}
     limits = httpx.Limits(max_connections=args.clients + 4, max_keepalive_connections=args.clients + 4)
+    timeout = httpx.Timeout(args.request_timeout, connect=min(5.0, args.request_timeout))  # as the OpenAI client
     stats = {"errors": [], "ttft": [], "itl": [], "e2e": [], "tokens": 0, "requests": 0, "greedy_checked": 0,
-             "greedy_mismatches": 0}
-    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits, trust_env=False) as client:
+             "greedy_mismatches": 0, "active": 0, "in_flight_at_deadline": 0, "unfinished": 0}
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         # greedy with max_tokens n is the first n tokens of greedy with more (or all of it, if EOS came
         # first): one solo answer per prompt, at the longest max_tokens, is the reference of every length
         solo, longest = {}, max(args.max_tokens)
@@ -277,24 +253,38 @@ async def run_load(url: str, args, headers: dict) -> dict:
         async def worker(i: int) -> None:
             local = random.Random(rng.random())
             await asyncio.sleep(local.uniform(0, min(1.0, args.duration / 10)))  # staggered start
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline:  # no new request after the deadline
                 k = local.choice(kinds)
                 body = {**k, **extra, "stream": True, "return_token_ids": True,
                         "stream_options": {"include_usage": True}}
                 if k["temperature"] > 0:
                     body["seed"] = local.randrange(2**31)
                 stats["requests"] += 1
-                ids = await _stream_one(client, url, headers, body, stats)
+                stats["active"] += 1
+                try:
+                    ids = await _stream_one(client, url, headers, body, stats)
+                except asyncio.CancelledError:
+                    stats["unfinished"] += 1
+                    _error(stats, "unfinished", f"still running {args.request_timeout:g} s after the deadline")
+                    raise
+                finally:
+                    stats["active"] -= 1
                 if ids is not None and k["temperature"] == 0:
                     stats["greedy_checked"] += 1
                     if ids != solo[k["prompt"]][:k["max_tokens"]]:
                         stats["greedy_mismatches"] += 1
-                        stats["errors"].append(f"greedy answer differs from solo ({k['prompt'][:30]!r}, "
-                                               f"{k['max_tokens']})")
+                        _error(stats, "greedy_mismatch", f"greedy answer differs from solo ({k['prompt'][:30]!r}, "
+                                                         f"{k['max_tokens']})")
 
         t0 = time.perf_counter()
-        await asyncio.wait_for(asyncio.gather(*(worker(i) for i in range(args.clients))),
-                               args.duration + args.request_timeout + 30)
+        tasks = [asyncio.create_task(worker(i)) for i in range(args.clients)]
+        await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+        stats["in_flight_at_deadline"] = stats["active"]
+        _log(f"[load] deadline: {stats['active']} requests in flight; waiting up to {args.request_timeout:g} s")
+        _, pending = await asyncio.wait(tasks, timeout=args.request_timeout)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         wall = time.perf_counter() - t0
     return {**stats, "wall_s": wall}
 
@@ -318,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, nargs="+", default=[16, 64, 128, 256])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.0, 0.7, 1.0])
     ap.add_argument("--method", default="", help="speculative.method of every request (default: the server's)")
-    ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--request-timeout", type=float, default=600.0,
+                    help="client timeout of one request, in seconds (httpx read/write/pool; connect: 5 s), and\n"
+                         "how long in-flight requests may still run after --duration (then they are cut and\n"
+                         "counted as errors); default 600 s, the OpenAI Python client's default timeout")
     ap.add_argument("--max-rss-growth", type=float, default=0.10)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -346,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "bench": "load_test", "url": url, "clients": args.clients, "duration_s": args.duration,
         "wall_s": round(res["wall_s"], 1), "requests": res["requests"], "completed": len(res["e2e"]),
-        "errors": len(res["errors"]), "error_samples": res["errors"][:5],
+        "in_flight_at_deadline": res["in_flight_at_deadline"], "unfinished": res["unfinished"],
+        "request_timeout_s": args.request_timeout,
+        "errors": len(res["errors"]), "errors_by_kind": dict(Counter(kind for kind, _ in res["errors"])),
+        "error_samples": [msg for _, msg in res["errors"][:5]],
         "greedy_checked": res["greedy_checked"], "greedy_mismatches": res["greedy_mismatches"],
         "completion_tokens": res["tokens"], "tokens_per_s": round(res["tokens"] / res["wall_s"], 1),
         "ttft_ms": percentiles(res["ttft"]), "itl_ms": percentiles(res["itl"]), "e2e_ms": percentiles(res["e2e"]),
@@ -356,11 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     summary["ok"] = bool(summary["errors"] == 0 and summary["greedy_mismatches"] == 0 and summary["completed"] > 0
                          and all(g < args.max_rss_growth for g in growth.values()))
-    _log(f"[load] {summary['requests']} requests ({summary['completed']} completed), {summary['errors']} errors, "
+    _log(f"[load] {summary['requests']} requests ({summary['completed']} completed, "
+         f"{summary['in_flight_at_deadline']} in flight at the deadline, {summary['unfinished']} cut after "
+         f"{args.request_timeout:g} s more), {summary['errors']} errors {summary['errors_by_kind']}, "
          f"{summary['greedy_checked']} greedy checked / {summary['greedy_mismatches']} mismatches, "
          f"{summary['tokens_per_s']} tok/s")
-    for name in ("ttft_ms", "itl_ms", "e2e_ms"):
-        _log(f"[load] {name}: {summary[name]}")
+    for name, what in (("ttft_ms", "TTFT (queue wait + prefill)"), ("itl_ms", "inter-event"),
+                       ("e2e_ms", "end to end")):
+        _log(f"[load] {what} ms: {summary[name]}")
     for role, r in summary["rss"].items():
         _log(f"[load] rss {role}: {r}")
     print(json.dumps(summary))

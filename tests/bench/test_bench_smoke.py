@@ -191,3 +191,31 @@ def test_lossless_check_reports_first_difference():
     res = lossless_check(slim, ["ar", "m", "ok"], lambda c, uid, turn: back[id(c)]["samples"][0]["token_ids"])
     assert res["ok"] == {"checked": 1, "mismatches": 0, "examples": []}
     assert res["m"]["mismatches"] == 1 and res["m"]["examples"][0]["first_diff"] == 2
+
+
+def test_bench_tau_replay_and_max_turns(tiny_models, tmp_path, capsys):
+    """--tau-replay: T=0 drafting cells are replayed (tau only, no speedup, not in the lossless check);
+    --max-turns 1 keeps MT-Bench first turns only."""
+    from benchmarks.bench import bench_main
+
+    tdir, ddir = tiny_models
+    out = tmp_path / "results"
+    argv = ["--target", str(tdir), "--drafter", str(ddir), "--datasets", "gsm8k", "mt-bench",
+            "--methods", "ar", "ddtree", "dartree-pruned", "--temperatures", "0", "--prompts-per-dataset", "1",
+            "--max-new-tokens", "8", "--warmup-tokens", "0", "--tau-replay", "--max-turns", "1", "--out", str(out),
+            "--no-progress"]
+    assert bench_main(_args(argv)) == 0
+    res = json.loads((out / "results.json").read_text())
+    main = {(r["method"], r["dataset"]): r for r in res["cells"] if r["stage"] == "main"}
+    assert main[("ar", "mt-bench")]["summary"]["num_samples"] == 1
+    for m in ("ddtree", "dartree-pruned"):
+        for ds in ("gsm8k", "mt-bench"):
+            r = main[(m, ds)]
+            assert r["replay"] and r["summary"]["tau"] >= 1.0 and r["summary"]["speedup"] is None
+            assert r["summary"]["num_samples"] == 1
+    assert not main[("ar", "gsm8k")]["replay"]
+    assert res["replayed"] == ["dartree-pruned@gsm8k", "dartree-pruned@mt-bench", "ddtree@gsm8k",
+                               "ddtree@mt-bench"]
+    assert all(v["checked"] == 0 for v in res["lossless"].values())  # nothing verified, nothing claimed
+    assert (out / "fig5_acceptance.png").stat().st_size > 1000  # figures cope with cells without timings
+    assert "**τ replay**" in (out / "results.md").read_text()
