@@ -1,14 +1,17 @@
-"""FastAPI routes of the OpenAI-compatible API, the edge middleware (request ids, API key) and error shapes.
+"""FastAPI routes of the OpenAI-compatible API, the edge middleware (request ids, API key, body read
+deadline) and error shapes.
 
 Never imports torch (tests/test_layering.py): the gateway is HTTP, text and streaming only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
 import re
+import time
 import uuid
 
 from fastapi import FastAPI
@@ -22,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
 from gateway.handlers import Gateway, request_id_var
+from gateway.probe import GenerateProbe
 from gateway.schemas import ApiError, ChatCompletionRequest, CompletionRequest
 from gateway.text import TextModel
 from services.metrics import GatewayMetrics
@@ -43,14 +47,15 @@ def create_app(config: GatewayConfig, engine: EngineClient, text: TextModel,
 
     app = FastAPI(title="DARTree Serve", version="1", lifespan=lifespan)
     app.state.gateway = gw
-    _routes(app, gw, config)
+    _routes(app, gw, GenerateProbe(engine, text, config.health_generate_timeout_s))
     _error_handlers(app)
-    app.add_middleware(EdgeMiddleware, api_key=config.api_key, metrics_auth=config.metrics_auth)
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=config.body_timeout)
+    app.add_middleware(EdgeMiddleware, api_key=config.api_key, metrics_auth=config.metrics_auth)  # outermost
     _openapi(app)
     return app
 
 
-def _routes(app: FastAPI, gw: Gateway, config: GatewayConfig) -> None:
+def _routes(app: FastAPI, gw: Gateway, probe: GenerateProbe) -> None:
     @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(request: Request) -> Response:
         return await gw.handle(request, "completion")
@@ -71,6 +76,16 @@ def _routes(app: FastAPI, gw: Gateway, config: GatewayConfig) -> None:
     async def ready() -> JSONResponse:
         ok, why = gw.readiness()
         return JSONResponse({"status": "ready" if ok else "unavailable", "detail": why}, status_code=200 if ok else 503)
+
+    @app.get("/health/generate")
+    async def health_generate() -> JSONResponse:
+        """A real greedy generation through verifier and drafter (see gateway/probe.py); for monitoring."""
+        ok, why, seconds = (False, "draining", 0.0) if gw.draining else await probe.run()
+        if ok:
+            return JSONResponse({"status": "ok", "latency_ms": round(1000 * seconds, 1)})
+        log.warning("generation probe failed after %.3f s: %s", seconds, why)
+        err = ApiError(503, f"the generation probe failed: {why}", None, "health_check_failed")
+        return JSONResponse(err.body(), status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -147,6 +162,40 @@ class EdgeMiddleware:
             return True
         protected = path.startswith("/v1/") or (self.metrics_auth and path == "/metrics")
         return not protected or hmac.compare_digest(auth, b"Bearer " + self.api_key)
+
+
+class BodyTimeoutMiddleware:
+    """Pure ASGI: a request whose body is not complete ``timeout_s`` after its headers gets a 408.
+
+    The app's reads of the body (``receive`` calls until ``more_body`` is false) run against one
+    deadline; on expiry the read raises an :class:`ApiError` (408, ``Connection: close``, so the
+    server closes the connection after answering) and nothing reaches the engine. Later ``receive``
+    calls (the disconnect watch of a long response) pass through untouched. ``timeout_s`` 0: off.
+    """
+
+    def __init__(self, app, timeout_s: float):
+        self.app, self.timeout_s = app, timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self.timeout_s:
+            return await self.app(scope, receive, send)
+        deadline = time.monotonic() + self.timeout_s
+        body_done = False
+
+        async def receive_by_deadline():
+            nonlocal body_done
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except TimeoutError:
+                log.info("request body still incomplete after %g s: 408", self.timeout_s)
+                raise ApiError(408, f"the request body was not complete within {self.timeout_s:g} s", None,
+                               "body_timeout", headers={"Connection": "close"}) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        await self.app(scope, receive_by_deadline, send)
 
 
 async def _send_error(err: ApiError, scope, receive, send, rid: str | None) -> None:

@@ -18,11 +18,14 @@ class GatewayConfig:
         metrics_auth: also require the key on /metrics.
         max_concurrent_requests: requests in flight before 429 (the gateway's admission limit).
         max_body_bytes: largest request body accepted (413 beyond).
+        body_timeout: seconds from a request's headers to the end of its body; a client still sending
+            then gets 408 and the connection is closed (0 = no limit).
         max_prompt_tokens: largest prompt accepted (0 = up to the context window).
         max_tokens_limit: largest ``max_tokens`` accepted (0 = up to the context window).
         default_max_tokens: completions' ``max_tokens`` when omitted (OpenAI: 16); chat uses the context.
         default_temperature: temperature when omitted (OpenAI: 1.0).
         request_timeout_s: a request still running after this is aborted (504 or error event).
+        health_generate_timeout_s: deadline of the ``/health/generate`` probe's generation (503 beyond).
         drain_timeout_s: on SIGTERM, how long in-flight requests may finish (new ones get 503).
         ping_interval_s, ping_timeout_s: verifier liveness probing (readiness and fail-fast).
         retry_after_s: ``Retry-After`` sent with 429.
@@ -39,11 +42,13 @@ class GatewayConfig:
     metrics_auth: bool = False
     max_concurrent_requests: int = 64
     max_body_bytes: int = 4 * 1024 * 1024
+    body_timeout: float = 10.0
     max_prompt_tokens: int = 0
     max_tokens_limit: int = 0
     default_max_tokens: int = 16
     default_temperature: float = 1.0
     request_timeout_s: float = 600.0
+    health_generate_timeout_s: float = 10.0
     drain_timeout_s: float = 30.0
     ping_interval_s: float = 1.0
     ping_timeout_s: float = 5.0
@@ -57,6 +62,8 @@ class GatewayConfig:
         for name in ("max_concurrent_requests", "max_body_bytes", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("request_timeout_s", "drain_timeout_s", "ping_interval_s", "ping_timeout_s"):
+        for name in ("body_timeout", "request_timeout_s", "drain_timeout_s", "ping_interval_s", "ping_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.health_generate_timeout_s <= 0:
+            raise ValueError("health_generate_timeout_s must be > 0")

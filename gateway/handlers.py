@@ -291,8 +291,8 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 def _reject_reason(status: int) -> str:
-    return {400: "invalid", 404: "unknown_model", 413: "too_large", 415: "content_type", 429: "overloaded",
-            503: "unavailable"}.get(status, str(status))
+    return {400: "invalid", 404: "unknown_model", 408: "body_timeout", 413: "too_large", 415: "content_type",
+            429: "overloaded", 503: "unavailable"}.get(status, str(status))
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -11,6 +11,9 @@ Everything here runs in milliseconds on a CPU (float32 by default):
   and proposes the true path plus wrong siblings (full acceptance, non-trivial KV compaction).
 - :class:`RandomDrafter`: a :class:`DrafterClient` proposing random trees (almost nothing accepted).
 - :func:`random_tree`: a random valid :class:`DraftTree`.
+- :func:`start_server`: a whole ``dartree serve`` (supervisor, gateway, verifier, drafter) on free
+  loopback ports, for the process-level tests and the load test; :func:`run_uvicorn`: one ASGI app
+  (e.g. the gateway on a scripted engine) under a real uvicorn on a thread.
 
 The scripted clients also check the client contract on every call (one feature row per committed
 token, a context that grows exactly by the committed tokens, the root equal to the reference) and
@@ -20,15 +23,25 @@ teacher-forced forward.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from services.runtime import free_loopback_ports
 from services.tree.draft_tree import DraftTree
 
 ARCHS = ("llama", "qwen3")
+REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,3 +352,141 @@ class FullTreeDrafter(_ContractChecker):
         self.calls.append(DraftCall(request_id, list(committed_ids), features.detach().clone(), root_token, start,
                                     max_depth, tree))
         return tree, {"draft": 0.0, "tree_build": 0.0}
+
+
+# ----------------------------------------------------------------------------------------------
+# A whole server in subprocesses
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Server:
+    """A ``dartree serve`` started by :func:`start_server`.
+
+    Attributes:
+        base: the gateway's URL (``http://127.0.0.1:<port>``); proc: the supervisor process.
+        metrics_ports: ``(verifier, drafter)`` metrics ports; target_dir: the ``target`` passed (or None);
+        log: the file holding the supervisor's and the workers' stdout and stderr.
+    """
+
+    base: str
+    proc: subprocess.Popen
+    metrics_ports: tuple[int, int]
+    target_dir: Path | None
+    log: Path
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def child(self, comm: str):
+        """The live worker process (``psutil.Process``) whose title is ``comm`` (e.g. "dartree-drafter")."""
+        import psutil
+
+        for c in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                if c.name() == comm and c.status() != psutil.STATUS_ZOMBIE:
+                    return c
+            except psutil.NoSuchProcess:
+                continue
+        raise LookupError(f"no child {comm}:\n{self.log_tail()}")
+
+    def wait_ready(self, timeout: float = 180.0, want: bool = True) -> float:
+        """Poll ``/health/ready`` until it is 200 (``want``) or not; seconds waited.
+
+        Raises:
+            RuntimeError: the supervisor exited; TimeoutError: the state never came (log tail attached).
+        """
+        import httpx
+
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                ok = httpx.get(self.base + "/health/ready", timeout=2, trust_env=False).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok == want:
+                return time.monotonic() - t0
+            time.sleep(0.1)
+        raise TimeoutError(f"readiness never became {want} within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """SIGTERM (the drain), then SIGKILL after ``timeout`` s; only this server's own supervisor is signalled."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def start_server(*flags: str, log: str | Path, target: str | Path | None = None, drafter: str | Path | None = None,
+                 env: dict[str, str] | None = None, ready_timeout: float = 180.0,
+                 stop_timeout: float = 60.0) -> Iterator[Server]:
+    """Run ``python -m services.serve`` on free loopback ports until the block ends.
+
+    Args:
+        *flags: extra ``dartree serve`` flags (``"--budget", "8"``, ``"--api-key", KEY``, ...).
+        log: file that receives the server's stdout and stderr (overwritten).
+        target, drafter: ``--target`` / ``--drafter`` (None: the server's defaults, SmolLM2 and the
+            shipped drafter; ``drafter="none"``: plain decoding).
+        env: variables added to this process's environment (``PYTHONUNBUFFERED=1`` is always set).
+        ready_timeout: seconds to wait for ``/health/ready``; stop_timeout: SIGTERM drain budget at exit.
+
+    Yields:
+        a :class:`Server` whose ``/health/ready`` answered 200. At exit it is stopped (SIGTERM, then
+        SIGKILL after ``stop_timeout``) unless it already exited.
+
+    Raises:
+        RuntimeError: the server exited before it was ready; TimeoutError: not ready in time (both
+        carry the log tail). The server is stopped before either propagates.
+    """
+    port, vport, dport = free_loopback_ports(3)
+    cmd = [sys.executable, "-m", "services.serve", "--port", str(port), "--verifier-metrics-port", str(vport),
+           "--drafter-metrics-port", str(dport)]
+    cmd += ["--target", str(target)] if target is not None else []
+    cmd += ["--drafter", str(drafter)] if drafter is not None else []
+    log = Path(log)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*cmd, *flags], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    srv = Server(f"http://127.0.0.1:{port}", proc, (vport, dport), Path(target) if target is not None else None, log)
+    try:
+        srv.wait_ready(timeout=ready_timeout)
+        yield srv
+    finally:
+        srv.stop(stop_timeout)
+
+
+@contextlib.contextmanager
+def run_uvicorn(app, ready_path: str = "/health/live", timeout: float = 10.0) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free loopback port in a daemon thread; yields the base URL.
+
+    Waits until ``ready_path`` answers 200 (TimeoutError after ``timeout`` s); stops the server at exit.
+    """
+    import threading
+
+    import httpx
+    import uvicorn
+
+    (port,) = free_loopback_ports(1)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.monotonic()
+        while True:
+            try:
+                if httpx.get(base + ready_path, timeout=1, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"{base}{ready_path} did not answer 200 within {timeout:g} s")
+            time.sleep(0.02)
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -2,24 +2,19 @@
 
 The server is the one ``tests/service/test_e2e_tiny.py`` starts (same models, same launcher), plus the
 limits and the API key the security checks need. Every test that talks to it sends :data:`AUTH`.
-Tests that must break a server (SIGSTOP, other models) start their own with :func:`start_server`.
+Tests that must break a server (SIGSTOP, other models) start their own with :func:`start_tiny_server`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from services.runtime import free_loopback_ports
-from tests.service.test_e2e_tiny import REPO, Server
-from tests.service.tiny import make_tiny_models
+from services.testing import Server, start_server
+from tests.service.tiny import TINY_FLAGS, make_tiny_models
 
 API_KEY = "reliability-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -30,33 +25,13 @@ MAX_TOKENS_LIMIT = 240
 MAX_BODY_BYTES = 256 * 1024
 
 
-@contextlib.contextmanager
-def start_server(target_dir: Path, drafter_dir: Path | str, log: Path, *extra: str, ready_timeout: float = 180.0):
-    """``dartree serve`` (python -m services.serve) on loopback; yields a :class:`Server`; SIGTERM at exit.
-
-    Only this process group's server is ever signalled (its PID came from our own Popen).
-    """
-    port, vport, dport = free_loopback_ports(3)
-    cmd = [sys.executable, "-m", "services.serve", "--target", str(target_dir), "--drafter", str(drafter_dir),
-           "--port", str(port), "--verifier-metrics-port", str(vport), "--drafter-metrics-port", str(dport),
-           "--served-model-name", "tiny", "--default-temperature", "0", "--ping-interval-s", "0.2",
-           *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "OMP_WAIT_POLICY": "PASSIVE"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
-    srv = Server(f"http://127.0.0.1:{port}", proc, (vport, dport), Path(target_dir), log)
-    try:
-        srv.wait_ready(timeout=ready_timeout)
-        yield srv
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+def start_tiny_server(target_dir: Path, drafter_dir: Path | str, log: Path, *extra: str,
+                      ready_timeout: float = 180.0):
+    """:func:`services.testing.start_server` on the tiny models with :data:`TINY_FLAGS`, one OpenMP
+    thread (unless set) and a passive OpenMP wait policy; yields a :class:`Server`."""
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "OMP_WAIT_POLICY": "PASSIVE"}
+    return start_server(*TINY_FLAGS, *extra, log=log, target=target_dir, drafter=drafter_dir, env=env,
+                        ready_timeout=ready_timeout)
 
 
 @pytest.fixture(scope="session")
@@ -69,11 +44,11 @@ def rel_server(tiny_models, tmp_path_factory):
     """The tiny server with an API key (metrics left open) and small limits."""
     target_dir, drafter_dir = tiny_models
     log = tmp_path_factory.mktemp("rel-log") / "serve.log"
-    with start_server(target_dir, drafter_dir, log, "--api-key", API_KEY, "--budget", "8", "--candidates", "8",
-                      "--width", "4", "--ping-timeout-s", "3", "--draft-timeout-s", "10", "--drain-timeout-s", "10",
-                      "--max-concurrent-requests", str(MAX_CONCURRENT), "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
-                      "--max-tokens-limit", str(MAX_TOKENS_LIMIT), "--max-body-bytes", str(MAX_BODY_BYTES),
-                      "--max-running", "8", "--max-waiting", "64") as srv:
+    with start_tiny_server(target_dir, drafter_dir, log, "--api-key", API_KEY, "--budget", "8", "--candidates",
+                           "8", "--width", "4", "--ping-timeout-s", "3", "--draft-timeout-s", "10",
+                           "--drain-timeout-s", "10", "--max-concurrent-requests", str(MAX_CONCURRENT),
+                           "--max-prompt-tokens", str(MAX_PROMPT_TOKENS), "--max-tokens-limit", str(MAX_TOKENS_LIMIT),
+                           "--max-body-bytes", str(MAX_BODY_BYTES), "--max-running", "8", "--max-waiting", "64") as srv:
         yield srv
 
 

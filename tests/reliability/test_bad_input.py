@@ -21,7 +21,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from .conftest import AUTH, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, start_server
+from .conftest import AUTH, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MAX_TOKENS_LIMIT, start_tiny_server
 
 pytestmark = pytest.mark.e2e
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -209,8 +209,8 @@ def short_server(tmp_path_factory):
     cfg = json.loads(cfg_path.read_text())
     cfg["max_position_embeddings"] = DRAFTER_CTX  # same weights; RoPE is computed, so only the limit changes
     cfg_path.write_text(json.dumps(cfg))
-    with start_server(target_dir, drafter_dir, root / "serve.log", "--budget", "8", "--candidates", "8",
-                      "--width", "4") as srv:
+    with start_tiny_server(target_dir, drafter_dir, root / "serve.log", "--budget", "8", "--candidates", "8",
+                           "--width", "4") as srv:
         yield srv
 
 

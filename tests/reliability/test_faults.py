@@ -6,6 +6,9 @@
   the next greedy request with the same prompt returns what a fresh server returned (B20 class).
 - A hung worker (SIGSTOP) is detected by a deadline, never waited on forever: in-flight streams end
   with an error event, readiness goes false, and after SIGCONT the server is ready and serves again.
+- ``GET /health/generate`` runs a real generation through the verifier and the drafter (their
+  counters move, the gateway's request counters do not) and answers 503 within its deadline while
+  either worker is stopped, then 200 again after SIGCONT.
 
 ``kill -9`` of a worker and the SIGTERM drain are in ``tests/service/test_e2e_tiny.py``.
 """
@@ -22,11 +25,12 @@ import time
 import httpx
 import pytest
 
-from .conftest import AUTH, metric_total, scrape, start_server
+from .conftest import AUTH, metric_total, scrape, start_tiny_server
 
 pytestmark = pytest.mark.e2e
 PROMPTS = ["The quick brown fox", "你好，世界", "Emoji 😀🎉 party", "def f(x):", "STOP here. END"]
 STREAMS, CONCURRENCY, BUDGET_S = 100, 10, 90.0
+PROBE_TIMEOUT_S = 2.0
 
 
 def _greedy(base: str, prompt: str, n: int = 48, method: str = "dartree-pruned") -> list[int]:
@@ -135,8 +139,9 @@ def test_random_client_disconnects_leave_no_state_behind(rel_server):
 def hang_server(tiny_models, tmp_path_factory):
     target_dir, drafter_dir = tiny_models
     log = tmp_path_factory.mktemp("hang") / "serve.log"
-    with start_server(target_dir, drafter_dir, log, "--ping-timeout-s", "1.5", "--draft-timeout-s", "1.5",
-                      "--health-interval-s", "0.5", "--budget", "8", "--candidates", "8", "--width", "4") as srv:
+    with start_tiny_server(target_dir, drafter_dir, log, "--ping-timeout-s", "1.5", "--draft-timeout-s", "1.5",
+                           "--health-interval-s", "0.5", "--budget", "8", "--candidates", "8", "--width", "4",
+                           "--health-generate-timeout-s", str(PROBE_TIMEOUT_S)) as srv:
         yield srv
 
 
@@ -233,3 +238,37 @@ def test_kill_9_during_a_non_streaming_request_is_a_503(hang_server, victim):
     hang_server.wait_ready(timeout=120)
     ok = httpx.post(hang_server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 8}, timeout=60)
     assert ok.status_code == 200
+
+
+# ------------------------------------------------------------------------------- generation probe
+def test_generation_probe_runs_through_both_workers_and_is_not_a_user_request(rel_server):
+    before = scrape(rel_server)
+    r = httpx.get(rel_server.base + "/health/generate", timeout=30)  # no API key: open like /health/ready
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "ok" and r.json()["latency_ms"] > 0
+    after = scrape(rel_server)
+    assert metric_total(after["drafter"], "dartree_drafter_calls_total", type="draft") > \
+        metric_total(before["drafter"], "dartree_drafter_calls_total", type="draft")
+    assert metric_total(after["verifier"], "dartree_spec_rounds_total") > \
+        metric_total(before["verifier"], "dartree_spec_rounds_total")
+    for name in ("dartree_requests_total", "dartree_time_to_first_token_seconds_count"):
+        assert metric_total(after["gateway"], name) == metric_total(before["gateway"], name), name
+
+
+@pytest.mark.parametrize("victim", ["dartree-drafter", "dartree-verifie"], ids=["drafter", "verifier"])
+def test_generation_probe_is_a_503_while_a_worker_hangs(hang_server, victim):
+    assert httpx.get(hang_server.base + "/health/generate", timeout=30).status_code == 200
+    proc = hang_server.child(victim)
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        r = httpx.get(hang_server.base + "/health/generate", timeout=30)
+        waited = time.monotonic() - t0
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "health_check_failed", err
+    assert waited < PROBE_TIMEOUT_S + 1.5, waited  # the probe's own deadline, not the client's
+    hang_server.wait_ready(timeout=30)
+    assert httpx.get(hang_server.base + "/health/generate", timeout=30).status_code == 200

@@ -1,7 +1,11 @@
 """The 1-minute load test of issue 7 on the tiny models (``benchmarks/load_test.py``; the full one runs on
 SmolLM2 by the command in the README): concurrent streaming clients with mixed lengths and
 temperatures, zero errors, every greedy answer equal to its solo answer, RSS growth < 10 % after
-warm-up. ``DARTREE_LOAD_SECONDS`` shortens it for local runs."""
+warm-up. ``DARTREE_LOAD_SECONDS`` shortens it for local runs.
+
+The load test's own bookkeeping (requests in flight at the deadline are awaited and counted, the
+wait is bounded by ``--request-timeout``, errors are counted by kind) is checked in seconds against
+the gateway on a scripted engine."""
 
 from __future__ import annotations
 
@@ -69,3 +73,50 @@ def test_identical_greedy_requests_sent_together_get_identical_answers(rel_serve
 
     answers = asyncio.run(go())
     assert all(a == (solo_text, solo_ids) for a in answers), [a for a in answers if a != (solo_text, solo_ids)][:2]
+
+
+# ------------------------------------------------------------------ the load test's own bookkeeping
+def _fake_gateway(tmp_path, delay_s: float):
+    """The real gateway on a scripted engine: 13 tokens per answer, one per round, ``delay_s`` apart."""
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from gateway.text import TextModel
+    from tests.service.fakes import FakeEngineClient, Script, bytelevel_model_dir, verifier_info
+
+    model_dir = bytelevel_model_dir(tmp_path / "tok")
+    text = TextModel(model_dir)
+    ids = text.encode("steady answer", add_special_tokens=False)
+    engine = FakeEngineClient(verifier_info(text.vocab_size),
+                              lambda gen: Script(ids, round_sizes=[1], delay_s=delay_s))
+    return create_app(GatewayConfig(target=str(model_dir), served_model_name="tiny"), engine, text)
+
+
+def _run(base: str, capsys, *flags: str) -> tuple[int, dict]:
+    code = load_test.main(["--url", base, "--clients", "3", "--duration", "0.3", "--warmup", "0", "--prompts", "1",
+                           "--max-tokens", "16", *flags])
+    return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_requests_in_flight_at_the_deadline_are_awaited_and_counted(tmp_path, capsys):
+    from services.testing import run_uvicorn
+
+    with run_uvicorn(_fake_gateway(tmp_path, delay_s=0.08)) as base:  # ~0.8 s per request > the 0.3 s run
+        code, summary = _run(base, capsys, "--temperatures", "0")
+    assert summary["request_timeout_s"] == 600.0  # the OpenAI client's default
+    assert summary["in_flight_at_deadline"] == 3 and summary["unfinished"] == 0
+    assert summary["requests"] == summary["completed"] == 3 and summary["errors"] == 0
+    assert summary["greedy_checked"] == 3 and summary["ttft_ms"]["n"] == 3 and summary["wall_s"] > 0.5
+    assert code == 0 and summary["ok"]
+
+
+@pytest.mark.parametrize("delay_s,kind", [(0.2, "unfinished"), (1.0, "ReadTimeout")])
+def test_the_wait_is_bounded_by_the_request_timeout_and_errors_are_counted_by_kind(tmp_path, capsys, delay_s, kind):
+    """0.2 s between rounds: each read is in time but the request outlives deadline + timeout (cut);
+    1.0 s before the first round: the client's read timeout."""
+    from services.testing import run_uvicorn
+
+    with run_uvicorn(_fake_gateway(tmp_path, delay_s=delay_s)) as base:
+        code, summary = _run(base, capsys, "--temperatures", "1.0", "--request-timeout", "0.5")
+    assert summary["errors_by_kind"] == {kind: 3} and summary["completed"] == 0
+    assert summary["wall_s"] < 0.3 + 0.5 + 0.5
+    assert code == 1 and not summary["ok"]

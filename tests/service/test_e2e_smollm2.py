@@ -9,38 +9,21 @@ from __future__ import annotations
 
 import pytest
 
-from services.runtime import free_loopback_ports
-
-from .test_e2e_tiny import REPO, Server
+from services.testing import start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
-    import os
-    import signal
-    import subprocess
-    import sys
-
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
 
     target_dir = resolve_target(None)  # converts the GGUF once (~20 s) if needed
     drafter = str(DEFAULT_DRAFTER_DIR) if (DEFAULT_DRAFTER_DIR / "config.json").is_file() else "none"
-    port, vport, dport = free_loopback_ports(3)
     log = tmp_path_factory.mktemp("smol") / "serve.log"
-    cmd = [sys.executable, "-m", "services.serve", "--drafter", drafter, "--port", str(port),
-           "--verifier-metrics-port", str(vport), "--drafter-metrics-port", str(dport), "--default-temperature", "0"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    srv = Server(f"http://127.0.0.1:{port}", proc, (vport, dport), target_dir, log)
-    try:
-        srv.wait_ready(timeout=600)
+    with start_server("--default-temperature", "0", log=log, target=target_dir, drafter=drafter, ready_timeout=600,
+                      stop_timeout=120) as srv:
         yield srv
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
 
 
 def test_smollm2_served_greedy_equals_plain_decoding_and_streams_match(smol):

@@ -10,57 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from services.runtime import free_loopback_ports
+from services.testing import Server, start_server
 
-from .tiny import make_tiny_models
+from .tiny import TINY_FLAGS, make_tiny_models
 
 pytestmark = pytest.mark.e2e
-REPO = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Server:
-    base: str
-    proc: subprocess.Popen
-    metrics_ports: tuple[int, int]
-    target_dir: Path
-    log: Path
-
-    def child(self, comm: str) -> psutil.Process:
-        for c in psutil.Process(self.proc.pid).children(recursive=True):
-            try:
-                if c.name() == comm and c.status() != psutil.STATUS_ZOMBIE:
-                    return c
-            except psutil.NoSuchProcess:
-                continue
-        raise LookupError(f"no child {comm}:\n{self.log.read_text()[-3000:]}")
-
-    def wait_ready(self, timeout: float = 180.0, want: bool = True) -> float:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                ok = httpx.get(self.base + "/health/ready", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok == want:
-                return time.monotonic() - t0
-            time.sleep(0.1)
-        raise TimeoutError(f"readiness never became {want}:\n{self.log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -71,27 +36,11 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     target_dir, drafter_dir = tiny
-    port, vport, dport = free_loopback_ports(3)
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    cmd = [sys.executable, "-m", "services.serve", "--target", str(target_dir), "--drafter", str(drafter_dir),
-           "--port", str(port), "--verifier-metrics-port", str(vport), "--drafter-metrics-port", str(dport),
-           "--served-model-name", "tiny", "--budget", "8", "--candidates", "8", "--width", "4",
-           "--ping-interval-s", "0.2", "--ping-timeout-s", "3", "--draft-timeout-s", "10",
-           "--drain-timeout-s", "20", "--default-temperature", "0"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    srv = Server(f"http://127.0.0.1:{port}", proc, (vport, dport), target_dir, log)
-    try:
-        srv.wait_ready()
+    with start_server(*TINY_FLAGS, "--budget", "8", "--candidates", "8", "--width", "4", "--ping-timeout-s", "3",
+                      "--draft-timeout-s", "10", "--drain-timeout-s", "20", log=log, target=target_dir,
+                      drafter=drafter_dir) as srv:
         yield srv
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def _client(server: Server) -> openai.OpenAI:
@@ -250,3 +199,13 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(server):
     assert refused.status_code == 503
     assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
     assert server.proc.wait(60) == 0
+
+
+def test_start_server_passes_env_and_raises_with_the_log_when_the_server_dies_before_ready(tmp_path):
+    """The launcher's error contract (no model is loaded: the server refuses its environment at start)."""
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"exited with code 1(.|\n)*DARTREE_MAX_RUNNING='lots'"):
+        with start_server(log=tmp_path / "serve.log", target=tmp_path, drafter="none",
+                          env={"DARTREE_MAX_RUNNING": "lots"}, ready_timeout=60):
+            pytest.fail("the server must not become ready")
+    assert time.monotonic() - t0 < 60

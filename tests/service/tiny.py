@@ -12,6 +12,8 @@ from pathlib import Path
 from .fakes import bytelevel_model_dir
 
 CONTEXT = 256
+# ``dartree serve`` flags every tiny-model server uses (see services.testing.start_server)
+TINY_FLAGS = ("--served-model-name", "tiny", "--default-temperature", "0", "--ping-interval-s", "0.2")
 
 
 def make_tiny_models(root: Path, seed: int = 0) -> tuple[Path, Path]:

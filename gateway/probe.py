@@ -1,0 +1,60 @@
+"""``GET /health/generate``: a deep readiness probe that runs a tiny greedy generation through the engine.
+
+The probe is a normal request on the gateway's engine client (same path, same handshake, same
+deadline mechanism) that skips the gateway's admission limit and its user-facing request metrics
+(TTFT, end to end, finish reasons, tokens); the verifier and the drafter count it in their own
+metrics like any request. Its request id starts with ``health-`` (in their logs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from gateway.engine_client import EngineClient, EngineError
+from gateway.text import TextModel
+from services.protocol import Generate, SamplingSpec, SpecSpec
+
+PROMPT = "ping"
+# The verifier's prefill emits the first token; the second needs a draft round, so the drafter is
+# exercised too (with EOS ignored, exactly this many tokens come back unless something fails).
+NUM_TOKENS = 2
+
+
+class GenerateProbe:
+    """One shared probe at a time: concurrent callers await the same generation.
+
+    The route is open without the API key, so callers must not be able to multiply the engine work;
+    a caller that arrives while a probe runs gets that probe's result (and its latency).
+
+    Args:
+        engine: the gateway's engine client; text: the tokenizer (for the prompt);
+        timeout_s: deadline of the generation (past it the request is aborted and the probe fails).
+    """
+
+    def __init__(self, engine: EngineClient, text: TextModel, timeout_s: float):
+        self.engine, self.timeout_s = engine, timeout_s
+        self.prompt_ids = text.encode(PROMPT) or [0]
+        self._running: asyncio.Future | None = None
+
+    async def run(self) -> tuple[bool, str, float]:
+        """``(ok, reason, seconds)``: whether the generation came back whole in time, why not, how long it took."""
+        if self._running is None or self._running.done():
+            self._running = asyncio.ensure_future(self._generate())
+        return await asyncio.shield(self._running)
+
+    async def _generate(self) -> tuple[bool, str, float]:
+        t0 = time.monotonic()
+        sampling = SamplingSpec(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+        gen = Generate(f"health-{uuid.uuid4().hex[:16]}", list(self.prompt_ids), sampling, SpecSpec())
+        num_tokens = 0
+        try:
+            async for chunk in self.engine.generate(gen, deadline=t0 + self.timeout_s):
+                num_tokens += len(chunk.token_ids)
+        except EngineError as err:
+            why = f"no answer within {self.timeout_s:g} s" if err.status == 504 else err.message
+            return False, why, time.monotonic() - t0
+        if num_tokens != NUM_TOKENS:
+            return False, f"{num_tokens} tokens came back, {NUM_TOKENS} were asked for", time.monotonic() - t0
+        return True, "ok", time.monotonic() - t0
