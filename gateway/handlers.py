@@ -2,7 +2,8 @@
 
 One code path (:meth:`Gateway._deltas`) turns the engine's rounds into response deltas; the
 streaming response writes each delta as one SSE event, the non-streaming one concatenates them, so
-both carry the same text, token ids, usage and finish reason.
+both carry the same text, token ids, logprobs, usage and finish reason. A delta carries the tokens
+(ids, logprobs) whose text it carries (:meth:`gateway.text.CompletionText.take_tokens`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import asyncio
 import contextvars
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from starlette.requests import Request
@@ -20,10 +22,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, EngineError
+from gateway.logprobs import TokenOut, chat_logprobs, completion_logprobs
 from gateway.requests import Prepared, RequestBuilder, model_name, read_body
 from gateway.schemas import ApiError
 from gateway.text import CompletionText, TextModel
 from services.metrics import GatewayMetrics
+from services.protocol import RoundChunk
 
 log = logging.getLogger("gateway")
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -33,12 +37,16 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 @dataclass
 class Delta:
-    """One round's contribution to the response."""
+    """One round's contribution to the response: text and the tokens whose text it carries."""
 
     text: str
-    token_ids: list[int]
+    tokens: list[TokenOut] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]
 
 
 class Gateway:
@@ -138,6 +146,7 @@ class Gateway:
         text = CompletionText(self.text, prep.gen.prompt_ids, prep.stop)
         deadline = prep.arrival + self.config.request_timeout_s if self.config.request_timeout_s else None
         chunks = self.engine.generate(prep.gen, deadline=deadline)
+        rows: deque[tuple[float, list[tuple[int, float]]]] = deque()  # logprobs of counted tokens not handed out
         last, finish = None, "abort"
         try:
             async for chunk in chunks:
@@ -148,14 +157,16 @@ class Gateway:
                     self.metrics.itl.observe(now - last)
                 last = now
                 step = text.feed(chunk.token_ids)
+                if prep.gen.sampling.logprobs is not None:
+                    rows.extend(_logprob_rows(chunk)[:len(step.token_ids)])
                 if text.stopped is not None:
                     self.engine.abort(prep.gen.request_id, "stop_string")
                     finish = "stop"
-                    yield Delta(step.text, step.token_ids, "stop", text.stopped)
+                    yield Delta(step.text, _tokens(text, rows), "stop", text.stopped)
                     return
                 tail = text.finish() if chunk.finish_reason else ""
                 finish = "stop" if text.stopped is not None else chunk.finish_reason
-                yield Delta(step.text + tail, step.token_ids, finish, text.stopped)
+                yield Delta(step.text + tail, _tokens(text, rows), finish, text.stopped)
                 if finish:
                     return
         except EngineError:
@@ -170,21 +181,22 @@ class Gateway:
                      time.monotonic() - prep.arrival)
 
     async def _collect(self, prep: Prepared, deltas: AsyncIterator[Delta]) -> dict:
-        parts, ids, last = [prep.prompt_text] if prep.echo else [], [], Delta("", [])
+        parts, tokens, last = [prep.prompt_text] if prep.echo else [], [], Delta("")
         async for d in deltas:
             parts.append(d.text)
-            ids.extend(d.token_ids)
+            tokens.extend(d.tokens)
             last = d
         text = "".join(parts)
-        usage = _usage(len(prep.gen.prompt_ids), len(ids))
+        usage = _usage(len(prep.gen.prompt_ids), len(tokens))
+        logprobs = self._logprobs(prep, tokens)
         if prep.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason,
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason,
                       "stop_reason": last.stop_reason}
         if prep.return_token_ids:
-            choice["token_ids"] = ids
+            choice["token_ids"] = [t.token_id for t in tokens]
         obj = "chat.completion" if prep.kind == "chat" else "text_completion"
         return {"id": prep.response_id, "object": obj, "created": prep.created, "model": prep.model,
                 "choices": [choice], "usage": usage}
@@ -199,8 +211,8 @@ class Gateway:
                 if d is _KEEPALIVE:
                     yield b": keep-alive\n\n"
                 else:
-                    num_tokens += len(d.token_ids)
-                    carried += d.token_ids  # ids of rounds whose text is still held back ride with the next event
+                    num_tokens += len(d.tokens)
+                    carried += d.tokens  # tokens of a delta without text (none expected) ride with the next event
                     text = (prep.prompt_text if prep.echo and not sent_first else "") + d.text
                     if text or d.finish_reason or not sent_first:
                         yield _event(self._chunk(prep, text, d, carried, first_event=not sent_first))
@@ -223,21 +235,28 @@ class Gateway:
             await deltas.aclose()
         yield SSE_DONE
 
-    def _chunk(self, prep: Prepared, text: str, d: Delta, token_ids: list[int], first_event: bool) -> dict:
+    def _chunk(self, prep: Prepared, text: str, d: Delta, tokens: list[TokenOut], first_event: bool) -> dict:
+        logprobs = self._logprobs(prep, tokens)
         if prep.kind == "chat":
             delta = {"role": "assistant", "content": text} if first_event else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": d.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
         if d.finish_reason:
             choice["stop_reason"] = d.stop_reason
         if prep.return_token_ids:
-            choice["token_ids"] = token_ids
+            choice["token_ids"] = [t.token_id for t in tokens]
         out = {"id": prep.response_id, "object": _chunk_object(prep), "created": prep.created,
                "model": prep.model, "choices": [choice]}
         if prep.include_usage:
             out["usage"] = None
         return out
+
+    def _logprobs(self, prep: Prepared, tokens: list[TokenOut]) -> dict | None:
+        """The choice's ``logprobs`` object for ``tokens`` (None when the request did not ask)."""
+        if prep.gen.sampling.logprobs is None:
+            return None
+        return chat_logprobs(tokens, self.text) if prep.kind == "chat" else completion_logprobs(tokens, self.text)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -246,7 +265,27 @@ class _Disconnected(Exception):
     """The client went away before the response started."""
 
 
-_KEEPALIVE = Delta("", [])
+_KEEPALIVE = Delta("")
+
+
+def _logprob_rows(chunk: RoundChunk) -> list[tuple[float, list[tuple[int, float]]]]:
+    """``(logprob, [(top id, top logprob)])`` per token of a round that was asked for logprobs."""
+    lp = chunk.logprobs
+    if lp is None:
+        raise EngineError(500, "the verifier sent a round without the logprobs this request asked for", None,
+                          "internal_error")
+    tops = lp.top_ids or [[] for _ in lp.logprobs]
+    top_values = lp.top_logprobs or [[] for _ in lp.logprobs]
+    return [(v, list(zip(i, tv))) for v, i, tv in zip(lp.logprobs, tops, top_values)]
+
+
+def _tokens(text: CompletionText, rows: deque) -> list[TokenOut]:
+    """The tokens ``text`` handed out, each with its logprob row (``rows`` is empty without logprobs)."""
+    out = []
+    for span in text.take_tokens():
+        lp, top = rows.popleft() if rows else (None, [])
+        out.append(TokenOut(span.token_id, span.offset, lp, top))
+    return out
 
 
 class _Lease:

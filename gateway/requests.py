@@ -1,8 +1,9 @@
 """Turn an HTTP body into a validated, tokenized engine request (or an OpenAI-shaped error).
 
-Checks, in order: JSON schema and types (400), unsupported output-changing fields (400), model
-(404), readiness (503), prompt (empty, out-of-vocabulary ids, too long), max_tokens against the
-limits and the context window, speculative settings against what the verifier serves.
+Checks, in order: JSON schema and types (400), unsupported output-changing fields (400), logprobs
+combinations (400), model (404), readiness (503), prompt (empty, out-of-vocabulary ids, too long),
+max_tokens against the limits and the context window, speculative settings against what the
+verifier serves.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     check_stop,
+    requested_logprobs,
     unsupported_field,
     validation_error,
 )
@@ -70,6 +72,7 @@ class RequestBuilder:
                            "model", "model_not_found")
         stop = req.stop_list()
         check_stop(stop)
+        logprobs = requested_logprobs(req)
         if req.stream_options is not None and not req.stream:
             raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
         ready, why = self.readiness()
@@ -82,7 +85,7 @@ class RequestBuilder:
             temperature=self.config.default_temperature if req.temperature is None else req.temperature,
             top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
             stop_token_ids=tuple(self._check_ids(req.stop_token_ids or [], "stop_token_ids")),
-            ignore_eos=req.ignore_eos)
+            ignore_eos=req.ignore_eos, logprobs=logprobs)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Prepared(kind=kind, response_id=f"{prefix}-{log_id}", model=self.model_name,
                         gen=Generate(f"{log_id}-{uuid.uuid4().hex[:8]}", prompt_ids, sampling, self._spec(req)),

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+MAX_COMPLETION_LOGPROBS = 5   # OpenAI's limit for /v1/completions ``logprobs``
+MAX_CHAT_TOP_LOGPROBS = 20    # OpenAI's limit for /v1/chat/completions ``top_logprobs`` (== MAX_TOP_LOGPROBS)
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 WIRE_INT_MAX = 2**31 - 1  # integers that travel to the verifier must fit msgpack (2**64 - 1 would; keep margin)
 
@@ -90,7 +92,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)  # raw target logprobs + top-k
     best_of: int | None = None
     suffix: str | None = None
 
@@ -118,8 +120,8 @@ class ChatCompletionRequest(_Sampling):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None                                           # raw target logprobs
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)  # alternatives per token
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -148,10 +150,7 @@ def unsupported_field(req: _Sampling) -> tuple[str, str] | None:
         ("logit_bias", req.logit_bias, (None, {})),
     ]
     if isinstance(req, CompletionRequest):
-        checks += [("best_of", req.best_of, (None, 1)), ("logprobs", req.logprobs, (None,)),
-                   ("suffix", req.suffix, (None, ""))]
-    if isinstance(req, ChatCompletionRequest):
-        checks += [("logprobs", req.logprobs, (None, False)), ("top_logprobs", req.top_logprobs, (None, 0))]
+        checks += [("best_of", req.best_of, (None, 1)), ("suffix", req.suffix, (None, ""))]
     for name, value, off in checks:
         if not any(value == o and type(value) is type(o) for o in off):
             return name, f"'{name}' = {value!r} is not supported by this server (it would change the output)"
@@ -159,6 +158,23 @@ def unsupported_field(req: _Sampling) -> tuple[str, str] | None:
         if name in _UNSUPPORTED_EXTRA and value not in _UNSUPPORTED_EXTRA[name]:
             return name, f"'{name}' is not supported by this server (it would change the output)"
     return None
+
+
+def requested_logprobs(req: _Sampling) -> int | None:
+    """Top-k alternatives the request asks for with its logprobs (0: the tokens' own only), None: no logprobs.
+
+    Raises:
+        ApiError: chat ``top_logprobs`` > 0 without ``logprobs: true``; completions ``logprobs`` with
+            ``echo`` (that would need the prompt's logprobs, which are not computed).
+    """
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError(400, "'top_logprobs' requires 'logprobs': true", "top_logprobs", "invalid_value")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if isinstance(req, CompletionRequest) and req.logprobs is not None and req.echo:
+        raise ApiError(400, "'logprobs' with 'echo' is not supported (prompt logprobs are not computed)", "echo",
+                       "unsupported_parameter")
+    return getattr(req, "logprobs", None)
 
 
 def validation_error(exc: ValidationError) -> ApiError:

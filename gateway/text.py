@@ -6,11 +6,19 @@ and non-streaming both run it round by round, so the concatenated deltas equal t
 byte for byte. It holds back incomplete UTF-8 (text ending in U+FFFD) and any suffix that could be
 the start of a stop string; a stop string ends generation at the token that completes it: text is
 cut before the stop string, and that token is the last one counted in ids and usage.
+
+It also says which tokens each piece of released text belongs to (:meth:`CompletionText.take_tokens`):
+a token's text is what the detokenizer produced when it was pushed (a token that only starts a
+character shares the text of the token that completes it), and a token is handed out with the
+release that carries the end of its text. A stop string or the end of generation hands out every
+counted token. So per-token data (ids, logprobs) rides with its own text in a stream.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -22,6 +30,19 @@ from services.protocol import config_eos_token_id, special_token_ids, tokenizer_
 
 REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 6  # prompt tokens decoded before the first generated one (leading-space rules)
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback token
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (``bytes_to_unicode``) inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_decoder()
 
 
 class TemplateError(ValueError):
@@ -61,6 +82,11 @@ class TextModel:
         self.eos_token_id = eos
         self.chat_template = self._load_template()
         self._compiled = None
+        spec = json.loads(path.read_text())
+        self._added = {int(t["id"]): t["content"] for t in spec.get("added_tokens", [])}
+        self._decoders = _decoder_types(spec.get("decoder"))
+        self._byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
+        self._token_bytes: dict[int, bytes] = {}
 
     def _load_template(self) -> str | None:
         jinja = self.model_dir / "chat_template.jinja"
@@ -78,6 +104,33 @@ class TextModel:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (incomplete UTF-8 shows as U+FFFD)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, on its own: a piece of a multibyte character stays partial
+        (OpenAI's logprobs ``bytes``). Byte-level BPE and SentencePiece byte fallback are mapped
+        exactly; other tokenizers use the token's own decoded text."""
+        out = self._token_bytes.get(token_id)
+        if out is None:
+            out = self._token_bytes[token_id] = self._raw_bytes(token_id)
+        return out
+
+    def token_text(self, token_id: int) -> str:
+        """The token as a string: its bytes as UTF-8, bytes of an incomplete character as ``\\xNN``."""
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+    def _raw_bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if "ByteLevel" in self._decoders and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        if self._byte_fallback and (m := _BYTE_PIECE.fullmatch(piece)):
+            return bytes([int(m[1], 16)])
+        if self._decoders & {"Metaspace", "Replace"}:
+            return piece.replace("\u2581", " ").encode()
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text of a conversation under the model's chat template.
@@ -102,6 +155,15 @@ class TextModel:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of a rendered conversation (the template already adds special tokens)."""
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+
+
+def _decoder_types(decoder: dict | None) -> set[str]:
+    """Types of a ``tokenizer.json`` decoder, a ``Sequence`` flattened."""
+    if not decoder:
+        return set()
+    if decoder.get("type") == "Sequence":
+        return set().union(*(_decoder_types(d) for d in decoder.get("decoders", [])))
+    return {decoder.get("type", "")}
 
 
 def _compile(source: str):
@@ -180,6 +242,15 @@ class TextDelta:
     stop: str | None = None        # the stop string that ended generation, if any
 
 
+@dataclass(frozen=True)
+class TokenSpan:
+    """A counted token handed out with released text: its id and where its text starts in the
+    response text (clamped to the text's length for text cut away by a stop string)."""
+
+    token_id: int
+    offset: int
+
+
 @dataclass
 class CompletionText:
     """Turns rounds of generated ids into response text, applying stop strings (see module docstring)."""
@@ -192,6 +263,11 @@ class CompletionText:
     stopped: str | None = None
     _pending: str = ""
     _detok: IncrementalDetokenizer = field(init=False)
+    _decoded: int = 0              # characters decoded so far (before any stop-string cut)
+    _released: int = 0             # characters released so far
+    _open: list = field(default_factory=list)      # (id, start) of tokens whose text is not complete yet
+    _done: deque = field(default_factory=deque)    # (id, start, end) of tokens with text, not handed out
+    _out: list = field(default_factory=list)       # TokenSpans released, not yet taken
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.model, self.prompt_ids, self.skip_special_tokens)
@@ -202,24 +278,53 @@ class CompletionText:
         if self.stopped is not None:
             return TextDelta("", [])
         for i, tok in enumerate(token_ids):
-            self._pending += self._detok.push(tok)
+            self._push(tok)
             cut = self._find_stop()
             if cut is not None:
                 self.num_tokens += i + 1
+                self._hand_out(cut, everything=True)
                 return TextDelta(cut, list(token_ids[:i + 1]), self.stopped)
         self.num_tokens += len(token_ids)
-        return TextDelta(self._release(), list(token_ids))
+        out = self._release()
+        self._hand_out(out)
+        return TextDelta(out, list(token_ids))
 
     def finish(self) -> str:
-        """Text held back at the end of generation (stop strings still apply)."""
+        """Text held back at the end of generation (stop strings still apply); every token is handed out."""
         if self.stopped is not None:
             return ""
         self._pending += self._detok.flush()
         cut = self._find_stop()
         if cut is not None:
+            self._hand_out(cut, everything=True)
             return cut
         out, self._pending = self._pending, ""
+        self._hand_out(out, everything=True)
         return out
+
+    def take_tokens(self) -> list[TokenSpan]:
+        """Counted tokens whose text has been released since the last call, in order."""
+        out, self._out = self._out, []
+        return out
+
+    def _push(self, tok: int) -> None:
+        piece = self._detok.push(tok)
+        self._open.append((tok, self._decoded))
+        self._pending += piece
+        self._decoded += len(piece)
+        if piece:  # completes the text of this token and of the ones before it that started a character
+            self._done.extend((t, start, self._decoded) for t, start in self._open)
+            self._open.clear()
+
+    def _hand_out(self, text: str, everything: bool = False) -> None:
+        """``text`` was released: hand out the tokens whose text ends within what is released."""
+        self._released += len(text)
+        while self._done and (everything or self._done[0][2] <= self._released):
+            t, start, _ = self._done.popleft()
+            self._out.append(TokenSpan(t, min(start, self._released)))
+        if everything:
+            self._out += [TokenSpan(t, min(start, self._released)) for t, start in self._open]
+            self._open.clear()
 
     def _find_stop(self) -> str | None:
         """If a stop string occurs in the pending text: mark it and return the text before it."""

@@ -30,7 +30,10 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # v2: SamplingSpec.logprobs, RoundChunk.logprobs
+
+MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (OpenAI chat's top_logprobs limit)
+LOGPROB_FLOOR = -9999.0     # logprobs are clamped to [LOGPROB_FLOOR, 0] (finite, JSON-safe; vLLM's floor)
 
 # Allowed tensor dtypes on the wire and their item sizes (names as torch/numpy spell them).
 DTYPE_SIZES: dict[str, int] = {
@@ -42,6 +45,8 @@ TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
 RequestId = Annotated[str, Meta(min_length=1, max_length=200)]
 ShortStr = Annotated[str, Meta(max_length=256)]
 MessageStr = Annotated[str, Meta(max_length=4096)]
+LogProb = Annotated[float, Meta(ge=LOGPROB_FLOOR, le=0.0)]
+TopK = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 class ProtocolError(ValueError):
@@ -130,6 +135,7 @@ class SamplingSpec(Struct, **_opts()):
     seed: int | None = None
     stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False
+    logprobs: TopK | None = None   # None: no logprobs; k: each token's logprob plus its top-k alternatives
 
 
 class PeerInfo(Struct, **_opts()):
@@ -199,6 +205,23 @@ class Generate(Struct, **_opts()):
     spec: SpecSpec
 
 
+class TokenLogprobs(Struct, **_opts()):
+    """Raw target logprobs (log_softmax of the logits, before temperature/top-p/top-k) of a round's
+    emitted tokens, one row per token: the token's own logprob and its top-k alternatives
+    (most likely first; ``k = SamplingSpec.logprobs``, rows empty when k is 0)."""
+
+    logprobs: list[LogProb]
+    top_ids: list[Annotated[list[TokenId], Meta(max_length=MAX_TOP_LOGPROBS)]] = []
+    top_logprobs: list[Annotated[list[LogProb], Meta(max_length=MAX_TOP_LOGPROBS)]] = []
+
+    def __post_init__(self) -> None:
+        n = len(self.logprobs)
+        if len(self.top_ids) != len(self.top_logprobs) or len(self.top_ids) not in (0, n):
+            raise ValueError(f"top_ids / top_logprobs need 0 or {n} rows")
+        if any(len(i) != len(v) for i, v in zip(self.top_ids, self.top_logprobs)):
+            raise ValueError("top_ids and top_logprobs rows differ in length")
+
+
 class RoundChunk(Struct, **_opts()):
     """The tokens one round emitted for one request (verifier -> gateway)."""
 
@@ -207,6 +230,11 @@ class RoundChunk(Struct, **_opts()):
     finish_reason: ShortStr | None = None   # None while running; "stop" | "length"
     num_draft_tokens: NonNeg = 0        # tree nodes proposed this round
     accept_length: NonNeg = 0           # accepted draft tokens emitted (bonus excluded)
+    logprobs: TokenLogprobs | None = None   # only when the request asked; one row per token_ids entry
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and len(self.logprobs.logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.logprobs.logprobs)} logprobs for {len(self.token_ids)} tokens")
 
 
 class Abort(Struct, **_opts()):
@@ -268,7 +296,7 @@ MESSAGE_TYPES: dict[type[Struct], MessageType] = {cls: t for t, cls in MESSAGE_C
 MAX_BODY_BYTES: dict[MessageType, int] = {t: 64 * 1024 for t in MessageType}
 MAX_BODY_BYTES[MessageType.GENERATE] = 8 * 1024 * 1024      # a prompt of up to ~1M token ids
 MAX_BODY_BYTES[MessageType.DRAFT] = 8 * 1024 * 1024
-MAX_BODY_BYTES[MessageType.ROUND] = 1024 * 1024
+MAX_BODY_BYTES[MessageType.ROUND] = 1024 * 1024     # a full 1025-token round with top-20 logprobs is ~0.3 MiB
 # Number of tensor side frames each type may carry.
 MAX_TENSOR_FRAMES: dict[MessageType, int] = {t: 0 for t in MessageType}
 MAX_TENSOR_FRAMES[MessageType.DRAFT] = 1

@@ -23,9 +23,12 @@ EXAMPLES = [
                                                default_spec=p.SpecSpec(method="ar", budget=8))),
     p.Ping(7),
     p.Pong(7, "e1", True, num_running=2, num_waiting=1),
-    p.Generate("r1", [1, 2, 3], p.SamplingSpec(max_tokens=5, temperature=0.5, seed=3, stop_token_ids=(9,)),
+    p.Generate("r1", [1, 2, 3], p.SamplingSpec(max_tokens=5, temperature=0.5, seed=3, stop_token_ids=(9,), logprobs=5),
                p.SpecSpec(method="dartree-pruned", budget=16, depth_bonus=-0.2)),
     p.RoundChunk("r1", [4, 5, 6], "stop", num_draft_tokens=16, accept_length=2),
+    p.RoundChunk("r1", [4, 5], None, logprobs=p.TokenLogprobs([-0.5, -9999.0], [[4, 7], [1, 5]],
+                                                              [[-0.5, -1.5], [-0.1, -2.0]])),
+    p.RoundChunk("r1", [4], "length", logprobs=p.TokenLogprobs([0.0])),
     p.Abort("r1", "deadline"),
     p.RequestError("r1", 429, "full", param=None, code="overloaded"),
     p.Release("r1"),
@@ -83,6 +86,35 @@ def test_empty_tensor_round_trips():
 def test_malformed_messages_raise_protocol_error(parts, match):
     with pytest.raises(p.ProtocolError, match=match):
         decode(parts)
+
+
+def _round(*logprobs_fields, ids=(4, 5)) -> list:
+    return [bytes((p.MessageType.ROUND,)), msgspec.msgpack.encode(["r", list(ids), None, 0, 0, list(logprobs_fields)])]
+
+
+@pytest.mark.parametrize("parts", [
+    _round([-0.5]),                                      # 1 logprob for 2 tokens
+    _round([-0.5, 0.1]),                                 # a logprob > 0
+    _round([-0.5, float("nan")]),                        # NaN
+    _round([-0.5, -1e5]),                                # below the floor
+    _round([-0.5, -0.5], [[1]], [[-1.0]]),               # top rows for 1 of 2 tokens
+    _round([-0.5, -0.5], [[1], [2]], [[-1.0], []]),      # row lengths differ
+    _round([-0.5, -0.5], [[1] * 21] * 2, [[-1.0] * 21] * 2),  # more than MAX_TOP_LOGPROBS alternatives
+    [bytes((p.MessageType.GENERATE,)), msgspec.msgpack.encode(["r", [1], [5, 0.0, 1.0, 0, None, [], False, 21], []])],
+], ids=["count", "positive", "nan", "floor", "top-rows", "row-lengths", "top-21", "generate-21"])
+def test_bad_logprobs_are_refused(parts):
+    with pytest.raises(p.ProtocolError):
+        decode(parts)
+
+
+def test_a_whole_round_with_top_20_logprobs_fits_the_body_limit():
+    from services.verifier.schedule import MAX_BUDGET
+
+    n, k = MAX_BUDGET + 1, p.MAX_TOP_LOGPROBS  # every draft node accepted plus the bonus
+    lp = p.TokenLogprobs([-1234.5678901] * n, [[2**31 - 1] * k] * n, [[-1234.5678901] * k] * n)
+    parts = encode(p.RoundChunk("r" * 200, [2**31 - 1] * n, "length", 2**31, 2**31, logprobs=lp))
+    assert len(parts[1]) < p.MAX_BODY_BYTES[p.MessageType.ROUND]
+    assert decode(parts).msg.logprobs == lp
 
 
 def test_frame_size_must_match_its_metadata():

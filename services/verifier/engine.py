@@ -3,6 +3,11 @@
 One loop for every method (architecture.md). Commit is token by token: EOS, stop token ids and
 ``max_tokens`` take effect at the exact token; nothing after (and including) a terminator is
 emitted, counted in usage, or counted in the round statistics. Clock rules: algorithms.md §6.
+
+Logprobs (only when a request asks): the raw target distribution, ``log_softmax`` of the logits
+before temperature / top-p / top-k (vLLM's default), at the row that produced each emitted token:
+an accepted draft's parent row on the accepted path, the last accepted row for the bonus token,
+the prompt's last position for the first token (bug-classes B19: never the draft's q or a constant).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from math import isfinite
 import torch
 
 from services.drafter.service import METHODS
+from services.protocol import LOGPROB_FLOOR, MAX_TOP_LOGPROBS
 from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
 from services.verifier.drafter_client import DrafterClient
 from services.verifier.schedule import MAX_BUDGET, MAX_WIDTH
@@ -35,6 +41,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k: each emitted token's raw logprob and its top-k alternatives
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -48,6 +55,9 @@ class SamplingParams:
         for name in ("temperature", "top_p"):
             if isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a number (got {getattr(self, name)!r})")
+        lp = self.logprobs
+        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None (got {lp!r})")
         self.stop_token_ids = tuple(self.stop_token_ids)
 
 
@@ -75,6 +85,29 @@ class SpecParams:
 
 
 @dataclass
+class TokenLogprobs:
+    """Raw target logprobs of a round's emitted tokens, one row per token (see the module docstring).
+
+    Attributes:
+        logprobs: each emitted token's logprob, clamped to ``[LOGPROB_FLOOR, 0]``.
+        top_ids, top_logprobs: the k most likely tokens of the same row, most likely first.
+    """
+
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> TokenLogprobs:
+    """``log_softmax`` of ``logits [n, V]`` (row i produced ``token_ids[i]``) at the tokens, plus top-k."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    lp = torch.nan_to_num(lp, nan=LOGPROB_FLOOR).clamp_(LOGPROB_FLOOR, 0.0)
+    chosen = lp.gather(1, torch.tensor(token_ids, dtype=torch.long, device=lp.device)[:, None])[:, 0]
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return TokenLogprobs(chosen.cpu().tolist(), top_i.cpu().tolist(), top_v.cpu().tolist())
+
+
+@dataclass
 class RoundOutput:
     """What one ``step`` emitted.
 
@@ -87,6 +120,7 @@ class RoundOutput:
         timings: seconds per phase: draft, tree_build, verify, commit, total.
         prefill_seconds: > 0 only for the prefill step (which emits the first token).
         is_prefill: this step ran the prompt and emitted the first token (not a speculative round).
+        logprobs: one row per ``token_ids`` entry when the request asked for logprobs, else None.
     """
 
     token_ids: list[int]
@@ -97,6 +131,7 @@ class RoundOutput:
     timings: dict[str, float] = field(default_factory=dict)
     prefill_seconds: float = 0.0
     is_prefill: bool = False
+    logprobs: TokenLogprobs | None = None
 
 
 def _fill_knobs(spec: SpecParams, tree_knobs: tuple[int, int] | None) -> SpecParams:
@@ -219,6 +254,12 @@ class SpecEngine:
                 return out, "length"
         return out, None
 
+    @staticmethod
+    def _logprobs(req: _Request, logits: torch.Tensor, rows: torch.Tensor, ids: list[int]) -> TokenLogprobs | None:
+        """Logprobs of the emitted ``ids``; ``ids[i]`` came from ``logits[rows[i]]`` (None unless asked)."""
+        k = req.sampling.logprobs
+        return None if k is None else token_logprobs(logits[rows[:len(ids)].to(logits.device)], ids, k)
+
     def _prefill(self, req: _Request) -> RoundOutput:
         t0 = time.perf_counter()
         req.cache = self.target.new_cache()
@@ -228,7 +269,8 @@ class SpecEngine:
         req.ctx_ids, req.ctx_feats = list(req.prompt_ids), feats
         ids, finish = self._emit(req, [first])
         dt = time.perf_counter() - t0
-        return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True)
+        return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True,
+                           logprobs=self._logprobs(req, logits[None], torch.zeros(1, dtype=torch.long), ids))
 
     def _round(self, request_id: str, req: _Request, tree_knobs: tuple[int, int] | None) -> RoundOutput:
         t0 = time.perf_counter()
@@ -259,7 +301,8 @@ class SpecEngine:
         n_acc = min(len(ids), len(accepted))
         timings.update(verify=t2 - t1, commit=t3 - t2, total=t3 - t0)
         return RoundOutput(ids, finish, num_draft_tokens=tree.num_nodes, accept_length=n_acc,
-                           accepted_per_depth=[1] * n_acc, timings=timings)
+                           accepted_per_depth=[1] * n_acc, timings=timings,
+                           logprobs=self._logprobs(req, logits, rows, ids))
 
     def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams):
         """Yield :class:`RoundOutput` until the request finishes (convenience for CLI and tests)."""

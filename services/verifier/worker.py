@@ -32,6 +32,7 @@ from services.protocol import (
     Pong,
     RequestError,
     RoundChunk,
+    TokenLogprobs,
     check_compatible,
     check_hello_version,
 )
@@ -41,7 +42,7 @@ from services.verifier.schedule import MAX_BUDGET, parse_tree_schedule
 from services.wire import Decoded
 
 log = logging.getLogger("verifier")
-_PARAM_RE = re.compile(r"(speculative\.\w+|max_tokens|temperature|top_p|top_k|prompt|stop_token_ids)")
+_PARAM_RE = re.compile(r"(speculative\.\w+|max_tokens|temperature|top_p|top_k|prompt|stop_token_ids|logprobs)")
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ def default_params(gen: Generate, method: str):
 
     s, p = gen.sampling, gen.spec
     sampling = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+                              seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                              logprobs=s.logprobs)
     spec = SpecParams(method=method, budget=p.budget, width=p.width, depth_bonus=p.depth_bonus,
                       candidates=p.candidates)
     return sampling, spec
@@ -303,7 +305,8 @@ class VerifierWorker:
         if out.finish_reason is not None:
             self._drop(rid)  # before sending: the table (and gauges) never outlive the last chunk
         self.send(entry.identity, RoundChunk(rid, list(out.token_ids), out.finish_reason,
-                                             num_draft_tokens=out.num_draft_tokens, accept_length=out.accept_length))
+                                             num_draft_tokens=out.num_draft_tokens, accept_length=out.accept_length,
+                                             logprobs=_wire_logprobs(getattr(out, "logprobs", None))))
 
     def tree_knobs(self) -> tuple[int, int] | None:
         """``(budget, width)`` the schedule picks at the current running count (None = drafter defaults)."""
@@ -353,6 +356,12 @@ class VerifierWorker:
         if ok != self.drafter_ok:
             log.info("drafter is %s", "reachable again" if ok else "unreachable")
         self.drafter_ok = ok
+
+
+def _wire_logprobs(lp) -> TokenLogprobs | None:
+    """The engine's ``TokenLogprobs`` (a dataclass) as the wire struct."""
+    return None if lp is None else TokenLogprobs(list(lp.logprobs), [list(r) for r in lp.top_ids],
+                                                 [list(r) for r in lp.top_logprobs])
 
 
 # ------------------------------------------------------------------------------------ process entry

@@ -4,11 +4,13 @@ A scripted drafter decides how many drafts each round accepts; hypothesis picks 
 where EOS / stop token ids / ``max_tokens`` / stop strings fall. Checked, against plain greedy
 decoding cut at the first terminator:
 
-- engine (``SpecEngine``): emitted ids, ``finish_reason``, per-round ``accept_length`` and the
-  verifier's Prometheus counters (B06: only emitted tokens are counted);
+- engine (``SpecEngine``): emitted ids, ``finish_reason``, per-round ``accept_length``, the
+  verifier's Prometheus counters (B06: only emitted tokens are counted) and, when asked, one logprob
+  row per emitted token equal to the target's own (B19, B04);
 - the whole text path (gateway ASGI app -> in-process verifier worker -> ``SpecEngine``): text,
-  ``token_ids``, ``usage``, ``finish_reason``/``stop_reason``, streamed == non-streamed byte for byte,
-  and the verifier's acceptance histogram sums to the completion tokens.
+  ``token_ids``, ``usage``, ``finish_reason``/``stop_reason``, logprobs (one per counted token, the
+  target's), streamed == non-streamed byte for byte, and the verifier's acceptance histogram sums to
+  the completion tokens.
 
 ``tests/engine/test_greedy_equivalence.py`` already places a terminator at every depth of a fully
 accepted path; these tests add arbitrary acceptance patterns, rejections, and all four cut
@@ -24,6 +26,7 @@ import threading
 
 import httpx
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -92,6 +95,14 @@ def target():
                        eos_token_id=None)
 
 
+def reference_logprobs(model, prompt: list[int], ref: list[int], k: int = 3) -> tuple[list[float], list[list[int]]]:
+    """The target's logprob of each ``ref`` token and its top-k ids, from one causal forward."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + ref]), use_cache=False).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return lp.gather(1, torch.tensor(ref)[:, None])[:, 0].tolist(), lp.topk(k, dim=-1).indices.tolist()
+
+
 @pytest.fixture(scope="module")
 def cases(target):
     """Three prompts and their greedy references (EOS ignored)."""
@@ -103,6 +114,11 @@ def cases(target):
     return out
 
 
+@pytest.fixture(scope="module")
+def case_logprobs(target, cases):
+    return [reference_logprobs(target.model, prompt, ref) for prompt, ref in cases]
+
+
 terminators = st.fixed_dictionaries({
     "case": st.integers(0, 2),
     "accepts": st.lists(st.integers(0, D), max_size=12),
@@ -111,12 +127,13 @@ terminators = st.fixed_dictionaries({
     "stop_at": st.lists(st.integers(0, N - 2), max_size=2),
     "ignore_eos": st.booleans(),
     "method": st.sampled_from(["dartree-pruned", "ddtree", "dflash"]),
+    "logprobs": st.sampled_from([None, 0, 3]),
 })
 
 
 @settings(max_examples=200, **SETTINGS)
 @given(t=terminators)
-def test_engine_commits_token_by_token_for_any_acceptance_pattern(target, cases, t):
+def test_engine_commits_token_by_token_for_any_acceptance_pattern(target, cases, case_logprobs, t):
     prompt, ref = cases[t["case"]]
     eos = ref[t["eos_at"]] if t["eos_at"] is not None else None
     stop_ids = {ref[i] for i in t["stop_at"]}
@@ -126,11 +143,20 @@ def test_engine_commits_token_by_token_for_any_acceptance_pattern(target, cases,
                               bait=next(iter(stop_ids), None))
     engine = SpecEngine(target, drafter, max_draft_depth=D)
     engine.eos_token_ids = (eos,) if eos is not None else ()  # as if the target's config named this EOS
-    sampling = SamplingParams(max_tokens=t["max_tokens"], stop_token_ids=tuple(stop_ids), ignore_eos=t["ignore_eos"])
+    sampling = SamplingParams(max_tokens=t["max_tokens"], stop_token_ids=tuple(stop_ids), ignore_eos=t["ignore_eos"],
+                              logprobs=t["logprobs"])
     outs = list(engine.generate("r", prompt, sampling, SpecParams(t["method"])))
 
     got = [tok for o in outs for tok in o.token_ids]
     assert got == want
+    if t["logprobs"] is None:
+        assert all(o.logprobs is None for o in outs)
+    else:  # one row per emitted token in every round, the target's own (cut with the tokens, B03/B04/B19)
+        assert all(len(o.logprobs.logprobs) == len(o.logprobs.top_ids) == len(o.token_ids) for o in outs)
+        ref_lp, ref_top = case_logprobs[t["case"]]
+        got_lp = [x for o in outs for x in o.logprobs.logprobs]
+        assert got_lp == pytest.approx(ref_lp[:len(got)], abs=1e-4)
+        assert [r for o in outs for r in o.logprobs.top_ids] == [r[:t["logprobs"]] for r in ref_top[:len(got)]]
     assert outs[-1].finish_reason == want_finish and all(o.finish_reason is None for o in outs[:-1])
     assert outs[0].is_prefill and not any(o.is_prefill for o in outs[1:])
     # every round: the scripted number of accepted drafts, cut by the terminator / length
@@ -180,10 +206,11 @@ class TextStack:
         self.app = create_app(GatewayConfig(target=str(model_dir), served_model_name="tiny", default_temperature=0.0),
                               self.client, self.text)
         rng = random.Random(7)
-        self.cases = []
+        self.cases, self.logprobs = [], []
         for n in (3, 8):
             prompt = [rng.randrange(3, vocab) for _ in range(n)]
             self.cases.append((prompt, greedy_reference(self.target.model, prompt, N)))
+            self.logprobs.append(reference_logprobs(self.target.model, prompt, self.cases[-1][1])[0])
 
     def _send(self, identity, msg, frames=()) -> None:
         try:
@@ -276,7 +303,7 @@ def test_gateway_text_usage_and_finish_agree_with_plain_decoding(stack, data):
     stack.drafter.set_script(t["accepts"], prompt + ref, bait=stop_ids[0] if stop_ids else None)
     body = {"model": "tiny", "prompt": prompt, "max_tokens": t["max_tokens"], "stop": stops or None,
             "stop_token_ids": stop_ids, "ignore_eos": t["ignore_eos"], "return_token_ids": True,
-            "speculative": {"method": t["method"]}}
+            "speculative": {"method": t["method"]}, "logprobs": t["logprobs"]}
     before = stack.metric("dartree_spec_acceptance_length_sum")
 
     async def go():
@@ -301,6 +328,15 @@ def test_gateway_text_usage_and_finish_agree_with_plain_decoding(stack, data):
         want_finish = "stop" if matched is not None else engine_finish
     assert plain.json()["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(want_ids),
                                      "total_tokens": len(prompt) + len(want_ids)}
+    lp = choice["logprobs"]
+    if t["logprobs"] is None:
+        assert lp is None
+    else:  # one entry per counted token: the target's logprob of that very token
+        assert len(lp["tokens"]) == len(lp["text_offset"]) == len(lp["top_logprobs"]) == len(want_ids)
+        assert lp["tokens"] == [stack.text.token_text(i) for i in want_ids]
+        assert lp["token_logprobs"] == pytest.approx(stack.logprobs[t["case"] % len(stack.cases)][:len(want_ids)],
+                                                     abs=1e-4)
+        assert all(len(top) <= t["logprobs"] + 1 for top in lp["top_logprobs"])
     assert choice["finish_reason"] == want_finish and choice["stop_reason"] == matched
     if matched is None:  # nothing cut by the gateway: the verifier's tau histogram counts exactly these tokens
         assert after_plain - before == max(len(want_ids) - 1, 0)
@@ -310,6 +346,14 @@ def test_gateway_text_usage_and_finish_agree_with_plain_decoding(stack, data):
     assert usage["choices"] == [] and usage["usage"] == plain.json()["usage"]
     assert "".join(e["choices"][0]["text"] for e in chunks) == want_text
     assert [i for e in chunks for i in e["choices"][0]["token_ids"]] == want_ids
+    if t["logprobs"] is not None:
+        # streamed logprobs == non-streamed, each with its chunk's tokens; values up to float noise, because the
+        # scripted drafter draws other wrong siblings in the second run, so the verify trees differ
+        streamed_lp = {key: [x for e in chunks for x in e["choices"][0]["logprobs"][key]] for key in lp}
+        assert streamed_lp["tokens"] == lp["tokens"] and streamed_lp["text_offset"] == lp["text_offset"]
+        assert streamed_lp["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+        assert [list(d) for d in streamed_lp["top_logprobs"]] == [list(d) for d in lp["top_logprobs"]]
+        assert all(len(e["choices"][0]["logprobs"]["tokens"]) == len(e["choices"][0]["token_ids"]) for e in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == want_finish
     assert chunks[-1]["choices"][0]["stop_reason"] == matched
     assert all(e["choices"][0]["finish_reason"] is None for e in chunks[:-1])

@@ -15,7 +15,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from gateway.engine_client import _QueueClient
-from services.protocol import Abort, Generate, Limits, PeerInfo, RequestError, RoundChunk, SpecSpec
+from services.protocol import Abort, Generate, Limits, PeerInfo, RequestError, RoundChunk, SpecSpec, TokenLogprobs
 
 METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree")
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -80,7 +80,8 @@ class Script:
     error_status: int = 500
     delay_s: float = 0.0                   # sleep between rounds
 
-    def rounds(self, max_tokens: int) -> list[RoundChunk | RequestError]:
+    def rounds(self, max_tokens: int, logprobs: int | None = None) -> list[RoundChunk | RequestError]:
+        """The rounds; with ``logprobs`` (top-k), each token carries :func:`fake_logprobs` of its position."""
         ids = self.token_ids[:max_tokens]
         finish = "length" if len(self.token_ids) >= max_tokens else self.finish_reason
         out, i, k = [], 0, 0
@@ -91,10 +92,19 @@ class Script:
             chunk = ids[i:i + n]
             i, k = i + n, k + 1
             done = i >= len(ids)
+            lp = None if logprobs is None else fake_logprobs(chunk, range(i - n, i - n + len(chunk)), logprobs)
             out.append(RoundChunk("?", chunk, finish if done else None, num_draft_tokens=8,
-                                  accept_length=max(0, len(chunk) - 1)))
+                                  accept_length=max(0, len(chunk) - 1), logprobs=lp))
             if done:
                 return out
+
+
+def fake_logprobs(token_ids, positions, k: int) -> TokenLogprobs:
+    """Scripted logprobs: the token at output position p has logprob ``-(p + 1) / 1000`` (so a test can
+    tell which position an entry came from) and top-k alternatives ``3 + (id + j) % 200`` at ``-1 - j``."""
+    return TokenLogprobs([-(p + 1) / 1000 for p in positions],
+                         [[3 + (t + j) % 200 for j in range(k)] for t in token_ids],
+                         [[-1.0 - j for j in range(k)] for _ in token_ids])
 
 
 class FakeEngineClient(_QueueClient):
@@ -128,7 +138,7 @@ class FakeEngineClient(_QueueClient):
         task.add_done_callback(self._tasks.discard)
 
     async def _play(self, gen: Generate, script: Script) -> None:
-        for item in script.rounds(gen.sampling.max_tokens):
+        for item in script.rounds(gen.sampling.max_tokens, gen.sampling.logprobs):
             await asyncio.sleep(script.delay_s)
             if any(a.request_id == gen.request_id for a in self.aborts):
                 return

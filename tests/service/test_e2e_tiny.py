@@ -1,7 +1,8 @@
 """``dartree serve`` end to end: three real processes on ipc://, a tiny random model, the openai client.
 
 Covers: completions and chat, streaming and not (stream == non-stream), greedy served == plain AR
-decoding, metrics from every process, concurrent identical requests, kill -9 of a worker mid-stream
+decoding, logprobs through the openai client (the target's, equal across methods, stream ==
+non-stream), metrics from every process, concurrent identical requests, kill -9 of a worker mid-stream
 (clean error, restart, readiness false then true), and the SIGTERM drain. Tests run in file order
 on one server; the drain test stops it.
 """
@@ -86,6 +87,64 @@ def test_completions_and_chat_stream_equal_non_stream_and_equal_plain_decoding(s
         model="tiny", messages=[{"role": "user", "content": "hi 😀"}], max_completion_tokens=16, stream=True)
         if c.choices)
     assert streamed == chat.choices[0].message.content
+
+
+def _reference_logprobs(target_dir: Path, prompt_ids: list[int], ids: list[int]) -> list[float]:
+    """The tiny target's raw logprob of each of ``ids`` after ``prompt_ids``, from one causal forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt_ids + ids])).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt_ids) - 1:-1], dim=-1)
+    return lp.gather(1, torch.tensor(ids)[:, None])[:, 0].tolist()
+
+
+def test_logprobs_through_the_openai_client_for_both_endpoints(server):
+    from gateway.text import TextModel
+
+    client, text = _client(server), TextModel(server.target_dir)
+    prompt_ids = text.encode("Hello world")
+    seen = {}
+    for method in ("dartree-pruned", "ar"):
+        extra = {"speculative": {"method": method}, "return_token_ids": True}
+        plain = client.completions.create(model="tiny", prompt="Hello world", max_tokens=20, logprobs=3,
+                                          extra_body=extra)
+        lp, ids = plain.choices[0].logprobs, plain.choices[0].model_extra["token_ids"]
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(ids)
+        assert len(ids) == plain.usage.completion_tokens
+        assert lp.tokens == [text.token_text(i) for i in ids]
+        assert all(tok in top and 3 <= len(top) <= 4 for tok, top in zip(lp.tokens, lp.top_logprobs))
+        assert lp.token_logprobs == pytest.approx(_reference_logprobs(server.target_dir, prompt_ids, ids), abs=1e-4)
+        chunks = [c for c in client.completions.create(model="tiny", prompt="Hello world", max_tokens=20, logprobs=3,
+                                                         stream=True, extra_body=extra) if c.choices]
+        assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+        assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == pytest.approx(lp.token_logprobs,
+                                                                                                 abs=1e-5)
+        assert [x for c in chunks for x in c.choices[0].logprobs.text_offset] == lp.text_offset
+        seen[method] = lp.token_logprobs
+    assert seen["dartree-pruned"] == pytest.approx(seen["ar"], abs=1e-4)
+
+    messages = [{"role": "user", "content": "hi 😀"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=16, logprobs=True,
+                                          top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert b"".join(bytes(e.bytes) for e in content).decode(errors="replace") == chat.choices[0].message.content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
+    streamed = [e for c in client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=16,
+                                                          logprobs=True, top_logprobs=2, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+    for call, field in ((lambda: client.completions.create(model="tiny", prompt="x", logprobs=6), "logprobs"),
+                        (lambda: client.chat.completions.create(model="tiny", messages=messages, logprobs=True,
+                                                                top_logprobs=21), "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as err:
+            call()
+        assert err.value.status_code == 400 and err.value.body["param"] == field
 
 
 def test_every_process_exports_metrics_and_tau_is_consistent(server):
