@@ -19,10 +19,9 @@ from services.testing import (OracleDrafter, RandomDrafter, greedy_reference, ti
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
 
-V = 128
+from tests.engine.conftest import TARGET_KW, V  # noqa: F401  (fixtures: target, llama)
 D = 4  # oracle draft depth: a full-accept round emits D + 1 tokens
 N = 40  # generated tokens
-TARGET_KW = dict(vocab_size=V, hidden_size=32, num_layers=3, max_position_embeddings=256)
 
 
 def _run(engine, rid, prompt, sampling, method="dartree-pruned", **spec):
@@ -34,16 +33,6 @@ def _run(engine, rid, prompt, sampling, method="dartree-pruned", **spec):
 def _prompt(seed, n=7):
     rng = random.Random(seed)
     return [rng.randrange(3, V - 1) for _ in range(n)]
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def target(request):
-    return tiny_target(request.param, **TARGET_KW)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_target("llama", **TARGET_KW)
 
 
 # ---------------------------------------------------------------------------------------------

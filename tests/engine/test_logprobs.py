@@ -17,15 +17,14 @@ import torch
 
 from services.drafter.service import METHODS
 from services.protocol import LOGPROB_FLOOR
-from services.testing import OracleDrafter, greedy_reference, tiny_drafter, tiny_service, tiny_target
+from services.testing import OracleDrafter, greedy_reference, tiny_drafter, tiny_service
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams, token_logprobs
 
-V = 128
+from tests.engine.conftest import TARGET_KW, V  # noqa: F401  (fixtures: target, llama)
 N = 24
 K = 5
 ATOL = 1e-4
-TARGET_KW = dict(vocab_size=V, hidden_size=32, num_layers=3, max_position_embeddings=256)
 
 
 def _prompt(seed: int, n: int = 7) -> list[int]:
@@ -59,16 +58,6 @@ def _assert_matches(target, prompt, ids, lps, tops, k=K):
     torch.testing.assert_close(torch.tensor(lps), chosen, atol=ATOL, rtol=0)
     assert [i for i, _ in tops] == top_i.tolist()
     torch.testing.assert_close(torch.tensor([v for _, v in tops]), top_v, atol=ATOL, rtol=0)
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def target(request):
-    return tiny_target(request.param, **TARGET_KW)
-
-
-@pytest.fixture(scope="module")
-def llama():
-    return tiny_target("llama", **TARGET_KW)
 
 
 @pytest.fixture(scope="module")
