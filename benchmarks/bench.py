@@ -113,7 +113,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--target", default=None, help="target: default SmolLM2-135M-Instruct, or a local HF dir")
     m.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    m.add_argument("--device", default="cpu", help="cpu or cuda (needs build_inprocess(device=...))")
+    m.add_argument("--device", default="cpu", help="cpu (the in-process engine of bench runs on CPU only for now)")
     m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     m.add_argument("--warmup-tokens", type=int, default=16, help="untimed warmup generation per method (0 = none)")
     m.add_argument("--out", default=None, help="results dir (default benchmarks/results/<date>-<machine>)")

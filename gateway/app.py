@@ -68,6 +68,11 @@ def _routes(app: FastAPI, gw: Gateway, probe: GenerateProbe) -> None:
     async def models() -> dict:
         return gw.models()
 
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict:
+        """OpenAI ``models.retrieve``: the model card, or 404 in the OpenAI error shape."""
+        return gw.model_card(model)
+
     @app.get("/health/live")
     async def live() -> dict:
         return {"status": "ok"}

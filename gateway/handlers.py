@@ -13,7 +13,7 @@ import contextvars
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -59,6 +59,8 @@ class Gateway:
         self.model_name = config.served_model_name or model_name(config.target)
         self.in_flight = 0
         self.draining = False
+        self.cut = False  # the drain timeout expired: in-flight requests end now (cut_in_flight)
+        self._cut_waiters: set[asyncio.Future] = set()
         self._idle = asyncio.Event()
         self._idle.set()
         self.requests = RequestBuilder(config, engine, text, self.model_name, self.readiness)
@@ -68,6 +70,24 @@ class Gateway:
     def begin_drain(self) -> None:
         """Refuse new requests (503); in-flight ones continue."""
         self.draining = True
+
+    def cut_in_flight(self) -> None:
+        """End every in-flight request now (drain timeout): streams get a ``server_shutdown`` error
+        event and ``[DONE]``, requests still waiting for their answer a 503; the engine requests are aborted."""
+        self.draining, self.cut = True, True
+        for fut in list(self._cut_waiters):
+            if not fut.done():
+                fut.set_result(None)
+
+    def _cut_waiter(self) -> asyncio.Future:
+        """A future of the running loop that completes at :meth:`cut_in_flight` (cancel it when done)."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.cut:
+            fut.set_result(None)
+        else:
+            self._cut_waiters.add(fut)
+            fut.add_done_callback(self._cut_waiters.discard)
+        return fut
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight (``False`` on timeout)."""
@@ -85,10 +105,20 @@ class Gateway:
         return True, "ready"
 
     def models(self) -> dict:
+        """``GET /v1/models``: the one model this server serves."""
+        return {"object": "list", "data": [self._card()]}
+
+    def model_card(self, model: str) -> dict:
+        """``GET /v1/models/{model}``; ApiError 404 for any other id."""
+        if model != self.model_name:
+            raise ApiError(404, f"model '{model}' does not exist; this server serves '{self.model_name}'", "model",
+                           "model_not_found")
+        return self._card()
+
+    def _card(self) -> dict:
         info = self.engine.info
-        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "dartree",
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "dartree",
                 "root": self.config.target, "max_model_len": info.max_context if info else None}
-        return {"object": "list", "data": [card]}
 
     # -------------------------------------------------------------------------------- requests
 
@@ -111,13 +141,13 @@ class Gateway:
         deltas = self._deltas(prep)
         try:
             if prep.stream:
-                first = await _race_disconnect(request, deltas.__anext__())
+                first = await _race_disconnect(request, deltas.__anext__(), self._cut_waiter)
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
                 response = _SSEResponse(self._sse(prep, first, deltas), on_close=(deltas.aclose, lease.release),
                                         media_type="text/event-stream", headers=headers)
                 lease = None  # handed to the response
                 return response
-            return JSONResponse(await _race_disconnect(request, self._collect(prep, deltas)))
+            return JSONResponse(await _race_disconnect(request, self._collect(prep, deltas), self._cut_waiter))
         except _Disconnected:
             return Response(status_code=499)
         except EngineError as err:
@@ -204,7 +234,7 @@ class Gateway:
     async def _sse(self, prep: Prepared, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
         """SSE events: one per round with text (or a finish), an optional usage event, then [DONE]."""
         num_tokens, sent_first, carried = 0, False, []
-        events = _with_keepalive(deltas, self.config.sse_keepalive_s)
+        events = _with_keepalive(deltas, self.config.sse_keepalive_s, self._cut_waiter)
         try:
             d: Delta | None = first
             while d is not None:
@@ -227,6 +257,8 @@ class Gateway:
         except EngineError as err:
             yield _event({"error": {"message": err.message, "type": ApiError.TYPES.get(err.status, "error"),
                                     "param": err.param, "code": err.code or str(err.status)}})
+        except _ServerShutdown:
+            yield _event(_shutdown_error().body())
         except Exception:  # a bug must still end the stream properly, without a traceback to the client
             log.exception("stream failed")
             yield _event(ApiError(500, "internal server error", None, "internal_error").body())
@@ -263,6 +295,15 @@ class Gateway:
 
 class _Disconnected(Exception):
     """The client went away before the response started."""
+
+
+class _ServerShutdown(Exception):
+    """The drain timeout expired while the request was in flight (:meth:`Gateway.cut_in_flight`)."""
+
+
+def _shutdown_error() -> ApiError:
+    return ApiError(503, "the server is shutting down: the request was cut at the end of the drain timeout",
+                    None, "server_shutdown")
 
 
 _KEEPALIVE = Delta("")
@@ -339,28 +380,42 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _race_disconnect(request: Request, awaitable):
-    """Await ``awaitable``; if the client disconnects first, cancel it and raise :class:`_Disconnected`."""
+async def _race_disconnect(request: Request, awaitable, cut: Callable[[], asyncio.Future]):
+    """Await ``awaitable``; if the client disconnects first, cancel it and raise :class:`_Disconnected`;
+    if ``cut()`` completes first (drain timeout), cancel it and raise a 503 ``server_shutdown`` :class:`ApiError`."""
     task = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
+    cutter = cut()
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher, cutter}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
+        cutter.cancel()
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        if cutter.done() and not cutter.cancelled():
+            log.info("request cut: the drain timeout expired")
+            raise _shutdown_error()
         log.info("client disconnected before the response started")
         raise _Disconnected
     return task.result()
 
 
-async def _with_keepalive(it: AsyncIterator, interval: float) -> AsyncIterator:
-    """Items of ``it``; ``_KEEPALIVE`` every ``interval`` seconds of silence (``it`` keeps running)."""
+async def _with_keepalive(it: AsyncIterator, interval: float, cut: Callable[[], asyncio.Future]) -> AsyncIterator:
+    """Items of ``it``; ``_KEEPALIVE`` every ``interval`` seconds of silence (``it`` keeps running).
+
+    Raises :class:`_ServerShutdown` (after cancelling ``it``'s pending step) once ``cut()`` completes.
+    """
     task = asyncio.ensure_future(it.__anext__())
+    cutter = cut()
     try:
         while True:
-            done, _ = await asyncio.wait({task}, timeout=interval or None)
+            done, _ = await asyncio.wait({task, cutter}, timeout=interval or None,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if cutter in done:
+                log.info("stream cut: the drain timeout expired")
+                raise _ServerShutdown
             if not done:
                 yield _KEEPALIVE
                 continue
@@ -371,6 +426,7 @@ async def _with_keepalive(it: AsyncIterator, interval: float) -> AsyncIterator:
             yield item
             task = asyncio.ensure_future(it.__anext__())
     finally:
+        cutter.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

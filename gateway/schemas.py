@@ -8,6 +8,7 @@ never silently ignored (serving.md §2.1). Unknown fields that do not change the
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -186,7 +187,8 @@ def validation_error(exc: ValidationError) -> ApiError:
     errors = exc.errors(include_url=False)
     err = max(errors, key=lambda e: len(_clean_loc(e["loc"])))
     if err["type"] == "json_invalid":
-        return ApiError(400, "the request body is not valid JSON (UTF-8)", None, "invalid_json")
+        return ApiError(400, _json_problem(err.get("input", b""), (err.get("ctx") or {}).get("error", "")), None,
+                        "invalid_json")
     param = _param(_clean_loc(err["loc"]))
     msg = err["msg"]
     if err["type"] == "missing":
@@ -196,6 +198,21 @@ def validation_error(exc: ValidationError) -> ApiError:
     if not param:
         return ApiError(400, f"the request body must be a JSON object: {msg}", None, "invalid_type")
     return ApiError(400, f"invalid '{param}': {msg}", param, "invalid_value")
+
+
+def _json_problem(body, detail: str) -> str:
+    """What is wrong with a body the JSON parser refused: bad UTF-8, a lone surrogate escape, or syntax."""
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            text = bytes(body).decode("utf-8")
+        except UnicodeDecodeError as e:
+            return f"the request body is not valid UTF-8 (byte {e.start})"
+        try:
+            json.loads(text)  # Python's parser accepts lone surrogate escapes; pydantic's (rightly) does not
+            return "invalid Unicode escape (lone surrogate, e.g. \\ud800 without its pair) in the request body"
+        except ValueError:
+            pass
+    return f"the request body is not valid JSON: {detail}" if detail else "the request body is not valid JSON"
 
 
 def _clean_loc(loc) -> list:

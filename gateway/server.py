@@ -1,7 +1,8 @@
 """Run the gateway process: resolve the tokenizer, connect to the verifier, serve HTTP, drain on SIGTERM.
 
 On SIGTERM/SIGINT the gateway keeps listening but answers new requests with 503 (readiness goes
-false), lets in-flight requests finish for up to ``drain_timeout_s``, then stops uvicorn.
+false), lets in-flight requests finish for up to ``drain_timeout_s``, then ends the ones still
+running (streams: a ``server_shutdown`` error event and ``[DONE]``; others: a 503) and stops uvicorn.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from services.protocol import PeerInfo
 from services.wire import ipc_endpoint, new_epoch
 
 log = logging.getLogger("gateway")
+CUT_GRACE_S = 3.0  # after the drain timeout: time for cut responses to send their last bytes
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 
 
@@ -55,7 +57,8 @@ def build_app(config: GatewayConfig):
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn that drains (503 for new requests, in-flight finish) before it stops."""
+    """uvicorn that drains (503 for new requests, in-flight finish) before it stops; a second signal
+    (or the drain timeout) ends the requests still in flight cleanly (:meth:`Gateway.cut_in_flight`)."""
 
     def __init__(self, config: uvicorn.Config, app, drain_timeout_s: float):
         super().__init__(config)
@@ -63,9 +66,14 @@ class _DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task | bool | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self._drain_task is not None or sig not in (signal.SIGTERM, signal.SIGINT):
-            return super().handle_exit(sig, frame)  # a second signal stops at once
+        if sig not in (signal.SIGTERM, signal.SIGINT):
+            return super().handle_exit(sig, frame)
         loop = asyncio.get_event_loop()
+        if self._drain_task is not None:
+            # a second signal: end the in-flight requests now (error event / 503), the drain then completes
+            log.warning("second stop signal: ending the requests still in flight")
+            loop.call_soon_threadsafe(self._app.state.gateway.cut_in_flight)
+            return
         self._drain_task = True  # set before the task exists: a second signal must not start another
         loop.call_soon_threadsafe(lambda: setattr(self, "_drain_task", loop.create_task(self._drain())))
 
@@ -74,7 +82,11 @@ class _DrainingServer(uvicorn.Server):
         gw.begin_drain()
         log.info("draining: %d requests in flight, up to %.0f s", gw.in_flight, self._drain_timeout_s)
         if not await gw.wait_idle(self._drain_timeout_s):
-            log.warning("drain timeout: %d requests still in flight are cut", gw.in_flight)
+            log.warning("drain timeout: ending the %d requests still in flight with a server_shutdown error",
+                        gw.in_flight)
+            gw.cut_in_flight()
+            if not await gw.wait_idle(CUT_GRACE_S):
+                log.warning("%d responses did not finish within %g s of the cut", gw.in_flight, CUT_GRACE_S)
         self.should_exit = True
 
 

@@ -9,23 +9,29 @@ from __future__ import annotations
 import argparse
 import sys
 
+from services.protocol import METHODS
+from services.runtime import DTYPES
+
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate one completion in-process (no server)")
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--method", default="dartree-pruned")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--budget", type=int, default=None)
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--depth-bonus", type=float, default=None)
-    p.add_argument("--candidates", type=int, default=None)
+    p.add_argument("--method", default="dartree-pruned", choices=METHODS,
+                   help="speculative method ('ar' = plain decoding; default: dartree-pruned)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--budget", type=int, default=None, help="tree budget B: nodes per draft tree "
+                   "(default: the drafter's, 16 on CPU)")
+    p.add_argument("--width", type=int, default=None, help="tree width W: children kept per node (default: 12)")
+    p.add_argument("--depth-bonus", type=float, default=None, help="depth bonus beta <= 0 of the pruned "
+                   "DARTree score (default: -0.2)")
+    p.add_argument("--candidates", type=int, default=None, help="candidate pool K per depth (default: 64)")
     p.add_argument("--target", default=None, help="target: default SmolLM2-135M-Instruct, or a local HF dir")
     p.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="model precision (default: float32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_generate)
 

@@ -23,6 +23,7 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
 
     from services.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
     from services.drafter.service import DrafterService, default_tree_knobs
+    from services.drafter.worker import check_drafter_dir
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.verifier.drafter_client import InprocDrafterClient
     from services.verifier.engine import SpecEngine
@@ -31,12 +32,10 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     quiet_progress_bars()
     tdir = resolve_target(target_ref)
     tok = AutoTokenizer.from_pretrained(tdir)
-    ddir = Path(drafter_ref) if drafter_ref else DEFAULT_DRAFTER_DIR
+    ddir = check_drafter_dir(drafter_ref) if drafter_ref else DEFAULT_DRAFTER_DIR
     note = f"drafter: {ddir}"
     if (ddir / "config.json").exists():
         drafter = load_drafter(ddir, dtype=dtype)
-    elif drafter_ref:
-        raise FileNotFoundError(f"drafter directory {drafter_ref!r} has no config.json")
     else:
         import json as _json
 
@@ -97,10 +96,12 @@ def run_generate(a) -> int:
               "method": a.method, "tau": round(tau, 3), "rounds": rounds, "prompt_tokens": len(ids),
               "completion_tokens": len(tokens), "ttft_s": round(ttft, 4), "wall_s": round(wall, 3),
               "tokens_per_s": round((len(tokens) - 1) / decode, 2) if decode > 0 and len(tokens) > 1 else None,
-              "round_ms": {k: round(1000 * v / max(rounds, 1), 3) for k, v in phases.items()}, "drafter": note}
+              "round_ms": {k: round(1000 * v / max(rounds, 1), 3) for k, v in phases.items()},
+              "drafter": note.removeprefix("drafter: ")}
     if a.json:
         print(json.dumps(result))
     else:
-        print(f"\n[dartree] {a.method}: tau {tau:.2f} over {rounds} rounds, {result['tokens_per_s']} tok/s, "
+        print(flush=True)  # the streamed text ends with a newline
+        print(f"[dartree] {a.method}: tau {tau:.2f} over {rounds} rounds, {result['tokens_per_s']} tok/s, "
               f"finish {finish}", file=sys.stderr)
     return 0

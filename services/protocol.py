@@ -292,6 +292,11 @@ MESSAGE_CLASSES: dict[MessageType, type[Struct]] = {
 }
 MESSAGE_TYPES: dict[type[Struct], MessageType] = {cls: t for t, cls in MESSAGE_CLASSES.items()}
 
+# Speculative methods a request may name ("ar": plain decoding, no drafter); HEAD_METHODS need a drafter
+# with the Domino correction head.
+METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree")
+HEAD_METHODS = frozenset({"domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree"})
+
 # Largest msgpack body accepted per type (tensor frames are bounded separately by Limits).
 MAX_BODY_BYTES: dict[MessageType, int] = {t: 64 * 1024 for t in MessageType}
 MAX_BODY_BYTES[MessageType.GENERATE] = 8 * 1024 * 1024      # a prompt of up to ~1M token ids

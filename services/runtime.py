@@ -28,6 +28,15 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
+DTYPES = ("float32", "bfloat16")  # model precisions the workers run (and the tests cover)
+
+
+def check_dtype(dtype: str) -> None:
+    """ValueError (one line) unless ``dtype`` is one of :data:`DTYPES`."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+
+
 def setup_logging(level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(RequestIdFilter())

@@ -12,17 +12,23 @@ Functions the CLI (``services/cli.py``) calls::
     drafter_main(args: argparse.Namespace) -> int
 
 Every flag is a field of a frozen config dataclass (``--max-running`` <-> ``max_running``) and is
-also read from ``DARTREE_<FIELD>`` (``DARTREE_MAX_RUNNING=4``); a flag beats the variable.
-The supervisor spawns the workers (``spawn``: safe with CUDA), waits until ``/health/ready``,
-prints the URL, restarts a worker that dies (its in-flight requests end with a clean error: the
-peers detect the disconnect), and on SIGINT/SIGTERM drains the gateway (503 for new requests,
-in-flight ones finish within ``drain_timeout_s``) before stopping the workers.
+also read from ``DARTREE_<FIELD>`` (``DARTREE_MAX_RUNNING=4``); a flag beats the variable, and a
+bad variable is an argparse error like a bad flag (exit 2). Before spawning anything, ``plan``
+checks every setting, the listening addresses (free, distinct) and the drafter directory: a bad one
+is a one-line error. The supervisor spawns the workers (``spawn``: safe with CUDA), waits until
+``/health/ready``, prints the URL; a worker that dies before that stops the server with the worker's
+error line; after that a dead worker is restarted (its in-flight requests end with a clean error:
+the peers detect the disconnect). On SIGINT/SIGTERM it drains the gateway (503 for new requests,
+in-flight ones finish within ``drain_timeout_s``, then end with a ``server_shutdown`` error) before
+stopping the workers; a second signal ends the in-flight requests at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import errno
 import logging
 import multiprocessing as mp
 import os
@@ -39,6 +45,8 @@ from pathlib import Path
 
 from gateway.config import GatewayConfig
 from services.drafter.worker import DrafterWorkerConfig
+from services.protocol import METHODS
+from services.runtime import DTYPES
 from services.verifier.worker import VerifierWorkerConfig
 
 log = logging.getLogger("dartree.serve")
@@ -77,18 +85,46 @@ def _parser_type(tp):
     return tp
 
 
-def _env_default(name: str, tp, default):
+class _EnvValue(str):
+    """A flag's default read from ``DARTREE_<FIELD>``: argparse converts string defaults with the flag's
+    ``type`` only when the flag is not given, so a bad variable is an argparse error (exit 2) and a
+    flag overrides it."""
+
+    var: str
+
+
+def _env_default(name: str, default):
     raw = os.environ.get(f"DARTREE_{name.upper()}")
     if raw is None:
         return default
-    if tp is bool:
-        if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-            raise SystemExit(f"DARTREE_{name.upper()}={raw!r} is not a boolean")
-        return raw.lower() in ("1", "true", "yes")
-    try:
-        return _parser_type(tp)(raw)
-    except ValueError:
-        raise SystemExit(f"DARTREE_{name.upper()}={raw!r} is not a valid {tp}") from None
+    value = _EnvValue(raw)
+    value.var = f"DARTREE_{name.upper()}"
+    return value
+
+
+def _checked(convert, type_name: str):
+    """An argparse ``type``: ``convert`` with a one-line error that names the env var a bad default came from."""
+    def parse(s: str):
+        try:
+            return convert(s)
+        except (ValueError, TypeError):
+            where = f"{s.var}={str(s)!r}" if isinstance(s, _EnvValue) else repr(s)
+            raise argparse.ArgumentTypeError(f"{where} is not a valid {type_name}") from None
+
+    parse.__name__ = type_name
+    return parse
+
+
+def _to_bool(s: str) -> bool:
+    if s.lower() not in ("1", "0", "true", "false", "yes", "no"):
+        raise ValueError(s)
+    return s.lower() in ("1", "true", "yes")
+
+
+# Fields whose values come from a fixed set (argparse ``choices``: a typo is a one-line error at start).
+CHOICES = {"dtype": DTYPES, "default_method": METHODS,
+           "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "debug", "info", "warning", "error",
+                         "critical")}
 
 
 def add_config_args(parser: argparse.ArgumentParser, *classes) -> None:
@@ -101,14 +137,16 @@ def add_config_args(parser: argparse.ArgumentParser, *classes) -> None:
                 continue
             seen[f.name] = f.default
             tp = hints[f.name]
-            default = _env_default(f.name, tp, f.default)
+            default = _env_default(f.name, f.default)
             flag = "--" + f.name.replace("_", "-")
-            help_text = f"(env DARTREE_{f.name.upper()}; default: {default!r})"
+            help_text = f"(env DARTREE_{f.name.upper()}; default: {str(default) if isinstance(default, _EnvValue) else default!r})"
             if tp is bool:
                 parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                                    help=help_text)
+                                    type=_checked(_to_bool, "boolean"), help=help_text)
             else:
-                parser.add_argument(flag, dest=f.name, type=_parser_type(tp), default=default, help=help_text)
+                name = getattr(typing.get_args(tp)[0] if typing.get_args(tp) else tp, "__name__", str(tp))
+                parser.add_argument(flag, dest=f.name, type=_checked(_parser_type(tp), name), default=default,
+                                    choices=CHOICES.get(f.name), help=help_text)
 
 
 def config_from_args(cls, args: argparse.Namespace, **overrides):
@@ -183,6 +221,40 @@ def _drafter_entry(config: DrafterWorkerConfig, parent_pid: int) -> None:
     run_drafter_process(config, parent_pid)
 
 
+# Errors a worker reports as one line (bad configuration, missing files, refused peers); anything
+# else is a bug and keeps its traceback.
+_ONE_LINE_ERRORS = (ValueError, OSError, RuntimeError, ImportError)
+
+
+def error_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none)."""
+    text = str(err.code if isinstance(err, SystemExit) else err).strip()
+    return text.splitlines()[0] if text and text != "None" else type(err).__name__
+
+
+def _child_main(entry: typing.Callable, config, parent_pid: int, errors) -> None:
+    """Run a worker ``entry``; a failure is sent to the supervisor as one line (``errors``: a pipe end)."""
+    try:
+        entry(config, parent_pid)
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            _report(errors, error_line(e) if not isinstance(e.code, int) else f"exited with code {e.code}")
+        raise
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except BaseException as e:
+        _report(errors, error_line(e))
+        if not isinstance(e, _ONE_LINE_ERRORS):
+            raise  # a bug: its traceback belongs in the log
+        logging.getLogger("dartree.serve").error("%s", error_line(e))
+        raise SystemExit(2) from None
+
+
+def _report(errors, line: str) -> None:
+    with contextlib.suppress(OSError):
+        errors.send(line)
+
+
 @dataclass
 class _Child:
     name: str
@@ -190,10 +262,20 @@ class _Child:
     config: object
     proc: mp.process.BaseProcess | None = None
     restarts: deque = dataclasses.field(default_factory=deque)
+    errors: typing.Any = None  # the read end of the child's error pipe
+
+
+class StartupError(RuntimeError):
+    """A worker failed before the server was ever ready (a configuration problem: no restarts)."""
 
 
 class Supervisor:
-    """Owns the child processes: start, readiness, restart on death, ordered drain."""
+    """Owns the child processes: start, readiness, restart on death, ordered drain.
+
+    A worker that dies before the server was ever ready stops the whole server with that worker's
+    error line (:class:`StartupError`): start-up failures are configuration problems that a restart
+    repeats. After readiness a dead worker is restarted (``max_restarts`` within ``restart_window_s``).
+    """
 
     def __init__(self, sup: SupervisorConfig, gateway: GatewayConfig, verifier: VerifierWorkerConfig,
                  drafter: DrafterWorkerConfig | None):
@@ -204,6 +286,9 @@ class Supervisor:
         self.children = {c.name: c for c in children}
         self._stopping = False
         self._signals = 0
+        self._current: _Child | None = None  # the child shutdown() is stopping
+        self.announced = False  # "serving on" printed: the server was ready once
+        self.failure: str | None = None  # why the server gave up (start-up or too many restarts)
 
     @property
     def url(self) -> str:
@@ -211,10 +296,21 @@ class Supervisor:
         return f"http://{host}:{self.gateway_cfg.port}"
 
     def _spawn(self, child: _Child) -> None:
-        child.proc = self._ctx.Process(target=child.entry, args=(child.config, os.getpid()),
+        child.errors, send_end = self._ctx.Pipe(duplex=False)
+        child.proc = self._ctx.Process(target=_child_main, args=(child.entry, child.config, os.getpid(), send_end),
                                        name=f"dartree-{child.name}", daemon=False)
         child.proc.start()
+        send_end.close()
         log.info("started %s (pid %d)", child.name, child.proc.pid)
+
+    def _last_error(self, child: _Child) -> str:
+        line = f"exited with code {child.proc.exitcode}"
+        try:
+            while child.errors.poll():
+                line = child.errors.recv()
+        except (EOFError, OSError):
+            pass
+        return line
 
     def ready(self) -> bool:
         try:
@@ -224,24 +320,28 @@ class Supervisor:
             return False
 
     def run(self) -> int:
-        """Start everything, wait for readiness, supervise until a stop signal; the exit code."""
+        """Start everything, wait for readiness, supervise until a stop signal; the exit code
+        (0: stopped by a signal; 1: gave up after readiness; 2: a worker failed to start)."""
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         for child in self.children.values():
             self._spawn(child)
         deadline = time.monotonic() + self.sup.startup_timeout_s
-        announced = False
         code = 0
         while not self._stopping:
-            if not self._reap():
-                code = 1
+            try:
+                if not self._reap():
+                    code = 1
+                    break
+            except StartupError as e:
+                self.failure, code = str(e), 2
                 break
-            if not announced and self.ready():
+            if not self.announced and self.ready():
                 print(f"[dartree] serving on {self.url}/v1 (OpenAI-compatible; metrics at {self.url}/metrics)",
                       flush=True)
-                announced = True
-            if not announced and time.monotonic() > deadline:
-                log.error("not ready after %.0f s; stopping", self.sup.startup_timeout_s)
+                self.announced = True
+            if not self.announced and time.monotonic() > deadline:
+                self.failure = f"not ready after {self.sup.startup_timeout_s:.0f} s"
                 code = 1
                 break
             time.sleep(0.5)
@@ -251,26 +351,36 @@ class Supervisor:
     def _on_signal(self, signum, frame) -> None:
         self._signals += 1
         if self._signals > 1:
+            # stop now: a second SIGTERM makes the worker being stopped skip the rest of its drain (the
+            # gateway ends its in-flight requests with a server_shutdown error); no SIGKILL needed
             log.warning("second signal: stopping now")
-            for child in self.children.values():
-                if child.proc is not None and child.proc.is_alive():
-                    child.proc.kill()
+            child = self._current
+            if child is not None and child.proc is not None and child.proc.is_alive():
+                with contextlib.suppress(OSError):
+                    os.kill(child.proc.pid, signal.SIGTERM)
         self._stopping = True
 
     def _reap(self) -> bool:
-        """Restart dead children; ``False`` when one died too often."""
+        """Restart dead children; ``False`` when one died too often.
+
+        Raises:
+            StartupError: a child died before the server was ever ready.
+        """
         for child in self.children.values():
             proc = child.proc
             if proc is None or proc.is_alive() or self._stopping:
                 continue
+            why = self._last_error(child)
+            if not self.announced:
+                raise StartupError(f"the {child.name} failed to start: {why}")
             now = time.monotonic()
             while child.restarts and now - child.restarts[0] > self.sup.restart_window_s:
                 child.restarts.popleft()
             if len(child.restarts) >= self.sup.max_restarts:
-                log.error("%s died %d times within %.0f s; giving up", child.name, len(child.restarts) + 1,
-                          self.sup.restart_window_s)
+                self.failure = (f"the {child.name} died {len(child.restarts) + 1} times within "
+                                f"{self.sup.restart_window_s:.0f} s; last error: {why}")
                 return False
-            log.error("%s died (exit code %s); restarting it", child.name, proc.exitcode)
+            log.error("%s died (%s); restarting it", child.name, why)
             child.restarts.append(now)
             self._spawn(child)
         return True
@@ -285,7 +395,11 @@ class Supervisor:
             if child is None or child.proc is None or not child.proc.is_alive():
                 continue
             log.info("stopping %s", name)
+            self._current = child
             child.proc.terminate()
+            if self._signals > 1:  # already told to stop now
+                time.sleep(0.05)
+                child.proc.terminate()
             child.proc.join(budgets[name])
             if child.proc.is_alive():
                 log.warning("%s did not stop in time; killing it", name)
@@ -299,54 +413,119 @@ def _default_drafter_present() -> bool:
     return (DEFAULT_DRAFTER_DIR / "config.json").is_file()
 
 
+def check_listen(host: str, port: int, what: str) -> None:
+    """ValueError (one line) unless a TCP listener could bind ``host:port`` now (port 0: off, not checked).
+
+    Run before anything is spawned: a busy port must not let another server answer our readiness probe.
+    """
+    import socket
+
+    if not port:
+        return
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"{what}: {host!r} is not a usable address ({getattr(e, 'strerror', None) or e})") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and prometheus_client do
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            busy = " (is another server running? pick another port)" if e.errno == errno.EADDRINUSE else ""
+            raise ValueError(f"{what}: cannot listen on {host}:{port}: {e.strerror}{busy}") from None
+
+
+def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
+    """Checks that need no model and no child: listening addresses free and distinct, drafter dir."""
+    from services.drafter.worker import check_drafter_dir
+
+    listeners = [(args.host, args.port, "--port"), (args.metrics_host, args.verifier_metrics_port,
+                                                     "--verifier-metrics-port")]
+    if use_drafter:
+        listeners.append((args.metrics_host, args.drafter_metrics_port, "--drafter-metrics-port"))
+    ports = [p for _, p, _ in listeners if p]
+    if len(ports) != len(set(ports)):
+        raise ValueError(f"the gateway and metrics ports must differ (got {', '.join(map(str, ports))})")
+    for host, port, what in listeners:
+        check_listen(host, port, what)
+    if use_drafter and args.drafter:
+        check_drafter_dir(args.drafter)
+
+
 def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, VerifierWorkerConfig,
                                            DrafterWorkerConfig | None, Path | None]:
     """Resolve the configs of one ``serve``: shared endpoints in a private runtime dir, the target
-    converted once (here, not racing in two workers), the drafter or AR-only mode."""
+    converted once (here, not racing in two workers), the drafter or AR-only mode.
+
+    Raises:
+        ValueError, FileNotFoundError: a bad setting (one line), before anything is created or spawned.
+    """
     from services.models.registry import resolve_target
     from services.wire import ipc_endpoint, runtime_dir
 
     sup = config_from_args(SupervisorConfig, args)
+    use_drafter = bool(sup.drafter != "none" and (sup.drafter or _default_drafter_present()))
+    # every config is built once before the target is resolved and the runtime dir exists: a bad value
+    # fails here, in one line, with nothing to clean up
+    config_from_args(GatewayConfig, args)
+    config_from_args(VerifierWorkerConfig, args)
+    config_from_args(DrafterWorkerConfig, args)  # its tree knobs are checked even when no drafter runs
+    preflight(args, use_drafter)
     target = str(resolve_target(args.target))
-    rt = None
-    endpoints = {}
-    if not args.verifier_endpoint or (not args.drafter_endpoint and sup.drafter != "none"):
-        rt = runtime_dir(unique=True)
-    endpoints["verifier_endpoint"] = args.verifier_endpoint or ipc_endpoint("verifier", rt)
-    use_drafter = sup.drafter != "none" and (sup.drafter or _default_drafter_present())
     if not use_drafter and sup.drafter != "none":
         log.warning("no trained drafter found (pass --drafter DIR); serving with plain decoding (method 'ar')")
-    endpoints["drafter_endpoint"] = (args.drafter_endpoint or ipc_endpoint("drafter", rt)) if use_drafter else "none"
-    gateway = config_from_args(GatewayConfig, args, target=target, verifier_endpoint=endpoints["verifier_endpoint"],
-                               served_model_name=args.served_model_name or Path(args.target).name)
-    vover = {"target": target, **endpoints}
-    if not use_drafter:
-        vover["default_method"] = "ar"
-    verifier = config_from_args(VerifierWorkerConfig, args, **vover)
-    drafter = config_from_args(DrafterWorkerConfig, args, target=target, drafter=sup.drafter,
-                               drafter_endpoint=endpoints["drafter_endpoint"]) if use_drafter else None
+    rt = None
+    if not args.verifier_endpoint or (not args.drafter_endpoint and use_drafter):
+        rt = runtime_dir(unique=True)
+    try:
+        endpoints = {"verifier_endpoint": args.verifier_endpoint or ipc_endpoint("verifier", rt)}
+        endpoints["drafter_endpoint"] = ((args.drafter_endpoint or ipc_endpoint("drafter", rt)) if use_drafter
+                                         else "none")
+        gateway = config_from_args(GatewayConfig, args, target=target,
+                                   verifier_endpoint=endpoints["verifier_endpoint"],
+                                   served_model_name=args.served_model_name or Path(args.target).name)
+        vover = {"target": target, **endpoints}
+        if not use_drafter:
+            vover["default_method"] = "ar"
+        verifier = config_from_args(VerifierWorkerConfig, args, **vover)
+        drafter = config_from_args(DrafterWorkerConfig, args, target=target, drafter=sup.drafter,
+                                   drafter_endpoint=endpoints["drafter_endpoint"]) if use_drafter else None
+    except BaseException:
+        if rt is not None:
+            shutil.rmtree(rt, ignore_errors=True)
+        raise
     return sup, gateway, verifier, drafter, rt
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    """``dartree serve``: returns the process exit code."""
+    """``dartree serve``: returns the process exit code.
+
+    Raises:
+        ValueError, FileNotFoundError: a bad setting found before start (the CLI prints it in one line).
+    """
     from services.runtime import setup_logging
 
     setup_logging(args.log_level)
-    sup, gateway, verifier, drafter, rt = plan(args)
-    print("[dartree] configuration:", flush=True)
-    for cfg in (sup, gateway, verifier, drafter):
-        if cfg is not None:
-            shown = {k: ("***" if k == "api_key" and v else v) for k, v in dataclasses.asdict(cfg).items()}
-            print(f"  {type(cfg).__name__}: " + ", ".join(f"{k}={v!r}" for k, v in shown.items()), flush=True)
+    rt = None
     try:
-        return Supervisor(sup, gateway, verifier, drafter).run()
+        sup, gateway, verifier, drafter, rt = plan(args)
+        print("[dartree] configuration:", flush=True)
+        for cfg in (sup, gateway, verifier, drafter):
+            if cfg is not None:
+                shown = {k: ("***" if k == "api_key" and v else v) for k, v in dataclasses.asdict(cfg).items()}
+                print(f"  {type(cfg).__name__}: " + ", ".join(f"{k}={v!r}" for k, v in shown.items()), flush=True)
+        supervisor = Supervisor(sup, gateway, verifier, drafter)
+        code = supervisor.run()
+        if supervisor.failure:
+            print(f"dartree: error: {supervisor.failure}", file=sys.stderr, flush=True)
+        return code
     finally:
         if rt is not None:
             shutil.rmtree(rt, ignore_errors=True)
 
 
-if __name__ == "__main__":  # pragma: no cover - convenience: python -m services.serve
-    p = argparse.ArgumentParser(prog="dartree serve")
-    add_serve_args(p)
-    sys.exit(serve_main(p.parse_args()))
+if __name__ == "__main__":  # pragma: no cover - convenience: python -m services.serve == dartree serve
+    from services.cli import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

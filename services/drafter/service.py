@@ -16,10 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services.drafter.model import DFlashDrafter
+from services.protocol import HEAD_METHODS, METHODS  # noqa: F401 (re-exported)
 from services.tree import DraftTree, chain, chain_rollout, dartree, ddtree, domino_ddtree, seqheap
-
-METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree")
-HEAD_METHODS = frozenset({"domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree"})
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from services.protocol import (
     special_token_ids,
     tokenizer_hash,
 )
-from services.runtime import request_id_var
+from services.runtime import check_dtype, request_id_var
+from services.verifier.schedule import check_tree_knobs
 from services.wire import Decoded
 
 log = logging.getLogger("drafter")
@@ -70,6 +71,10 @@ class DrafterWorkerConfig:
     metrics_host: str = "127.0.0.1"
     max_tensor_bytes: int = 1 << 30
     log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        check_dtype(self.dtype)
+        check_tree_knobs(self.budget, self.width, self.depth_bonus, self.candidates, prefix="")
 
 
 class DrafterWorker:
@@ -167,6 +172,14 @@ class DrafterWorker:
 
 
 # ------------------------------------------------------------------------------------ process entry
+
+def check_drafter_dir(path: str | Path) -> Path:
+    """``path`` as a drafter checkpoint directory; FileNotFoundError (one line) without its config.json."""
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"drafter directory {str(path)!r} has no config.json")
+    return path
+
 
 def build_drafter_service(config: DrafterWorkerConfig):
     """Load the drafter checkpoint and the target's borrowed embedding / lm_head: ``(service, target_dir)``."""

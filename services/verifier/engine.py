@@ -23,7 +23,7 @@ from services.drafter.service import METHODS
 from services.protocol import LOGPROB_FLOOR, MAX_TOP_LOGPROBS
 from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
 from services.verifier.drafter_client import DrafterClient
-from services.verifier.schedule import MAX_BUDGET, MAX_WIDTH
+from services.verifier.schedule import check_tree_knobs
 
 
 @dataclass
@@ -74,14 +74,7 @@ class SpecParams:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"unknown speculative method {self.method!r} (choose from {', '.join(METHODS)})")
-        for name, lo, hi in (("budget", 1, MAX_BUDGET), ("width", 1, MAX_WIDTH), ("candidates", 1, 1024)):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-                raise ValueError(f"speculative.{name} must be an integer (got {v!r})")
-            if v is not None and not lo <= v <= hi:
-                raise ValueError(f"speculative.{name} must be in [{lo}, {hi}] (got {v})")
-        if self.depth_bonus is not None and (not isfinite(self.depth_bonus) or self.depth_bonus > 0):
-            raise ValueError(f"speculative.depth_bonus must be <= 0 (got {self.depth_bonus})")
+        check_tree_knobs(self.budget, self.width, self.depth_bonus, self.candidates)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from services.metrics import VerifierMetrics
 from services.protocol import (
+    METHODS,
     PROTOCOL_VERSION,
     Abort,
     Generate,
@@ -36,7 +37,7 @@ from services.protocol import (
     check_compatible,
     check_hello_version,
 )
-from services.runtime import request_id_var
+from services.runtime import check_dtype, request_id_var
 from services.verifier.remote_drafter import DrafterError, DrafterUnavailable
 from services.verifier.schedule import MAX_BUDGET, parse_tree_schedule
 from services.wire import Decoded
@@ -92,6 +93,9 @@ class VerifierWorkerConfig:
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_waiting < 0:
             raise ValueError("max_running must be >= 1 and max_waiting >= 0")
+        check_dtype(self.dtype)
+        if self.default_method not in METHODS:
+            raise ValueError(f"unknown default_method {self.default_method!r} (choose from {', '.join(METHODS)})")
         parse_tree_schedule(self.tree_schedule, MAX_BUDGET, self.max_running)  # ValueError: one line
 
 

@@ -263,7 +263,7 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(server):
 def test_start_server_passes_env_and_raises_with_the_log_when_the_server_dies_before_ready(tmp_path):
     """The launcher's error contract (no model is loaded: the server refuses its environment at start)."""
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"exited with code 1(.|\n)*DARTREE_MAX_RUNNING='lots'"):
+    with pytest.raises(RuntimeError, match=r"exited with code 2(.|\n)*DARTREE_MAX_RUNNING='lots'"):
         with start_server(log=tmp_path / "serve.log", target=tmp_path, drafter="none",
                           env={"DARTREE_MAX_RUNNING": "lots"}, ready_timeout=60):
             pytest.fail("the server must not become ready")

@@ -267,3 +267,51 @@ def test_internal_errors_are_500_without_traceback(bl_harness, stream):
         assert r.status_code == 500 and r.json()["error"]["type"] == "internal_error"
     assert "secret" not in r.text and "Traceback" not in r.text
     assert h.gateway.in_flight == 0
+
+
+def test_models_retrieve_and_unknown_model_404(bl_harness):
+    h = bl_harness
+    card = run(h.client.get("/v1/models/tiny")).json()
+    assert card == run(h.client.get("/v1/models")).json()["data"][0]
+    for unknown in ("gpt-4", "org/name"):
+        r = run(h.client.get(f"/v1/models/{unknown}"))
+        assert r.status_code == 404
+        assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"prompt": "\\ud800", "max_tokens": 1}', "invalid Unicode escape (lone surrogate"),
+    (b'{"prompt": "\\udc00x", "max_tokens": 1}', "invalid Unicode escape (lone surrogate"),
+    (b'{"prompt": "\xff", "max_tokens": 1}', "not valid UTF-8"),
+    (b'{"prompt": }', "not valid JSON: expected value at line 1 column 12"),
+])
+def test_undecodable_bodies_get_an_accurate_400(bl_harness, body, message):
+    r = run(bl_harness.client.post("/v1/completions", content=body, headers={"content-type": "application/json"}))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert message in r.json()["error"]["message"]
+
+
+def test_cut_in_flight_ends_streams_with_an_error_event_and_others_with_503(bl_harness):
+    """The drain timeout (Gateway.cut_in_flight): every open stream gets a server_shutdown error event
+    then [DONE]; a request still waiting for its JSON answer gets a 503; the engine requests are aborted."""
+    h = bl_harness
+    h.script = lambda gen: Script(list(range(10, 200)), round_sizes=[1], delay_s=0.05)
+
+    async def go():
+        tasks = [asyncio.ensure_future(h.complete(prompt="x", max_tokens=150, stream=True)),
+                 asyncio.ensure_future(h.complete(prompt="x", max_tokens=150)),
+                 asyncio.ensure_future(h.chat(messages=[{"role": "user", "content": "x"}], max_tokens=150,
+                                              stream=True))]
+        await asyncio.sleep(0.5)  # several rounds of each are out
+        h.gateway.begin_drain()
+        h.gateway.cut_in_flight()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+    body, plain, chat = run(go())
+    for r in (body, chat):
+        events = sse_events(r.text)
+        assert len(events) > 2
+        assert events[-1]["error"]["code"] == "server_shutdown" and events[-1]["error"]["type"] == "service_unavailable"
+        assert all("choices" in e for e in events[:-1])
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "server_shutdown"
+    assert h.gateway.in_flight == 0 and len(h.engine.aborts) == 3

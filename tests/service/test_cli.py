@@ -1,0 +1,57 @@
+"""The ``dartree`` command line: help texts, and ``dartree generate``'s output on the tiny models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from services.cli import build_parser
+from services.testing import REPO
+
+from .tiny import make_tiny_models
+
+ENV_KEYS = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _sub(name: str):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command", ["generate", "train-drafter"])
+def test_every_flag_has_a_help_text(command):
+    missing = [a.option_strings for a in _sub(command)._actions if a.option_strings and not a.help]
+    assert not missing
+
+
+def test_bench_device_help_names_no_internal_function():
+    pytest.importorskip("benchmarks.bench")
+    device = next(a for a in _sub("bench")._actions if a.dest == "device")
+    assert "build_inprocess" not in device.help and "cpu" in device.help
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_generate_ends_with_a_newline_and_names_the_drafter_once(tmp_path, as_json):
+    import os
+
+    target_dir, drafter_dir = make_tiny_models(tmp_path)
+    cmd = [sys.executable, "-m", "services.cli", "generate", "hi", "--max-tokens", "4", "--target", str(target_dir),
+           "--drafter", str(drafter_dir), *(["--json"] if as_json else [])]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **ENV_KEYS})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.endswith("\n")
+    if as_json:
+        assert json.loads(r.stdout)["drafter"] == str(drafter_dir)
+
+
+def test_generate_with_a_drafter_dir_without_config_is_a_one_line_error(tmp_path):
+    import os
+
+    r = subprocess.run([sys.executable, "-m", "services.cli", "generate", "hi", "--drafter", str(tmp_path)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, **ENV_KEYS})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"dartree: error: drafter directory {str(tmp_path)!r} has no config.json"
