@@ -9,6 +9,7 @@ never silently ignored (serving.md §2.1). Unknown fields that do not change the
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -200,6 +201,9 @@ def validation_error(exc: ValidationError) -> ApiError:
     return ApiError(400, f"invalid '{param}': {msg}", param, "invalid_value")
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def _json_problem(body, detail: str) -> str:
     """What is wrong with a body the JSON parser refused: bad UTF-8, a lone surrogate escape, or syntax."""
     if isinstance(body, (bytes, bytearray)):
@@ -207,11 +211,12 @@ def _json_problem(body, detail: str) -> str:
             text = bytes(body).decode("utf-8")
         except UnicodeDecodeError as e:
             return f"the request body is not valid UTF-8 (byte {e.start})"
-        try:
-            json.loads(text)  # Python's parser accepts lone surrogate escapes; pydantic's (rightly) does not
-            return "invalid Unicode escape (lone surrogate, e.g. \\ud800 without its pair) in the request body"
-        except ValueError:
-            pass
+        if _SURROGATE_ESCAPE.search(text):
+            try:  # Python's parser accepts lone surrogate escapes; pydantic's (rightly) does not
+                json.loads(text)
+                return "invalid Unicode escape (lone surrogate, e.g. \\ud800 without its pair) in the request body"
+            except (ValueError, RecursionError):  # another problem (syntax, nesting deeper than Python's stack)
+                pass
     return f"the request body is not valid JSON: {detail}" if detail else "the request body is not valid JSON"
 
 
