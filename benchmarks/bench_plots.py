@@ -72,19 +72,23 @@ def fig_round_breakdown(res: dict, out: Path) -> str | None:
 
 
 def _sweep_panel(ax, pts: list[dict], key: str, label: str) -> None:
-    ax2 = ax.twinx()
+    timed = any(p.get("speedup") for p in pts)  # --tau-replay sweeps have τ only: no empty speedup axis
+    ax2 = ax.twinx() if timed else None
     for i, m in enumerate(sorted({p["method"] for p in pts})):
         ps = sorted((p for p in pts if p["method"] == m), key=lambda p: p["knobs"][key])
         xs = [p["knobs"][key] for p in ps]
         c = f"C{i}"
         ax.plot(xs, [p.get("tau") or float("nan") for p in ps], "o-", color=c, label=f"{m} τ")
-        ax2.plot(xs, [p.get("speedup") or float("nan") for p in ps], "s--", color=c, label=f"{m} speedup")
+        if ax2 is not None:
+            ax2.plot(xs, [p.get("speedup") or float("nan") for p in ps], "s--", color=c, label=f"{m} speedup")
     ax.set_xlabel(label)
-    ax.set_ylabel("τ (solid)")
-    ax2.set_ylabel("speedup × (dashed)")
+    ax.set_ylabel("τ (solid)" if timed else "τ (replayed, no timing)")
     h1, l1 = ax.get_legend_handles_labels()
-    h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=7)
+    if ax2 is not None:
+        ax2.set_ylabel("speedup × (dashed)")
+        h2, l2 = ax2.get_legend_handles_labels()
+        h1, l1 = h1 + h2, l1 + l2
+    ax.legend(h1, l1, fontsize=7)
 
 
 def fig_sweeps(res: dict, out: Path, keys: tuple[tuple[str, str], ...], name: str, title: str) -> str | None:
