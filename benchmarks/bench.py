@@ -173,13 +173,17 @@ def versions() -> dict:
 
 
 def _fingerprint(path: str | Path | None) -> str:
-    """Names, sizes and mtimes of a model directory's files (cache invalidation when weights change)."""
+    """Names, sizes and mtimes of a model directory's files (cache invalidation when weights change).
+
+    Documentation (``*.md``) is left out: editing a model card must not invalidate measured cells.
+    """
     if path is None:
         return "none"
     p = Path(path)
     if not p.is_dir():
         return str(p)
-    return ";".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in sorted(p.iterdir()) if f.is_file())
+    return ";".join(f"{f.name}:{f.stat().st_size}:{int(f.stat().st_mtime)}" for f in sorted(p.iterdir())
+                    if f.is_file() and f.suffix != ".md")
 
 
 def resolve_config(a) -> dict:
