@@ -388,6 +388,23 @@ class Server:
                 continue
         raise LookupError(f"no child {comm}:\n{self.log_tail()}")
 
+    def wait_replaced(self, comm: str, old_pid: int, timeout: float = 30.0):
+        """Wait until the supervisor has started a new ``comm`` worker in place of ``old_pid``; returns it.
+
+        Raises:
+            TimeoutError: no new worker within ``timeout`` seconds (log tail attached).
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                child = self.child(comm)
+                if child.pid != old_pid:
+                    return child
+            except LookupError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{comm} (pid {old_pid}) was not replaced within {timeout:.0f} s:\n{self.log_tail()}")
+
     def wait_ready(self, timeout: float = 180.0, want: bool = True) -> float:
         """Poll ``/health/ready`` until it is 200 (``want``) or not; seconds waited.
 

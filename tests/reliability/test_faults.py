@@ -228,13 +228,7 @@ def test_kill_9_during_a_non_streaming_request_is_a_503(hang_server, victim):
     r = box["r"]
     assert r.status_code == 503, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    for _ in range(300):
-        try:
-            if hang_server.child(victim).pid != old.pid:
-                break
-        except LookupError:
-            pass
-        time.sleep(0.1)
+    hang_server.wait_replaced(victim, old.pid)
     hang_server.wait_ready(timeout=120)
     ok = httpx.post(hang_server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 8}, timeout=60)
     assert ok.status_code == 200

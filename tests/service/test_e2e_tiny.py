@@ -231,14 +231,7 @@ def test_kill_9_of_a_worker_mid_stream_gives_a_clean_error_and_recovers(server, 
                     break
             tail = [line for line in lines if line.startswith("data: ")]
     assert tail[-1] == "data: [DONE]" and "error" in json.loads(tail[-2][6:]), tail[-3:]
-    for _ in range(300):  # the supervisor notices the death and starts a new one
-        try:
-            if server.child(victim).pid != old.pid:
-                break
-        except LookupError:
-            pass
-        time.sleep(0.1)
-    assert server.child(victim).pid != old.pid
+    server.wait_replaced(victim, old.pid)  # the supervisor notices the death and starts a new one
     server.wait_ready(timeout=180)
     ok = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 8}, timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
