@@ -272,9 +272,9 @@ class StartupError(RuntimeError):
 class Supervisor:
     """Owns the child processes: start, readiness, restart on death, ordered drain.
 
-    A worker that dies before the server was ever ready stops the whole server with that worker's
-    error line (:class:`StartupError`): start-up failures are configuration problems that a restart
-    repeats. After readiness a dead worker is restarted (``max_restarts`` within ``restart_window_s``).
+    A worker that exits with an error before the server was ever ready stops the whole server with
+    that worker's error line (:class:`StartupError`): start-up failures are configuration problems
+    that a restart repeats (a worker killed by a signal is restarted instead). After readiness a dead worker is restarted (``max_restarts`` within ``restart_window_s``).
     """
 
     def __init__(self, sup: SupervisorConfig, gateway: GatewayConfig, verifier: VerifierWorkerConfig,
@@ -371,7 +371,10 @@ class Supervisor:
             if proc is None or proc.is_alive() or self._stopping:
                 continue
             why = self._last_error(child)
-            if not self.announced:
+            # exited by itself before the server was ever ready: a configuration problem, no restarts.
+            # Killed by a signal (exitcode < 0) is not: the readiness poll runs every 0.5 s, so a worker
+            # killed just after clients saw /health/ready can still look "not started" here.
+            if not self.announced and (proc.exitcode or 0) > 0:
                 raise StartupError(f"the {child.name} failed to start: {why}")
             now = time.monotonic()
             while child.restarts and now - child.restarts[0] > self.sup.restart_window_s:
