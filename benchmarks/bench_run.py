@@ -365,13 +365,10 @@ def replay_turn(engine, tok, prompt_ids: list[int], ref: list[int], finish: str 
     try:
         while i + 1 < len(seq):
             start = p0 + i
-            room = engine.max_context - start - 1
-            if engine.drafter_max_position:
-                room = min(room, engine.drafter_max_position - start - 1)
+            depth = engine.draft_depth(start)
             tree, dt = DraftTree.empty(), {}
-            if room > 0:
-                tree, dt = engine.drafter.draft(request_id, ctx_ids, ctx_feats, seq[i], start, spec,
-                                                max_depth=min(room, engine.max_draft_depth))
+            if depth > 0:
+                tree, dt = engine.drafter.draft(request_id, ctx_ids, ctx_feats, seq[i], start, spec, max_depth=depth)
             path = _walk_reference(tree, seq, i)
             a = len(path)
             emitted = min(a + 1, len(seq) - (i + 1))

@@ -265,16 +265,23 @@ class SpecEngine:
         return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True,
                            logprobs=self._logprobs(req, logits[None], torch.zeros(1, dtype=torch.long), ids))
 
+    def draft_depth(self, start: int) -> int:
+        """Deepest draft allowed for a root at position ``start``: the positions left after the root
+        in the target's context and below the drafter's position limit, capped at ``max_draft_depth``
+        (<= 0: a plain round)."""
+        room = self.max_context - start - 1
+        if self.drafter_max_position:
+            room = min(room, self.drafter_max_position - start - 1)
+        return min(room, self.max_draft_depth)
+
     def _round(self, request_id: str, req: _Request, tree_knobs: tuple[int, int] | None) -> RoundOutput:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
-        room = self.max_context - req.start - 1  # positions left after the root
-        if self.drafter_max_position:
-            room = min(room, self.drafter_max_position - req.start - 1)  # else: a plain round
+        depth = self.draft_depth(req.start)
         tree = DraftTree.empty()
-        if req.spec.method != "ar" and room > 0:
+        if req.spec.method != "ar" and depth > 0:
             tree, dt = self.drafter.draft(request_id, req.ctx_ids, req.ctx_feats, req.root, req.start,
-                                          _fill_knobs(req.spec, tree_knobs), max_depth=min(room, self.max_draft_depth))
+                                          _fill_knobs(req.spec, tree_knobs), max_depth=depth)
             timings.update(dt)
         t1 = time.perf_counter()
         buffers = derive_buffers(tree, req.root)
