@@ -113,6 +113,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--target", default=None, help="target: default SmolLM2-135M-Instruct, or a local HF dir")
     m.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
     m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--no-packed-gemm", dest="packed_gemm", action="store_false",
+                   help="do not pre-pack float32 CPU weights for the rounds' row counts (services/cpu_gemm.py); "
+                        "the packs serve every method and the HF peers alike")
     m.add_argument("--device", default="cpu", help="cpu (the in-process engine of bench runs on CPU only for now)")
     m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     m.add_argument("--warmup-tokens", type=int, default=16, help="untimed warmup generation per method (0 = none)")
@@ -202,7 +205,8 @@ def resolve_config(a) -> dict:
             "temperatures": [float(t) for t in a.temperatures],
             "max_new_tokens": a.max_new_tokens or (FULL_TOKENS if a.full else QUICK_TOKENS),
             "seed": a.seed, "target": a.target or "smollm2-135m-instruct", "drafter": a.drafter, "dtype": a.dtype,
-            "device": a.device, "full": bool(a.full), "max_turns": int(getattr(a, "max_turns", 0) or 0)}
+            "device": a.device, "full": bool(a.full), "max_turns": int(getattr(a, "max_turns", 0) or 0),
+            "packed_gemm": bool(getattr(a, "packed_gemm", True))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,7 +244,8 @@ class Bench:
         self.sig = hashlib.sha1(json.dumps(
             [_fingerprint(self.target_dir), _fingerprint(ddir) if (ddir / "config.json").exists() else "random",
              cfg["dtype"], cfg["device"], cfg["max_new_tokens"], cfg["seed"]]
-            + ([cfg["max_turns"]] if cfg.get("max_turns") else [])).encode()).hexdigest()[:8]
+            + ([cfg["max_turns"]] if cfg.get("max_turns") else [])
+            + ([] if cfg.get("packed_gemm", True) else ["unpacked"])).encode()).hexdigest()[:8]
 
     # -- models ---------------------------------------------------------------------------------
     def ensure_engine(self) -> None:
@@ -256,7 +261,8 @@ class Bench:
                 raise RuntimeError("--device other than cpu needs services.generate.build_inprocess(device=...)")
             kw["device"] = self.cfg["device"]
         self.engine, self.tok, self.note = build_inprocess(self.a.target, self.a.drafter,
-                                                           getattr(torch, self.cfg["dtype"]), **kw)
+                                                           getattr(torch, self.cfg["dtype"]),
+                                                           packed_gemm=self.cfg.get("packed_gemm", True), **kw)
         svc = getattr(self.engine.drafter, "service", None)
         d = getattr(svc, "defaults", None)
         self.defaults = {k: getattr(d, k) for k in ("budget", "width", "depth_bonus", "candidates")} if d else {}
@@ -317,6 +323,8 @@ class Bench:
                              self.tok.pad_token_id)
         if self.replays(method, temperature):
             return replay_runner(self.engine, self.tok, method, knobs, self.reference)
+        if self.cfg.get("packed_gemm", True) and knobs.get("budget") and method not in ("ar", "dflash", "domino"):
+            self.engine.target.pack_gemm([int(knobs["budget"]) + 1])  # this cell's verify rows (once per B)
         inner = engine_runner(self.engine, self.tok, method, knobs, temperature)
         if method != "ar" or temperature != 0:
             return inner

@@ -219,6 +219,9 @@ def render_markdown(res: dict) -> str:
               f"- Tree knobs: {knob_text(cfg['knobs'])}",
               f"- Machine: {res['machine'].get('platform')}, {res['machine'].get('cpu_count')} CPUs, "
               f"device {res['machine'].get('device')}, torch threads {res['machine'].get('torch_threads')}",
+              "- Kernels: " + ("float32 weights pre-packed for the verify / draft row counts (services/cpu_gemm.py; "
+                               "every method and the HF peers share them)" if cfg.get("packed_gemm", True)
+                               else "plain F.linear (--no-packed-gemm)"),
               f"- Versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items()), ""]
     for name, why in res.get("unavailable", {}).items():
         lines.append(f"- **{DATASET_LABELS.get(name, name)} not run**: {why}")

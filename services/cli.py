@@ -32,6 +32,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--target", default=None, help="target: default SmolLM2-135M-Instruct, or a local HF dir")
     p.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="model precision (default: float32)")
+    p.add_argument("--no-packed-gemm", dest="packed_gemm", action="store_false",
+                   help="do not pre-pack float32 CPU weights for the round's row counts (services/cpu_gemm.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_generate)
 

@@ -11,8 +11,12 @@ from pathlib import Path
 import torch
 
 
-def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torch.dtype, defaults=None):
+def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torch.dtype, defaults=None,
+                    packed_gemm: bool = True):
     """Load target + drafter in one process: ``(engine, tokenizer, drafter_note)``.
+
+    ``packed_gemm``: pre-pack float32 CPU weights for the default tree's verify rows (B + 1) and the
+    drafter's block (:mod:`services.cpu_gemm`).
 
     The drafter borrows the target's embedding and lm_head modules. Without a trained drafter a
     randomly initialised one is used (tau ~ 1) and ``drafter_note`` says so.
@@ -47,8 +51,11 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
             target_layer_ids=default_target_layer_ids(tcfg["num_hidden_layers"]))).to(dtype).eval()
         note = "drafter: RANDOMLY INITIALISED (no trained drafter found): expect tau ~ 1, no speedup"
     target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype)
-    service = DrafterService(drafter, target.embed_tokens(), target.lm_head(), defaults or default_tree_knobs("cpu"),
-                             description=note)
+    defaults = defaults or default_tree_knobs("cpu")
+    if packed_gemm:
+        target.pack_gemm([defaults.budget + 1])
+    service = DrafterService(drafter, target.embed_tokens(), target.lm_head(), defaults, description=note,
+                             packed_gemm=packed_gemm)
     engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=drafter.config.num_draft_slots)
     return engine, tok, note
 
@@ -70,7 +77,10 @@ def run_generate(a) -> int:
     spec = SpecParams(a.method, a.budget, a.width, a.depth_bonus, a.candidates)
     if not a.prompt.strip() and not a.chat:
         raise ValueError("the prompt is empty")
-    engine, tok, note = build_inprocess(a.target, a.drafter, getattr(torch, a.dtype))
+    packed = getattr(a, "packed_gemm", True)
+    engine, tok, note = build_inprocess(a.target, a.drafter, getattr(torch, a.dtype), packed_gemm=packed)
+    if packed and a.budget and a.method not in ("ar", "dflash", "domino"):
+        engine.target.pack_gemm([a.budget + 1])  # this run's verify rows
     if not a.json:
         print(f"[dartree] {note}", file=sys.stderr)
     ids = encode(tok, a.prompt, a.chat)

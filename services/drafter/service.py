@@ -73,11 +73,19 @@ class DrafterService:
         drafter: DFlash drafter (with or without a Domino head), eval mode.
         embed: the target's ``embed_tokens``; lm_head: the target's output projection.
         defaults: server defaults of the tree knobs.
+        packed_gemm: on a float32 CPU drafter, pre-pack the drafter's linears for its block rows and
+            the lm_head for its draft rows (:mod:`services.cpu_gemm`; numerics unchanged).
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
-                 defaults: TreeDefaults = TreeDefaults(), description: str = ""):
+                 defaults: TreeDefaults = TreeDefaults(), description: str = "", packed_gemm: bool = True):
         self.drafter, self.embed, self.lm_head = drafter.eval(), embed, lm_head
+        if packed_gemm:
+            from services.cpu_gemm import pack_linears
+
+            cfg = drafter.config
+            pack_linears(drafter, [cfg.block_size])
+            pack_linears(lm_head, [cfg.num_draft_slots])
         self.cfg = drafter.config
         self.defaults = defaults
         self.description = description

@@ -60,6 +60,16 @@ class TargetModel:
         ids = target_layer_ids or default_target_layer_ids(model.config.num_hidden_layers)
         return cls(model, ids)
 
+    def pack_gemm(self, rows) -> int:
+        """Pre-pack the target's float32 CPU linears for verifies of ``rows`` rows (``[B + 1]`` for a
+        B-node tree; :mod:`services.cpu_gemm`). Returns bytes added; 0 on other devices/dtypes or
+        without MKL. Numerics are unchanged (the same sgemm kernel, without per-call packing)."""
+        from services.cpu_gemm import pack_linears
+
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return 0
+        return pack_linears(self.model, [r for r in rows if r >= 2])
+
     def _hook(self, i: int):
         def fn(_module, _inp, out):
             self._taps[i] = out[0] if isinstance(out, tuple) else out

@@ -66,6 +66,8 @@ class VerifierWorkerConfig:
             drafter at start; health_interval_s: idle drafter ping period.
         drain_timeout_s: on SIGTERM, how long running requests may finish.
         cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC pool for features (CUDA devices only).
+        packed_gemm: on a float32 CPU, pre-pack the target's GEMM weights for a verify of the
+            drafter's default tree (B + 1 rows; ``services/cpu_gemm.py``: same numerics, +~0.5 GB RAM).
         verifier_metrics_port, metrics_host: Prometheus endpoint (port 0 = off).
     """
 
@@ -86,6 +88,7 @@ class VerifierWorkerConfig:
     cuda_ipc: bool = True
     ipc_slots: int = 16
     ipc_slot_bytes: int = 8 << 20
+    packed_gemm: bool = True
     verifier_metrics_port: int = 8001
     metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
@@ -420,6 +423,9 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
                                          device=config.device)
     if drafter is not None and drafter.feature_dim and drafter.feature_dim != target.feature_dim:
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
+    budget = drafter.default_spec.budget if drafter is not None and drafter.default_spec is not None else None
+    if config.packed_gemm and budget:
+        target.pack_gemm([budget + 1])
     engine = SpecEngine(target, drafter_client, EngineConfig(max_context=config.max_context or None),
                         max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
                         drafter_max_position=(drafter.max_position or None) if drafter else None)

@@ -1,0 +1,145 @@
+"""Pre-packed float32 GEMM weights for the fixed row counts of speculative rounds on CPU.
+
+Why: a tree verify multiplies every weight by ``N + 1`` rows (17 at the CPU default B = 16) and the
+drafter's block by 16 rows. For such small row counts MKL's ``sgemm`` re-packs the whole weight on
+every call, which on the 2-core CI machine makes a 17-row linear cost ~2.4x a 1-row one although the
+arithmetic is hardly the bottleneck. MKL can pack a weight once for a given row count
+(``cblas_sgemm_pack``, exposed by torch as ``torch.ops.mkl._mkl_reorder_linear_weight`` /
+``_mkl_linear``, the kernels torch.compile's CPU freezing pass uses). Measured with
+``python -m benchmarks.bench_verify --packed`` style probes (1 thread, SmolLM2-135M): a 17-row
+verify 116 -> 99 ms, the drafter's 16-row block and lm_head 31 -> ~22 ms; results are bitwise equal
+to ``F.linear`` for the packed row count.
+
+How: :func:`pack_linears` turns the ``nn.Linear`` modules of a model *in place* into
+:class:`PackedLinear` (a subclass: same parameters, same state-dict keys, tied weights stay tied,
+every reference to the module sees the packs). A call whose row count ``M`` fits a packed size
+``R`` (``R/2 < M <= R``) zero-pads to ``R`` rows and uses the packed weight; any other call, any
+non-float32/non-CPU input, and any call that needs autograd runs plain ``F.linear``. A weight that
+is modified in place after packing (``load_state_dict``, an optimiser step) drops its packs.
+
+Everything here is a no-op where the MKL ops are missing (non-MKL builds, other CPUs); only this
+module touches those private torch ops.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PackedLinear", "pack_linears", "packing_available", "packed_bytes"]
+
+
+def packing_available() -> bool:
+    """True when this torch build has MKL's packed-sgemm ops (x86 CPU builds with MKL)."""
+    try:
+        return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight") \
+            and hasattr(torch.ops.mkl, "_mkl_linear")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` with MKL-packed copies of its weight for some row counts (see the module doc).
+
+    Not constructed directly: :func:`pack_linears` converts existing modules. ``forward`` has the
+    ``nn.Linear`` contract: ``[..., in_features] -> [..., out_features]``.
+    """
+
+    _packs: dict[int, Tensor]
+    _packed_version: int
+
+    def add_rows(self, rows: Iterable[int]) -> int:
+        """Pack the weight for each row count in ``rows`` not packed yet; returns bytes added.
+
+        Raises:
+            ValueError: a row count < 2 (one row runs MKL's GEMV, which packing does not help).
+        """
+        added = 0
+        w = self.weight.detach()
+        if self._packs and self._packed_version != self.weight._version:
+            self._packs.clear()
+        for r in sorted(set(int(r) for r in rows)):
+            if r < 2:
+                raise ValueError(f"packed row counts must be >= 2, got {r}")
+            if r not in self._packs:
+                p = torch.ops.mkl._mkl_reorder_linear_weight(w, r)
+                self._packs[r] = p
+                added += p.numel() * p.element_size()
+        self._packed_version = self.weight._version
+        return added
+
+    def _rows_for(self, m: int) -> int | None:
+        for r in sorted(self._packs):
+            if m <= r:
+                return r if 2 * m > r else None
+        return None
+
+    def forward(self, x: Tensor) -> Tensor:
+        packs = self._packs
+        if packs and x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32 \
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            if self._packed_version != self.weight._version:  # weight changed in place: packs are stale
+                packs.clear()
+            else:
+                k = x.shape[-1]
+                m = x.numel() // k if k else 0
+                r = self._rows_for(m) if m > 1 else None
+                if r is not None:
+                    x2 = x.reshape(m, k)
+                    if r > m:
+                        x2 = torch.cat([x2, x2.new_zeros(r - m, k)])
+                    elif not x2.is_contiguous():
+                        x2 = x2.contiguous()
+                    y = torch.ops.mkl._mkl_linear(x2, packs[r], self.weight, self.bias, r)
+                    return y[:m].reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_linears(module: nn.Module, rows: Iterable[int]) -> int:
+    """Convert every float32 CPU ``nn.Linear`` under ``module`` (itself included) to
+    :class:`PackedLinear` packed for ``rows``; modules met twice (shared) are packed once.
+
+    Args:
+        module: a model (its linears are changed in place; parameters and keys are untouched).
+        rows: row counts (``>= 2``) to pack for, e.g. ``[budget + 1]`` for a tree verify.
+    Returns:
+        Bytes of packed weights added (0 when MKL packing is unavailable or nothing qualified).
+    Raises:
+        ValueError: a row count < 2.
+    """
+    rows = [int(r) for r in rows]
+    if any(r < 2 for r in rows):
+        raise ValueError(f"packed row counts must be >= 2, got {rows}")
+    if not rows or not packing_available():
+        return 0
+    added, seen = 0, set()
+    for m in module.modules():
+        if not isinstance(m, nn.Linear) or id(m) in seen:
+            continue
+        seen.add(id(m))
+        if m.weight.device.type != "cpu" or m.weight.dtype != torch.float32:
+            continue
+        if type(m) is nn.Linear:
+            m.__class__ = PackedLinear
+            m._packs, m._packed_version = {}, m.weight._version
+        if isinstance(m, PackedLinear):
+            added += m.add_rows(rows)
+    if added:
+        log.info("packed float32 GEMM weights for %s rows: %.0f MB", sorted(set(rows)), added / 2**20)
+    return added
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes held by packed weights under ``module`` (each shared linear counted once)."""
+    seen, total = set(), 0
+    for m in module.modules():
+        if isinstance(m, PackedLinear) and id(m) not in seen:
+            seen.add(id(m))
+            total += sum(p.numel() * p.element_size() for p in m._packs.values())
+    return total

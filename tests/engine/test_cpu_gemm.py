@@ -1,0 +1,135 @@
+"""Pre-packed float32 GEMMs (services/cpu_gemm.py): same results as ``F.linear``, used exactly for the
+row counts they were packed for (padded from above half of it), never under autograd, dropped when the
+weight changes, transparent to state dicts and tied weights; and the engine stays lossless with them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services import cpu_gemm
+from services.cpu_gemm import PackedLinear, pack_linears, packed_bytes, packing_available
+from services.drafter.service import METHODS, TreeDefaults
+from services.testing import greedy_reference, tiny_service, tiny_target
+from services.verifier.drafter_client import InprocDrafterClient
+from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+
+needs_mkl = pytest.mark.skipif(not packing_available(), reason="this torch build has no MKL packed sgemm")
+
+
+def _linear(k=24, n=40, bias=True, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    return lin
+
+
+def _poison(lin: PackedLinear, r: int) -> None:
+    """Replace the pack for ``r`` rows by a pack of a zero weight: calls that use it return the bias."""
+    lin._packs[r] = torch.ops.mkl._mkl_reorder_linear_weight(torch.zeros_like(lin.weight.detach()), r)
+
+
+@needs_mkl
+@pytest.mark.parametrize("m", [2, 9, 12, 17])
+def test_packed_equals_f_linear(m):
+    lin = _linear()
+    ref = _linear()
+    assert pack_linears(lin, [17]) > 0 and isinstance(lin, PackedLinear)
+    x = torch.randn(1, m, 24)
+    with torch.inference_mode():
+        y = lin(x)
+    assert y.shape == (1, m, 40)
+    torch.testing.assert_close(y, F.linear(x, ref.weight, ref.bias), rtol=1e-6, atol=1e-6)
+
+
+@needs_mkl
+def test_pack_is_used_only_for_rows_it_fits():
+    lin = _linear()
+    pack_linears(lin, [17])
+    _poison(lin, 17)
+    bias_only = lin.bias.detach().expand(1, 40)
+    with torch.inference_mode():
+        for m in (9, 10, 16, 17):  # R/2 < m <= R: padded to R rows, the (poisoned) pack is used
+            y = lin(torch.randn(m, 24))
+            torch.testing.assert_close(y, bias_only.expand(m, 40))
+        for m in (1, 2, 8, 18, 40):  # outside: plain F.linear with the real weight
+            x = torch.randn(m, 24)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+@needs_mkl
+def test_autograd_calls_use_the_plain_weight():
+    lin = _linear()
+    pack_linears(lin, [8])
+    _poison(lin, 8)
+    x = torch.randn(8, 24, requires_grad=True)
+    y = lin(x)  # grad enabled and x needs grad: never the pack
+    torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias))
+    y.sum().backward()
+    assert lin.weight.grad is not None and x.grad is not None
+
+
+@needs_mkl
+def test_in_place_weight_change_drops_stale_packs():
+    lin = _linear()
+    pack_linears(lin, [8])
+    with torch.no_grad():
+        lin.weight.mul_(2.0)
+    x = torch.randn(8, 24)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert not lin._packs
+    lin.load_state_dict(_linear(seed=5).state_dict())  # copy_ into the parameter: also in place
+    lin.add_rows([8])
+    with torch.no_grad():
+        lin.weight.add_(1.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+@needs_mkl
+def test_state_dict_tied_weights_and_other_dtypes_untouched():
+    emb = nn.Embedding(40, 24)
+    model = nn.ModuleDict({"emb": emb, "head": nn.Linear(24, 40, bias=False), "lowp": nn.Linear(24, 8).bfloat16()})
+    model["head"].weight = emb.weight  # tied, like SmolLM2's lm_head
+    keys = list(model.state_dict())
+    added = pack_linears(model, [4, 16])
+    assert added == packed_bytes(model) > 0
+    assert model["head"].weight is emb.weight and list(model.state_dict()) == keys
+    assert type(model["lowp"]) is nn.Linear  # bf16: not packed
+    assert sorted(model["head"]._packs) == [4, 16]
+    assert pack_linears(model, [16]) == 0  # already packed: nothing added
+
+
+def test_row_counts_below_two_are_rejected():
+    with pytest.raises(ValueError, match=">= 2"):
+        pack_linears(_linear(), [1])
+
+
+def test_no_mkl_means_no_change(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "packing_available", lambda: False)
+    lin = _linear()
+    assert pack_linears(lin, [17]) == 0 and type(lin) is nn.Linear
+
+
+@needs_mkl
+@pytest.mark.parametrize("method", METHODS)
+def test_engine_with_packed_target_and_drafter_equals_greedy(method):
+    """Every method stays lossless with the target packed for a B + 1 = 9 row verify and the drafter
+    service packed for its block (trees of 5..9 rows use the pack, larger ones the plain path)."""
+    target = tiny_target("llama")
+    assert target.pack_gemm([9]) > 0
+    service = tiny_service(target, defaults=TreeDefaults(budget=8, width=4, candidates=8))
+    assert any(isinstance(m, PackedLinear) and m._packs for m in service.drafter.modules())
+    engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=service.cfg.num_draft_slots)
+    rng = random.Random(7)
+    V = target.vocab_size
+    for k in range(2):
+        prompt = [rng.randrange(3, V - 1) for _ in range(6 + 3 * k)]
+        ref = greedy_reference(target.model, prompt, 24)
+        outs = list(engine.generate(f"r{k}", prompt, SamplingParams(max_tokens=24, ignore_eos=True),
+                                    SpecParams(method)))
+        assert [t for o in outs for t in o.token_ids] == ref
