@@ -76,6 +76,24 @@ def _slot_logits(scorer: TreeScorer, slot: int, states: Tensor, cand_ids: Tensor
     return scorer.score(slot, states, cand_ids[slot], cand_vals[slot]).float()
 
 
+# A node's log q is <= 0 up to float32 rounding of the log-sum-exp; the early stop keeps this margin.
+_EARLY_STOP_MARGIN = 1e-4
+
+
+def _prune_settled(scs: list[Tensor], deps: list[Tensor], B: int, beta: float, depth: int) -> bool:
+    """True when no node deeper than ``depth`` can enter the final top-B (so building can stop).
+
+    A deeper node's adjusted score is at most ``max(frontier path) + beta * (depth + 1)`` (log q <= 0,
+    beta <= 0); if the B-th best adjusted score so far is above that bound (by a rounding margin), the
+    top-B is already decided, and since deeper nodes would get larger indices they lose ties too. The
+    tree is then identical to the one the full build and prune give.
+    """
+    adjusted = torch.cat(scs).float() + beta * torch.cat(deps).float()
+    kth = torch.topk(adjusted, B).values[-1]
+    bound = scs[-1].float().max() + beta * (depth + 1)
+    return bool(kth > bound + _EARLY_STOP_MARGIN)
+
+
 def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 64, W: int = 12, B: int = 64,
             beta: float = -0.2, variant: str = "pruned", pure_draft_prefix_len: int = 1,
             max_depth: int | None = None) -> DraftTree:
@@ -84,7 +102,8 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
     Per depth ``d`` (slot ``d - 1``): score every frontier node's K candidates in one scorer call,
     ``log q`` = log-softmax over the K candidates, path = parent score + log q, keep the global
     top-quota children (several per parent allowed), advance their states in one call. ``pruned``
-    uses quota W at every depth, then keeps the global top-B by ``path + beta * depth``;
+    uses quota W at every depth, then keeps the global top-B by ``path + beta * depth`` (it stops
+    descending once no deeper node can enter the top-B, :func:`_prune_settled`: same tree, fewer calls);
     ``fixed`` uses quota ``ceil(remaining / remaining depths)`` and no prune.
 
     Args:
@@ -126,6 +145,8 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
         scs.append(frontier_scores)
         frontier_nodes = torch.arange(created, created + order.numel())
         created += order.numel()
+        if variant == "pruned" and created >= B and depth < depth_max and _prune_settled(scs, deps, B, beta, depth):
+            break
     if not toks:
         return DraftTree.empty()
     tree = DraftTree(torch.cat(toks).long().cpu(), torch.cat(pars).long(), torch.cat(deps), torch.cat(scs).float())

@@ -219,3 +219,30 @@ def test_top_b_not_prefix_closed_for_positive_beta_on_a_supertree() -> None:
         select_nodes(full, keep)
     with pytest.raises(ValueError):
         seqheap(base, scorer, 0, K=3, B=5, beta=5.0)
+
+
+class _CountingScorer(TableScorer):
+    def __init__(self, table: torch.Tensor):
+        super().__init__(table)
+        self.slots: list[int] = []
+
+    def score(self, slot, parent_states, cand_ids, cand_vals):
+        self.slots.append(slot)
+        return super().score(slot, parent_states, cand_ids, cand_vals)
+
+
+@pytest.mark.parametrize("beta", [-0.2, -1.0, 0.0])
+def test_pruned_early_stop_is_exact_and_saves_depths(beta: float) -> None:
+    """Once no deeper node can enter the top-B the builder stops descending; the tree equals the
+    reference (full supertree, then prune) for every seed, and some seeds really stop early."""
+    K, W, B, D, V = 6, 3, 5, 8, 12
+    stopped = 0
+    for seed in range(40):
+        # scale 6: peaked distributions (deep chains); scale 0.5: flat (the top-B settles early)
+        base, table = _inputs(seed, depth=D, vocab=V, scale=6.0 if seed % 2 else 0.5)
+        scorer = _CountingScorer(table.table)
+        kw = dict(K=K, W=W, B=B, beta=beta, variant="pruned", pure_draft_prefix_len=1)
+        got = dartree(base, scorer, 1, **kw)
+        _assert_same_tree(got, dartree_reference(base, TableScorer(table.table), 1, **kw))
+        stopped += max(scorer.slots, default=0) < D - 1
+    assert stopped >= 5
