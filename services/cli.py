@@ -24,7 +24,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
     p.add_argument("--budget", type=int, default=None, help="tree budget B: nodes per draft tree "
-                   "(default: the drafter's, 16 on CPU)")
+                   "(default: the drafter's, 8 on CPU, 64 on CUDA)")
     p.add_argument("--width", type=int, default=None, help="tree width W: children kept per node (default: 12)")
     p.add_argument("--depth-bonus", type=float, default=None, help="depth bonus beta <= 0 of the pruned "
                    "DARTree score (default: -0.2)")

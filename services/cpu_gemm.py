@@ -1,14 +1,15 @@
 """Pre-packed float32 GEMM weights for the fixed row counts of speculative rounds on CPU.
 
-Why: a tree verify multiplies every weight by ``N + 1`` rows (17 at the CPU default B = 16) and the
+Why: a tree verify multiplies every weight by ``N + 1`` rows (9 at the CPU default B = 8) and the
 drafter's block by 16 rows. For such small row counts MKL's ``sgemm`` re-packs the whole weight on
 every call, which on the 2-core CI machine makes a 17-row linear cost ~2.4x a 1-row one although the
 arithmetic is hardly the bottleneck. MKL can pack a weight once for a given row count
 (``cblas_sgemm_pack``, exposed by torch as ``torch.ops.mkl._mkl_reorder_linear_weight`` /
-``_mkl_linear``, the kernels torch.compile's CPU freezing pass uses). Measured with
-``python -m benchmarks.bench_verify --packed`` style probes (1 thread, SmolLM2-135M): a 17-row
-verify 116 -> 99 ms, the drafter's 16-row block and lm_head 31 -> ~22 ms; results are bitwise equal
-to ``F.linear`` for the packed row count.
+``_mkl_linear``, the kernels torch.compile's CPU freezing pass uses). Measured on SmolLM2-135M
+(2026-11-30): ``python -m benchmarks.bench_verify`` (2 threads) 16-node verify 72.0 -> 63.0 ms,
+64-node 132 -> 114 ms; in the engine at 1 thread (B = 16) verify 116 -> 100 ms and the drafter's
+block + lm_head 31 -> 24 ms per round. The packed kernel gave results bitwise equal to ``F.linear``
+for the packed row count in our probes; tests check agreement to float32 rounding.
 
 How: :func:`pack_linears` turns the ``nn.Linear`` modules of a model *in place* into
 :class:`PackedLinear` (a subclass: same parameters, same state-dict keys, tied weights stay tied,
