@@ -266,6 +266,10 @@ class Bench:
         svc = getattr(self.engine.drafter, "service", None)
         d = getattr(svc, "defaults", None)
         self.defaults = {k: getattr(d, k) for k in ("budget", "width", "depth_bonus", "candidates")} if d else {}
+        if self.cfg.get("packed_gemm", True):
+            # Before any cell, so every cell sees the same packs whatever the order: the main tree's
+            # verify (B + 1 rows) and the chain methods' (dflash / domino: one row per draft slot, + 1).
+            self.engine.target.pack_gemm(sorted({int(self.knobs()["budget"]) + 1, self.engine.max_draft_depth + 1}))
         if svc is not None and hasattr(svc, "info"):
             self.supported = set(svc.info()["methods"]) | set(PEERS)
 
@@ -323,8 +327,8 @@ class Bench:
                              self.tok.pad_token_id)
         if self.replays(method, temperature):
             return replay_runner(self.engine, self.tok, method, knobs, self.reference)
-        if self.cfg.get("packed_gemm", True) and knobs.get("budget") and method not in ("ar", "dflash", "domino"):
-            self.engine.target.pack_gemm([int(knobs["budget"]) + 1])  # this cell's verify rows (once per B)
+        if self.cfg.get("packed_gemm", True) and knobs.get("budget") and method != "ar":
+            self.engine.target.pack_gemm([int(knobs["budget"]) + 1])  # a sweep cell's verify rows (once per B)
         inner = engine_runner(self.engine, self.tok, method, knobs, temperature)
         if method != "ar" or temperature != 0:
             return inner

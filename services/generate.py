@@ -15,8 +15,8 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
                     packed_gemm: bool = True):
     """Load target + drafter in one process: ``(engine, tokenizer, drafter_note)``.
 
-    ``packed_gemm``: pre-pack float32 CPU weights for the default tree's verify rows (B + 1) and the
-    drafter's block (:mod:`services.cpu_gemm`).
+    ``packed_gemm``: pre-pack float32 CPU weights for the default tree's verify rows (B + 1), a chain
+    method's (draft slots + 1) and the drafter's block (:mod:`services.cpu_gemm`).
 
     The drafter borrows the target's embedding and lm_head modules. Without a trained drafter a
     randomly initialised one is used (tau ~ 1) and ``drafter_note`` says so.
@@ -52,8 +52,8 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
         note = "drafter: RANDOMLY INITIALISED (no trained drafter found): expect tau ~ 1, no speedup"
     target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype)
     defaults = defaults or default_tree_knobs("cpu")
-    if packed_gemm:
-        target.pack_gemm([defaults.budget + 1])
+    if packed_gemm:  # the default tree's verify rows and a chain method's (one per draft slot, + 1)
+        target.pack_gemm(sorted({defaults.budget + 1, drafter.config.num_draft_slots + 1}))
     service = DrafterService(drafter, target.embed_tokens(), target.lm_head(), defaults, description=note,
                              packed_gemm=packed_gemm)
     engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=drafter.config.num_draft_slots)

@@ -67,7 +67,8 @@ class VerifierWorkerConfig:
         drain_timeout_s: on SIGTERM, how long running requests may finish.
         cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC pool for features (CUDA devices only).
         packed_gemm: on a float32 CPU, pre-pack the target's GEMM weights for a verify of the
-            drafter's default tree (B + 1 rows; ``services/cpu_gemm.py``: same numerics, +~0.5 GB RAM).
+            drafter's default tree (B + 1 rows) and of a chain method (block + 1 rows)
+            (``services/cpu_gemm.py``: same numerics; SmolLM2: +~1 GB RAM).
         verifier_metrics_port, metrics_host: Prometheus endpoint (port 0 = off).
     """
 
@@ -425,7 +426,8 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
     budget = drafter.default_spec.budget if drafter is not None and drafter.default_spec is not None else None
     if config.packed_gemm and budget:
-        target.pack_gemm([budget + 1])
+        # the default tree's verify (B + 1 rows) and a chain method's (one row per draft slot, + 1)
+        target.pack_gemm(sorted({budget + 1, (drafter.block_size or budget) + 1}))
     engine = SpecEngine(target, drafter_client, EngineConfig(max_context=config.max_context or None),
                         max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
                         drafter_max_position=(drafter.max_position or None) if drafter else None)
