@@ -82,7 +82,7 @@ class _DrainingServer(uvicorn.Server):
         gw.begin_drain()
         log.info("draining: %d requests in flight, up to %.0f s", gw.in_flight, self._drain_timeout_s)
         if not await gw.wait_idle(self._drain_timeout_s):
-            log.warning("drain timeout: ending the %d requests still in flight with a server_shutdown error",
+            log.warning("drain timeout: ending %d request(s) still in flight with a server_shutdown error",
                         gw.in_flight)
             gw.cut_in_flight()
             if not await gw.wait_idle(CUT_GRACE_S):

@@ -69,9 +69,8 @@ class PackedLinear(nn.Linear):
             if r < 2:
                 raise ValueError(f"packed row counts must be >= 2, got {r}")
             if r not in self._packs:
-                p = torch.ops.mkl._mkl_reorder_linear_weight(w, r)
-                self._packs[r] = p
-                added += p.numel() * p.element_size()
+                self._packs[r] = torch.ops.mkl._mkl_reorder_linear_weight(w, r)
+                added += _pack_bytes(w)
         self._packed_version = self.weight._version
         return added
 
@@ -102,6 +101,13 @@ class PackedLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def _pack_bytes(w: Tensor) -> int:
+    """Memory a pack of ``w`` uses: about the weight's own size. (torch allocates the pack buffer as
+    float32 elements counted in bytes, so its ``numel() * element_size()`` is ~4x larger, but the
+    pages beyond the packed data are never touched.)"""
+    return w.numel() * w.element_size()
+
+
 def pack_linears(module: nn.Module, rows: Iterable[int]) -> int:
     """Convert every float32 CPU ``nn.Linear`` under ``module`` (itself included) to
     :class:`PackedLinear` packed for ``rows``; modules met twice (shared) are packed once.
@@ -110,7 +116,7 @@ def pack_linears(module: nn.Module, rows: Iterable[int]) -> int:
         module: a model (its linears are changed in place; parameters and keys are untouched).
         rows: row counts (``>= 2``) to pack for, e.g. ``[budget + 1]`` for a tree verify.
     Returns:
-        Bytes of packed weights added (0 when MKL packing is unavailable or nothing qualified).
+        Approximate bytes of packed weights added (0 when MKL packing is unavailable or nothing qualified).
     Raises:
         ValueError: a row count < 2.
     """
@@ -142,5 +148,5 @@ def packed_bytes(module: nn.Module) -> int:
     for m in module.modules():
         if isinstance(m, PackedLinear) and id(m) not in seen:
             seen.add(id(m))
-            total += sum(p.numel() * p.element_size() for p in m._packs.values())
+            total += len(m._packs) * _pack_bytes(m.weight)
     return total

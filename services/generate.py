@@ -108,6 +108,9 @@ def run_generate(a) -> int:
               "tokens_per_s": round((len(tokens) - 1) / decode, 2) if decode > 0 and len(tokens) > 1 else None,
               "round_ms": {k: round(1000 * v / max(rounds, 1), 3) for k, v in phases.items()},
               "drafter": note.removeprefix("drafter: ")}
+    if not tokens and finish == "stop" and not a.chat:
+        print("[dartree] the model ended at once (end-of-sequence as the first token); an instruct/chat model "
+              "usually needs --chat", file=sys.stderr)
     if a.json:
         print(json.dumps(result))
     else:
