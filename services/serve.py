@@ -501,17 +501,6 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
     return sup, gateway, verifier, drafter, rt
 
 
-def set_worker_thread_defaults(environ) -> None:
-    """``OMP_WAIT_POLICY=PASSIVE`` for the workers unless the user set a policy (they inherit it at spawn).
-
-    The verifier and the drafter are two processes with torch threads on the same cores, taking turns;
-    with OpenMP's default spin-waiting, idle threads of one burn the cores the other needs, and on a
-    machine with other CPU load rounds became 15-20x slower (fresh-user check, 2026-11-30: a 32-token
-    request 52 s with the default, 3.0 s with PASSIVE, while a test suite ran next to the server).
-    """
-    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def serve_main(args: argparse.Namespace) -> int:
     """``dartree serve``: returns the process exit code.
 
@@ -524,7 +513,6 @@ def serve_main(args: argparse.Namespace) -> int:
     rt = None
     try:
         sup, gateway, verifier, drafter, rt = plan(args)
-        set_worker_thread_defaults(os.environ)
         print("[dartree] configuration:", flush=True)
         for cfg in (sup, gateway, verifier, drafter):
             if cfg is not None:

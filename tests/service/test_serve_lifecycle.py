@@ -152,23 +152,3 @@ def test_drain_timeout_ends_open_requests_cleanly_and_promptly(tmp_path, drain_s
     text = log.read_text()
     assert "Traceback" not in text and "CancelledError" not in text and "leaked semaphore" not in text, text[-3000:]
 
-
-@pytest.mark.parametrize("policy", [None, "ACTIVE"])
-def test_workers_get_passive_openmp_waiting_unless_the_user_chose(tmp_path, policy):
-    """The verifier and drafter share the cores; spin-waiting OpenMP threads of one starve the other,
-    so ``dartree serve`` gives its workers ``OMP_WAIT_POLICY=PASSIVE`` unless the variable is set."""
-    target_dir, drafter_dir = make_tiny_models(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    env["OMP_NUM_THREADS"] = "1"
-    if policy:
-        env["OMP_WAIT_POLICY"] = policy
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(env)  # start_server adds to this process's environment
-    try:
-        with start_server(*TINY_FLAGS, log=tmp_path / "serve.log", target=target_dir, drafter=drafter_dir) as srv:
-            for comm in ("dartree-verifie", "dartree-drafter"):  # comm is cut to 15 characters
-                assert srv.child(comm).environ().get("OMP_WAIT_POLICY") == (policy or "PASSIVE")
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
