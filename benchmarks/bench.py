@@ -266,10 +266,8 @@ class Bench:
         svc = getattr(self.engine.drafter, "service", None)
         d = getattr(svc, "defaults", None)
         self.defaults = {k: getattr(d, k) for k in ("budget", "width", "depth_bonus", "candidates")} if d else {}
-        if self.cfg.get("packed_gemm", True):
-            # Before any cell, so every cell sees the same packs whatever the order: the main tree's
-            # verify (B + 1 rows) and the chain methods' (dflash / domino: one row per draft slot, + 1).
-            self.engine.target.pack_gemm(sorted({int(self.knobs()["budget"]) + 1, self.engine.max_draft_depth + 1}))
+        if self.cfg.get("packed_gemm", True):  # before any cell: every cell sees the same packs whatever the order
+            self.engine.target.pack_for_rounds(int(self.knobs()["budget"]), self.engine.max_draft_depth)
         if svc is not None and hasattr(svc, "info"):
             self.supported = set(svc.info()["methods"]) | set(PEERS)
 

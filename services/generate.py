@@ -52,11 +52,11 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
         note = "drafter: RANDOMLY INITIALISED (no trained drafter found): expect tau ~ 1, no speedup"
     target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype)
     defaults = defaults or default_tree_knobs("cpu")
-    if packed_gemm:  # the default tree's verify rows and a chain method's (one per draft slot, + 1)
-        target.pack_gemm(sorted({defaults.budget + 1, drafter.config.num_draft_slots + 1}))
     service = DrafterService(drafter, target.embed_tokens(), target.lm_head(), defaults, description=note,
                              packed_gemm=packed_gemm)
     engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=drafter.config.num_draft_slots)
+    if packed_gemm:
+        target.pack_for_rounds(defaults.budget, engine.max_draft_depth)
     return engine, tok, note
 
 

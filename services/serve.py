@@ -274,7 +274,8 @@ class Supervisor:
 
     A worker that exits with an error before the server was ever ready stops the whole server with
     that worker's error line (:class:`StartupError`): start-up failures are configuration problems
-    that a restart repeats (a worker killed by a signal is restarted instead). After readiness a dead worker is restarted (``max_restarts`` within ``restart_window_s``).
+    that a restart repeats (a worker killed by a signal is restarted instead). After readiness a dead
+    worker is restarted (``max_restarts`` within ``restart_window_s``).
     """
 
     def __init__(self, sup: SupervisorConfig, gateway: GatewayConfig, verifier: VerifierWorkerConfig,

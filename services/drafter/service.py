@@ -83,13 +83,12 @@ class DrafterService:
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
                  defaults: TreeDefaults = TreeDefaults(), description: str = "", packed_gemm: bool = True):
         self.drafter, self.embed, self.lm_head = drafter.eval(), embed, lm_head
+        self.cfg = drafter.config
         if packed_gemm:
             from services.cpu_gemm import pack_linears
 
-            cfg = drafter.config
-            pack_linears(drafter, [cfg.block_size])
-            pack_linears(lm_head, [cfg.num_draft_slots])
-        self.cfg = drafter.config
+            pack_linears(drafter, [self.cfg.block_size])
+            pack_linears(lm_head, [self.cfg.num_draft_slots])
         self.defaults = defaults
         self.description = description
         self._ctx: dict[str, list[tuple[Tensor, Tensor]]] = {}

@@ -70,6 +70,11 @@ class TargetModel:
             return 0
         return pack_linears(self.model, [r for r in rows if r >= 2])
 
+    def pack_for_rounds(self, budget: int, max_draft_depth: int) -> int:
+        """:meth:`pack_gemm` for a server's rounds: a ``budget``-node tree's verify (B + 1 rows) and a
+        chain method's (one row per draft slot, + 1). Returns bytes added."""
+        return self.pack_gemm(sorted({budget + 1, max_draft_depth + 1}))
+
     def _hook(self, i: int):
         def fn(_module, _inp, out):
             self._taps[i] = out[0] if isinstance(out, tuple) else out

@@ -424,13 +424,12 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
                                          device=config.device)
     if drafter is not None and drafter.feature_dim and drafter.feature_dim != target.feature_dim:
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
-    budget = drafter.default_spec.budget if drafter is not None and drafter.default_spec is not None else None
-    if config.packed_gemm and budget:
-        # the default tree's verify (B + 1 rows) and a chain method's (one row per draft slot, + 1)
-        target.pack_gemm(sorted({budget + 1, (drafter.block_size or budget) + 1}))
     engine = SpecEngine(target, drafter_client, EngineConfig(max_context=config.max_context or None),
                         max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
                         drafter_max_position=(drafter.max_position or None) if drafter else None)
+    budget = drafter.default_spec.budget if drafter is not None and drafter.default_spec is not None else None
+    if config.packed_gemm and budget:
+        target.pack_for_rounds(budget, engine.max_draft_depth)
     return engine, target, target_dir
 
 

@@ -133,3 +133,11 @@ def test_engine_with_packed_target_and_drafter_equals_greedy(method):
         outs = list(engine.generate(f"r{k}", prompt, SamplingParams(max_tokens=24, ignore_eos=True),
                                     SpecParams(method)))
         assert [t for o in outs for t in o.token_ids] == ref
+
+
+@needs_mkl
+def test_pack_for_rounds_covers_the_default_tree_and_a_chain():
+    target = tiny_target("llama")
+    assert target.pack_for_rounds(8, 16) > 0
+    assert sorted(target.lm_head()._packs) == [9, 17]
+    assert target.pack_for_rounds(8, 16) == 0  # nothing new

@@ -151,4 +151,3 @@ def test_drain_timeout_ends_open_requests_cleanly_and_promptly(tmp_path, drain_s
     assert code == 0 and stopped_after < 20, (code, stopped_after)
     text = log.read_text()
     assert "Traceback" not in text and "CancelledError" not in text and "leaked semaphore" not in text, text[-3000:]
-
