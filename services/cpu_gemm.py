@@ -7,8 +7,8 @@ arithmetic is hardly the bottleneck. MKL can pack a weight once for a given row 
 (``cblas_sgemm_pack``, exposed by torch as ``torch.ops.mkl._mkl_reorder_linear_weight`` /
 ``_mkl_linear``, the kernels torch.compile's CPU freezing pass uses). Measured on SmolLM2-135M
 (2026-11-30): ``python -m benchmarks.bench_verify`` (2 threads) 16-node verify 72.0 -> 63.0 ms,
-64-node 132 -> 114 ms; in the engine at 1 thread (B = 16) verify 116 -> 100 ms and the drafter's
-block + lm_head 31 -> 24 ms per round. The packed kernel gave results bitwise equal to ``F.linear``
+64-node 132 -> 114 ms; in the engine at 1 thread (B = 16; an ad-hoc probe, one GSM8K prompt x 64
+tokens) verify 116 -> 100 ms and the drafter's block + lm_head 31 -> 24 ms per round. The packed kernel gave results bitwise equal to ``F.linear``
 for the packed row count in our probes; tests check agreement to float32 rounding.
 
 How: :func:`pack_linears` turns the ``nn.Linear`` modules of a model *in place* into
