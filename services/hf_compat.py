@@ -71,3 +71,36 @@ def quiet_progress_bars() -> None:
         hf_logging.disable_progress_bar()
     except ImportError:
         pass
+
+
+SLOT_ATTENTION = "dartree_slots"
+
+
+def register_slot_attention(fn) -> str:
+    """Register ``fn`` as a transformers attention implementation named :data:`SLOT_ATTENTION` (and
+    give it the SDPA mask builder, so calls without a step use SDPA's masks). Returns the name.
+
+    ``fn(module, query [1, Hq, R, Dh], key [1, Hkv, R, Dh], value, attention_mask, **kwargs)`` must
+    return ``(out [1, R, Hq, Dh], None)``, as transformers' own ``sdpa_attention_forward`` does.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(SLOT_ATTENTION, fn)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SLOT_ATTENTION, sdpa_mask)
+    return SLOT_ATTENTION
+
+
+def sdpa_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' own SDPA attention (the fallback of the slot attention)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def set_attention_implementation(model, name: str) -> None:
+    """Switch a loaded model's attention implementation (every layer reads ``config._attn_implementation``)."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:  # older 4.x
+        model.config._attn_implementation = name

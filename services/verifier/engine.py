@@ -1,6 +1,9 @@
-"""The speculative decode loop: draft -> verify -> walk -> commit, one round per ``step``.
+"""The speculative decode loop in batched steps: draft -> one target forward -> walk -> commit.
 
-One loop for every method (architecture.md). Commit is token by token: EOS, stop token ids and
+One loop for every method (architecture.md). A *step* is one forward of the target for every
+scheduled request (:class:`ModelRunner` over a slot KV cache); a *round* is one request's
+draft -> verify -> walk -> commit inside a step; prompts are prefilled in chunks that ride along
+with the other requests' rounds. Commit is token by token: EOS, stop token ids and
 ``max_tokens`` take effect at the exact token; nothing after (and including) a terminator is
 emitted, counted in usage, or counted in the round statistics. Clock rules: algorithms.md §6.
 
@@ -22,8 +25,10 @@ import torch
 from services.drafter.service import METHODS
 from services.protocol import LOGPROB_FLOOR, MAX_TOP_LOGPROBS
 from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
+from services.tree.batch import Segment, causal_segment
 from services.verifier.drafter_client import DrafterClient
-from services.verifier.schedule import check_tree_knobs
+from services.verifier.runner import ModelRunner
+from services.verifier.schedule import MAX_BUDGET, check_tree_knobs
 
 
 @dataclass
@@ -141,27 +146,73 @@ class _Request:
     prompt_ids: list[int]
     sampling: SamplingParams
     spec: SpecParams
-    cache: object = None
-    start: int = 0
+    slot: int = -1
+    prefilled: int = 0                 # prompt tokens already in the slot (chunked prefill)
+    start: int = 0                     # committed length (the root sits at this position)
     root: int = -1
-    ctx_ids: list[int] = field(default_factory=list)
-    ctx_feats: torch.Tensor | None = None
+    ctx_ids: list[int] = field(default_factory=list)   # committed since the last draft (for the drafter)
+    ctx_feats: torch.Tensor | None = None              # [len(ctx_ids), F]
+    chunk_feats: list[torch.Tensor] = field(default_factory=list)
+    prefill_seconds: float = 0.0
     generated: int = 0
     generator: torch.Generator | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled >= len(self.prompt_ids)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine limits. ``max_context`` defaults to the target's position limit."""
+    """Engine limits.
+
+    Attributes:
+        max_context: context window (None = the target's position limit).
+        max_running: KV slots, i.e. requests holding state at once (``--max-running``).
+        prefill_chunk: prompt tokens a request prefills per step (chunked prefill, vLLM v1's default).
+        max_step_tokens: rows one step may hold in all (verify rows + prompt chunks); a step always
+            holds at least one request.
+        kv_bucket: a step's KV length is rounded up to a multiple of this (fewer shapes).
+    """
 
     max_context: int | None = None
+    max_running: int = 8
+    prefill_chunk: int = 256
+    max_step_tokens: int = 512
+    kv_bucket: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "prefill_chunk", "max_step_tokens", "kv_bucket"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+
+
+@dataclass
+class _Planned:
+    """One request's part of a step (engine-internal)."""
+
+    rid: str
+    req: _Request
+    segment: Segment
+    buffers: object = None             # VerifyBuffers of a decode round; None for a prompt chunk
+    tree: DraftTree | None = None
+    timings: dict = field(default_factory=dict)
+    final_chunk: bool = False
 
 
 class SpecEngine:
-    """Runs requests round by round over a :class:`TargetModel` and a :class:`DrafterClient`.
+    """Runs requests in batched steps over a :class:`TargetModel` and a :class:`DrafterClient`.
+
+    A *step* is one target forward (:class:`ModelRunner`) holding every scheduled request's rows: a
+    *round* (draft -> verify -> walk -> commit) for each decoding request and a prompt chunk for each
+    request being prefilled. A request's tokens never depend on who else is in the step.
 
     Args:
         target: the verifier's target model; drafter: drafter client (None = AR only).
+        max_draft_depth: deepest draft (the drafter's slots); drafter_max_position: no draft token
+            at a position >= this (None: from ``drafter.info()`` when it has one).
+    Raises:
+        MemoryError: the slot KV cache does not fit (one line).
     """
 
     def __init__(self, target, drafter: DrafterClient | None, config: EngineConfig = EngineConfig(),
@@ -171,22 +222,30 @@ class SpecEngine:
             drafter_max_position = int(drafter.info().get("max_position") or 0) or None
         self.drafter_max_position = drafter_max_position  # no draft token at a position >= this
         self.vocab_size = target.vocab_size
+        self.config = config
         self.max_context = min(config.max_context or target.max_context, target.max_context)
         self.eos_token_ids = target.eos_token_ids
         self.max_draft_depth = max_draft_depth
+        # verify rows sit past the committed length: room for the widest tree a request may ask for
+        self.row_headroom = max(MAX_BUDGET + 1, config.prefill_chunk)
+        self.runner = ModelRunner(target, config.max_running, self.max_context + self.row_headroom, config.kv_bucket)
         self._reqs: dict[str, _Request] = {}
 
     def num_active(self) -> int:
-        """Requests holding state (KV cache or pending prefill)."""
+        """Requests holding state (KV slot or pending prefill)."""
         return len(self._reqs)
+
+    def num_free_slots(self) -> int:
+        """KV slots not held by a request."""
+        return self.runner.cache.num_free()
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     spec: SpecParams) -> None:
-        """Admit a request (prefill happens at its first ``step``).
+        """Admit a request and give it a KV slot (prefill happens over its first steps).
 
         Raises:
             ValueError: empty prompt, ids outside the vocabulary, prompt + max_tokens beyond the
-                context window, a drafting method without a drafter, or a duplicate id.
+                context window, a drafting method without a drafter, a duplicate id, or no free slot.
         """
         if request_id in self._reqs:
             raise ValueError(f"request id {request_id!r} is already active")
@@ -199,36 +258,115 @@ class SpecEngine:
                              f"context window of {self.max_context} tokens")
         if spec.method != "ar" and self.drafter is None:
             raise ValueError(f"method {spec.method!r} needs a drafter; this server runs without one")
+        if self.runner.cache.num_free() == 0:
+            raise ValueError(f"all {self.config.max_running} KV slots are in use (max_running)")
         gen = None
         if sampling.temperature > 0:
             gen = torch.Generator(device=self.target.device)
             gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        self._reqs[request_id] = _Request(list(prompt_ids), sampling, spec, generator=gen)
+        self._reqs[request_id] = _Request(list(prompt_ids), sampling, spec, slot=self.runner.cache.alloc(),
+                                          generator=gen)
 
     def abort(self, request_id: str) -> None:
-        """Free a request's KV cache and drafter context (idempotent)."""
+        """Free a request's KV slot and drafter context (idempotent)."""
         req = self._reqs.pop(request_id, None)
-        if req is not None and self.drafter is not None and req.spec.method != "ar":
+        if req is None:
+            return
+        self.runner.cache.free(req.slot)
+        if self.drafter is not None and req.spec.method != "ar" and req.decoding:
             self.drafter.release(request_id)
 
     def step(self, request_id: str, tree_knobs: tuple[int, int] | None = None) -> RoundOutput:
-        """Run one round of a request (its first step prefills and emits the first token).
+        """Run one request alone until it emits (its first call prefills, in chunks, and emits the
+        first token; later calls run one round).
+
+        Raises:
+            KeyError: unknown request id; whatever its round raised (the request is then freed).
+        """
+        while True:
+            out = self.step_batch([request_id], tree_knobs)[request_id]
+            if isinstance(out, BaseException):
+                raise out
+            if out is not None:
+                return out
+
+    def step_batch(self, request_ids: list[str], tree_knobs: tuple[int, int] | None = None
+                   ) -> dict[str, RoundOutput | BaseException | None]:
+        """One step: draft for the decoding requests, one target forward for every scheduled row,
+        then walk / commit / emit per request.
+
+        Requests are taken in the given order while the step has rows left (``max_step_tokens``;
+        the first always runs): decoding requests' verify rows first, then prompt chunks of
+        requests being prefilled (``prefill_chunk`` each at most).
 
         Args:
-            tree_knobs: ``(budget, width)`` for this round only, filling what the request's
-                ``SpecParams`` leaves unset (the verifier's load schedule); None = drafter defaults.
+            request_ids: candidates in priority order (each at most once).
+            tree_knobs: ``(budget, width)`` for this step, filling what a request leaves unset.
+        Returns:
+            For each request that ran: its :class:`RoundOutput`, ``None`` for a prompt chunk that
+            emitted nothing yet, or the exception its round raised (that request is freed; the
+            others are unaffected). Requests left out of the step are absent.
         Raises:
-            KeyError: unknown request id.
+            KeyError: unknown request id. An error of the shared forward itself propagates (every
+            request of the step is freed).
         """
-        req = self._reqs[request_id]
+        reqs = [(rid, self._reqs[rid]) for rid in dict.fromkeys(request_ids)]
+        left = self.config.max_step_tokens
+        plan: list[_Planned] = []
+        results: dict[str, RoundOutput | BaseException | None] = {}
+        for rid, req in reqs:
+            if req.decoding and (left > 0 or not plan):
+                try:
+                    item = self._plan_round(rid, req, tree_knobs)
+                except Exception as exc:
+                    self.abort(rid)
+                    results[rid] = exc
+                    continue
+                plan.append(item)
+                left -= item.segment.num_rows
+        for rid, req in reqs:
+            if not req.decoding and (left > 0 or not plan):
+                n = min(self.config.prefill_chunk, len(req.prompt_ids) - req.prefilled, max(left, 1))
+                ids = req.prompt_ids[req.prefilled:req.prefilled + n]
+                plan.append(_Planned(rid, req, causal_segment(ids, req.prefilled, req.slot),
+                                     final_chunk=req.prefilled + n == len(req.prompt_ids)))
+                left -= n
+        if not plan:
+            return results
+        out = self._forward(plan)
+        for item, (logits, feats) in zip(plan, out):
+            try:
+                results[item.rid] = self._finish(item, logits, feats)
+            except Exception as exc:
+                self.abort(item.rid)
+                results[item.rid] = exc
+                continue
+            if isinstance(results[item.rid], RoundOutput) and results[item.rid].finish_reason is not None:
+                self.abort(item.rid)
+        return results
+
+    def _forward(self, plan: list[_Planned]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's one target forward: ``(logits [rows needing logits, V], features [R_i, F])`` per item."""
+        sizes = [p.segment.num_rows for p in plan]
+        cu = [0]
+        for n in sizes:
+            cu.append(cu[-1] + n)
+        keep, spans = [], []
+        for p, a, b in zip(plan, cu[:-1], cu[1:]):
+            rows = list(range(a, b)) if p.buffers is not None else ([b - 1] if p.final_chunk else [])
+            spans.append((len(keep), len(keep) + len(rows)))
+            keep.extend(rows)
         try:
-            out = self._prefill(req) if req.cache is None else self._round(request_id, req, tree_knobs)
+            step = self.runner.execute([p.segment for p in plan], torch.tensor(keep, dtype=torch.long))
         except BaseException:
-            self.abort(request_id)
+            for p in plan:
+                self.abort(p.rid)
             raise
-        if out.finish_reason is not None:
-            self.abort(request_id)
-        return out
+        self.last_step_seconds = step.seconds
+        self.last_step_rows = cu[-1]
+        for p in plan:
+            p.timings["verify"] = step.seconds
+        return [(step.logits[s:e], step.features[a:b]) for (s, e), a, b in zip(spans, cu[:-1], cu[1:])]
 
     def _sample(self, req: _Request, logits: torch.Tensor) -> torch.Tensor:
         s = req.sampling
@@ -253,18 +391,6 @@ class SpecEngine:
         k = req.sampling.logprobs
         return None if k is None else token_logprobs(logits[rows[:len(ids)].to(logits.device)], ids, k)
 
-    def _prefill(self, req: _Request) -> RoundOutput:
-        t0 = time.perf_counter()
-        req.cache = self.target.new_cache()
-        logits, feats = self.target.prefill(req.prompt_ids, req.cache)
-        first = int(self._sample(req, logits[None])[0])
-        req.start, req.root = len(req.prompt_ids), first
-        req.ctx_ids, req.ctx_feats = list(req.prompt_ids), feats
-        ids, finish = self._emit(req, [first])
-        dt = time.perf_counter() - t0
-        return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True,
-                           logprobs=self._logprobs(req, logits[None], torch.zeros(1, dtype=torch.long), ids))
-
     def draft_depth(self, start: int) -> int:
         """Deepest draft allowed for a root at position ``start``: the positions left after the root
         in the target's context and below the drafter's position limit, capped at ``max_draft_depth``
@@ -274,22 +400,31 @@ class SpecEngine:
             room = min(room, self.drafter_max_position - start - 1)
         return min(room, self.max_draft_depth)
 
-    def _round(self, request_id: str, req: _Request, tree_knobs: tuple[int, int] | None) -> RoundOutput:
+    def _plan_round(self, rid: str, req: _Request, tree_knobs: tuple[int, int] | None) -> _Planned:
+        """Draft (unless ``ar`` or no room) and lay out the round's verify rows."""
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         depth = self.draft_depth(req.start)
         tree = DraftTree.empty()
         if req.spec.method != "ar" and depth > 0:
-            tree, dt = self.drafter.draft(request_id, req.ctx_ids, req.ctx_feats, req.root, req.start,
+            tree, dt = self.drafter.draft(rid, req.ctx_ids, req.ctx_feats, req.root, req.start,
                                           _fill_knobs(req.spec, tree_knobs), max_depth=depth)
             timings.update(dt)
-        t1 = time.perf_counter()
         buffers = derive_buffers(tree, req.root)
-        logits, feats = self.target.verify(buffers, req.cache, req.start)
+        timings["_t0"] = t0
+        seg = Segment(buffers.input_ids, buffers.position_offsets, buffers.tree_mask, req.start, req.slot)
+        return _Planned(rid, req, seg, buffers=buffers, tree=tree, timings=timings)
+
+    def _finish(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
+        """Per request after the forward: the first token of a finished prefill, or walk + commit + emit."""
+        req = item.req
+        if item.buffers is None:
+            return self._finish_chunk(item, logits, feats)
+        t2 = time.perf_counter()
+        buffers, timings = item.buffers, item.timings
         target_tokens = self._sample(req, logits)
         res = walk(buffers, target_tokens.cpu())
-        t2 = time.perf_counter()
-        self.target.commit(req.cache, req.start, res.accepted_rows)
+        self.runner.cache.commit(req.slot, req.start, res.accepted_rows)
         rows = res.accepted_rows
         accepted = buffers.input_ids[rows[1:]].tolist()
         ids, finish = self._emit(req, accepted + [res.bonus_token])
@@ -299,10 +434,31 @@ class SpecEngine:
         req.root = res.bonus_token
         t3 = time.perf_counter()
         n_acc = min(len(ids), len(accepted))
-        timings.update(verify=t2 - t1, commit=t3 - t2, total=t3 - t0)
-        return RoundOutput(ids, finish, num_draft_tokens=tree.num_nodes, accept_length=n_acc,
+        t0 = timings.pop("_t0")
+        timings.update(commit=t3 - t2, total=t3 - t0)
+        return RoundOutput(ids, finish, num_draft_tokens=item.tree.num_nodes, accept_length=n_acc,
                            accepted_per_depth=[1] * n_acc, timings=timings,
                            logprobs=self._logprobs(req, logits, rows, ids))
+
+    def _finish_chunk(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
+        req = item.req
+        n = item.segment.num_rows
+        self.runner.cache.extend(req.slot, n)
+        req.prefilled += n
+        req.chunk_feats.append(feats)
+        req.prefill_seconds += item.timings["verify"]
+        if not item.final_chunk:
+            return None
+        t0 = time.perf_counter()
+        first = int(self._sample(req, logits)[0])
+        req.start, req.root = len(req.prompt_ids), first
+        req.ctx_ids = list(req.prompt_ids)
+        req.ctx_feats = torch.cat(req.chunk_feats) if len(req.chunk_feats) > 1 else req.chunk_feats[0]
+        req.chunk_feats = []
+        ids, finish = self._emit(req, [first])
+        dt = req.prefill_seconds + time.perf_counter() - t0
+        return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True,
+                           logprobs=self._logprobs(req, logits, torch.zeros(1, dtype=torch.long), ids))
 
     def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams):
         """Yield :class:`RoundOutput` until the request finishes (convenience for CLI and tests)."""

@@ -17,6 +17,19 @@ V = 128
 ATOL = 1e-5
 
 
+def assert_slot_equals_fresh_prefill(target, slot_cache, slot, committed):
+    """Slot ``slot`` of a :class:`SlotKVCache` holds exactly a fresh prefill of ``committed``."""
+    fresh = target.new_cache()
+    target.prefill(committed, fresh)
+    n = len(committed)
+    assert slot_cache.length(slot) == n
+    for i, (fk, fv) in enumerate(hf_compat.cache_layers(fresh)):
+        torch.testing.assert_close(slot_cache.keys[i][slot, :, :n], fk[0], atol=ATOL, rtol=0,
+                                   msg=lambda m: f"layer {i} keys: {m}")
+        torch.testing.assert_close(slot_cache.values[i][slot, :, :n], fv[0], atol=ATOL, rtol=0,
+                                   msg=lambda m: f"layer {i} values: {m}")
+
+
 def _assert_cache_equals_fresh_prefill(target, cache, committed):
     fresh = target.new_cache()
     target.prefill(committed, fresh)
@@ -79,8 +92,8 @@ def test_commit_single_round(rows):
 
 
 def test_engine_cache_equals_fresh_prefill_after_many_rounds():
-    """White-box: the engine's own per-request cache (private ``_reqs``) after rounds of an oracle
-    with mid-path rejections."""
+    """White-box: the engine's own KV slot (private ``_reqs``) after rounds of an oracle with
+    mid-path rejections."""
     target = tiny_target("qwen3", vocab_size=V, hidden_size=32, num_layers=3)
     prompt = [9, 4, 33, 71, 5]
     ref = greedy_reference(target.model, prompt, 150)
@@ -95,6 +108,6 @@ def test_engine_cache_equals_fresh_prefill_after_many_rounds():
     assert len(tokens) > 40
     req = engine._reqs["r"]
     assert req.start == len(prompt) + len(tokens) - 1 and tokens == ref[:len(tokens)]
-    _assert_cache_equals_fresh_prefill(target, req.cache, prompt + tokens[:-1])
+    assert_slot_equals_fresh_prefill(target, engine.runner.cache, req.slot, prompt + tokens[:-1])
     engine.abort("r")
     assert engine.num_active() == 0 and oracle.num_contexts() == 0

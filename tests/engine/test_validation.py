@@ -145,21 +145,22 @@ def test_abort_before_prefill(engine, service):
     assert engine.num_active() == 0 and service.num_contexts() == 0
 
 
-class _CheckedTarget:
-    """Delegates to a TargetModel and asserts every verify stays inside the context window."""
+class _CheckedRunner:
+    """Wraps an engine's model runner and asserts every row of every step stays inside the context
+    window (``max_pos``: the highest position seen; ``max_rows``: rows of each step)."""
 
-    def __init__(self, target, limit):
-        self._t, self.limit, self.max_pos, self.max_rows = target, limit, -1, []
+    def __init__(self, engine, limit):
+        self.limit, self.max_pos, self.max_rows = limit, -1, []
+        self._execute = engine.runner.execute
+        engine.runner.execute = self.execute
 
-    def __getattr__(self, name):
-        return getattr(self._t, name)
-
-    def verify(self, buffers, cache, start):
-        top = start + int(buffers.position_offsets.max())
-        assert top < self.limit, f"verify reaches position {top} >= context {self.limit}"
-        self.max_pos = max(self.max_pos, top)
-        self.max_rows.append(buffers.input_ids.numel())
-        return self._t.verify(buffers, cache, start)
+    def execute(self, segments, logit_rows=None):
+        for seg in segments:
+            top = seg.start + int(seg.position_offsets.max())
+            assert top < self.limit, f"a step reaches position {top} >= context {self.limit}"
+            self.max_pos = max(self.max_pos, top)
+        self.max_rows.append(sum(seg.num_rows for seg in segments))
+        return self._execute(segments, logit_rows)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -169,8 +170,8 @@ def test_near_the_context_end_the_tree_shrinks(target, service, method, remainin
     must cap the tree depth at the positions left, never go past the window, and still equal greedy."""
     prompt = [(7 * i + 3) % (V - 1) for i in range(CTX - 1 - remaining)]
     max_tokens = CTX - len(prompt)
-    checked = _CheckedTarget(target, CTX)
-    engine = SpecEngine(checked, InprocDrafterClient(service), max_draft_depth=6)
+    engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=6)
+    checked = _CheckedRunner(engine, CTX)
     outs = list(engine.generate("r", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                 SpecParams(method, budget=10)))
     tokens = [t for o in outs for t in o.token_ids]
@@ -186,8 +187,8 @@ def test_near_the_context_end_with_an_oracle(target, remaining):
     max_tokens = CTX - len(prompt)
     ref = greedy_reference(target.model, prompt, max_tokens)
     oracle = OracleDrafter({"r": prompt + ref + [0] * 20}, depth=6, distractors=1, vocab_size=V)
-    checked = _CheckedTarget(target, CTX)
-    engine = SpecEngine(checked, oracle, max_draft_depth=6)
+    engine = SpecEngine(target, oracle, max_draft_depth=6)
+    checked = _CheckedRunner(engine, CTX)
     outs = list(engine.generate("r", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                 SpecParams("dartree-pruned")))
     assert [t for o in outs for t in o.token_ids] == ref

@@ -1,0 +1,144 @@
+"""A preallocated slot KV cache: one slot per running request, per-slot committed lengths.
+
+gpt-fast's ``setup_caches`` / nanochat's ``cache_seqlens`` shape: every layer holds
+``keys, values [S, H_kv, C, Dh]`` (``S`` slots, ``C`` columns per slot), allocated once at start
+(``torch.empty``: the operating system commits pages only when they are first touched, so the
+resident memory follows the contexts actually used; :meth:`SlotKVCache.prepare` zero-fills each
+slot's columns up to the length a step reads before they are read the first time, so attention
+never sees uninitialised memory — a NaN there would survive a zero attention weight). A step writes its rows from
+each slot's committed length on (:mod:`services.tree.batch`), :meth:`SlotKVCache.commit` then
+compacts the accepted rows in place (DART/DDT ``compact_dynamic_cache``, algorithms.md §5) and
+sets the slot's length. Freeing a slot only resets its length: nothing is read past a length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class SlotKVCache:
+    """Per-layer ``[S, H_kv, C, Dh]`` keys and values with per-slot lengths.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the target's attention shape.
+        num_slots: concurrent requests (``--max-running``); capacity: columns per slot (the context
+            window plus the widest step segment, since verify rows sit past the committed length).
+    Raises:
+        MemoryError: with a one-line reason when the cache cannot be allocated.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, capacity: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        if num_slots < 1 or capacity < 1:
+            raise ValueError("a slot cache needs at least one slot and one column")
+        self.num_slots, self.capacity = num_slots, capacity
+        self.shape = (num_slots, num_kv_heads, capacity, head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        need = self.estimate_bytes(num_layers, num_kv_heads, head_dim, num_slots, capacity, dtype)
+        if self.device.type == "cpu":
+            import psutil
+
+            avail = psutil.virtual_memory().available
+            if need > avail:
+                raise MemoryError(f"the KV cache needs {need / 2**30:.2f} GiB ({num_slots} slots x {capacity} positions)"
+                                  f" but {avail / 2**30:.2f} GiB of RAM are available: lower --max-running or"
+                                  " --max-context")
+        try:
+            self.keys = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.values = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        except (RuntimeError, MemoryError) as exc:  # torch raises RuntimeError (CPU) / OutOfMemoryError (CUDA)
+            raise MemoryError(f"the KV cache ({need / 2**30:.2f} GiB for {num_slots} slots x {capacity} positions)"
+                              f" does not fit: {exc}; lower --max-running or --max-context") from None
+        self._lengths = [0] * num_slots
+        self._clean = [0] * num_slots  # columns [0, _clean) of a slot hold finite values
+        self._free = list(range(num_slots))
+
+    @staticmethod
+    def estimate_bytes(num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, capacity: int,
+                       dtype: torch.dtype = torch.float32) -> int:
+        """Bytes the keys and values of such a cache take."""
+        return 2 * num_layers * num_slots * num_kv_heads * capacity * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    @classmethod
+    def for_model(cls, config, num_slots: int, capacity: int, dtype: torch.dtype, device) -> "SlotKVCache":
+        """A cache shaped for a HF causal-LM ``config`` (llama / qwen2 / qwen3)."""
+        heads = int(config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        return cls(int(config.num_hidden_layers), kv_heads, head_dim, num_slots, capacity, dtype, device)
+
+    def nbytes(self) -> int:
+        """Bytes held by keys and values."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        """Take the lowest free slot (its length is 0).
+
+        Raises:
+            RuntimeError: every slot is in use.
+        """
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} KV slots are in use")
+        slot = min(self._free)
+        self._free.remove(slot)
+        self._lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Return a slot (idempotent)."""
+        if slot not in self._free:
+            self._lengths[slot] = 0
+            self._free.append(slot)
+
+    def length(self, slot: int) -> int:
+        """Committed positions of ``slot``."""
+        return self._lengths[slot]
+
+    def extend(self, slot: int, n: int) -> None:
+        """Mark the ``n`` rows written past the committed length as committed (a prompt chunk)."""
+        if self._lengths[slot] + n > self.capacity:
+            raise ValueError(f"slot {slot} would exceed its {self.capacity} positions")
+        self._lengths[slot] += n
+
+    def prepare(self, slots: list[int], length: int) -> None:
+        """Zero-fill columns ``[0, length)`` of ``slots`` that were never written (once per column)."""
+        for slot in slots:
+            lo = self._clean[slot]
+            if lo < length:
+                for k, v in zip(self.keys, self.values):
+                    k[slot, :, lo:length].zero_()
+                    v[slot, :, lo:length].zero_()
+                self._clean[slot] = length
+
+    def write(self, layer: int, slot_idx: Tensor, pos_idx: Tensor, keys: Tensor, values: Tensor) -> None:
+        """Write rows ``keys/values [R, H_kv, Dh]`` at ``(slot_idx[r], pos_idx[r])`` of ``layer``."""
+        self.keys[layer][slot_idx, :, pos_idx] = keys
+        self.values[layer][slot_idx, :, pos_idx] = values
+
+    def read(self, layer: int, slots: Tensor, length: int) -> tuple[Tensor, Tensor]:
+        """``keys, values [n, H_kv, length, Dh]`` of ``slots`` (a view when they are consecutive)."""
+        k, v = self.keys[layer], self.values[layer]
+        first = int(slots[0])
+        if slots.numel() == 1 or bool((slots[1:] - slots[:-1] == 1).all()):
+            return k[first:first + slots.numel(), :, :length], v[first:first + slots.numel(), :, :length]
+        return k[slots, :, :length], v[slots, :, :length]
+
+    @torch.inference_mode()
+    def commit(self, slot: int, start: int, accepted_rows: Tensor) -> None:
+        """After a verify written from column ``start``: move row ``accepted_rows[i]`` to column
+        ``start + i`` in every layer and set the slot's length to ``start + len(accepted_rows)``.
+        A contiguous prefix path moves nothing."""
+        rows = accepted_rows.tolist()
+        n = len(rows)
+        if start != self._lengths[slot]:
+            raise ValueError(f"slot {slot} holds {self._lengths[slot]} positions, commit expects {start}")
+        if rows != list(range(n)):
+            src = torch.tensor(rows, device=self.device) + start
+            for k, v in zip(self.keys, self.values):
+                k[slot, :, start:start + n] = k[slot, :, src]
+                v[slot, :, start:start + n] = v[slot, :, src]
+        self._lengths[slot] = start + n

@@ -1,0 +1,113 @@
+"""The model runner: ONE target forward for every request of a step, over a :class:`SlotKVCache`.
+
+vLLM's / SGLang's *model runner*. The rows of all requests (verify trees, ``ar`` rows, prompt
+chunks; :mod:`services.tree.batch`) run flattened through the HF model's own modules, so its
+embeddings, norms, rotary embeddings, q/k norms and MLPs stay the reference (llama, qwen2, qwen3
+alike); only attention is ours, registered with transformers' ``AttentionInterface``
+(:func:`services.hf_compat.register_slot_attention`): it writes the step's K/V rows into their
+slots, reads each request's slot up to the step's (bucketed) KV length, and runs
+``F.scaled_dot_product_attention`` on a padded ``[n, Hq, R_max, Dh]`` view with per-request masks.
+Attention work therefore scales with the longest context *in the step* (rounded up to
+``kv_bucket``), never with the configured capacity. A forward without step metadata (the HF
+reference paths of :class:`TargetModel`) falls through to transformers' SDPA.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from services import hf_compat
+from services.tree.batch import PackedRows, Segment, pack_segments
+from services.verifier.kv_cache import SlotKVCache
+
+_ACTIVE = threading.local()  # the step being run by this thread's forward (None outside a step)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one batched forward produced.
+
+    Attributes:
+        logits: ``[K, V]`` float32, one row per entry of the ``logit_rows`` asked for.
+        features: ``[R, F]`` tapped target features of every flattened row.
+        packed: the step's row layout (``cu_rows`` splits ``features``).
+        seconds: wall time of the forward.
+    """
+
+    logits: Tensor
+    features: Tensor
+    packed: PackedRows
+    seconds: float
+
+
+def _slot_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
+    """Attention of one layer over the slot cache (see the module docstring); shapes as HF's SDPA."""
+    step = getattr(_ACTIVE, "step", None)
+    if step is None:
+        return hf_compat.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+    cache, p = step
+    layer = module.layer_idx
+    cache.write(layer, p.write_slot, p.write_pos, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    k, v = cache.read(layer, p.slots, p.kv_length)  # [n, Hkv, L, Dh]
+    safe = p.row_index.clamp(min=0)
+    q = query[0].transpose(0, 1)[safe].transpose(1, 2)  # [n, Hq, Rm, Dh]
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.attn_mask, scale=kwargs.get("scaling"))
+    out = out.transpose(1, 2)[p.row_index >= 0]  # [R, Hq, Dh], flattened row order
+    return out[None], None
+
+
+class ModelRunner:
+    """Runs batched steps of a :class:`TargetModel` over a slot KV cache.
+
+    Args:
+        target: the target (its HF model switches to the slot attention, which falls back to SDPA
+            outside a step, so :meth:`TargetModel.verify` / ``prefill`` keep working).
+        num_slots: KV slots (concurrent requests); capacity: columns per slot.
+        kv_bucket: the KV length a step reads is rounded up to a multiple of this.
+    Raises:
+        MemoryError: the cache does not fit (one line, with its size).
+    """
+
+    def __init__(self, target, num_slots: int, capacity: int, kv_bucket: int = 64):
+        self.target = target
+        self.cache = SlotKVCache.for_model(target.config, num_slots, capacity, target.dtype, target.device)
+        self.kv_bucket = kv_bucket
+        name = hf_compat.register_slot_attention(_slot_attention)
+        hf_compat.set_attention_implementation(target.model, name)
+
+    @torch.inference_mode()
+    def execute(self, segments: list[Segment], logit_rows: Tensor | None = None) -> StepOutput:
+        """One forward for all ``segments`` (distinct slots; each written from its ``start``).
+
+        Args:
+            logit_rows: ``[K]`` flattened rows whose logits are needed (None = every row).
+        Returns:
+            :class:`StepOutput`. Slot lengths are unchanged: the caller commits
+            (:meth:`SlotKVCache.commit` / :meth:`SlotKVCache.extend`).
+        Raises:
+            ValueError: from :func:`pack_segments` (bad segments, rows past the capacity).
+        """
+        p = pack_segments(segments, self.kv_bucket, self.cache.capacity)
+        self.cache.prepare(p.slots.tolist(), p.kv_length)
+        dev = self.target.device
+        p = PackedRows(**{f: (getattr(p, f).to(dev) if isinstance(getattr(p, f), Tensor) else getattr(p, f))
+                          for f in PackedRows.__dataclass_fields__})
+        keep = logit_rows.to(dev) if logit_rows is not None else torch.arange(p.input_ids.numel(), device=dev)
+        t0 = time.perf_counter()
+        _ACTIVE.step = (self.cache, p)
+        try:
+            out = self.target.model(input_ids=p.input_ids[None], position_ids=p.positions[None],
+                                    attention_mask=None, use_cache=False, logits_to_keep=keep)
+        finally:
+            _ACTIVE.step = None
+        feats = self.target._features()
+        return StepOutput(out.logits[0].float(), feats, p, time.perf_counter() - t0)
