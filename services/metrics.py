@@ -64,6 +64,13 @@ REJECTED = "dartree_rejected_requests_total"
 IPC_ERRORS = "dartree_ipc_errors_total"
 INFO = "dartree_info"
 DRAFTER_CONTEXTS = "dartree_drafter_contexts"
+STEP_REQUESTS = "dartree_step_requests"
+STEP_ROWS = "dartree_step_rows"
+PREFILL_CHUNK_TOKENS = "dartree_prefill_chunk_tokens_total"
+DRAFTER_WAIT = "dartree_verifier_drafter_wait_seconds_total"
+KV_SLOTS = "dartree_kv_slots"
+STEP_REQUEST_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0)
+STEP_ROW_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
 DRAFTER_CALLS = "dartree_drafter_calls_total"
 DRAFTER_ERRORS = "dartree_drafter_errors_total"
 
@@ -147,6 +154,15 @@ class VerifierMetrics:
                                      "count, for requests that set none (0 = no schedule: drafter default).",
                                      registry=r)
         self.aborts = Counter(ABORTS, "Requests aborted before they finished.", ["reason"], registry=r)
+        self.step_requests = Histogram(STEP_REQUESTS, "Requests in one batched step (one target forward).",
+                                       buckets=STEP_REQUEST_BUCKETS, registry=r)
+        self.step_rows = Histogram(STEP_ROWS, "Rows of one batched step (verify rows + prompt chunk tokens).",
+                                   buckets=STEP_ROW_BUCKETS, registry=r)
+        self.prefill_chunk_tokens = Counter(PREFILL_CHUNK_TOKENS, "Prompt tokens prefilled inside batched steps.",
+                                            registry=r)
+        self.drafter_wait = Counter(DRAFTER_WAIT, "Seconds the verifier's steps waited on drafter calls.",
+                                    registry=r)
+        self.kv_slots = Gauge(KV_SLOTS, "KV-cache slots by state (used / free).", ["state"], registry=r)
         self.ipc_errors = _ipc_errors(r)
         _info(r, role="verifier", **info)
 

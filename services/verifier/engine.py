@@ -187,6 +187,22 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What the last :meth:`SpecEngine.step_batch` ran (for metrics and the benchmarks).
+
+    Attributes:
+        requests: requests in the step; rows: rows of its forward; prefill_tokens: prompt-chunk rows;
+        forward_seconds: the target forward; draft_seconds: drafter calls (the verifier waits on them).
+    """
+
+    requests: int = 0
+    rows: int = 0
+    prefill_tokens: int = 0
+    forward_seconds: float = 0.0
+    draft_seconds: float = 0.0
+
+
 @dataclass
 class _Planned:
     """One request's part of a step (engine-internal)."""
@@ -230,6 +246,7 @@ class SpecEngine:
         self.row_headroom = max(MAX_BUDGET + 1, config.prefill_chunk)
         self.runner = ModelRunner(target, config.max_running, self.max_context + self.row_headroom, config.kv_bucket)
         self._reqs: dict[str, _Request] = {}
+        self.last_step = StepStats()
 
     def num_active(self) -> int:
         """Requests holding state (KV slot or pending prefill)."""
@@ -333,7 +350,11 @@ class SpecEngine:
                 left -= n
         if not plan:
             return results
+        draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in plan)
         out = self._forward(plan)
+        self.last_step = StepStats(len(plan), sum(p.segment.num_rows for p in plan),
+                                   sum(p.segment.num_rows for p in plan if p.buffers is None),
+                                   plan[0].timings["verify"], draft_s)
         for item, (logits, feats) in zip(plan, out):
             try:
                 results[item.rid] = self._finish(item, logits, feats)
@@ -362,8 +383,6 @@ class SpecEngine:
             for p in plan:
                 self.abort(p.rid)
             raise
-        self.last_step_seconds = step.seconds
-        self.last_step_rows = cu[-1]
         for p in plan:
             p.timings["verify"] = step.seconds
         return [(step.logits[s:e], step.features[a:b]) for (s, e), a, b in zip(spans, cu[:-1], cu[1:])]

@@ -55,8 +55,13 @@ class VerifierWorkerConfig:
         verifier_endpoint: where the verifier listens for the gateway ("" = default ipc:// socket).
         drafter_endpoint: the drafter's endpoint ("" = default ipc:// socket; "none" = no drafter, AR only).
         device, dtype: where and in which precision the target runs.
-        max_running: requests decoded concurrently (round-robin); max_waiting: queued beyond that (429 after).
+        max_running: requests decoded concurrently, each in its own KV slot, all in one batched step;
+            max_waiting: queued beyond that (429 after).
         max_context: context window (0 = the target's).
+        prefill_chunk: prompt tokens a request prefills per step (chunked prefill rides along with the
+            running requests' rounds); max_step_tokens: rows one step may hold (verify rows + chunks;
+            requests beyond it wait for the next step, the order rotates so none starves);
+            kv_bucket: a step reads the KV cache up to its longest context rounded up to this.
         default_method: method when a request names none (must be one the drafter serves).
         tree_schedule: load-dependent tree budget/width, ``"1:16x12,2:12x8,4:8x6,8:4x4"`` (``N:BxW`` =
             at >= N running requests, B nodes and width W; per round; only for requests that leave
@@ -80,6 +85,9 @@ class VerifierWorkerConfig:
     max_running: int = 8
     max_waiting: int = 64
     max_context: int = 0
+    prefill_chunk: int = 256
+    max_step_tokens: int = 512
+    kv_bucket: int = 64
     default_method: str = "dartree-pruned"
     tree_schedule: str = ""
     draft_timeout_s: float = 30.0
@@ -97,6 +105,9 @@ class VerifierWorkerConfig:
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_waiting < 0:
             raise ValueError("max_running must be >= 1 and max_waiting >= 0")
+        for name in ("prefill_chunk", "max_step_tokens", "kv_bucket"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         check_dtype(self.dtype)
         if self.default_method not in METHODS:
             raise ValueError(f"unknown default_method {self.default_method!r} (choose from {', '.join(METHODS)})")
@@ -112,6 +123,7 @@ class _Entry:
     arrival: float
     method: str
     rounds: int = 0
+    started: bool = False    # entered a step (queue time observed)
     spec_stats: dict = field(default_factory=dict)
 
 
@@ -212,11 +224,14 @@ class VerifierWorker:
         self.draining = True
 
     def run_once(self, idle_timeout: float = 0.05) -> None:
-        """One loop iteration: recv -> schedule -> step -> send."""
+        """One loop iteration: recv -> schedule -> one batched step (every running request) -> send."""
         self._recv(block=not self._has_work(), timeout=idle_timeout)
         self._admit()
-        for rid in self._schedule():
-            self._step(rid)
+        order = self._schedule()
+        if order and hasattr(self.engine, "step_batch"):
+            self._step_batch(order)
+        elif order:  # an engine without batched steps: one request per iteration, round-robin
+            self._step(order[0])
         self._update_gauges()
         if not self._has_work():
             self._check_drafter()
@@ -288,18 +303,52 @@ class VerifierWorker:
             self._order.append(rid)
 
     def _schedule(self) -> list[str]:
-        """Requests to step now: the next one round-robin (a batch of one)."""
-        if not self._order:
-            return []
-        rid = self._order.popleft()
-        self._order.append(rid)
-        return [rid]
+        """Every running request in priority order, rotated one place per step: a step that cannot
+        hold them all (``max_step_tokens``) starts from a different request next time (no starvation)."""
+        order = list(self._order)
+        self._order.rotate(-1)
+        return order
+
+    def _step_batch(self, order: list[str]) -> None:
+        """One engine step for ``order``; each request's result is sent as its own chunk."""
+        try:
+            results = self.engine.step_batch(order, tree_knobs=self.tree_knobs())
+        except Exception as exc:  # the shared forward failed: the engine freed every request of the step
+            log.exception("batched step failed for %d requests", len(order))
+            for rid in order:
+                entry = self._running.get(rid)
+                if entry is not None:
+                    self._drop(rid)
+                    self._step_failed(entry, exc)
+            return
+        self._observe_step(getattr(self.engine, "last_step", None))
+        for rid, out in results.items():
+            entry = self._running[rid]
+            if not entry.started:
+                entry.started = True
+                self.metrics.queue.observe(time.monotonic() - entry.arrival)
+            if isinstance(out, BaseException):
+                self._drop(rid)
+                self._step_failed(entry, out)
+            elif out is not None:
+                self._deliver(rid, entry, out)
+
+    def _observe_step(self, st) -> None:
+        if st is None or not st.requests:
+            return
+        m = self.metrics
+        m.step_requests.observe(st.requests)
+        m.step_rows.observe(st.rows)
+        m.prefill_chunk_tokens.inc(st.prefill_tokens)
+        m.drafter_wait.inc(st.draft_seconds)
+        m.round_seconds.labels("step").observe(st.forward_seconds)
 
     def _step(self, rid: str) -> None:
         entry = self._running[rid]
         token = request_id_var.set(rid)
         try:
-            if entry.rounds == 0:
+            if not entry.started:
+                entry.started = True
                 self.metrics.queue.observe(time.monotonic() - entry.arrival)
             out = self.engine.step(rid, tree_knobs=self.tree_knobs())
         except Exception as exc:  # the engine already freed the request
@@ -308,6 +357,10 @@ class VerifierWorker:
             return
         finally:
             request_id_var.reset(token)
+        self._deliver(rid, entry, out)
+
+    def _deliver(self, rid: str, entry: _Entry, out) -> None:
+        """Count a request's round and send its chunk (dropping it first when it finished)."""
         entry.rounds += 1
         self._observe(entry, out)
         if out.finish_reason is not None:
@@ -352,6 +405,11 @@ class VerifierWorker:
     def _update_gauges(self) -> None:
         self.metrics.running.set(len(self._running))
         self.metrics.waiting.set(len(self._waiting))
+        free = getattr(self.engine, "num_free_slots", None)
+        if free is not None:
+            nfree = free()
+            self.metrics.kv_slots.labels("free").set(nfree)
+            self.metrics.kv_slots.labels("used").set(self.config.max_running - nfree)
         budget, width = self.tree_knobs() or (0, 0)
         self.metrics.scheduled_budget.set(budget)
         self.metrics.scheduled_width.set(width)
@@ -424,9 +482,15 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
                                          device=config.device)
     if drafter is not None and drafter.feature_dim and drafter.feature_dim != target.feature_dim:
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
-    engine = SpecEngine(target, drafter_client, EngineConfig(max_context=config.max_context or None),
+    engine_config = EngineConfig(max_context=config.max_context or None, max_running=config.max_running,
+                                 prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
+                                 kv_bucket=config.kv_bucket)
+    engine = SpecEngine(target, drafter_client, engine_config,
                         max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
                         drafter_max_position=(drafter.max_position or None) if drafter else None)
+    cache = engine.runner.cache
+    log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; pages committed as used)",
+             cache.num_slots, cache.capacity, cache.nbytes() / 2**30, config.dtype, config.device)
     budget = drafter.default_spec.budget if drafter is not None and drafter.default_spec is not None else None
     if config.packed_gemm and budget:
         target.pack_for_rounds(budget, engine.max_draft_depth)
