@@ -57,10 +57,8 @@ def _slot_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     k, v = cache.read(layer, p.slots, p.kv_length)  # [n, Hkv, L, Dh]
     safe = p.row_index.clamp(min=0)
     q = query[0].transpose(0, 1)[safe].transpose(1, 2)  # [n, Hq, Rm, Dh]
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.attn_mask, scale=kwargs.get("scaling"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.attn_mask, scale=kwargs.get("scaling"),
+                                         enable_gqa=k.shape[1] != q.shape[1])
     out = out.transpose(1, 2)[p.row_index >= 0]  # [R, Hq, Dh], flattened row order
     return out[None], None
 

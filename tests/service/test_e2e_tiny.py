@@ -218,6 +218,41 @@ def test_concurrent_identical_greedy_requests_agree(server):
     assert len(texts) == 1
 
 
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def test_concurrent_different_requests_share_steps_and_equal_plain_decoding(server):
+    """Different prompts, lengths and methods in flight together are verified in shared batched
+    steps (the verifier's requests-per-step histogram sees steps of more than one request), and
+    each greedy answer equals plain decoding of its prompt alone."""
+    from gateway.text import TextModel
+
+    tm = TextModel(server.target_dir)
+    prompts = ["Hello world", "The quick brown fox", "One two", "A much longer prompt about many things " * 3]
+    methods = ["ar", "dartree-pruned", "ddtree", "dflash"]
+    vurl = f"http://127.0.0.1:{server.metrics_ports[0]}/metrics"
+    before = httpx.get(vurl).text
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.base, timeout=60) as c:
+            return await asyncio.gather(*(c.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 24, "temperature": 0, "return_token_ids": True,
+                "speculative": {"method": m}}) for p, m in zip(prompts * 2, methods + methods[::-1])))
+
+    for r, p in zip(asyncio.run(go()), prompts * 2):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == _ar_reference(server.target_dir, tm.encode(p), 24)[
+            :len(r.json()["choices"][0]["token_ids"])]
+        assert r.json()["usage"]["completion_tokens"] == len(r.json()["choices"][0]["token_ids"])
+    after = httpx.get(vurl).text
+    steps = _metric(after, "dartree_step_requests_count") - _metric(before, "dartree_step_requests_count")
+    reqs = _metric(after, "dartree_step_requests_sum") - _metric(before, "dartree_step_requests_sum")
+    assert steps > 0 and reqs / steps > 1.5  # on average more than one request per forward
+    assert _metric(after, 'dartree_kv_slots{state="used"}') == 0
+
+
 @pytest.mark.parametrize("victim", ["dartree-drafter", "dartree-verifie"], ids=["drafter", "verifier"])
 def test_kill_9_of_a_worker_mid_stream_gives_a_clean_error_and_recovers(server, victim):
     old = server.child(victim)
