@@ -68,6 +68,7 @@ STEP_REQUESTS = "dartree_step_requests"
 STEP_ROWS = "dartree_step_rows"
 PREFILL_CHUNK_TOKENS = "dartree_prefill_chunk_tokens_total"
 DRAFTER_WAIT = "dartree_verifier_drafter_wait_seconds_total"
+DRAFTER_BUSY = "dartree_verifier_drafter_busy_seconds_total"
 KV_SLOTS = "dartree_kv_slots"
 STEP_REQUEST_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0)
 STEP_ROW_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
@@ -160,8 +161,9 @@ class VerifierMetrics:
                                    buckets=STEP_ROW_BUCKETS, registry=r)
         self.prefill_chunk_tokens = Counter(PREFILL_CHUNK_TOKENS, "Prompt tokens prefilled inside batched steps.",
                                             registry=r)
-        self.drafter_wait = Counter(DRAFTER_WAIT, "Seconds the verifier's steps waited on drafter calls.",
-                                    registry=r)
+        self.drafter_wait = Counter(DRAFTER_WAIT, "Seconds the verifier's steps waited for drafts.", registry=r)
+        self.drafter_busy = Counter(DRAFTER_BUSY, "Drafter compute seconds (draft + tree build) behind the "
+                                    "verifier's steps; 1 - wait / busy = the fraction hidden by overlap.", registry=r)
         self.kv_slots = Gauge(KV_SLOTS, "KV-cache slots by state (used / free).", ["state"], registry=r)
         self.ipc_errors = _ipc_errors(r)
         _info(r, role="verifier", **info)

@@ -2,6 +2,10 @@
 
 The in-process client calls :class:`services.drafter.service.DrafterService` directly (tests,
 ``dartree generate``); ``services.verifier.remote_drafter`` implements the same protocol over ZMQ.
+
+Besides the blocking ``draft``, a client may offer ``submit`` / ``collect`` / ``discard``: the
+draft is started at ``submit`` and its tree picked up at ``collect``, so the drafter works while the
+verifier runs another group's forward (the engine's overlap, ``EngineConfig.overlap``).
 """
 
 from __future__ import annotations
@@ -23,17 +27,42 @@ class DrafterClient(Protocol):
 
 
 class InprocDrafterClient:
-    """Calls a :class:`DrafterService` in the same process."""
+    """Calls a :class:`DrafterService` in the same process; ``submit`` runs the draft on one
+    background thread (torch releases the GIL inside its ops), in submission order."""
 
     def __init__(self, service):
         self.service = service
+        self._pool = None
 
     def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
               spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
+        if self._pool is not None:  # keep the service single-threaded once submit is in use
+            return self.collect(self.submit(request_id, committed_ids, features, root_token, start, spec, max_depth))
         return self.service.draft(request_id, committed_ids, features, root_token, start, spec, max_depth=max_depth)
 
+    def submit(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
+               spec, max_depth: int | None = None):
+        """Start a draft (same arguments as :meth:`draft`); returns a handle for :meth:`collect`."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="drafter")
+        return self._pool.submit(self.service.draft, request_id, list(committed_ids), features, root_token, start,
+                                 spec, max_depth=max_depth)
+
+    def collect(self, handle) -> tuple[DraftTree, dict[str, float]]:
+        """The tree of a submitted draft (waits for it; re-raises its error)."""
+        return handle.result()
+
+    def discard(self, handle) -> None:
+        """Forget a submitted draft (its result is dropped)."""
+        handle.cancel()
+
     def release(self, request_id: str) -> None:
-        self.service.release(request_id)
+        if self._pool is not None:  # after any draft of this request still queued
+            self._pool.submit(self.service.release, request_id)
+        else:
+            self.service.release(request_id)
 
     def info(self) -> dict:
         return self.service.info()

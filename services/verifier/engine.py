@@ -153,6 +153,7 @@ class _Request:
     ctx_ids: list[int] = field(default_factory=list)   # committed since the last draft (for the drafter)
     ctx_feats: torch.Tensor | None = None              # [len(ctx_ids), F]
     chunk_feats: list[torch.Tensor] = field(default_factory=list)
+    pending: object = None             # a submitted draft for the next round (overlap), or None
     prefill_seconds: float = 0.0
     generated: int = 0
     generator: torch.Generator | None = None
@@ -173,6 +174,10 @@ class EngineConfig:
         max_step_tokens: rows one step may hold in all (verify rows + prompt chunks); a step always
             holds at least one request.
         kv_bucket: a step's KV length is rounded up to a multiple of this (fewer shapes).
+        overlap: submit each request's next draft right after its commit (drafter clients with
+            ``submit`` / ``collect``), so the drafter drafts while the target verifies other
+            requests; the caller alternates groups of requests between steps (the verifier worker
+            does). Tokens are unchanged: the same draft is computed, only earlier.
     """
 
     max_context: int | None = None
@@ -180,6 +185,7 @@ class EngineConfig:
     prefill_chunk: int = 256
     max_step_tokens: int = 512
     kv_bucket: int = 64
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_chunk", "max_step_tokens", "kv_bucket"):
@@ -193,7 +199,9 @@ class StepStats:
 
     Attributes:
         requests: requests in the step; rows: rows of its forward; prefill_tokens: prompt-chunk rows;
-        forward_seconds: the target forward; draft_seconds: drafter calls (the verifier waits on them).
+        forward_seconds: the target forward; draft_seconds: the drafter's own compute for this step's
+        trees (draft + tree build, wherever it ran); draft_wait_seconds: how long this step waited for
+        them (with overlap, less than draft_seconds: the rest was hidden behind other forwards).
     """
 
     requests: int = 0
@@ -201,6 +209,7 @@ class StepStats:
     prefill_tokens: int = 0
     forward_seconds: float = 0.0
     draft_seconds: float = 0.0
+    draft_wait_seconds: float = 0.0
 
 
 @dataclass
@@ -214,6 +223,7 @@ class _Planned:
     tree: DraftTree | None = None
     timings: dict = field(default_factory=dict)
     final_chunk: bool = False
+    knobs: tuple[int, int] | None = None  # the step's tree_knobs (also used for an overlapped next draft)
 
 
 class SpecEngine:
@@ -290,6 +300,8 @@ class SpecEngine:
         if req is None:
             return
         self.runner.cache.free(req.slot)
+        if req.pending is not None and not isinstance(req.pending, BaseException):
+            self.drafter.discard(req.pending)
         if self.drafter is not None and req.spec.method != "ar" and req.decoding:
             self.drafter.release(request_id)
 
@@ -346,15 +358,16 @@ class SpecEngine:
                 n = min(self.config.prefill_chunk, len(req.prompt_ids) - req.prefilled, max(left, 1))
                 ids = req.prompt_ids[req.prefilled:req.prefilled + n]
                 plan.append(_Planned(rid, req, causal_segment(ids, req.prefilled, req.slot),
-                                     final_chunk=req.prefilled + n == len(req.prompt_ids)))
+                                     final_chunk=req.prefilled + n == len(req.prompt_ids), knobs=tree_knobs))
                 left -= n
         if not plan:
             return results
         draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in plan)
+        wait_s = sum(p.timings.get("draft_wait", 0.0) for p in plan)
         out = self._forward(plan)
         self.last_step = StepStats(len(plan), sum(p.segment.num_rows for p in plan),
                                    sum(p.segment.num_rows for p in plan if p.buffers is None),
-                                   plan[0].timings["verify"], draft_s)
+                                   plan[0].timings["verify"], draft_s, wait_s)
         for item, (logits, feats) in zip(plan, out):
             try:
                 results[item.rid] = self._finish(item, logits, feats)
@@ -425,14 +438,33 @@ class SpecEngine:
         timings: dict[str, float] = {}
         depth = self.draft_depth(req.start)
         tree = DraftTree.empty()
-        if req.spec.method != "ar" and depth > 0:
+        if req.pending is not None:
+            handle, req.pending = req.pending, None
+            if isinstance(handle, BaseException):
+                raise handle
+            tree, dt = self.drafter.collect(handle)
+            timings.update(dt)
+        elif req.spec.method != "ar" and depth > 0:
             tree, dt = self.drafter.draft(rid, req.ctx_ids, req.ctx_feats, req.root, req.start,
                                           _fill_knobs(req.spec, tree_knobs), max_depth=depth)
             timings.update(dt)
+        timings["draft_wait"] = time.perf_counter() - t0
         buffers = derive_buffers(tree, req.root)
         timings["_t0"] = t0
         seg = Segment(buffers.input_ids, buffers.position_offsets, buffers.tree_mask, req.start, req.slot)
-        return _Planned(rid, req, seg, buffers=buffers, tree=tree, timings=timings)
+        return _Planned(rid, req, seg, buffers=buffers, tree=tree, timings=timings, knobs=tree_knobs)
+
+    def _submit_next(self, rid: str, req: _Request, tree_knobs: tuple[int, int] | None) -> None:
+        """With overlap: start the request's next draft now (collected by its next round)."""
+        if not self.config.overlap or req.spec.method == "ar" or not hasattr(self.drafter, "submit"):
+            return
+        depth = self.draft_depth(req.start)
+        if depth > 0:
+            try:
+                req.pending = self.drafter.submit(rid, req.ctx_ids, req.ctx_feats, req.root, req.start,
+                                                  _fill_knobs(req.spec, tree_knobs), max_depth=depth)
+            except Exception as exc:  # this round's tokens still go out; the next round fails with it
+                req.pending = exc
 
     def _finish(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
         """Per request after the forward: the first token of a finished prefill, or walk + commit + emit."""
@@ -451,6 +483,8 @@ class SpecEngine:
         req.ctx_feats = feats[rows.to(feats.device)]
         req.start += rows.numel()
         req.root = res.bonus_token
+        if finish is None:
+            self._submit_next(item.rid, req, tree_knobs=item.knobs)
         t3 = time.perf_counter()
         n_acc = min(len(ids), len(accepted))
         t0 = timings.pop("_t0")
@@ -475,6 +509,8 @@ class SpecEngine:
         req.ctx_feats = torch.cat(req.chunk_feats) if len(req.chunk_feats) > 1 else req.chunk_feats[0]
         req.chunk_feats = []
         ids, finish = self._emit(req, [first])
+        if finish is None:
+            self._submit_next(item.rid, req, tree_knobs=item.knobs)
         dt = req.prefill_seconds + time.perf_counter() - t0
         return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True,
                            logprobs=self._logprobs(req, logits, torch.zeros(1, dtype=torch.long), ids))

@@ -72,6 +72,8 @@ class ZmqDrafterClient:
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._round = itertools.count(1)
         self._req_epoch: dict[str, str] = {}
+        self._pending: set[int] = set()      # round ids submitted and not yet collected
+        self._stash: dict[int, object] = {}  # replies of pending rounds that arrived early
 
     # ----------------------------------------------------------------------------- handshake
 
@@ -117,6 +119,17 @@ class ZmqDrafterClient:
             DrafterUnavailable: no reply by the deadline, disconnect, or the drafter restarted.
             DrafterError: the drafter reported an error for this request.
         """
+        return self.collect(self.submit(request_id, committed_ids, features, root_token, start, spec, max_depth))
+
+    def submit(self, request_id: str, committed_ids: list[int], features, root_token: int, start: int, spec,
+               max_depth: int | None = None) -> tuple[int, str, float]:
+        """Send a draft request now; :meth:`collect` its reply later (the drafter computes meanwhile).
+
+        Returns:
+            a handle ``(round id, request id, send time)``.
+        Raises:
+            DrafterUnavailable: the drafter restarted since this request's first draft.
+        """
         t0 = time.perf_counter()
         if self.peer is None:
             self._handshake(min(self.timeout_s, 2.0))
@@ -130,10 +143,26 @@ class ZmqDrafterClient:
         msg = DraftRequest(request_id, round_id, list(committed_ids), metas[0], int(root_token), int(start),
                            spec_msg, max_depth=max_depth)
         self._sock.send_multipart(encode(msg, frames), copy=False)
-        dec = self._wait(lambda d: d.type == MessageType.DRAFT_REPLY and d.msg.round_id == round_id,
-                         self.timeout_s, f"draft for {request_id}")
+        self._pending.add(round_id)
+        return round_id, request_id, t0
+
+    def collect(self, handle: tuple[int, str, float]):
+        """The ``(DraftTree, timings)`` of a submitted draft; the deadline counts from its submission.
+
+        Raises:
+            DrafterUnavailable, DrafterError: as :meth:`draft`.
+        """
+        round_id, request_id, t0 = handle
+        try:
+            dec = self._stash.pop(round_id, None)
+            if dec is None:
+                left = self.timeout_s - (time.perf_counter() - t0)
+                dec = self._wait(lambda d: d.type == MessageType.DRAFT_REPLY and d.msg.round_id == round_id,
+                                 left, f"draft for {request_id}", nominal_s=self.timeout_s)
+        finally:
+            self._pending.discard(round_id)
         reply: DraftReply = dec.msg
-        if reply.epoch != self.peer.epoch:
+        if self.peer is None or reply.epoch != self.peer.epoch:
             self.peer = None
             raise DrafterUnavailable("the drafter restarted; this request's drafter context is lost")
         if reply.error:
@@ -142,6 +171,11 @@ class ZmqDrafterClient:
         timings = dict(reply.timings)
         timings["ipc"] = max(0.0, time.perf_counter() - t0 - sum(timings.values()))
         return tree, timings
+
+    def discard(self, handle: tuple[int, str, float]) -> None:
+        """Forget a submitted draft: its reply is dropped when it arrives."""
+        self._pending.discard(handle[0])
+        self._stash.pop(handle[0], None)
 
     def release(self, request_id: str) -> None:
         """Forget a request's drafter context (fire and forget; idempotent)."""
@@ -177,8 +211,10 @@ class ZmqDrafterClient:
 
     # ------------------------------------------------------------------------------- internals
 
-    def _wait(self, match, timeout_s: float, what: str):
-        """The first received message satisfying ``match``; others (stale replies) are dropped."""
+    def _wait(self, match, timeout_s: float, what: str, nominal_s: float | None = None):
+        """The first received message satisfying ``match`` within ``timeout_s`` (``nominal_s``: the
+        deadline named in the error); replies of other submitted drafts are kept for their
+        :meth:`collect`, anything else (stale replies) is dropped."""
         deadline = time.monotonic() + timeout_s
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
@@ -187,7 +223,9 @@ class ZmqDrafterClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.peer = None
-                raise DrafterUnavailable(f"no answer from the drafter within {timeout_s:g} s ({what})")
+                self._pending.clear()
+                self._stash.clear()
+                raise DrafterUnavailable(f"no answer from the drafter within {nominal_s or timeout_s:g} s ({what})")
             events = dict(poller.poll(int(left * 1000) + 1))
             if self._monitor in events and zmq.EVENT_DISCONNECTED in drain_monitor(self._monitor):
                 self.peer = None
@@ -204,6 +242,8 @@ class ZmqDrafterClient:
                     continue
                 if match(dec):
                     return dec
+                if dec.type == MessageType.DRAFT_REPLY and dec.msg.round_id in self._pending:
+                    self._stash[dec.msg.round_id] = dec  # another submitted draft: keep it for its collect
 
     def _tree(self, reply: DraftReply, frames):
         from services.tree import DraftTree

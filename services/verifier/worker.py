@@ -62,6 +62,9 @@ class VerifierWorkerConfig:
             running requests' rounds); max_step_tokens: rows one step may hold (verify rows + chunks;
             requests beyond it wait for the next step, the order rotates so none starves);
             kv_bucket: a step reads the KV cache up to its longest context rounded up to this.
+        overlap: split the running requests into two groups that take turns: while the target
+            verifies one group, the drafter drafts the other's next trees (submitted right after
+            their commit). Same tokens; pays off when the drafter has its own core / GPU stream.
         default_method: method when a request names none (must be one the drafter serves).
         tree_schedule: load-dependent tree budget/width, ``"1:16x12,2:12x8,4:8x6,8:4x4"`` (``N:BxW`` =
             at >= N running requests, B nodes and width W; per round; only for requests that leave
@@ -88,6 +91,7 @@ class VerifierWorkerConfig:
     prefill_chunk: int = 256
     max_step_tokens: int = 512
     kv_bucket: int = 64
+    overlap: bool = False
     default_method: str = "dartree-pruned"
     tree_schedule: str = ""
     draft_timeout_s: float = 30.0
@@ -167,6 +171,8 @@ class VerifierWorker:
         self._waiting: deque[_Entry] = deque()
         self._running: dict[str, _Entry] = {}
         self._order: deque[str] = deque()  # round-robin order of running ids
+        self._group: dict[str, int] = {}   # overlap: the group (0 / 1) of each running id
+        self._turn = 0
         self._handlers = {MessageType.GENERATE: self._on_generate, MessageType.ABORT: self._on_abort}
 
     # ------------------------------------------------------------------------------ I/O thread
@@ -307,7 +313,22 @@ class VerifierWorker:
         hold them all (``max_step_tokens``) starts from a different request next time (no starvation)."""
         order = list(self._order)
         self._order.rotate(-1)
-        return order
+        if not self.config.overlap or len(order) < 2:
+            return order
+        sizes = [sum(1 for r in order if self._group.get(r) == g) for g in (0, 1)]
+        for r in order:  # newcomers join the smaller group
+            if r not in self._group:
+                self._group[r] = int(sizes[1] < sizes[0])
+                sizes[self._group[r]] += 1
+        for r in order:  # finished / aborted requests unbalance the groups: move one at a time
+            big = int(sizes[1] > sizes[0])
+            if sizes[big] - sizes[1 - big] <= 1:
+                break
+            if self._group[r] == big:
+                self._group[r] = 1 - big
+                sizes[big], sizes[1 - big] = sizes[big] - 1, sizes[1 - big] + 1
+        g, self._turn = self._turn, self._turn ^ 1
+        return [r for r in order if self._group[r] == g]
 
     def _step_batch(self, order: list[str]) -> None:
         """One engine step for ``order``; each request's result is sent as its own chunk."""
@@ -340,7 +361,8 @@ class VerifierWorker:
         m.step_requests.observe(st.requests)
         m.step_rows.observe(st.rows)
         m.prefill_chunk_tokens.inc(st.prefill_tokens)
-        m.drafter_wait.inc(st.draft_seconds)
+        m.drafter_wait.inc(st.draft_wait_seconds)
+        m.drafter_busy.inc(st.draft_seconds)
         m.round_seconds.labels("step").observe(st.forward_seconds)
 
     def _step(self, rid: str) -> None:
@@ -397,6 +419,7 @@ class VerifierWorker:
     def _drop(self, rid: str) -> None:
         if self._running.pop(rid, None) is not None:
             self._order.remove(rid)
+            self._group.pop(rid, None)
         self._update_gauges()
 
     def _error(self, entry: _Entry, status: int, message: str, param: str | None, code: str) -> None:
@@ -484,7 +507,7 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
     engine_config = EngineConfig(max_context=config.max_context or None, max_running=config.max_running,
                                  prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
-                                 kv_bucket=config.kv_bucket)
+                                 kv_bucket=config.kv_bucket, overlap=config.overlap)
     engine = SpecEngine(target, drafter_client, engine_config,
                         max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
                         drafter_max_position=(drafter.max_position or None) if drafter else None)

@@ -416,3 +416,55 @@ def test_new_verifier_epoch_drops_stale_drafter_contexts(sockdir):
         b.connect(wait_s=5)
         assert service.contexts == {}
         b.close()
+
+
+def test_overlap_schedule_alternates_two_balanced_groups():
+    """With ``overlap`` the running requests split into two groups that take turns (disjoint, covering
+    everyone every two steps, sizes differing by at most one), rebalanced when requests leave; without
+    it every running request is offered to every step, starting one place later each time."""
+    from services.verifier.worker import _Entry
+
+    def worker(overlap):
+        w = VerifierWorker(FakeEngine(), verifier_info(400, epoch=new_epoch()),
+                           VerifierWorkerConfig(drafter_endpoint="none", overlap=overlap), params=fake_params)
+        for rid in "abcde":
+            w._running[rid] = _Entry(b"", gen(rid), 0.0, "ar")
+            w._order.append(rid)
+        return w
+
+    plain = worker(False)
+    assert plain._schedule() == list("abcde") and plain._schedule() == list("bcdea")
+    w = worker(True)
+    for _ in range(3):
+        g1, g2 = w._schedule(), w._schedule()
+        assert set(g1) | set(g2) == set("abcde") and not set(g1) & set(g2)
+        assert abs(len(g1) - len(g2)) <= 1
+    for rid in [r for r in "abcde" if w._group[r] == 0]:
+        w._drop(rid)  # a whole group finishes: the rest must be split again
+    g1, g2 = w._schedule(), w._schedule()
+    assert g1 and g2 and not set(g1) & set(g2) and set(g1) | set(g2) == set(w._running)
+
+
+def test_submitted_drafts_are_collected_in_any_order_and_discarded_ones_dropped(sockdir):
+    """The overlap path over ZMQ: several drafts in flight at once, collected out of order (early
+    replies are kept for their collect, not dropped), a ping in between loses none, and a discarded
+    draft's late reply is dropped."""
+    torch = pytest.importorskip("torch")
+    service = FakeDrafterService()
+    with running_drafter(sockdir, service) as (worker, io, endpoint):
+        client = drafter_client(endpoint)
+        client.connect(wait_s=5)
+        hs = {rid: client.submit(rid, [7, 8], torch.randn(2, 8), 9, 2 + i, _spec(budget=3), max_depth=2)
+              for i, rid in enumerate(["a", "b", "c", "d"])}
+        assert client.ping()
+        client.discard(hs.pop("c"))
+        for rid in ["d", "a", "b"]:
+            tree, timings = client.collect(hs[rid])
+            assert tree.num_nodes == 2 and "draft" in timings
+        assert [c[0] for c in service.calls] == ["a", "b", "c", "d"]  # the drafter served them in order
+        for _ in range(100):  # c's reply arrives (or arrived) and is dropped, never stashed
+            client.ping(0.2)
+            if not client._pending and not client._stash:
+                break
+        assert not client._pending and not client._stash
+        client.close()
