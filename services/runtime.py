@@ -83,13 +83,30 @@ def start_metrics_server(port: int, host: str, registry) -> None:
         log.info("metrics on http://%s:%d/metrics", host, port)
 
 
-def on_stop_signals(handler: Callable[[int], None], supervised: bool) -> None:
-    """Call ``handler(signum)`` on SIGTERM (and SIGINT when run alone; a supervisor owns Ctrl-C)."""
+# What the supervisor sends its workers (never SIGTERM, so that a SIGTERM the whole process group
+# got as well is not counted twice): "drain" (idempotent) and "stop now" (the supervisor got a second signal).
+DRAIN_SIGNAL = signal.SIGUSR1
+STOP_NOW_SIGNAL = signal.SIGUSR2
+
+
+def on_stop_signals(handler: Callable[[int], None], supervised: bool, drain: Callable[[], None] | None = None,
+                    stop_now: Callable[[], None] | None = None) -> None:
+    """Install a worker's stop signals.
+
+    SIGTERM (and SIGINT when run alone; a supervisor owns Ctrl-C) calls ``handler(signum)``: the
+    first one drains, a second one stops now (the handler keeps that count). The supervisor's
+    :data:`DRAIN_SIGNAL` calls ``drain()`` (idempotent: never a "second signal") and its
+    :data:`STOP_NOW_SIGNAL` calls ``stop_now()``.
+    """
     signal.signal(signal.SIGTERM, lambda s, f: handler(s))
     if supervised:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     else:
         signal.signal(signal.SIGINT, lambda s, f: handler(s))
+    if drain is not None:
+        signal.signal(DRAIN_SIGNAL, lambda s, f: drain())
+    if stop_now is not None:
+        signal.signal(STOP_NOW_SIGNAL, lambda s, f: stop_now())
 
 
 def prepare_process(name: str, log_level: str, parent_pid: int | None) -> None:

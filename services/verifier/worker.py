@@ -213,6 +213,9 @@ class VerifierWorker:
         self.fail_all(503, "the server is shutting down", "shutdown")
 
     def begin_drain(self) -> None:
+        """Refuse new requests (503 ``draining``), finish the ones in the table, then leave the loop (idempotent)."""
+        if not self.draining:
+            log.info("draining: %d running, %d waiting", len(self._running), len(self._waiting))
         self.draining = True
 
     def run_once(self, idle_timeout: float = 0.05) -> None:
@@ -471,7 +474,7 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
         heartbeat = DrafterHeartbeat(drafter_client.endpoint, ctx, config.health_interval_s, DRAFTER_PING_TIMEOUT_S,
                                      worker.on_drafter_heartbeat).start()
     on_stop_signals(lambda signum: stop.set() if worker.draining else worker.begin_drain(),
-                    supervised=parent_pid is not None)
+                    supervised=parent_pid is not None, drain=worker.begin_drain, stop_now=stop.set)
     endpoint = config.verifier_endpoint or ipc_endpoint("verifier")
     io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
                   on_error=lambda reason: metrics.ipc_errors.labels("gateway").inc(),
