@@ -45,7 +45,9 @@ from services.verifier.schedule import check_tree_knobs
 from services.wire import Decoded
 
 log = logging.getLogger("drafter")
-DRAIN_IDLE_S = 1.0  # a draining drafter exits after this long without contexts and without drafts
+DRAIN_IDLE_S = 5.0  # a draining drafter exits after this long without contexts and without drafts (a queued
+# request of a draining verifier may still need one after its prefill; supervised, the drafter is told to stop
+# at once when the verifier is gone, so this never delays a server shutdown)
 
 
 @dataclass(frozen=True)
