@@ -185,14 +185,15 @@ MAX_AUTHORIZATION_BYTES = 4096
 def bearer_matches(values: list[bytes], key: bytes) -> bool:
     """Whether the ``Authorization`` header values carry exactly ``Bearer <key>``.
 
-    Exactly one header is accepted (two or more, whatever their order, are refused); the scheme is
-    case-insensitive and separated from the credentials by one or more spaces (RFC 7235); the
-    credentials are compared byte for byte, in constant time, with ``key`` (surrounding whitespace
-    is part of them, so a padded key does not match). Never raises, whatever the bytes.
+    Exactly one header is accepted (two or more, whatever their order, are refused); spaces and tabs
+    around the whole value are not part of it (RFC 7230 OWS: HTTP parsers drop them too); the scheme
+    is case-insensitive and separated from the credentials by one or more spaces (RFC 7235); the
+    credentials are compared byte for byte, in constant time, with ``key`` (any other byte, a tab
+    included, makes them differ). Never raises, whatever the bytes.
     """
     if len(values) != 1 or not key or len(values[0]) > MAX_AUTHORIZATION_BYTES:
         return False
-    scheme, sep, credentials = values[0].partition(b" ")
+    scheme, sep, credentials = values[0].strip(b" \t").partition(b" ")
     if not sep or scheme.lower() != b"bearer":
         return False
     return hmac.compare_digest(credentials.lstrip(b" "), key)

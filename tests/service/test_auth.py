@@ -37,6 +37,8 @@ REFUSED = {
     "prefix": [(b"authorization", f"Bearer {KEY[:-1]}".encode())],
     "suffix": [(b"authorization", f"Bearer {KEY}x".encode())],
     "inner-tab": [(b"authorization", f"Bearer \t{KEY}".encode())],
+    "key-padded-inside": [(b"authorization", f"Bearer {KEY}\t{KEY}".encode())],
+    "nul": [(b"authorization", f"Bearer {KEY}".encode() + b"\x00")],
     "two-tokens": [(b"authorization", f"Bearer {KEY} {KEY}".encode())],
     "non-ascii": [(b"authorization", f"Bearer {KEY}".encode() + b"\xc3\xa9")],
     "latin1-byte": [(b"authorization", b"Bearer \xff" + KEY.encode())],
@@ -49,6 +51,7 @@ ACCEPTED = {
     "upper-scheme": f"BEARER {KEY}",
     "mixed-scheme": f"bEaReR {KEY}",
     "two-spaces": f"Bearer  {KEY}",
+    "surrounding-ows": f" Bearer {KEY}\t ",  # optional whitespace around a field value is not part of it
 }
 # every route of the API and variants of its paths; none may answer without the key
 PROTECTED = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
