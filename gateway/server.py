@@ -71,6 +71,7 @@ class _DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._app, self._drain_timeout_s = app, drain_timeout_s
         self._drain_task: asyncio.Task | bool | None = None
+        self._terms = 0  # SIGTERM/SIGINT received (the supervisor's drain signal is not counted)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -91,7 +92,8 @@ class _DrainingServer(uvicorn.Server):
         if sig not in (signal.SIGTERM, signal.SIGINT, DRAIN_SIGNAL, STOP_NOW_SIGNAL):
             return super().handle_exit(sig, frame)
         loop = asyncio.get_event_loop()
-        second = self._drain_task is not None and sig in (signal.SIGTERM, signal.SIGINT)
+        self._terms += sig in (signal.SIGTERM, signal.SIGINT)
+        second = sig in (signal.SIGTERM, signal.SIGINT) and self._terms > 1
         if sig == STOP_NOW_SIGNAL or second:
             # end the in-flight requests now (error event / 503), the drain then completes
             log.warning("%s: ending the requests still in flight",

@@ -281,9 +281,7 @@ def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = No
     stop = threading.Event()
     ctx = zmq.Context()
     worker = DrafterWorker(service, info, transport, metrics)
-    drain = lambda: worker.begin_drain(config.drain_timeout_s)  # noqa: E731
-    on_stop_signals(lambda signum: stop.set() if worker.draining else drain(), supervised=parent_pid is not None,
-                    drain=drain, stop_now=stop.set)
+    on_stop_signals(lambda: worker.begin_drain(config.drain_timeout_s), stop.set, supervised=parent_pid is not None)
     endpoint = config.drafter_endpoint or ipc_endpoint("drafter")
     io = ServerIO(ctx, endpoint, "drafter", on_message=worker.on_io_message,
                   on_error=lambda reason: metrics.ipc_errors.labels("verifier").inc(),

@@ -473,8 +473,7 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
 
         heartbeat = DrafterHeartbeat(drafter_client.endpoint, ctx, config.health_interval_s, DRAFTER_PING_TIMEOUT_S,
                                      worker.on_drafter_heartbeat).start()
-    on_stop_signals(lambda signum: stop.set() if worker.draining else worker.begin_drain(),
-                    supervised=parent_pid is not None, drain=worker.begin_drain, stop_now=stop.set)
+    on_stop_signals(worker.begin_drain, stop.set, supervised=parent_pid is not None)
     endpoint = config.verifier_endpoint or ipc_endpoint("verifier")
     io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
                   on_error=lambda reason: metrics.ipc_errors.labels("gateway").inc(),
