@@ -117,7 +117,6 @@ def test_generated_and_prompt_counters_match_what_clients_got(count_server):
     async def go():
         async with httpx.AsyncClient(base_url=base, timeout=120) as client:
             blockers = [asyncio.ensure_future(_run(client, "/v1/completions", blocker)) for _ in range(2)]
-            await _wait_waiting(count_server, 0)
             while True:  # both slots taken
                 v = (await client.get(f"http://127.0.0.1:{count_server.metrics_ports[0]}/metrics")).text
                 if metric_total(v, "dartree_num_requests_running") >= 2:
