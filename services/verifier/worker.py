@@ -65,8 +65,8 @@ class VerifierWorkerConfig:
             rounds are not batched here, so it trades tokens/s for latency (``services/verifier/schedule.py``).
         draft_timeout_s: deadline of one drafter round trip; drafter_wait_s: how long to wait for the
             drafter at start; health_interval_s: period of the drafter heartbeat (a thread of its own,
-            so a hung drafter makes the verifier unready within ``health_interval_s`` + 1 s even
-            while requests run).
+            so a hung drafter makes the verifier unready within ``health_interval_s`` + 2 s even
+            while requests run; ``DrafterHeartbeat``).
         drain_timeout_s: on SIGTERM, how long running requests may finish.
         cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC pool for features (CUDA devices only).
         packed_gemm: on a float32 CPU, pre-pack the target's GEMM weights for a verify of the

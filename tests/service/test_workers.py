@@ -451,7 +451,7 @@ def test_drafter_heartbeat_runs_off_the_compute_thread_and_sees_a_hang_and_a_dra
         worker.begin_drain(60)
         assert _wait_for(lambda: seen[-1] == (False, "the drafter is draining"))
         io.close()  # nothing answers any more
-        assert _wait_for(lambda: not seen[-1][0] and "did not answer" in seen[-1][1])
+        assert _wait_for(lambda: not seen[-1][0] and "did not answer 2 pings" in seen[-1][1])
         hb.close()
         client.close()
         ctx.destroy(linger=0)
