@@ -198,6 +198,7 @@ def bearer_matches(values: list[bytes], key: bytes) -> bool:
         return False
     return hmac.compare_digest(credentials.lstrip(b" "), key)
 
+
 class BodyTimeoutMiddleware:
     """Pure ASGI: a request whose body is not complete ``timeout_s`` after its headers gets a 408.
 

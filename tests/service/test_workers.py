@@ -437,7 +437,8 @@ def test_drafter_heartbeat_runs_off_the_compute_thread_and_sees_a_hang_and_a_dra
     seen: list[tuple[bool, str]] = []
     with running_drafter(sockdir, FakeDrafterService(hang_s=1.5)) as (worker, io, endpoint):
         ctx = zmq.Context()
-        hb = DrafterHeartbeat(endpoint, ctx, interval_s=0.1, timeout_s=0.3, on_result=lambda ok, d: seen.append((ok, d)))
+        hb = DrafterHeartbeat(endpoint, ctx, interval_s=0.1, timeout_s=0.3,
+                              on_result=lambda ok, d: seen.append((ok, d)))
         hb.start()
         client = drafter_client(endpoint)
         client.connect(wait_s=5)
