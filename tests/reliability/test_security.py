@@ -286,7 +286,8 @@ def _raw(base: str, header_lines: list[bytes]) -> tuple[int, bytes]:
 
 def test_authorization_header_variants_over_real_http(rel_server):
     """Issue 17 class 1 through uvicorn's parser: duplicate headers in both orders are refused, the
-    scheme is case-insensitive, odd bytes and huge headers are a 4xx (never a 500 or a completion)."""
+    scheme is case-insensitive, odd bytes and huge headers are a 401 in the OpenAI shape (never a 500
+    or a completion)."""
     good, bad = f"Bearer {API_KEY}".encode(), b"Bearer wrong"
     for lines in ([b"Authorization: " + bad, b"Authorization: " + good],
                   [b"Authorization: " + good, b"Authorization: " + bad],
@@ -294,10 +295,8 @@ def test_authorization_header_variants_over_real_http(rel_server):
                   [b"Authorization: " + good + b"\xc3\xa9"], [b"Authorization: Bearer \xff\xfe"],
                   [b"Authorization: Bearer " + b"k" * 8000], [b"Authorization: Bearer " + b"k" * 200_000]):
         status, body = _raw(rel_server.base, lines)
-        assert status in (400, 401, 431), (lines[0][:60], status, body[:200])
-        assert b'"choices"' not in body
-        if status == 401:
-            assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+        assert status == 401, (lines[0][:60], status, body[:200])
+        assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
     for scheme in (b"bearer", b"BEARER", b"Bearer"):
         status, body = _raw(rel_server.base, [b"Authorization: " + scheme + b" " + API_KEY.encode()])
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4, (scheme, status, body[:200])
