@@ -127,7 +127,8 @@ def _error_handlers(app: FastAPI) -> None:
 
 
 class EdgeMiddleware:
-    """Pure ASGI (streaming-safe): validates/assigns X-Request-Id, echoes it, checks the API key."""
+    """Pure ASGI (streaming-safe): validates/assigns X-Request-Id, echoes it, checks the API key
+    (:meth:`_authorized`: a 401 in the OpenAI error shape before any route runs)."""
 
     def __init__(self, app, api_key: str = "", metrics_auth: bool = False):
         self.app, self.api_key, self.metrics_auth = app, api_key.encode(), metrics_auth
@@ -148,7 +149,7 @@ class EdgeMiddleware:
         scope.setdefault("state", {})["request_id"] = rid
         token = request_id_var.set(rid)
         try:
-            if not self._authorized(scope["path"], headers.get(b"authorization", b"")):
+            if not self._authorized(scope["path"], scope["headers"]):
                 err = ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", None,
                                "invalid_api_key")
                 return await _send_error(err, scope, receive, send, rid)
@@ -162,11 +163,40 @@ class EdgeMiddleware:
         finally:
             request_id_var.reset(token)
 
-    def _authorized(self, path: str, auth: bytes) -> bool:
+    def _authorized(self, path: str, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether a request to ``path`` with these raw ASGI headers may pass (see :func:`bearer_matches`).
+
+        With a key set, every path needs it except :data:`OPEN_PATHS` (and ``/metrics`` unless
+        ``metrics_auth``): unknown paths, path variants and every method (HEAD, OPTIONS) included.
+        """
         if not self.api_key:
             return True
-        protected = path.startswith("/v1/") or (self.metrics_auth and path == "/metrics")
-        return not protected or hmac.compare_digest(auth, b"Bearer " + self.api_key)
+        if path in OPEN_PATHS or (path == "/metrics" and not self.metrics_auth):
+            return True
+        return bearer_matches([v for k, v in headers if k.lower() == b"authorization"], self.api_key)
+
+
+# Paths served without the API key: health (for orchestrators) and the API's own description.
+OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/health/generate", "/openapi.json", "/docs",
+                        "/docs/oauth2-redirect", "/redoc"})
+MAX_AUTHORIZATION_BYTES = 4096
+
+
+def bearer_matches(values: list[bytes], key: bytes) -> bool:
+    """Whether the ``Authorization`` header values carry exactly ``Bearer <key>``.
+
+    Exactly one header is accepted (two or more, whatever their order, are refused); spaces and tabs
+    around the whole value are not part of it (RFC 7230 OWS: HTTP parsers drop them too); the scheme
+    is case-insensitive and separated from the credentials by one or more spaces (RFC 7235); the
+    credentials are compared byte for byte, in constant time, with ``key`` (any other byte, a tab
+    included, makes them differ). Never raises, whatever the bytes.
+    """
+    if len(values) != 1 or not key or len(values[0]) > MAX_AUTHORIZATION_BYTES:
+        return False
+    scheme, sep, credentials = values[0].strip(b" \t").partition(b" ")
+    if not sep or scheme.lower() != b"bearer":
+        return False
+    return hmac.compare_digest(credentials.lstrip(b" "), key)
 
 
 class BodyTimeoutMiddleware:

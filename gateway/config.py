@@ -27,7 +27,8 @@ class GatewayConfig:
         request_timeout_s: a request still running after this is aborted (504 or error event).
         health_generate_timeout_s: deadline of the ``/health/generate`` probe's generation (503 beyond).
         drain_timeout_s: on SIGTERM, how long in-flight requests may finish (new ones get 503).
-        ping_interval_s, ping_timeout_s: verifier liveness probing (readiness and fail-fast).
+        ping_interval_s, ping_timeout_s: verifier liveness probing: a verifier that answered no ping for
+            ``ping_timeout_s`` makes readiness false and fails the requests in flight (fail-fast).
         retry_after_s: ``Retry-After`` sent with 429.
         sse_keepalive_s: idle SSE streams get a comment line this often.
         log_level: python logging level name.
@@ -51,7 +52,7 @@ class GatewayConfig:
     health_generate_timeout_s: float = 10.0
     drain_timeout_s: float = 30.0
     ping_interval_s: float = 1.0
-    ping_timeout_s: float = 5.0
+    ping_timeout_s: float = 3.0
     retry_after_s: int = 1
     sse_keepalive_s: float = 15.0
     log_level: str = "INFO"

@@ -154,7 +154,7 @@ class _QueueClient(EngineClient):
 class ZmqEngineClient(_QueueClient):
     """DEALER to the verifier's ROUTER, driven by three tasks: reader, pinger, connection monitor."""
 
-    def __init__(self, endpoint: str, local: PeerInfo, ping_interval_s: float = 1.0, ping_timeout_s: float = 5.0):
+    def __init__(self, endpoint: str, local: PeerInfo, ping_interval_s: float = 1.0, ping_timeout_s: float = 3.0):
         super().__init__()
         self.endpoint, self.local = endpoint, local
         self.ping_interval_s, self.ping_timeout_s = ping_interval_s, ping_timeout_s

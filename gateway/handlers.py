@@ -134,7 +134,6 @@ class Gateway:
         except ApiError as err:
             self.metrics.rejected.labels(_reject_reason(err.status)).inc()
             raise
-        self.metrics.prompt_tokens.inc(len(prep.gen.prompt_ids))
         log.info("%s: %d prompt tokens, max_tokens %d, stream %s, spec %s", kind, len(prep.gen.prompt_ids),
                  prep.gen.sampling.max_tokens, prep.stream, prep.gen.spec.method or "default")
         lease = _Lease(self)
@@ -147,7 +146,9 @@ class Gateway:
                                         media_type="text/event-stream", headers=headers)
                 lease = None  # handed to the response
                 return response
-            return JSONResponse(await _race_disconnect(request, self._collect(prep, deltas), self._cut_waiter))
+            body = await _race_disconnect(request, self._collect(prep, deltas), self._cut_waiter)
+            self.metrics.generation_tokens.inc(body["usage"]["completion_tokens"])  # handed to the client
+            return JSONResponse(body)
         except _Disconnected:
             return Response(status_code=499)
         except EngineError as err:
@@ -172,7 +173,9 @@ class Gateway:
     # --------------------------------------------------------------------------------- running
 
     async def _deltas(self, prep: Prepared) -> AsyncIterator[Delta]:
-        """Rounds -> deltas (stop strings applied); records latency metrics and the finish reason."""
+        """Rounds -> deltas (stop strings applied); records latency metrics, the finish reason and the
+        prompt tokens (when the first round arrives: the verifier ran the prefill). The generated
+        tokens are counted where the response hands them to the client (:meth:`handle`, :meth:`_sse`)."""
         text = CompletionText(self.text, prep.gen.prompt_ids, prep.stop)
         deadline = prep.arrival + self.config.request_timeout_s if self.config.request_timeout_s else None
         chunks = self.engine.generate(prep.gen, deadline=deadline)
@@ -183,6 +186,7 @@ class Gateway:
                 now = time.monotonic()
                 if last is None:
                     self.metrics.ttft.observe(now - prep.arrival)
+                    self.metrics.prompt_tokens.inc(len(prep.gen.prompt_ids))  # the first round is the prefill's
                 else:
                     self.metrics.itl.observe(now - last)
                 last = now
@@ -205,7 +209,6 @@ class Gateway:
         finally:
             await chunks.aclose()
             self.metrics.requests.labels(finish or "abort").inc()
-            self.metrics.generation_tokens.inc(text.num_tokens)
             self.metrics.e2e.observe(time.monotonic() - prep.arrival)
             log.info("finished: %s, %d completion tokens, %.3f s", finish or "abort", text.num_tokens,
                      time.monotonic() - prep.arrival)
@@ -245,7 +248,9 @@ class Gateway:
                     carried += d.tokens  # tokens of a delta without text (none expected) ride with the next event
                     text = (prep.prompt_text if prep.echo and not sent_first else "") + d.text
                     if text or d.finish_reason or not sent_first:
+                        sent = len(carried)
                         yield _event(self._chunk(prep, text, d, carried, first_event=not sent_first))
+                        self.metrics.generation_tokens.inc(sent)  # the event was written to the client
                         sent_first, carried = True, []
                     if d.finish_reason:
                         break

@@ -3,13 +3,19 @@
 On SIGTERM/SIGINT the gateway keeps listening but answers new requests with 503 (readiness goes
 false), lets in-flight requests finish for up to ``drain_timeout_s``, then ends the ones still
 running (streams: a ``server_shutdown`` error event and ``[DONE]``; others: a 503) and stops uvicorn.
+A second SIGTERM/SIGINT ends them at once. The supervisor's drain signal
+(:data:`services.runtime.DRAIN_SIGNAL`) starts the same drain but never counts as a second signal
+(a SIGTERM sent to the whole process group reaches the gateway too); its stop-now signal
+(:data:`services.runtime.STOP_NOW_SIGNAL`) ends the in-flight requests at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import threading
 from pathlib import Path
 
 import uvicorn
@@ -19,6 +25,7 @@ from gateway.config import GatewayConfig
 from gateway.engine_client import ZmqEngineClient
 from gateway.text import TextModel
 from services.protocol import PeerInfo
+from services.runtime import DRAIN_SIGNAL, STOP_NOW_SIGNAL
 from services.wire import ipc_endpoint, new_epoch
 
 log = logging.getLogger("gateway")
@@ -64,18 +71,37 @@ class _DrainingServer(uvicorn.Server):
         super().__init__(config)
         self._app, self._drain_timeout_s = app, drain_timeout_s
         self._drain_task: asyncio.Task | bool | None = None
+        self._terms = 0  # SIGTERM/SIGINT received (the supervisor's drain signal is not counted)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """uvicorn's SIGTERM/SIGINT handling plus the supervisor's drain and stop-now signals."""
+        if threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        extra = {sig: signal.signal(sig, self.handle_exit) for sig in (DRAIN_SIGNAL, STOP_NOW_SIGNAL)}
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            for sig, handler in extra.items():
+                signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame) -> None:
-        if sig not in (signal.SIGTERM, signal.SIGINT):
+        if sig not in (signal.SIGTERM, signal.SIGINT, DRAIN_SIGNAL, STOP_NOW_SIGNAL):
             return super().handle_exit(sig, frame)
         loop = asyncio.get_event_loop()
-        if self._drain_task is not None:
-            # a second signal: end the in-flight requests now (error event / 503), the drain then completes
-            log.warning("second stop signal: ending the requests still in flight")
+        self._terms += sig in (signal.SIGTERM, signal.SIGINT)
+        second = sig in (signal.SIGTERM, signal.SIGINT) and self._terms > 1
+        if sig == STOP_NOW_SIGNAL or second:
+            # end the in-flight requests now (error event / 503), the drain then completes
+            log.warning("%s: ending the requests still in flight",
+                        "second stop signal" if second else "told to stop now")
             loop.call_soon_threadsafe(self._app.state.gateway.cut_in_flight)
-            return
-        self._drain_task = True  # set before the task exists: a second signal must not start another
-        loop.call_soon_threadsafe(lambda: setattr(self, "_drain_task", loop.create_task(self._drain())))
+        if self._drain_task is None:
+            self._drain_task = True  # set before the task exists: a second signal must not start another
+            loop.call_soon_threadsafe(lambda: setattr(self, "_drain_task", loop.create_task(self._drain())))
 
     async def _drain(self) -> None:
         gw = self._app.state.gateway

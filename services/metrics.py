@@ -12,9 +12,21 @@ owns a disjoint set and exports it from its own registry:
   ``dartree_generation_tokens_total``, ``dartree_rejected_requests_total{reason}``;
 - drafter: ``dartree_drafter_*``; every process: ``dartree_ipc_errors_total{peer}``, ``dartree_info``.
 
-Counting convention: spec counters count only tokens actually *emitted* (after EOS, stop ids and
-max_tokens cut a round). ``accept_length`` counts accepted draft tokens (bonus excluded); the
-acceptance-length histogram observes tokens emitted per round (bonus included), so its mean is tau.
+Counting convention (README "Metrics"; held by ``tests/reliability/test_counters.py``):
+
+- ``dartree_generation_tokens_total`` (gateway) counts the completion tokens handed to clients:
+  ``usage.completion_tokens`` of each non-streamed response, the tokens of each stream event
+  written. The sum of ``usage.completion_tokens`` over requests equals its rise exactly (a stream
+  its client closes counts the events written before).
+- ``dartree_prompt_tokens_total`` (gateway) counts a request's prompt tokens when its first round
+  comes back, i.e. once the verifier ran its prefill (requests closed while queued add nothing).
+- The verifier's spec counters count the tokens the verifier emitted in *speculative rounds* (after
+  EOS, stop ids and max_tokens cut a round). The prefill's first token is in none of them, and the
+  verifier does not know stop strings or disconnects: tokens of rounds it ran before the gateway's
+  abort arrived are counted too. So for requests that no stop string or disconnect cut,
+  ``completion_tokens == 1 + sum over its rounds of tokens emitted``. ``accept_length`` counts
+  accepted draft tokens (bonus excluded); the acceptance-length histogram observes tokens emitted
+  per round (bonus included), so its mean is tau, the verifier's tokens per round.
 
 PromQL recipes (windows are examples)::
 
@@ -197,8 +209,10 @@ class GatewayMetrics:
                              registry=r)
         self.e2e = Histogram(E2E, "Arrival at the gateway to the last token.", buckets=E2E_BUCKETS, registry=r)
         self.requests = Counter(REQUESTS, "Finished requests by finish reason.", ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens of admitted requests.", registry=r)
-        self.generation_tokens = Counter(GENERATION_TOKENS, "Completion tokens returned (usage).", registry=r)
+        self.prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens of requests whose prefill ran "
+                                     "(counted when the first round arrives).", registry=r)
+        self.generation_tokens = Counter(GENERATION_TOKENS, "Completion tokens handed to clients (usage of "
+                                         "non-streamed responses, tokens of written stream events).", registry=r)
         self.rejected = Counter(REJECTED, "Requests refused before generation, by reason.", ["reason"], registry=r)
         self.in_flight = Gauge("dartree_gateway_requests_in_flight", "Requests the gateway is serving.",
                                registry=r)

@@ -83,13 +83,27 @@ def start_metrics_server(port: int, host: str, registry) -> None:
         log.info("metrics on http://%s:%d/metrics", host, port)
 
 
-def on_stop_signals(handler: Callable[[int], None], supervised: bool) -> None:
-    """Call ``handler(signum)`` on SIGTERM (and SIGINT when run alone; a supervisor owns Ctrl-C)."""
-    signal.signal(signal.SIGTERM, lambda s, f: handler(s))
-    if supervised:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    else:
-        signal.signal(signal.SIGINT, lambda s, f: handler(s))
+# What the supervisor sends its workers (never SIGTERM, so that a SIGTERM the whole process group
+# got as well is not counted twice): "drain" (idempotent) and "stop now" (the supervisor got a second signal).
+DRAIN_SIGNAL = signal.SIGUSR1
+STOP_NOW_SIGNAL = signal.SIGUSR2
+
+
+def on_stop_signals(drain: Callable[[], None], stop_now: Callable[[], None], supervised: bool) -> None:
+    """Install a worker's stop signals: ``drain()`` on the first SIGTERM (and SIGINT when run alone;
+    a supervisor owns Ctrl-C) and on the supervisor's :data:`DRAIN_SIGNAL` (idempotent: it never
+    counts as a second signal); ``stop_now()`` on a second SIGTERM/SIGINT and on :data:`STOP_NOW_SIGNAL`.
+    """
+    count = [0]
+
+    def on_term(signum, frame) -> None:
+        count[0] += 1
+        (drain if count[0] == 1 else stop_now)()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if supervised else on_term)
+    signal.signal(DRAIN_SIGNAL, lambda s, f: drain())
+    signal.signal(STOP_NOW_SIGNAL, lambda s, f: stop_now())
 
 
 def prepare_process(name: str, log_level: str, parent_pid: int | None) -> None:

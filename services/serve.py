@@ -21,6 +21,14 @@ error line; after that a dead worker is restarted (its in-flight requests end wi
 the peers detect the disconnect). On SIGINT/SIGTERM it drains the gateway (503 for new requests,
 in-flight ones finish within ``drain_timeout_s``, then end with a ``server_shutdown`` error) before
 stopping the workers; a second signal ends the in-flight requests at once.
+
+Signals between processes: the supervisor tells a worker to drain with
+:data:`services.runtime.DRAIN_SIGNAL` and to stop now with :data:`~services.runtime.STOP_NOW_SIGNAL`,
+never with SIGTERM, so a SIGTERM that reaches every process (systemd ``KillMode=control-group``, a
+container runtime signalling the group) is one "drain" everywhere: each worker's own first SIGTERM
+drains (the gateway finishes its requests, the verifier its table, the drafter keeps drafting until
+no request needs it) and nothing counts it twice. A SIGTERM to one worker alone drains that worker
+(in-flight requests finish, new ones get 503 meanwhile); it then exits 0 and is restarted.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from pathlib import Path
 from gateway.config import GatewayConfig
 from services.drafter.worker import DrafterWorkerConfig
 from services.protocol import METHODS
-from services.runtime import DTYPES
+from services.runtime import DRAIN_SIGNAL, DTYPES, STOP_NOW_SIGNAL
 from services.verifier.worker import VerifierWorkerConfig
 
 log = logging.getLogger("dartree.serve")
@@ -236,6 +244,7 @@ def _child_main(entry: typing.Callable, config, parent_pid: int, errors) -> None
     """Run a worker ``entry``; a failure is sent to the supervisor as one line (``errors``: a pipe end)."""
     try:
         entry(config, parent_pid)
+        _ignore_stop_signals()  # stopped: a late drain/stop signal must not kill the exit (code 0)
     except SystemExit as e:
         if e.code not in (None, 0):
             _report(errors, error_line(e) if not isinstance(e.code, int) else f"exited with code {e.code}")
@@ -248,6 +257,14 @@ def _child_main(entry: typing.Callable, config, parent_pid: int, errors) -> None
             raise  # a bug: its traceback belongs in the log
         logging.getLogger("dartree.serve").error("%s", error_line(e))
         raise SystemExit(2) from None
+
+
+def _ignore_stop_signals() -> None:
+    """Ignore SIGTERM and the supervisor's signals from now on: Python restores the default action
+    (terminate) of signals it handled while the interpreter shuts down, so a signal arriving then
+    would turn a clean exit into "killed by a signal"."""
+    for sig in (signal.SIGTERM, DRAIN_SIGNAL, STOP_NOW_SIGNAL):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _report(errors, line: str) -> None:
@@ -352,14 +369,17 @@ class Supervisor:
     def _on_signal(self, signum, frame) -> None:
         self._signals += 1
         if self._signals > 1:
-            # stop now: a second SIGTERM makes the worker being stopped skip the rest of its drain (the
-            # gateway ends its in-flight requests with a server_shutdown error); no SIGKILL needed
+            # stop now: the worker being stopped skips the rest of its drain (the gateway ends its
+            # in-flight requests with a server_shutdown error); no SIGKILL needed
             log.warning("second signal: stopping now")
-            child = self._current
-            if child is not None and child.proc is not None and child.proc.is_alive():
-                with contextlib.suppress(OSError):
-                    os.kill(child.proc.pid, signal.SIGTERM)
+            self._tell(self._current, STOP_NOW_SIGNAL)
         self._stopping = True
+
+    @staticmethod
+    def _tell(child: "_Child | None", sig: int) -> None:
+        if child is not None and child.proc is not None and child.proc.is_alive():
+            with contextlib.suppress(OSError):
+                os.kill(child.proc.pid, sig)
 
     def _reap(self) -> bool:
         """Restart dead children; ``False`` when one died too often.
@@ -390,25 +410,26 @@ class Supervisor:
         return True
 
     def shutdown(self) -> None:
-        """Drain the gateway first (in-flight requests finish), then stop the workers."""
+        """Drain the gateway first (in-flight requests finish), then the verifier, then stop the drafter
+        (its only client is gone by then). Workers get the drain / stop-now signals, never SIGTERM."""
         self._stopping = True
         order = ["gateway", "verifier", "drafter"]
         budgets = {"gateway": self.sup.drain_timeout_s + 10, "verifier": 15.0, "drafter": 10.0}
         for name in order:
             child = self.children.get(name)
-            if child is None or child.proc is None or not child.proc.is_alive():
+            if child is None or child.proc is None:
                 continue
-            log.info("stopping %s", name)
-            self._current = child
-            child.proc.terminate()
-            if self._signals > 1:  # already told to stop now
-                time.sleep(0.05)
-                child.proc.terminate()
-            child.proc.join(budgets[name])
             if child.proc.is_alive():
-                log.warning("%s did not stop in time; killing it", name)
-                child.proc.kill()
-                child.proc.join(5)
+                log.info("stopping %s", name)
+                self._current = child
+                now = self._signals > 1 or name == "drafter"  # told to stop now / nothing left to draft for
+                self._tell(child, STOP_NOW_SIGNAL if now else DRAIN_SIGNAL)
+                child.proc.join(budgets[name])
+                if child.proc.is_alive():
+                    log.warning("%s did not stop in time; killing it", name)
+                    child.proc.kill()
+                    child.proc.join(5)
+            log.info("%s exited with code %s", name, child.proc.exitcode)
 
 
 def _default_drafter_present() -> bool:

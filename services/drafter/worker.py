@@ -4,6 +4,12 @@ Loop (R11): recv (inbox queue) -> dispatch by message type (HELLO, DRAFT, RELEAS
 send (through the I/O thread). PINGs are answered on the I/O thread so liveness never waits behind
 a draft. A malformed message is logged, counted and dropped; an exception inside a draft becomes an
 error reply for that request only. Torch is imported by :func:`run_drafter_process`, not at import.
+
+Stopping: the first SIGTERM (or the supervisor's drain signal) drains: the drafter keeps serving
+drafts (the verifier may be draining its requests) but answers pings "not ready" (so no new
+request is admitted), and exits once no request holds a context and no draft came for
+:data:`DRAIN_IDLE_S`, or at ``drain_timeout_s``; a second SIGTERM (or the supervisor's stop-now
+signal) stops it at once.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +45,9 @@ from services.verifier.schedule import check_tree_knobs
 from services.wire import Decoded
 
 log = logging.getLogger("drafter")
+DRAIN_IDLE_S = 5.0  # a draining drafter exits after this long without contexts and without drafts (a queued
+# request of a draining verifier may still need one after its prefill; supervised, the drafter is told to stop
+# at once when the verifier is gone, so this never delays a server shutdown)
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,7 @@ class DrafterWorkerConfig:
             (``services/cpu_gemm.py``: same numerics, ~1.2x faster rounds on the CI CPU).
         drafter_metrics_port, metrics_host: Prometheus endpoint (port 0 = off).
         max_tensor_bytes: largest tensor frame accepted.
+        drain_timeout_s: on SIGTERM, how long the drafter may keep serving the requests in flight.
     """
 
     target: str = "smollm2-135m-instruct"
@@ -74,10 +85,13 @@ class DrafterWorkerConfig:
     drafter_metrics_port: int = 8002
     metrics_host: str = "127.0.0.1"
     max_tensor_bytes: int = 1 << 30
+    drain_timeout_s: float = 30.0
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
+        if self.drain_timeout_s < 0:
+            raise ValueError("drain_timeout_s must be >= 0")
         check_tree_knobs(self.budget, self.width, self.depth_bonus, self.candidates, prefix="")
 
 
@@ -99,6 +113,9 @@ class DrafterWorker:
         self.inbox: queue.Queue = queue.Queue()
         self._verifier_epoch: str | None = None
         self._contexts: set[str] = set()
+        self.draining = False
+        self._drain_deadline = 0.0
+        self._last_draft = 0.0  # monotonic time of the last draft handled
         self._handlers = {MessageType.HELLO: self._hello, MessageType.DRAFT: self._draft,
                           MessageType.RELEASE: self._release}
 
@@ -107,7 +124,8 @@ class DrafterWorker:
     def on_io_message(self, identity: bytes, dec: Decoded):
         """Answer PINGs on the I/O thread; queue what the compute loop handles; drop the rest."""
         if dec.type == MessageType.PING:
-            return Pong(dec.msg.nonce, self.info.epoch, ready=True)
+            return Pong(dec.msg.nonce, self.info.epoch, ready=not self.draining, draining=self.draining,
+                        detail="the drafter is draining" if self.draining else "")
         if dec.type in self._handlers:
             return None
         log.warning("dropped an unexpected %s message", dec.type.name)
@@ -117,13 +135,29 @@ class DrafterWorker:
     # ------------------------------------------------------------------------- compute thread
 
     def event_loop(self, stop: threading.Event) -> None:
-        """recv -> dispatch -> compute -> send, until ``stop`` is set."""
-        while not stop.is_set():
+        """recv -> dispatch -> compute -> send, until ``stop`` is set or a drain is over (:meth:`drained`)."""
+        while not stop.is_set() and not self.drained():
             try:
                 identity, dec = self.inbox.get(timeout=0.1)
             except queue.Empty:
                 continue
             self.handle(identity, dec)
+
+    def begin_drain(self, timeout_s: float) -> None:
+        """Keep serving drafts, report "not ready", end when idle or after ``timeout_s`` seconds (idempotent)."""
+        if not self.draining:
+            self.draining, self._drain_deadline = True, time.monotonic() + timeout_s
+            log.info("draining: %d request contexts live, up to %.0f s", len(self._contexts), timeout_s)
+
+    def drained(self) -> bool:
+        """Draining and either idle (no context, no draft for :data:`DRAIN_IDLE_S`) or past the deadline."""
+        if not self.draining:
+            return False
+        now = time.monotonic()
+        if now > self._drain_deadline:
+            log.warning("drain timeout: stopping with %d request contexts live", len(self._contexts))
+            return True
+        return not self._contexts and now - self._last_draft >= DRAIN_IDLE_S
 
     def handle(self, identity: bytes, dec: Decoded) -> None:
         self.metrics.calls.labels(dec.type.name.lower()).inc()
@@ -147,6 +181,7 @@ class DrafterWorker:
 
     def _draft(self, identity: bytes, dec: Decoded) -> None:
         msg = dec.msg
+        self._last_draft = time.monotonic()
         token = request_id_var.set(msg.request_id)
         frames: list = []
         try:
@@ -244,9 +279,9 @@ def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = No
     metrics = DrafterMetrics(drafter=info.model)
     start_metrics_server(config.drafter_metrics_port, config.metrics_host, metrics.registry)
     stop = threading.Event()
-    on_stop_signals(lambda signum: stop.set(), supervised=parent_pid is not None)
     ctx = zmq.Context()
     worker = DrafterWorker(service, info, transport, metrics)
+    on_stop_signals(lambda: worker.begin_drain(config.drain_timeout_s), stop.set, supervised=parent_pid is not None)
     endpoint = config.drafter_endpoint or ipc_endpoint("drafter")
     io = ServerIO(ctx, endpoint, "drafter", on_message=worker.on_io_message,
                   on_error=lambda reason: metrics.ipc_errors.labels("verifier").inc(),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 
 import zmq
@@ -256,3 +257,71 @@ class ZmqDrafterClient:
 
 def _fields(info: PeerInfo) -> dict:
     return {f: getattr(info, f) for f in info.__struct_fields__}
+
+
+class DrafterHeartbeat:
+    """The drafter's liveness, independent of the compute thread: a thread with its own DEALER pings
+    the drafter every ``interval_s`` and calls ``on_result(ok, detail)`` with its verdict.
+
+    The compute thread's draft calls can wait up to the draft deadline on a hung drafter; this
+    heartbeat does not wait behind them, so readiness follows a hung (or draining) drafter within
+    ``interval_s + misses * timeout_s`` seconds whether or not requests are running. The verdict is
+    False when ``misses`` pings in a row got no Pong within ``timeout_s`` (one late Pong of a busy
+    drafter does not flap readiness) or at once when the drafter answers that it is not ready
+    (draining); True at the first ready Pong.
+
+    Args:
+        endpoint: the drafter's endpoint; ctx: a ZMQ context (thread-safe; the socket stays on the thread).
+        interval_s: seconds between pings; timeout_s: how long one ping waits for its Pong.
+        on_result: called on the heartbeat thread with ``(ok, detail)`` ("" when ok).
+    """
+
+    def __init__(self, endpoint: str, ctx: zmq.Context, interval_s: float, timeout_s: float,
+                 on_result, misses: int = 2) -> None:
+        self.endpoint, self.ctx, self.interval_s, self.timeout_s = endpoint, ctx, interval_s, timeout_s
+        self.misses = misses
+        self.on_result = on_result
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="drafter-heartbeat", daemon=True)
+
+    def start(self) -> "DrafterHeartbeat":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the thread (its socket is closed by it)."""
+        self._stop.set()
+        self._thread.join(timeout=self.timeout_s + 1.0)
+
+    def _run(self) -> None:
+        sock = make_socket(self.ctx, zmq.DEALER, self.endpoint, bind=False)
+        nonce, missed = itertools.count(1), 0
+        try:
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                answered, ok, detail = self._ping(sock, next(nonce))
+                missed = 0 if answered else missed + 1
+                if answered or missed >= self.misses:
+                    self.on_result(ok, detail)
+                self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
+        finally:
+            sock.close(0)
+
+    def _ping(self, sock, nonce: int) -> tuple[bool, bool, str]:
+        """``(answered, ready, detail)`` of one ping."""
+        try:
+            sock.send_multipart(encode(Ping(nonce)), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False, False, "the drafter is not reachable"
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000) + 1):
+                break
+            try:
+                dec = decode(sock.recv_multipart(copy=False))
+            except ProtocolError:
+                continue
+            if dec.type == MessageType.PONG and dec.msg.nonce == nonce:
+                pong: Pong = dec.msg
+                return True, pong.ready, "" if pong.ready else (pong.detail or "the drafter is not ready")
+        return False, False, f"the drafter did not answer {self.misses} pings within {self.timeout_s:g} s each"

@@ -43,6 +43,7 @@ from services.verifier.schedule import MAX_BUDGET, parse_tree_schedule
 from services.wire import Decoded
 
 log = logging.getLogger("verifier")
+DRAFTER_PING_TIMEOUT_S = 1.0  # a drafter heartbeat ping without a Pong by then: not ready
 _PARAM_RE = re.compile(r"(speculative\.\w+|max_tokens|temperature|top_p|top_k|prompt|stop_token_ids|logprobs)")
 
 
@@ -71,7 +72,9 @@ class VerifierWorkerConfig:
             budget/width unset). "" = off: the drafter defaults at every load. Off by default because
             rounds are not batched here, so it trades tokens/s for latency (``services/verifier/schedule.py``).
         draft_timeout_s: deadline of one drafter round trip; drafter_wait_s: how long to wait for the
-            drafter at start; health_interval_s: idle drafter ping period.
+            drafter at start; health_interval_s: period of the drafter heartbeat (a thread of its own,
+            so a hung drafter makes the verifier unready within ``health_interval_s`` + 2 s even
+            while requests run; ``DrafterHeartbeat``).
         drain_timeout_s: on SIGTERM, how long running requests may finish.
         cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC pool for features (CUDA devices only).
         packed_gemm: on a float32 CPU, pre-pack the target's GEMM weights for a verify of the
@@ -164,6 +167,7 @@ class VerifierWorker:
         self.send = send
         self.inbox: queue.Queue = queue.Queue()
         self.drafter_ok = True
+        self.drafter_detail = ""  # why the drafter is not ok (set with drafter_ok by the heartbeat)
         self.draining = False
         self._drafter_ping, self._params = drafter_ping, params
         self.tree_schedule = parse_tree_schedule(config.tree_schedule)
@@ -202,7 +206,7 @@ class VerifierWorker:
         return HelloAck(PROTOCOL_VERSION, reason is None, self.info, reason or "")
 
     def status(self, nonce: int = 0) -> Pong:
-        detail = "" if self.drafter_ok else "the drafter is not answering"
+        detail = "" if self.drafter_ok else (self.drafter_detail or "the drafter is not answering")
         return Pong(nonce, self.info.epoch, ready=self.drafter_ok, draining=self.draining,
                     num_running=len(self._running), num_waiting=len(self._waiting), detail=detail)
 
@@ -227,6 +231,9 @@ class VerifierWorker:
         self.fail_all(503, "the server is shutting down", "shutdown")
 
     def begin_drain(self) -> None:
+        """Refuse new requests (503 ``draining``), finish the ones in the table, then leave the loop (idempotent)."""
+        if not self.draining:
+            log.info("draining: %d running, %d waiting", len(self._running), len(self._waiting))
         self.draining = True
 
     def run_once(self, idle_timeout: float = 0.05) -> None:
@@ -437,6 +444,12 @@ class VerifierWorker:
         self.metrics.scheduled_budget.set(budget)
         self.metrics.scheduled_width.set(width)
 
+    def on_drafter_heartbeat(self, ok: bool, detail: str) -> None:
+        """The heartbeat thread's verdict on the drafter (see ``DrafterHeartbeat``); feeds readiness."""
+        if ok != self.drafter_ok:
+            log.info("drafter is %s", "reachable again" if ok else f"not ready: {detail}")
+        self.drafter_ok, self.drafter_detail = ok, detail
+
     def _check_drafter(self) -> None:
         if self._drafter_ping is None or time.monotonic() - self._last_ping < self.config.health_interval_s:
             return
@@ -539,10 +552,15 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     metrics = VerifierMetrics(model=info.model, default_method=config.default_method,
                               tree_schedule=str(parse_tree_schedule(config.tree_schedule) or ""))
     start_metrics_server(config.verifier_metrics_port, config.metrics_host, metrics.registry)
-    worker = VerifierWorker(engine, info, config, metrics,
+    worker = VerifierWorker(engine, info, config, metrics,  # the idle ping also re-handshakes a restarted drafter
                             drafter_ping=(lambda: drafter_client.ping(1.0)) if drafter_client else None)
-    on_stop_signals(lambda signum: stop.set() if worker.draining else worker.begin_drain(),
-                    supervised=parent_pid is not None)
+    heartbeat = None
+    if drafter_client is not None:  # drafter liveness off the compute thread (readiness never waits on a round)
+        from services.verifier.remote_drafter import DrafterHeartbeat
+
+        heartbeat = DrafterHeartbeat(drafter_client.endpoint, ctx, config.health_interval_s, DRAFTER_PING_TIMEOUT_S,
+                                     worker.on_drafter_heartbeat).start()
+    on_stop_signals(worker.begin_drain, stop.set, supervised=parent_pid is not None)
     endpoint = config.verifier_endpoint or ipc_endpoint("verifier")
     io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
                   on_error=lambda reason: metrics.ipc_errors.labels("gateway").inc(),
@@ -555,6 +573,8 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
         worker.event_loop(stop)
     finally:
         io.close()
+        if heartbeat is not None:
+            heartbeat.close()
         if drafter_client is not None:
             drafter_client.close()
         ctx.destroy(linger=0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import os
 import random
 import stat
@@ -263,3 +264,39 @@ def test_garbage_on_the_worker_sockets_is_dropped_and_nothing_crashes(rel_server
                    timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     assert httpx.get(rel_server.base + "/health/ready").status_code == 200
+
+
+def _raw(base: str, header_lines: list[bytes]) -> tuple[int, bytes]:
+    """One raw HTTP/1.1 POST of P20 with exactly these header lines (duplicates, any bytes); (status, body)."""
+    import socket
+
+    host, port = base.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny", "prompt": "Count from 1 to 20: 1, 2, 3,", "max_tokens": 4,
+                       "temperature": 0}).encode()
+    head = [b"POST /v1/completions HTTP/1.1", b"Host: x", b"Content-Type: application/json",
+            b"Content-Length: " + str(len(body)).encode(), b"Connection: close", *header_lines]
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+def test_authorization_header_variants_over_real_http(rel_server):
+    """Issue 17 class 1 through uvicorn's parser: duplicate headers in both orders are refused, the
+    scheme is case-insensitive, odd bytes and huge headers are a 401 in the OpenAI shape (never a 500
+    or a completion)."""
+    good, bad = f"Bearer {API_KEY}".encode(), b"Bearer wrong"
+    for lines in ([b"Authorization: " + bad, b"Authorization: " + good],
+                  [b"Authorization: " + good, b"Authorization: " + bad],
+                  [b"Authorization: " + good, b"authorization: " + good],
+                  [b"Authorization: " + good + b"\xc3\xa9"], [b"Authorization: Bearer \xff\xfe"],
+                  [b"Authorization: Bearer " + b"k" * 8000], [b"Authorization: Bearer " + b"k" * 200_000]):
+        status, body = _raw(rel_server.base, lines)
+        assert status == 401, (lines[0][:60], status, body[:200])
+        assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
+    for scheme in (b"bearer", b"BEARER", b"Bearer"):
+        status, body = _raw(rel_server.base, [b"Authorization: " + scheme + b" " + API_KEY.encode()])
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4, (scheme, status, body[:200])

@@ -468,3 +468,78 @@ def test_submitted_drafts_are_collected_in_any_order_and_discarded_ones_dropped(
                 break
         assert not client._pending and not client._stash
         client.close()
+
+
+# ------------------------------------------------------------------- drafter heartbeat and drain (issue 17)
+def _wait_for(pred, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_drafter_heartbeat_runs_off_the_compute_thread_and_sees_a_hang_and_a_drain(sockdir):
+    """The heartbeat answers while a draft occupies the drafter's compute loop, says "not ready" while
+    the drafter drains, and "not answering" once its socket is silent (a hung process)."""
+    torch = pytest.importorskip("torch")
+    from services.verifier.remote_drafter import DrafterHeartbeat
+
+    seen: list[tuple[bool, str]] = []
+    with running_drafter(sockdir, FakeDrafterService(hang_s=1.5)) as (worker, io, endpoint):
+        ctx = zmq.Context()
+        hb = DrafterHeartbeat(endpoint, ctx, interval_s=0.1, timeout_s=0.3,
+                              on_result=lambda ok, d: seen.append((ok, d)))
+        hb.start()
+        client = drafter_client(endpoint)
+        client.connect(wait_s=5)
+        box = {}
+        t = threading.Thread(target=lambda: box.update(r=client.draft("r", [1], torch.zeros(1, 8), 1, 1, _spec())))
+        t.start()  # the compute loop is busy for 1.5 s
+        time.sleep(0.5)
+        n = len(seen)
+        assert _wait_for(lambda: len(seen) > n + 2) and all(ok for ok, _ in seen[n:])
+        t.join(5)
+        worker.begin_drain(60)
+        assert _wait_for(lambda: seen[-1] == (False, "the drafter is draining"))
+        io.close()  # nothing answers any more
+        assert _wait_for(lambda: not seen[-1][0] and "did not answer 2 pings" in seen[-1][1])
+        hb.close()
+        client.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_draining_drafter_serves_until_no_request_needs_it(sockdir, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import services.drafter.worker as dw
+
+    monkeypatch.setattr(dw, "DRAIN_IDLE_S", 0.3)
+    service = FakeDrafterService()
+    ctx = zmq.Context()
+    endpoint = f"ipc://{sockdir}/drafter.sock"
+    from pathlib import Path
+
+    transport = FrameTransport()
+    worker = DrafterWorker(service, drafter_info(service, Path(sockdir), new_epoch(), "cpu", transport), transport)
+    io = ServerIO(ctx, endpoint, "drafter", on_message=worker.on_io_message, inbox=worker.inbox)
+    worker.send = io.send
+    io.start()
+    stop = threading.Event()
+    loop = threading.Thread(target=worker.event_loop, args=(stop,), daemon=True)
+    loop.start()
+    client = drafter_client(endpoint)
+    client.connect(wait_s=5)
+    client.draft("r", [1], torch.zeros(1, 8), 1, 1, _spec())
+    worker.begin_drain(60)
+    time.sleep(0.6)
+    assert loop.is_alive()  # a request still holds a context: keep serving it
+    tree, _ = client.draft("r", [2], torch.zeros(1, 8), 2, 2, _spec())
+    assert tree.draft_tokens.numel() > 0
+    assert not client.ping()  # "not ready" while draining: no new request is admitted
+    client.release("r")
+    loop.join(5)
+    assert not loop.is_alive()  # no context, no draft for DRAIN_IDLE_S: done
+    client.close()
+    io.close()
+    ctx.destroy(linger=0)
