@@ -7,11 +7,13 @@ the ``serve-ray`` flags and their parsing; ``services/ray_serve.py`` builds the 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+import shlex
+from dataclasses import asdict, dataclass, field
 
 from services.ray_unit import UnitSpec
 
-__all__ = ["RayAppConfig", "ScaleConfig", "UnitSpec", "add_serve_ray_args", "config_from_cli", "describe"]
+__all__ = ["RayAppConfig", "ScaleConfig", "UnitSpec", "add_serve_ray_args", "config_from_args", "config_from_cli",
+           "describe"]
 
 
 @dataclass(frozen=True)
@@ -129,3 +131,31 @@ def describe(s: ScaleConfig) -> str:
     if s.max_replicas:
         return f"autoscaling {s.min_replicas}..{s.max_replicas} replicas"
     return f"{s.replicas} replica{'s' if s.replicas > 1 else ''}"
+
+
+def config_from_args(args: dict) -> RayAppConfig:
+    """The app config of a Ray Serve ``args`` mapping (``serve run ... key=value``, a serve config's
+    ``args:``): string or typed values of :class:`ScaleConfig` fields, plus ``unit_flags`` (a
+    shell-quoted string of ``dartree serve`` flags), ``unit_host`` ("auto" = the node's IP),
+    ``retry_budget_s`` and ``log_dir``.
+
+    Raises:
+        ValueError: an unknown key, a bad value or a bad unit flag (one line).
+    """
+    args = dict(args)
+    unit_kw = {"flags": tuple(shlex.split(str(args.pop("unit_flags", ""))))}
+    if "unit_host" in args:
+        unit_kw["host"] = str(args.pop("unit_host"))
+    if "retry_budget_s" in args:
+        unit_kw["retry_budget_s"] = float(args.pop("retry_budget_s"))
+    log_dir = str(args.pop("log_dir", ""))
+    types = {f: type(v) for f, v in asdict(ScaleConfig()).items()}
+    unknown = sorted(set(args) - set(types))
+    if unknown:
+        raise ValueError(f"unknown app argument(s): {', '.join(unknown)} (known: {', '.join(sorted(types))}, "
+                         "unit_flags, unit_host, retry_budget_s, log_dir)")
+    try:
+        scale = ScaleConfig(**{k: types[k](v) for k, v in args.items()})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"bad app argument: {e}") from None
+    return RayAppConfig(UnitSpec(**unit_kw), scale, log_dir)

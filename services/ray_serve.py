@@ -28,20 +28,19 @@ services.ray_serve:app_builder`` / ``deploy/ray/serve_config.yaml`` (:func:`app_
 # which must see real annotations (``request: Request``), not strings
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
-import shlex
 import signal
 import sys
 import threading
 import time
-from dataclasses import asdict
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from services.ray_config import RayAppConfig, ScaleConfig, UnitSpec, config_from_cli, describe
+from services.ray_config import RayAppConfig, UnitSpec, config_from_args, config_from_cli, describe
 from services.ray_unit import Unit, UnitError, check_unit_flags, relay
 
 log = logging.getLogger("dartree.ray")
@@ -86,6 +85,10 @@ class DartreeReplica:
 
     def __init__(self, spec: UnitSpec, targets=None, log_dir: str = ""):
         self.replica = serve.get_replica_context().replica_id.unique_id
+        if spec.host == "auto":  # the node's IP: Prometheus on the cluster can scrape the unit's registries
+            import ray
+
+            spec = dataclasses.replace(spec, host=ray.util.get_node_ip_address())
         log_path = os.path.join(log_dir, f"unit-{self.replica}.log") if log_dir else None
         self.unit = Unit(spec, log_path)
         self.unit.start()
@@ -181,28 +184,12 @@ def build_app(config: RayAppConfig):
 
 def app_builder(args: dict):
     """``serve run services.ray_serve:app_builder replicas=2 unit_flags="--drafter none"`` and the
-    ``deploy/ray/serve_config.yaml`` entry: string or typed values of :class:`ScaleConfig` fields,
-    plus ``unit_flags`` (a shell-quoted string of ``dartree serve`` flags), ``unit_host`` and
-    ``retry_budget_s``.
+    ``deploy/ray/serve_config.yaml`` / RayService entry (keys: :func:`services.ray_config.config_from_args`).
 
     Raises:
         ValueError: an unknown key or a bad value (one line).
     """
-    args = dict(args)
-    flags = tuple(shlex.split(str(args.pop("unit_flags", ""))))
-    unit_kw = {}
-    if "unit_host" in args:
-        unit_kw["host"] = str(args.pop("unit_host"))
-    if "retry_budget_s" in args:
-        unit_kw["retry_budget_s"] = float(args.pop("retry_budget_s"))
-    log_dir = str(args.pop("log_dir", ""))
-    types = {f: type(v) for f, v in asdict(ScaleConfig()).items()}
-    unknown = sorted(set(args) - set(types))
-    if unknown:
-        raise ValueError(f"unknown app argument(s): {', '.join(unknown)} (known: {', '.join(sorted(types))}, "
-                         "unit_flags, unit_host, retry_budget_s, log_dir)")
-    scale = ScaleConfig(**{k: types[k](v) for k, v in args.items()})
-    return build_app(RayAppConfig(UnitSpec(flags, **unit_kw), scale, log_dir))
+    return build_app(config_from_args(args))
 
 
 # ---------------------------------------------------------------------------------- dartree serve-ray

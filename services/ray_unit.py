@@ -56,7 +56,7 @@ class UnitSpec:
         flags: ``dartree serve`` flags (``--target DIR``, ``--drafter none``, ``--max-running 4``, ...),
             without the reserved address flags (:data:`RESERVED_FLAGS`).
         host: address the unit's gateway and metrics listen on (loopback by default; a node IP on a
-            cluster, so Prometheus can scrape the unit's registries).
+            cluster, so Prometheus can scrape the unit's registries; "auto": the replica's node IP).
         startup_timeout_s: seconds to wait for ``/health/ready`` (model conversion and loading included).
         retry_budget_s: how long a request that has not started is retried while the unit recovers.
         health_timeout_s: deadline of one ``/health/generate`` probe.
