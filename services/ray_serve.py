@@ -110,7 +110,10 @@ class DartreeReplica:
         """
         await self.unit.check_health()
         if self.targets is not None:
-            await self.targets.register.remote(self.replica, self._groups())
+            try:  # a slow or restarting registry must not make a healthy unit look sick
+                await asyncio.wait_for(self.targets.register.remote(self.replica, self._groups()), timeout=5.0)
+            except Exception as e:  # noqa: BLE001
+                log.warning("replica %s: metrics targets heartbeat failed: %s", self.replica, e)
 
     async def _proxy(self, request: Request) -> Response:
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
