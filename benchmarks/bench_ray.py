@@ -6,7 +6,8 @@ Starts a local Ray cluster (loopback) and ``dartree serve-ray``'s app with ``--r
    between the Ray proxy and one replica's own gateway (found through ``/metrics/targets``), so both
    paths see the same unit, model and machine load. Per request: TTFT (send -> first token event) and
    per-token time ((last event - first event) / (completion tokens - 1)). Reported: medians per path
-   and the Ray path's added latency in % (median ratio - 1).
+   and the Ray path's added latency in % (median ratio - 1), and the median of the paired differences
+   (each Ray request against the direct one sent right before or after it).
 2. Load balance: ``--balance-requests`` completions at c = ``--concurrency`` through the proxy; requests
    per replica from the ``x-dartree-replica`` response header; max / min.
 
@@ -66,8 +67,13 @@ async def latency(ray_base: str, direct_base: str, n: int, max_tokens: int, mode
                 out[name].append(await stream_one(c, base, PROMPTS[i % len(PROMPTS)], max_tokens, model))
     med = {k: {m: statistics.median(r[m] for r in v) for m in ("ttft_s", "per_token_s")} for k, v in out.items()}
     added = {m: med["ray"][m] / med["direct"][m] - 1 for m in ("ttft_s", "per_token_s")}
+    # requests are paired (back to back, alternating order): the median of the pair differences is less
+    # sensitive to the machine's load drifting than the difference of the medians
+    paired = {m: statistics.median(r[m] - d[m] for r, d in zip(out["ray"], out["direct"]))
+              for m in ("ttft_s", "per_token_s")}
     return {"requests_per_path": n, "max_tokens": max_tokens, "median": med, "ray_added_fraction": added,
-            "samples": out}
+            "paired_median_difference_s": paired,
+            "paired_added_fraction": {m: paired[m] / med["direct"][m] for m in paired}, "samples": out}
 
 
 async def balance(base: str, n: int, concurrency: int, max_tokens: int, model: str) -> dict:
@@ -143,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"c=1 TTFT median: ray {med['ray']['ttft_s'] * 1e3:.1f} ms, direct {med['direct']['ttft_s'] * 1e3:.1f} ms "
           f"({lat['ray_added_fraction']['ttft_s']:+.1%}); per token: ray {med['ray']['per_token_s'] * 1e3:.2f} ms, "
           f"direct {med['direct']['per_token_s'] * 1e3:.2f} ms ({lat['ray_added_fraction']['per_token_s']:+.1%})")
+    pm = lat["paired_median_difference_s"]
+    print(f"paired median difference (ray - direct): TTFT {pm['ttft_s'] * 1e3:+.1f} ms "
+          f"({lat['paired_added_fraction']['ttft_s']:+.1%}), per token {pm['per_token_s'] * 1e3:+.2f} ms "
+          f"({lat['paired_added_fraction']['per_token_s']:+.1%})")
     print(f"balance over {bal['requests']} at c={bal['concurrency']}: {bal['per_replica']} "
           f"(max/min {bal['max_over_min']})")
     print(line)

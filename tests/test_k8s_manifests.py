@@ -139,3 +139,9 @@ def test_a_typo_in_the_serve_app_args_fails():
     bad["spec"]["serveConfigV2"] = doc["spec"]["serveConfigV2"].replace("--max-running", "--max-runing")
     with pytest.raises(ValueError, match="unknown dartree serve flag"):
         validate(bad)
+
+
+def test_ray_prometheus_config_discovers_the_units():
+    cfg = yaml.safe_load((ROOT / "deploy" / "ray" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert jobs["dartree-units"]["http_sd_configs"][0]["url"].endswith("/metrics/targets")
