@@ -14,7 +14,7 @@ supervisor's pid), so several units on one host never share a socket. The child 
 (the replica): when the replica dies without stopping it, the unit drains itself (SIGTERM).
 
 Retries: a request whose answer has not started (a transport error, or a 503 whose code says the
-engine is restarting) is sent again once the unit is ready, within ``retry_budget_s``: the
+engine is restarting or not ready, :data:`RETRY_CODES`) is sent again once the unit is ready, within ``retry_budget_s``: the
 supervisor restarts a worker killed with ``kill -9`` in seconds, and a request that had not started
 streaming is then answered instead of lost. A stream that has started is never retried (its error
 event reaches the client as the unit sent it).
@@ -42,8 +42,9 @@ REPO = Path(__file__).resolve().parents[1]
 # flags the replica sets itself (each unit gets free ports); passing one is a one-line error
 RESERVED_FLAGS = ("--port", "--host", "--verifier-metrics-port", "--drafter-metrics-port", "--metrics-host",
                   "--verifier-endpoint", "--drafter-endpoint")
-# 503 codes of the gateway that mean "the engine is (re)starting": safe to send the request again
-RETRY_CODES = frozenset({"engine_unavailable", "engine_restarted"})
+# 503 codes of the gateway that mean the request did not start because the engine is (re)starting
+# (``service_unavailable``: refused at admission while not ready): safe to send the request again
+RETRY_CODES = frozenset({"engine_unavailable", "engine_restarted", "service_unavailable"})
 # request headers passed to the unit (the rest, e.g. Ray's own, stay behind)
 FORWARD_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 

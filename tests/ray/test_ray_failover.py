@@ -94,7 +94,7 @@ def fresh(cluster):
 def test_kill_9_verifier_loses_nothing_and_a_dead_unit_is_replaced(fresh, tiny):
     scale = ScaleConfig(replicas=2, num_cpus=0.5, health_check_period_s=2, health_check_timeout_s=10)
     base = run_app(fresh, RayAppConfig(UnitSpec(unit_flags(tiny[0])), scale))
-    targets = _wait(lambda: (t := _targets(base)) if len(t) == 2 else None, 30, "two replicas registered")
+    targets = _wait(lambda: _targets(base) if len(_targets(base)) == 2 else None, 30, "two replicas registered")
     victim, ports = sorted(targets.items())[0]
     with Load(base, 4) as load:
         time.sleep(2)
