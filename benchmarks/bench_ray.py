@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "ray_vs_direct", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": f"{platform.machine()}, {__import__('os').cpu_count()} CPUs, no GPU; shared with other work",
               "ray": ray.__version__, "replicas": a.replicas, "unit_flags": a.unit_flags,
+              "ray_serve_env": {k: v for k, v in __import__("os").environ.items() if k.startswith("RAY_SERVE_")},
               "app_start_s": started, "latency_c1": lat, "balance": bal}
     line = json.dumps(result)
     if a.out:

@@ -1,4 +1,4 @@
-"""One local Ray cluster for the Ray tests (2 CPUs, loopback, no dashboard) and helpers to run the app.
+"""A local Ray cluster per Ray test module (2 CPUs, loopback, no dashboard) and helpers to run the app.
 
 Every test here skips, with the reason, when ray[serve] is not installed.
 """
@@ -28,9 +28,10 @@ def tiny(tmp_path_factory):
     return make_tiny_models(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def cluster():
-    """One local Ray cluster (2 CPUs, no dashboard, loopback) and Serve's proxy on a free port; its URL."""
+    """A local Ray cluster per test module (2 CPUs, no dashboard, loopback; stopped after the module, so
+    no Ray process outlives the Ray tests) and Serve's proxy on a free port; its URL."""
     (port,) = free_loopback_ports(1)
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}})
