@@ -1,8 +1,8 @@
 """Ray Serve scale-out under faults and load (``slow``: several minutes on 2 cores).
 
-- kill -9 of one unit's verifier while 4 clients send requests: every non-streaming request (none had
-  started streaming) is answered 200 (the replica retries it once the supervisor restarted the
-  verifier); then kill -9 of that unit's whole supervisor: Ray's health check fails and Ray replaces
+- kill -9 of one unit's verifier while 4 clients send requests (2 streaming): every request that had
+  not started streaming is answered 200 (the replica retries it once the supervisor restarted the
+  verifier); a stream cut after it started ends with an error event and ``[DONE]``; then kill -9 of that unit's whole supervisor: Ray's health check fails and Ray replaces
   the replica (a new replica id, two running), and requests keep being answered.
 - autoscaling: 1 replica -> 2 under load (target 1 ongoing request) -> back to 1 when the load stops.
 """
@@ -51,22 +51,31 @@ def _wait(cond, timeout: float, what: str, period: float = 0.5):
 
 
 class Load:
-    """Clients sending non-streaming completions at ``concurrency`` on a thread until :meth:`stop`."""
+    """Clients sending completions at ``concurrency`` on a thread until :meth:`stop` (with ``streams``,
+    every second client streams). Any non-200 answer is an error: a request that had not started
+    (a non-streaming one, or a stream before its first event) must be answered."""
 
-    def __init__(self, base: str, concurrency: int, max_tokens: int = 24):
-        self.base, self.concurrency, self.max_tokens = base, concurrency, max_tokens
+    def __init__(self, base: str, concurrency: int, max_tokens: int = 24, streams: bool = False):
+        self.base, self.concurrency, self.max_tokens, self.streams = base, concurrency, max_tokens, streams
+        self.cut_streams = 0
         self.statuses: list[int] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _client_loop(self, c: httpx.AsyncClient, i: int) -> None:
+        stream = self.streams and i % 2 == 1  # odd clients stream
         while not self._stop.is_set():
-            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": f"load {i}", "max_tokens": self.max_tokens,
-                                                      "ignore_eos": True})
+            body = {"model": "tiny", "prompt": f"load {i}", "max_tokens": self.max_tokens, "ignore_eos": True,
+                    "stream": stream}
+            r = await c.post("/v1/completions", json=body)
             self.statuses.append(r.status_code)
             if r.status_code != 200:
                 self.errors.append(r.text[:300])
+            elif stream and '"error"' in r.text:
+                self.cut_streams += 1  # started streaming, then cut by the kill: allowed (an error event)
+                if not r.text.rstrip().endswith("data: [DONE]"):
+                    self.errors.append("a cut stream did not end with [DONE]: " + r.text[-300:])
 
     async def _run(self) -> None:
         async with httpx.AsyncClient(base_url=self.base, timeout=180, trust_env=False) as c:
@@ -96,7 +105,7 @@ def test_kill_9_verifier_loses_nothing_and_a_dead_unit_is_replaced(fresh, tiny):
     base = run_app(fresh, RayAppConfig(UnitSpec(unit_flags(tiny[0])), scale))
     targets = _wait(lambda: _targets(base) if len(_targets(base)) == 2 else None, 30, "two replicas registered")
     victim, ports = sorted(targets.items())[0]
-    with Load(base, 4) as load:
+    with Load(base, 4, streams=True) as load:
         time.sleep(2)
         os.kill(_listener_pid(ports["verifier"]), signal.SIGKILL)
         # the supervisor restarts the verifier; its metrics port answers again
