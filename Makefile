@@ -14,9 +14,9 @@ ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-data.txt pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt requirements-ray.txt requirements-data.txt pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -r requirements-dev.txt
+	$(PIP) install -r requirements-dev.txt -r requirements-ray.txt
 	$(PIP) install --no-deps -r requirements-data.txt
 	$(PIP) install --no-deps -e .
 	@touch $@

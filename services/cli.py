@@ -1,4 +1,4 @@
-"""The ``dartree`` command line: serve, gateway, verifier, drafter, generate, bench, train-drafter.
+"""The ``dartree`` command line: serve, serve-ray, gateway, verifier, drafter, generate, bench, train-drafter.
 
 Heavy imports happen inside each sub-command, so ``dartree gateway`` never imports torch.
 Bad input ends with a one-line ``dartree: error: ...`` message and exit status 2, never a traceback.
@@ -67,6 +67,23 @@ def _add_workers(sub) -> None:
         p.set_defaults(func=main)
 
 
+def _add_serve_ray(sub) -> None:
+    from services.ray_config import add_serve_ray_args
+
+    p = sub.add_parser("serve-ray", help="N units behind Ray Serve: routing, autoscaling, failover (needs ray)")
+    add_serve_ray_args(p)
+    p.set_defaults(func=_serve_ray)
+
+
+def _serve_ray(a) -> int:
+    try:
+        from services.ray_serve import serve_ray_main
+    except ImportError as e:
+        raise RuntimeError(f"dartree serve-ray needs Ray Serve ({e}); install it with "
+                           "pip install -r requirements-ray.txt") from None
+    return serve_ray_main(a)
+
+
 def _add_bench(sub) -> None:
     try:
         from benchmarks.bench import add_bench_args, bench_main
@@ -82,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dartree", description="DARTree Serve: lossless tree speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_workers(sub)
+    _add_serve_ray(sub)
     _add_generate(sub)
     _add_bench(sub)
     _add_train(sub)
