@@ -75,6 +75,20 @@ class TargetModel:
         chain method's (one row per draft slot, + 1). Returns bytes added."""
         return self.pack_gemm(sorted({budget + 1, max_draft_depth + 1}))
 
+    def pack_for_steps(self, budget: int, max_draft_depth: int, max_running: int) -> int:
+        """:meth:`pack_gemm` for batched steps: a ladder of row counts so that every step of up to
+        ``max_running`` requests' trees (``B + 1`` rows each) or ``ar`` rows finds a pack at most
+        ~2x its rows (``PackedLinear`` uses the smallest pack ``R`` with ``R/2 < rows <= R``):
+        2, 4, then ``B + 1`` doubling (``2R - 1``) up to ``max_running * (B + 1)``, and a chain
+        method's ``max_draft_depth + 1``. Returns bytes added (each pack ~ the linears' weight size)."""
+        rows = {2, 4, max_draft_depth + 1}
+        r = budget + 1
+        rows.add(r)
+        while r < max_running * (budget + 1):
+            r = 2 * r - 1
+            rows.add(r)
+        return self.pack_gemm(sorted(x for x in rows if x >= 2))
+
     def _hook(self, i: int):
         def fn(_module, _inp, out):
             self._taps[i] = out[0] if isinstance(out, tuple) else out

@@ -529,7 +529,8 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
              cache.num_slots, cache.capacity, cache.nbytes() / 2**30, config.dtype, config.device)
     budget = drafter.default_spec.budget if drafter is not None and drafter.default_spec is not None else None
     if config.packed_gemm and budget:
-        target.pack_for_rounds(budget, engine.max_draft_depth)
+        added = target.pack_for_steps(budget, engine.max_draft_depth, config.max_running)
+        log.info("packed GEMM weights for batched steps: +%.2f GiB", added / 2**30)
     return engine, target, target_dir
 
 
