@@ -30,7 +30,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 2  # v2: SamplingSpec.logprobs, RoundChunk.logprobs
+PROTOCOL_VERSION = 3  # v2: SamplingSpec.logprobs, RoundChunk.logprobs; v3: DraftBatch
 
 MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (OpenAI chat's top_logprobs limit)
 LOGPROB_FLOOR = -9999.0     # logprobs are clamped to [LOGPROB_FLOOR, 0] (finite, JSON-safe; vLLM's floor)
@@ -67,6 +67,7 @@ class MessageType(IntEnum):
     DRAFT = 20           # verifier -> drafter
     DRAFT_REPLY = 21     # drafter -> verifier
     RELEASE = 22         # verifier -> drafter: forget a request's context
+    DRAFT_BATCH = 23     # verifier -> drafter: several requests' drafts, one drafter forward
 
 
 def _opts() -> dict:
@@ -278,6 +279,17 @@ class DraftReply(Struct, **_opts()):
     error: MessageStr = ""
 
 
+MAX_BATCH_JOBS = 256  # draft jobs one DraftBatch may carry
+
+
+class DraftBatch(Struct, **_opts()):
+    """Several requests' :class:`DraftRequest` jobs drafted in ONE drafter forward (verifier ->
+    drafter); job ``i``'s ``features`` rides in side frame ``i``. Answered by one
+    :class:`DraftReply` per job (each with its own ``round_id``)."""
+
+    jobs: Annotated[list[DraftRequest], Meta(min_length=1, max_length=MAX_BATCH_JOBS)]
+
+
 class Release(Struct, **_opts()):
     """Forget a request's drafter context (idempotent)."""
 
@@ -288,7 +300,7 @@ MESSAGE_CLASSES: dict[MessageType, type[Struct]] = {
     MessageType.HELLO: Hello, MessageType.HELLO_ACK: HelloAck, MessageType.PING: Ping,
     MessageType.PONG: Pong, MessageType.GENERATE: Generate, MessageType.ROUND: RoundChunk,
     MessageType.ABORT: Abort, MessageType.REQUEST_ERROR: RequestError, MessageType.DRAFT: DraftRequest,
-    MessageType.DRAFT_REPLY: DraftReply, MessageType.RELEASE: Release,
+    MessageType.DRAFT_REPLY: DraftReply, MessageType.RELEASE: Release, MessageType.DRAFT_BATCH: DraftBatch,
 }
 MESSAGE_TYPES: dict[type[Struct], MessageType] = {cls: t for t, cls in MESSAGE_CLASSES.items()}
 
@@ -306,6 +318,8 @@ MAX_BODY_BYTES[MessageType.ROUND] = 1024 * 1024     # a full 1025-token round wi
 MAX_TENSOR_FRAMES: dict[MessageType, int] = {t: 0 for t in MessageType}
 MAX_TENSOR_FRAMES[MessageType.DRAFT] = 1
 MAX_TENSOR_FRAMES[MessageType.DRAFT_REPLY] = 4
+MAX_BODY_BYTES[MessageType.DRAFT_BATCH] = 32 * 1024 * 1024
+MAX_TENSOR_FRAMES[MessageType.DRAFT_BATCH] = MAX_BATCH_JOBS
 
 
 def check_compatible(local: PeerInfo, remote: PeerInfo) -> str | None:

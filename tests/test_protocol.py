@@ -43,8 +43,25 @@ def test_round_trip(msg):
 
 
 def test_every_message_type_has_an_example_or_tensor_test():
-    covered = {type(m) for m in EXAMPLES} | {p.DraftRequest, p.DraftReply}
+    covered = {type(m) for m in EXAMPLES} | {p.DraftRequest, p.DraftReply, p.DraftBatch}
     assert covered == set(p.MESSAGE_CLASSES.values())
+
+
+def test_draft_batch_carries_one_frame_per_job_and_is_bounded():
+    """v3: several jobs, job i's features in side frame i; empty batches and too many frames refused."""
+    torch = pytest.importorskip("torch")
+    from services.ipc_pool import FrameTransport
+
+    feats = [torch.randn(n, 8) for n in (3, 1, 5)]
+    metas, frames = FrameTransport().pack(feats)
+    jobs = [p.DraftRequest(f"r{i}", i, list(range(len(f))), m, 7, 10 + i, p.SpecSpec(method="ddtree"))
+            for i, (f, m) in enumerate(zip(feats, metas))]
+    dec = decode(encode(p.DraftBatch(jobs), frames))
+    assert dec.type == p.MessageType.DRAFT_BATCH and dec.msg.jobs == jobs
+    got = FrameTransport().unpack([j.features for j in dec.msg.jobs], dec.frames)
+    assert all(torch.equal(a, b) for a, b in zip(got, feats))
+    with pytest.raises(p.ProtocolError):
+        decode(encode(p.DraftBatch([]), []))
 
 
 def test_draft_request_with_torch_tensor_frame_round_trips_zero_copy():

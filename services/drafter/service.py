@@ -132,12 +132,99 @@ class DrafterService:
     def block_logits(self, request_id: str, features: Tensor, root_token: int, start: int) -> tuple[Tensor, Tensor]:
         """Append context, run the block: ``(hd [D, H], base_logits [D, V] float32)``."""
         self._append_context(request_id, features, start)
+        return self._block(request_id, root_token, start)
+
+    def _block(self, request_id: str, root_token: int, start: int) -> tuple[Tensor, Tensor]:
         c = self.cfg
         ids = torch.tensor([root_token] + [c.mask_token_id] * (c.block_size - 1))
         pos = torch.arange(start, start + c.block_size)
         h = self.drafter.block_forward(self.embed(ids).to(self.dtype)[None], pos, self._ctx[request_id])[0]
         hd = h if c.shift_label else h[1:]
         return hd, self.lm_head(hd.to(self.lm_head.weight.dtype)).float()
+
+    @torch.inference_mode()
+    def block_logits_batch(self, jobs: list[tuple[str, int, int]]) -> list[tuple[Tensor, Tensor]]:
+        """The block of several requests (contexts already appended) in ONE forward: ``jobs`` are
+        ``(request_id, root_token, start)``; contexts of different lengths are padded and masked
+        (``ctx_mask``). Returns ``(hd [D, H], base_logits [D, V])`` per job (one job: exactly
+        :meth:`block_logits`'s computation)."""
+        if len(jobs) == 1:
+            return [self._block(*jobs[0])]
+        c = self.cfg
+        n, q = len(jobs), c.block_size
+        lens = [self._ctx_len.get(rid, 0) for rid, *_ in jobs]
+        cmax = max(lens)
+        ctx = []
+        for li in range(len(self.drafter.layers)):
+            k0, _ = next(self._ctx[rid][li] for rid, *_ in jobs if rid in self._ctx)
+            k = k0.new_zeros(n, k0.shape[1], cmax, k0.shape[3])
+            v = torch.zeros_like(k)
+            for i, (rid, *_rest) in enumerate(jobs):
+                if lens[i]:
+                    k[i, :, :lens[i]], v[i, :, :lens[i]] = self._ctx[rid][li][0][0], self._ctx[rid][li][1][0]
+            ctx.append((k, v))
+        mask = (torch.arange(cmax)[None, None, :] < torch.tensor(lens)[:, None, None]).expand(n, q, cmax)
+        ids = torch.tensor([[root] + [c.mask_token_id] * (q - 1) for _, root, _ in jobs])
+        pos = torch.stack([torch.arange(start, start + q) for _, _, start in jobs])
+        h = self.drafter.block_forward(self.embed(ids).to(self.dtype), pos, ctx, mask)  # [n, Q, H]
+        hd = h if c.shift_label else h[:, 1:]
+        logits = self.lm_head(hd.to(self.lm_head.weight.dtype)).float()
+        return [(hd[i], logits[i]) for i in range(n)]
+
+    @torch.inference_mode()
+    def draft_batch(self, jobs: list) -> list:
+        """Draft several requests with ONE block forward (engine v2: the drafter batched like the
+        verifier), then build each request's tree.
+
+        Args:
+            jobs: objects with ``request_id, committed_ids, features, root_token, start, spec,
+                max_depth`` (as :meth:`draft`'s arguments; e.g. :class:`services.protocol.DraftRequest`
+                with its features tensor attached, or ``DraftJob``).
+        Returns:
+            per job ``(tree, {"draft": s, "tree_build": s})`` (the shared forward's time split evenly)
+            or the exception that job raised (the others are unaffected).
+        """
+        out: list = [None] * len(jobs)
+        ok = []
+        for i, j in enumerate(jobs):
+            try:
+                self._check_job(j.request_id, j.committed_ids, j.features, j.spec)
+                if j.request_id in {jobs[k].request_id for k in ok}:
+                    raise ValueError(f"request {j.request_id!r} appears twice in one draft batch")
+                self._append_context(j.request_id, j.features, j.start)
+                ok.append(i)
+            except Exception as exc:
+                out[i] = exc
+        if not ok:
+            return out
+        t0 = time.perf_counter()
+        try:
+            rows = self.block_logits_batch([(jobs[i].request_id, jobs[i].root_token, jobs[i].start) for i in ok])
+        except Exception as exc:
+            for i in ok:
+                out[i] = exc
+            return out
+        share = (time.perf_counter() - t0) / len(ok)
+        for i, (hd, base) in zip(ok, rows):
+            j = jobs[i]
+            t1 = time.perf_counter()
+            try:
+                depth = base.shape[0] if j.max_depth is None else max(0, min(j.max_depth, base.shape[0]))
+                tree = self._build(j.spec.method, j.spec, hd[:depth], base[:depth], j.root_token) if depth \
+                    else DraftTree.empty()
+                out[i] = (tree, {"draft": share, "tree_build": time.perf_counter() - t1})
+            except Exception as exc:
+                out[i] = exc
+        return out
+
+    def _check_job(self, request_id: str, committed_ids, features: Tensor, spec) -> None:
+        if features.shape[0] != len(committed_ids):
+            raise ValueError("features must have one row per committed token")
+        method = spec.method
+        if method not in METHODS or method == "ar":
+            raise ValueError(f"method {method!r} does not draft (choose from {METHODS[1:]})")
+        if method in HEAD_METHODS and not self.drafter.has_head:
+            raise ValueError(f"method {method!r} needs a Domino correction head; this drafter has none")
 
     @torch.inference_mode()
     def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
@@ -155,13 +242,8 @@ class DrafterService:
         Raises:
             ValueError: unknown method, method needs a head this drafter lacks, inconsistent context.
         """
-        if features.shape[0] != len(committed_ids):
-            raise ValueError("features must have one row per committed token")
+        self._check_job(request_id, committed_ids, features, spec)
         method = spec.method
-        if method not in METHODS or method == "ar":
-            raise ValueError(f"method {method!r} does not draft (choose from {METHODS[1:]})")
-        if method in HEAD_METHODS and not self.drafter.has_head:
-            raise ValueError(f"method {method!r} needs a Domino correction head; this drafter has none")
         t0 = time.perf_counter()
         hd, base = self.block_logits(request_id, features, root_token, start)
         depth = base.shape[0] if max_depth is None else max(0, min(max_depth, base.shape[0]))

@@ -117,6 +117,7 @@ class DrafterWorker:
         self._drain_deadline = 0.0
         self._last_draft = 0.0  # monotonic time of the last draft handled
         self._handlers = {MessageType.HELLO: self._hello, MessageType.DRAFT: self._draft,
+                          MessageType.DRAFT_BATCH: self._draft_batch,
                           MessageType.RELEASE: self._release}
 
     # ------------------------------------------------------------------------------ I/O thread
@@ -202,12 +203,47 @@ class DrafterWorker:
             request_id_var.reset(token)
         self.send(identity, reply, frames)
 
+    def _draft_batch(self, identity: bytes, dec: Decoded) -> None:
+        """Several requests' drafts in one drafter forward; one :class:`DraftReply` per job."""
+        jobs = dec.msg.jobs
+        self._last_draft = time.monotonic()
+        try:
+            feats = self.transport.unpack([j.features for j in jobs], dec.frames, copy=True)
+        except Exception as exc:  # malformed frames: every job fails, the drafter keeps serving
+            results = [exc] * len(jobs)
+        else:
+            results = self.service.draft_batch([_Job(j, f) for j, f in zip(jobs, feats)])
+        for j, res in zip(jobs, results):
+            frames: list = []
+            if isinstance(res, BaseException):
+                log.warning("draft failed: %s: %s", type(res).__name__, res)
+                self.metrics.errors.inc()
+                reply = DraftReply(j.request_id, j.round_id, self.info.epoch,
+                                   error=f"{type(res).__name__}: {res}"[:4000])
+            else:
+                tree, timings = res
+                self._contexts.add(j.request_id)
+                metas, frames = self.transport.pack([tree.draft_tokens, tree.parents, tree.depths, tree.scores])
+                reply = DraftReply(j.request_id, j.round_id, self.info.epoch, tuple(metas), timings)
+                for phase, seconds in timings.items():
+                    self.metrics.seconds.labels(phase).observe(seconds)
+            self.send(identity, reply, frames)
+        self.metrics.batch_jobs.observe(len(jobs))
+
     def _release(self, identity: bytes, dec: Decoded) -> None:
         self._forget(dec.msg.request_id)
 
     def _forget(self, request_id: str) -> None:
         self.service.release(request_id)
         self._contexts.discard(request_id)
+
+
+class _Job:
+    """A wire :class:`DraftRequest` with its features tensor attached (``DrafterService.draft_batch``'s job)."""
+
+    def __init__(self, msg, features):
+        self.request_id, self.committed_ids, self.root_token = msg.request_id, msg.committed_ids, msg.root_token
+        self.start, self.spec, self.max_depth, self.features = msg.start, msg.spec, msg.max_depth, features
 
 
 # ------------------------------------------------------------------------------------ process entry

@@ -10,11 +10,57 @@ verifier runs another group's forward (the engine's overlap, ``EngineConfig.over
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from torch import Tensor
 
 from services.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class DraftJob:
+    """One request's draft in a batched drafter call (the in-process twin of ``DraftRequest``).
+
+    Attributes:
+        request_id; committed_ids: tokens committed since the request's last draft; features:
+        ``[len(committed_ids), F]`` target features at those positions; root_token: the last
+        committed token at position ``start``; spec: resolved method and knobs; max_depth: depth cap.
+    """
+
+    request_id: str
+    committed_ids: list[int]
+    features: Tensor
+    root_token: int
+    start: int
+    spec: object
+    max_depth: int | None = None
+
+
+class _BatchHandle:
+    """Job ``index`` of a submitted draft batch (a future of the whole batch's results)."""
+
+    def __init__(self, future, index: int):
+        self.future, self.index = future, index
+
+    def result(self):
+        out = self.future.result()[self.index]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def cancel(self) -> None:  # the batch runs for the other jobs; this one's result is ignored
+        pass
+
+
+class _Done:
+    """An already computed result, with a future's ``result``."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 class DrafterClient(Protocol):
@@ -57,6 +103,16 @@ class InprocDrafterClient:
     def discard(self, handle) -> None:
         """Forget a submitted draft (its result is dropped)."""
         handle.cancel()
+
+    def submit_many(self, jobs: list[DraftJob]) -> list:
+        """Start several requests' drafts as ONE batched drafter forward
+        (``DrafterService.draft_batch``); one handle per job for :meth:`collect`. Without overlap
+        in use the batch runs here, now."""
+        if self._pool is None:
+            fut = _Done(self.service.draft_batch(list(jobs)))
+        else:
+            fut = self._pool.submit(self.service.draft_batch, list(jobs))
+        return [_BatchHandle(fut, i) for i in range(len(jobs))]
 
     def release(self, request_id: str) -> None:
         if self._pool is not None:  # after any draft of this request still queued

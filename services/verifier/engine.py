@@ -26,7 +26,7 @@ from services.drafter.service import METHODS
 from services.protocol import LOGPROB_FLOOR, MAX_TOP_LOGPROBS
 from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
 from services.tree.batch import Segment, causal_segment
-from services.verifier.drafter_client import DrafterClient
+from services.verifier.drafter_client import DraftJob, DrafterClient
 from services.verifier.runner import ModelRunner
 from services.verifier.schedule import MAX_BUDGET, check_tree_knobs
 
@@ -340,6 +340,12 @@ class SpecEngine:
             request of the step is freed).
         """
         reqs = [(rid, self._reqs[rid]) for rid in dict.fromkeys(request_ids)]
+        t_sub = time.perf_counter()
+        if hasattr(self.drafter, "submit_many"):  # every decoding request's draft in one drafter forward
+            jobs = [(req, self._draft_job(rid, req, tree_knobs)) for rid, req in reqs
+                    if req.decoding and req.pending is None]
+            self._submit([(req, job) for req, job in jobs if job is not None])
+        submit_wait = time.perf_counter() - t_sub  # an in-process drafter drafts right here
         left = self.config.max_step_tokens
         plan: list[_Planned] = []
         results: dict[str, RoundOutput | BaseException | None] = {}
@@ -362,8 +368,9 @@ class SpecEngine:
                 left -= n
         if not plan:
             return results
+        self._next_jobs: list[tuple[_Request, DraftJob]] = []
         draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in plan)
-        wait_s = sum(p.timings.get("draft_wait", 0.0) for p in plan)
+        wait_s = submit_wait + sum(p.timings.get("draft_wait", 0.0) for p in plan)
         out = self._forward(plan)
         self.last_step = StepStats(len(plan), sum(p.segment.num_rows for p in plan),
                                    sum(p.segment.num_rows for p in plan if p.buffers is None),
@@ -377,6 +384,7 @@ class SpecEngine:
                 continue
             if isinstance(results[item.rid], RoundOutput) and results[item.rid].finish_reason is not None:
                 self.abort(item.rid)
+        self._submit(self._next_jobs)
         return results
 
     def _forward(self, plan: list[_Planned]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -454,17 +462,32 @@ class SpecEngine:
         seg = Segment(buffers.input_ids, buffers.position_offsets, buffers.tree_mask, req.start, req.slot)
         return _Planned(rid, req, seg, buffers=buffers, tree=tree, timings=timings, knobs=tree_knobs)
 
-    def _submit_next(self, rid: str, req: _Request, tree_knobs: tuple[int, int] | None) -> None:
-        """With overlap: start the request's next draft now (collected by its next round)."""
-        if not self.config.overlap or req.spec.method == "ar" or not hasattr(self.drafter, "submit"):
-            return
+    def _draft_job(self, rid: str, req: _Request, tree_knobs: tuple[int, int] | None) -> DraftJob | None:
+        """The next draft of a decoding request (None: ``ar``, or no room left for a draft)."""
         depth = self.draft_depth(req.start)
-        if depth > 0:
-            try:
-                req.pending = self.drafter.submit(rid, req.ctx_ids, req.ctx_feats, req.root, req.start,
-                                                  _fill_knobs(req.spec, tree_knobs), max_depth=depth)
-            except Exception as exc:  # this round's tokens still go out; the next round fails with it
-                req.pending = exc
+        if req.spec.method == "ar" or depth <= 0 or self.drafter is None:
+            return None
+        return DraftJob(rid, list(req.ctx_ids), req.ctx_feats, req.root, req.start,
+                        _fill_knobs(req.spec, tree_knobs), depth)
+
+    def _submit(self, pairs: list[tuple[_Request, DraftJob]]) -> None:
+        """Start the drafts of ``pairs`` as ONE batched drafter call (clients with ``submit_many``);
+        each request's round collects its own. A failed submission fails those requests' next round."""
+        if not pairs:
+            return
+        try:
+            handles = self.drafter.submit_many([job for _, job in pairs])
+        except Exception as exc:
+            handles = [exc] * len(pairs)
+        for (req, _), h in zip(pairs, handles):
+            req.pending = h
+
+    def _queue_next(self, rid: str, req: _Request, tree_knobs: tuple[int, int] | None) -> None:
+        """With overlap: queue the request's next draft, submitted for the whole step at its end."""
+        if self.config.overlap and hasattr(self.drafter, "submit_many"):
+            job = self._draft_job(rid, req, tree_knobs)
+            if job is not None:
+                self._next_jobs.append((req, job))
 
     def _finish(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
         """Per request after the forward: the first token of a finished prefill, or walk + commit + emit."""
@@ -484,7 +507,7 @@ class SpecEngine:
         req.start += rows.numel()
         req.root = res.bonus_token
         if finish is None:
-            self._submit_next(item.rid, req, tree_knobs=item.knobs)
+            self._queue_next(item.rid, req, item.knobs)
         t3 = time.perf_counter()
         n_acc = min(len(ids), len(accepted))
         t0 = timings.pop("_t0")
@@ -510,7 +533,7 @@ class SpecEngine:
         req.chunk_feats = []
         ids, finish = self._emit(req, [first])
         if finish is None:
-            self._submit_next(item.rid, req, tree_knobs=item.knobs)
+            self._queue_next(item.rid, req, item.knobs)
         dt = req.prefill_seconds + time.perf_counter() - t0
         return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True,
                            logprobs=self._logprobs(req, logits, torch.zeros(1, dtype=torch.long), ids))

@@ -20,6 +20,7 @@ import zmq
 from services.ipc_pool import FrameTransport, TensorTransport
 from services.protocol import (
     PROTOCOL_VERSION,
+    DraftBatch,
     DraftReply,
     DraftRequest,
     Hello,
@@ -146,6 +147,36 @@ class ZmqDrafterClient:
         self._sock.send_multipart(encode(msg, frames), copy=False)
         self._pending.add(round_id)
         return round_id, request_id, t0
+
+    def submit_many(self, jobs) -> list[tuple[int, str, float]]:
+        """Send several requests' drafts in one :class:`DraftBatch` message (one drafter forward);
+        one handle per job for :meth:`collect`.
+
+        Raises:
+            DrafterUnavailable: the drafter restarted since one of these requests' first draft.
+        """
+        if len(jobs) == 1:
+            j = jobs[0]
+            return [self.submit(j.request_id, j.committed_ids, j.features, j.root_token, j.start, j.spec, j.max_depth)]
+        t0 = time.perf_counter()
+        if self.peer is None:
+            self._handshake(min(self.timeout_s, 2.0))
+        msgs, handles = [], []
+        for j in jobs:
+            if self._req_epoch.setdefault(j.request_id, self.peer.epoch) != self.peer.epoch:
+                raise DrafterUnavailable("the drafter restarted; this request's drafter context is lost")
+        metas, frames = self.transport.pack([j.features for j in jobs])
+        for j, meta in zip(jobs, metas):
+            round_id = next(self._round)
+            s = j.spec
+            msgs.append(DraftRequest(j.request_id, round_id, list(j.committed_ids), meta, int(j.root_token),
+                                     int(j.start), SpecSpec(method=s.method, budget=s.budget, width=s.width,
+                                                            depth_bonus=s.depth_bonus, candidates=s.candidates),
+                                     max_depth=j.max_depth))
+            handles.append((round_id, j.request_id, t0))
+        self._sock.send_multipart(encode(DraftBatch(msgs), frames), copy=False)
+        self._pending.update(h[0] for h in handles)
+        return handles
 
     def collect(self, handle: tuple[int, str, float]):
         """The ``(DraftTree, timings)`` of a submitted draft; the deadline counts from its submission.

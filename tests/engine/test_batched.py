@@ -15,7 +15,7 @@ from services.drafter.service import METHODS
 from services.testing import random_tree, tiny_drafter, tiny_service, tiny_target
 from services.tree import derive_buffers
 from services.tree.batch import Segment, causal_segment, pack_segments, split_rows
-from services.verifier.drafter_client import InprocDrafterClient
+from services.verifier.drafter_client import InprocDrafterClient, _BatchHandle, _Done
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
 from services.verifier.runner import ModelRunner
 from tests.engine.conftest import TARGET_KW, V
@@ -164,10 +164,12 @@ def test_abort_and_errors_affect_only_their_request(target, service):
     remaining requests' tokens equal to their solo runs."""
 
     class Flaky(InprocDrafterClient):
-        def draft(self, request_id, *a, **kw):
-            if request_id == "bad":
-                raise RuntimeError("drafter exploded")
-            return super().draft(request_id, *a, **kw)
+        """The drafter fails request "bad" inside the batch (the others' drafts are fine)."""
+
+        def submit_many(self, jobs):
+            good = iter(super().submit_many([j for j in jobs if j.request_id != "bad"]))
+            return [_BatchHandle(_Done([RuntimeError("drafter exploded")]), 0) if j.request_id == "bad"
+                    else next(good) for j in jobs]
 
     engine = SpecEngine(target, Flaky(service), EngineConfig(max_running=4, prefill_chunk=4), max_draft_depth=5)
     good = ("good", [4, 5, 6, 7, 8], SamplingParams(max_tokens=16, ignore_eos=True), SpecParams("dartree-pruned"))
@@ -294,8 +296,8 @@ def test_overlap_gives_the_same_tokens(target, service, seed):
     reqs = _mixed_requests(10 + seed, 6)
     engine = _engine(target, service, max_running=6, prefill_chunk=4, overlap=True)
     calls = []
-    submit = engine.drafter.submit
-    engine.drafter.submit = lambda *a, **kw: calls.append(a[0]) or submit(*a, **kw)
+    submit_many = engine.drafter.submit_many
+    engine.drafter.submit_many = lambda jobs: calls.append(len(jobs)) or submit_many(jobs)
     for r in reqs:
         engine.add_request(*r)
     tokens = {r[0]: [] for r in reqs}
@@ -310,4 +312,34 @@ def test_overlap_gives_the_same_tokens(target, service, seed):
                 tokens[rid] += out.token_ids
     for rid, prompt, sampling, spec in reqs:
         assert tokens[rid] == _solo(target, service, prompt, sampling, spec), (rid, spec.method)
-    assert len(calls) > 6 and engine.num_free_slots() == 6
+    assert sum(calls) > 6 and max(calls) >= 2 and engine.num_free_slots() == 6  # batched, ahead of time
+
+
+def test_drafter_batch_equals_one_request_at_a_time(target):
+    """``DrafterService.draft_batch``: one block forward over requests with contexts of different
+    lengths (padded + masked) gives every request the tree it gets alone, for every method, over
+    several rounds (contexts grow); a bad job fails alone."""
+    from services.drafter.service import METHODS as DRAFT_METHODS
+    from services.verifier.drafter_client import DraftJob
+
+    a, b = (tiny_service(target, tiny_drafter(target, seed=5, block_size=6)) for _ in range(2))
+    rng = random.Random(1)
+    methods = [m for m in DRAFT_METHODS if m != "ar"]
+    starts = {m: 0 for m in methods}
+    for rnd in range(3):
+        jobs = []
+        for i, m in enumerate(methods):
+            n = rng.randrange(1, 9) + (6 * i if rnd == 0 else 0)
+            ids = [rng.randrange(3, V - 1) for _ in range(n)]
+            starts[m] += n
+            jobs.append(DraftJob(m, ids, torch.randn(n, target.feature_dim), rng.randrange(3, V - 1), starts[m],
+                                 SpecParams(m, budget=7, width=3), 5))
+        bad = DraftJob("bad", [1], torch.randn(2, target.feature_dim), 1, 1, SpecParams("ddtree"), 5)
+        got = a.draft_batch(jobs[:2] + [bad] + jobs[2:])
+        assert isinstance(got.pop(2), ValueError)
+        for j, res in zip(jobs, got):
+            want, _ = b.draft(j.request_id, j.committed_ids, j.features, j.root_token, j.start, j.spec, j.max_depth)
+            tree, timings = res
+            assert torch.equal(tree.draft_tokens, want.draft_tokens) and torch.equal(tree.parents, want.parents), j.spec
+            torch.testing.assert_close(tree.scores, want.scores, atol=1e-4, rtol=0)
+            assert timings["draft"] > 0

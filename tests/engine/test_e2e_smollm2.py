@@ -93,18 +93,20 @@ def test_fp32_oracle_drafter_on_the_real_target(fp32, ar32):
         assert all(o.accept_length == 8 for o in outs[1:-1])
 
 
-def _ar_logits(target, prompt, tokens):
+def _ar_logits(engine, prompt, tokens):
     """The AR run's logits for the token after ``prompt + tokens``, computed exactly as the engine's
-    AR rounds do: a prefill, then one single-row verify (an empty tree) per committed token."""
-    from services.tree import DraftTree, derive_buffers
+    AR steps do: its model runner (same KV bucketing), a prompt chunk, then one row per token."""
+    from services.tree.batch import causal_segment
+    from services.verifier.runner import ModelRunner
 
-    cache = target.new_cache()
-    logits, _ = target.prefill(prompt, cache)
-    start = len(prompt)
+    assert len(prompt) <= engine.config.prefill_chunk  # one chunk, as in the engine
+    runner = ModelRunner(engine.target, 1, engine.runner.cache.capacity, engine.config.kv_bucket)
+    slot = runner.cache.alloc()
+    logits = runner.execute([causal_segment(prompt, 0, slot)], torch.tensor([len(prompt) - 1])).logits[0]
+    runner.cache.extend(slot, len(prompt))
     for tok in tokens:
-        logits, _ = target.verify(derive_buffers(DraftTree.empty(), tok), cache, start)
-        target.commit(cache, start, torch.tensor([0]))
-        logits, start = logits[0], start + 1
+        logits = runner.execute([causal_segment([tok], runner.cache.length(slot), slot)]).logits[0]
+        runner.cache.extend(slot, 1)
     return logits
 
 
@@ -127,9 +129,9 @@ def test_bf16_divergences_are_near_ties(fp32, record_property):
         j = next((k for k, (a, b) in enumerate(zip(ar, spec)) if a != b), None)
         if j is None:
             continue
-        logits = _ar_logits(engine.target, ids, ar[:j]).float()
+        logits = _ar_logits(engine, ids, ar[:j]).float()
         assert int(logits.argmax()) == ar[j], "replaying the AR run must reproduce its token"
-        logits32 = _ar_logits(engine32.target, ids, ar[:j]).float()
+        logits32 = _ar_logits(engine32, ids, ar[:j]).float()
         gap, top2 = _top2(logits)
         margin = float(logits[ar[j]] - logits[spec[j]])  # AR run: its token vs the speculative one
         margin32 = float(logits32[ar[j]] - logits32[spec[j]])

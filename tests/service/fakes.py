@@ -220,10 +220,11 @@ def fake_params(gen: Generate, method: str):
 class FakeDrafterService:
     """``DrafterService`` stand-in: a chain tree ``root+1, root+2, ...`` of ``budget`` nodes."""
 
-    def __init__(self, hang_s: float = 0.0, fail: bool = False):
-        self.hang_s, self.fail = hang_s, fail
+    def __init__(self, hang_s: float = 0.0, fail: bool = False, fail_ids: tuple[str, ...] = ()):
+        self.hang_s, self.fail, self.fail_ids = hang_s, fail, set(fail_ids)
         self.contexts: dict[str, int] = {}
         self.calls: list[tuple] = []
+        self.batches: list[list[str]] = []  # request ids of each draft_batch call
 
     def info(self) -> dict:
         return {"vocab_size": 400, "block_size": 4, "mask_token_id": 3, "feature_dim": 8, "max_position": 256,
@@ -248,6 +249,20 @@ class FakeDrafterService:
         n = min(spec.budget or 3, max_depth or 99)
         tree = tree_from_parents([root_token + 1 + i for i in range(n)], list(range(-1, n - 1)))
         return tree, {"draft": 0.0005, "tree_build": 0.0001}
+
+    def draft_batch(self, jobs) -> list:
+        """``draft`` per job; a job's error is returned in its place (as ``DrafterService.draft_batch``)."""
+        self.batches.append([j.request_id for j in jobs])
+        out = []
+        for j in jobs:
+            try:
+                if j.request_id in self.fail_ids:
+                    raise ValueError(f"scripted failure of {j.request_id}")
+                out.append(self.draft(j.request_id, j.committed_ids, j.features, j.root_token, j.start, j.spec,
+                                      max_depth=j.max_depth))
+            except Exception as exc:
+                out.append(exc)
+        return out
 
     def release(self, request_id: str) -> None:
         self.contexts.pop(request_id, None)

@@ -543,3 +543,27 @@ def test_a_draining_drafter_serves_until_no_request_needs_it(sockdir, monkeypatc
     client.close()
     io.close()
     ctx.destroy(linger=0)
+
+
+def test_draft_batch_over_zmq_one_message_one_reply_per_job(sockdir):
+    """Protocol v3: ``submit_many`` sends one DraftBatch; the drafter drafts the jobs in one
+    ``draft_batch`` call and answers each job on its own, a failing job with its own error."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace as NS
+
+    from services.verifier.remote_drafter import DrafterError
+
+    service = FakeDrafterService(fail_ids=("bad",))
+    with running_drafter(sockdir, service) as (worker, io, endpoint):
+        client = drafter_client(endpoint)
+        client.connect(wait_s=5)
+        jobs = [NS(request_id=rid, committed_ids=[7, 8], features=torch.randn(2, 8), root_token=9 + i, start=2,
+                   spec=_spec(budget=2 + i), max_depth=3) for i, rid in enumerate(["a", "bad", "c"])]
+        handles = client.submit_many(jobs)
+        assert client.collect(handles[2])[0].draft_tokens.tolist() == [12, 13, 14]
+        with pytest.raises(DrafterError, match="scripted failure of bad"):
+            client.collect(handles[1])
+        assert client.collect(handles[0])[0].draft_tokens.tolist() == [10, 11]
+        assert service.batches == [["a", "bad", "c"]]
+        assert worker.metrics.registry.get_sample_value("dartree_drafter_batch_jobs_sum") == 3
+        client.close()
