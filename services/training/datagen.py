@@ -62,7 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--sampled-every", type=int, default=5, help="every k-th batch is sampled at T=1")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: 0 = torch's)")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.models.registry import resolve_target
@@ -80,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0, new_tokens = time.time(), 0
-    bar = tqdm(order, desc="datagen")
+    todo = sum(not (out / f"shard_{b:05d}.pt").exists() for b in order)
+    print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}, {todo} to generate", flush=True)
+    bar = tqdm(order, desc="datagen", mininterval=60)
     for b in bar:
         shard = out / f"shard_{b:05d}.pt"
         if shard.exists():
@@ -89,8 +94,12 @@ def main(argv: list[str] | None = None) -> None:
         tmp = shard.with_suffix(".tmp")
         torch.save(rows, tmp)
         tmp.rename(shard)
-        new_tokens += sum(len(r["response_ids"]) for r in rows)
-        bar.set_postfix(tok_s=f"{new_tokens / (time.time() - t0):.0f}", new_tokens=new_tokens)
+        n_new = sum(len(r["response_ids"]) for r in rows)
+        new_tokens += n_new
+        rate = new_tokens / (time.time() - t0)
+        print(f"[datagen] {time.strftime('%H:%M:%S')} shard {b} ({'T=1' if b % a.sampled_every == 0 else 'greedy'}): "
+              f"{n_new} new tokens; this run {new_tokens} tokens, {rate:.1f} tok/s", flush=True)
+        bar.set_postfix(tok_s=f"{rate:.0f}", new_tokens=new_tokens)
 
 
 if __name__ == "__main__":
