@@ -40,8 +40,18 @@ class Trainer:
     """One drafter, the frozen target pieces it borrows, and the loss of one sequence's anchors."""
 
     def __init__(self, drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Tensor, args):
-        self.m, self.embed_w, self.head_w, self.a = drafter, embed_w, head_w, args
+        """``embed_w [V, H]`` and ``head_w [V, H]`` are the target's (full vocabulary); a drafter with a
+        reduced draft vocabulary trains on the ``head_w`` rows its ``d2t`` selects, and labels outside
+        its vocabulary are ignored (it can never draft them)."""
+        self.m, self.embed_w, self.a = drafter, embed_w, args
         c = drafter.config
+        d2t = drafter.draft_to_target()
+        self.label_map = None
+        if d2t is not None:
+            head_w = head_w[d2t]
+            self.label_map = torch.full((c.vocab_size,), -100, dtype=torch.long)
+            self.label_map[d2t] = torch.arange(d2t.numel())
+        self.head_w = head_w
         self.bs = c.block_size
         self.row_w = torch.exp(-torch.arange(self.bs).float() / args.row_decay)
 
@@ -61,6 +71,8 @@ class Trainer:
         pad = torch.full((self.bs,), -100, dtype=torch.long)
         idx = anchors[:, None] + torch.arange(self.bs)[None, :]  # [A, Q]
         labels = torch.cat([labels_all.long(), pad])[idx]
+        if self.label_map is not None:  # target ids -> draft ids (-100: not in the draft vocabulary)
+            labels = torch.where(labels >= 0, self.label_map[labels.clamp(min=0)], labels)
         realised = torch.cat([ids.long(), pad])[idx]  # realised[:, 0] = anchor token
         block = torch.full_like(idx, self.m.config.mask_token_id)
         block[:, 0] = realised[:, 0]
@@ -199,6 +211,11 @@ def build_args(ap: argparse.ArgumentParser) -> None:
                     help="warm-start from an exported drafter directory when <work-dir>/ckpt.pt is absent (weights "
                          "only: a fresh optimiser and schedule; its config replaces --layers / --gru-hidden-dim / "
                          "--emb-dim), e.g. models/smollm2-135m-dartree-drafter")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="draft over the N most frequent target ids of --vocab-counts (EAGLE-3 style d2t map; "
+                         "0 = the full vocabulary, the released layout); fixed once training has started")
+    ap.add_argument("--vocab-counts", default="data/vocab_counts.pt",
+                    help="token counts of the training data (python -m services.training.vocab)")
     ap.add_argument("--layers", type=int, default=3, help="drafter transformer layers (default: 3)")
     ap.add_argument("--gru-hidden-dim", type=int, default=256, help="hidden size of the Domino head's GRU (default: 256)")
     ap.add_argument("--emb-dim", type=int, default=128, help="token embedding size of the Domino head (default: 128)")
@@ -248,6 +265,26 @@ def new_drafter_config(tcfg, target_layer_ids: list[int], a) -> DrafterConfig:
                          target_layer_ids=list(target_layer_ids), gru_hidden_dim=a.gru_hidden_dim, emb_dim=a.emb_dim)
 
 
+def _with_draft_vocab(drafter: DFlashDrafter, a, always: tuple[int, ...]) -> DFlashDrafter:
+    """``drafter`` cut to the ``--draft-vocab`` most frequent ids of ``--vocab-counts`` (EOS always kept).
+
+    Raises:
+        ValueError: the drafter already drafts over a different reduced vocabulary.
+    """
+    from services.drafter.model import reduce_draft_vocab
+    from services.training.vocab import top_ids
+
+    have = drafter.config.draft_vocab_size
+    if have is not None:
+        if have != a.draft_vocab:
+            raise ValueError(f"--draft-vocab {a.draft_vocab} but the initial drafter drafts over {have} ids")
+        return drafter
+    counts = torch.load(a.vocab_counts)["counts"]
+    ids = top_ids(counts, a.draft_vocab, always=tuple(always))
+    print(f"[train] draft vocabulary: the {a.draft_vocab} most frequent ids of {a.vocab_counts}", flush=True)
+    return reduce_draft_vocab(drafter, ids)
+
+
 def run(a) -> None:
     """Train (resumably) and export the drafter.
 
@@ -287,6 +324,9 @@ def run(a) -> None:
         drafter = DFlashDrafter(cfg)
         with torch.no_grad():  # start the output scale where the target's own final norm has it
             drafter.norm.weight.copy_(target.model.model.norm.weight.float())
+    if st is None and a.draft_vocab:
+        drafter = _with_draft_vocab(drafter, a, target.eos_token_ids)
+        cfg = drafter.config
     embed_w = target.embed_tokens().weight.detach().float()
     head_w = target.lm_head().weight.detach().float()
     opt = torch.optim.AdamW(drafter.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95))
