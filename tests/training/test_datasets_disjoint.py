@@ -38,3 +38,15 @@ def test_sharegpt_duplicates_of_eval_pool_are_dropped():
     assert any(ds._norm(t) in ev for t in firsts)  # the leak exists in the raw data
     train = {ds._norm(p.turns[0]) for p in ds.load_train(1000) if p.uid.startswith("train-sharegpt/")}
     assert not train & ev
+
+
+def test_heldout_prompts_disjoint_from_train_and_eval():
+    ev = ds.eval_prompt_texts()
+    held = ds.load_heldout(16)
+    assert len(held) == 16 and len({p.uid for p in held}) == 16
+    assert {p.uid.split("/")[0] for p in held} == {"heldout-sharegpt", "heldout-gsm8k", "heldout-math"}
+    texts = {ds._norm(p.turns[0]) for p in held}
+    assert not texts & ev
+    train = {ds._norm(t) for p in ds.load_train(3000) for t in p.turns}
+    train |= {ds._norm(t) for p, _ in ds.load_train_pairs(1000) for t in p.turns}
+    assert not texts & train
