@@ -235,7 +235,15 @@ def build_args(ap: argparse.ArgumentParser) -> None:
                     help="weight of the base loss at --schedule-steps (default: 0.2)")
     ap.add_argument("--save-every-min", type=float, default=5.0, help="checkpoint period, minutes (default: 5)")
     ap.add_argument("--eval-every", type=int, default=500, help="held-out acceptance estimate every N steps (default: 500)")
-    ap.add_argument("--heldout", type=int, default=48, help="held-out sequences for the acceptance estimate")
+    ap.add_argument("--heldout", type=int, default=48,
+                    help="held-out on-policy sequences (shard gen_00000) for the teacher-forced chain estimate")
+    ap.add_argument("--replay-prompts", type=int, default=8,
+                    help="held-out prompts (datasets.load_heldout) for the engine's replayed tau at each eval; 0 = off")
+    ap.add_argument("--replay-prompt-file", default=None,
+                    help="JSON list of prompt token-id lists to use instead of load_heldout (tests, other targets)")
+    ap.add_argument("--replay-max-tokens", type=int, default=96, help="greedy tokens per held-out prompt (default: 96)")
+    ap.add_argument("--replay-budgets", type=int, nargs="+", default=[8, 64],
+                    help="tree budgets B of the replayed dartree-pruned tau (default: 8 64; W = 12)")
     ap.add_argument("--log-every", type=int, default=50, help="append step, lr, lambda, loss to train_log.jsonl every N steps")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
@@ -352,6 +360,7 @@ def run(a) -> None:
                                                   "origin": origin, "drafter": cfg.to_hf()}, indent=2))
     trainer = Trainer(drafter, embed_w, head_w, a)
     heldout = torch.load(Path(a.feat_dir) / f"{HELDOUT_SHARD}.pt")[: a.heldout]
+    turns = _heldout_turns(a, target, tpath, work)
     stream = DataStream(Path(a.feat_dir), a.seed, data_state)
     print(f"[train] {len(stream.names)} training shards in epoch {stream.epoch}; held-out {len(heldout)} sequences",
           flush=True)
@@ -393,19 +402,38 @@ def run(a) -> None:
         bar.update(1)
         bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()}, refresh=False)
         if a.eval_every and step % a.eval_every == 0:
-            evaluate(trainer, heldout, work, step)
+            evaluate(trainer, heldout, work, step, target, turns, a.replay_budgets)
         if time.time() - last_save > a.save_every_min * 60:
             save()
             last_save = time.time()
     log.close()
     save(final=True)
-    evaluate(trainer, heldout, work, step)
+    evaluate(trainer, heldout, work, step, target, turns, a.replay_budgets)
     print(f"[train] stopped at step {step} of {sched.steps} (schedule); drafter exported to {a.out}", flush=True)
 
 
+def _heldout_turns(a, target, tpath: Path, work: Path) -> list:
+    """Held-out prompts and the target's greedy outputs for the replayed tau (cached in the work dir)."""
+    from services.training.heldout import greedy_turns, heldout_prompt_ids, load_prompt_file
+
+    if not a.replay_prompts and not a.replay_prompt_file:
+        return []
+    prompts = (load_prompt_file(Path(a.replay_prompt_file)) if a.replay_prompt_file
+               else heldout_prompt_ids(tpath, a.replay_prompts))
+    t0 = time.time()
+    turns = greedy_turns(target, prompts, a.replay_max_tokens, work / "heldout_turns.pt")
+    print(f"[train] held-out replay: {len(turns)} prompts x <= {a.replay_max_tokens} greedy tokens "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    return turns
+
+
 @torch.no_grad()
-def evaluate(trainer: Trainer, heldout: list[dict], work: Path, step: int) -> dict:
-    """Teacher-forced chain acceptance on held-out on-policy sequences (base and Domino-corrected)."""
+def evaluate(trainer: Trainer, heldout: list[dict], work: Path, step: int, target=None, turns: list | None = None,
+             budgets: tuple[int, ...] = (8, 64)) -> dict:
+    """Held-out estimates, appended to ``<work>/eval.jsonl``: the engine's replayed dartree-pruned tau
+    (ddtree without a Domino head) on held-out prompts at each budget B (W = 12; ``replay_tau_B<B>``;
+    the figure to trust), and the
+    teacher-forced chain acceptance on held-out on-policy sequences (base and Domino-corrected)."""
     rng = random.Random(1234)
     acc: dict[str, list[float]] = {}
     trainer.m.eval()
@@ -416,6 +444,14 @@ def evaluate(trainer: Trainer, heldout: list[dict], work: Path, step: int) -> di
                 acc.setdefault(k, []).append(v)
     trainer.m.train()
     res = {k: sum(v) / len(v) for k, v in acc.items()}
+    if turns:
+        from services.training.heldout import replayed_tau
+
+        t0 = time.time()
+        method = "dartree-pruned" if trainer.m.has_head else "ddtree"
+        for b in budgets:
+            res[f"replay_tau_B{b}"] = replayed_tau(trainer.m, target, turns, method, budget=b)
+        res["replay_s"] = time.time() - t0
     line = json.dumps({"step": step, **{k: round(v, 4) for k, v in res.items()}})
     print(f"[eval] {line}", flush=True)
     with open(work / "eval.jsonl", "a") as f:
