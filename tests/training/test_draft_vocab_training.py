@@ -49,7 +49,7 @@ def test_train_with_reduced_draft_vocab_resumes_and_exports(tiny_training, tmp_p
         return ap.parse_args(["--target", str(tdir), "--feat-dir", str(feats), "--work-dir", str(tmp_path / "w"),
                               "--out", str(tmp_path / "out"), "--layers", "1", "--gru-hidden-dim", "8",
                               "--emb-dim", "8", "--anchors", "4", "--warmup", "2", "--eval-every", "0",
-                              "--threads", "1", "--heldout", "2", "--draft-vocab", "16",
+                              "--threads", "1", "--heldout", "2", "--replay-prompts", "0", "--draft-vocab", "16",
                               "--vocab-counts", str(counts_path), *map(str, extra)])
 
     run(args("--max-steps", 2, "--schedule-steps", 4))

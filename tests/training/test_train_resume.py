@@ -18,7 +18,7 @@ def _args(tdir, feats, work, out, *extra):
     return ap.parse_args(["--target", str(tdir), "--feat-dir", str(feats), "--work-dir", str(work), "--out", str(out),
                           "--layers", "1", "--gru-hidden-dim", "8", "--emb-dim", "8", "--anchors", "4",
                           "--warmup", "2", "--eval-every", "0", "--log-every", "1", "--threads", "1",
-                          "--heldout", "2", *map(str, extra)])
+                          "--heldout", "2", "--replay-prompts", "0", *map(str, extra)])
 
 
 def _log(work):
