@@ -359,7 +359,8 @@ def run(a) -> None:
     (work / "config.json").write_text(json.dumps({"args": args_log, "schedule": dataclasses.asdict(sched),
                                                   "origin": origin, "drafter": cfg.to_hf()}, indent=2))
     trainer = Trainer(drafter, embed_w, head_w, a)
-    heldout = torch.load(Path(a.feat_dir) / f"{HELDOUT_SHARD}.pt")[: a.heldout]
+    hpath = Path(a.feat_dir) / f"{HELDOUT_SHARD}.pt"
+    heldout = torch.load(hpath)[: a.heldout] if hpath.exists() else []  # not generated yet: replayed tau only
     turns = _heldout_turns(a, target, tpath, work)
     stream = DataStream(Path(a.feat_dir), a.seed, data_state)
     print(f"[train] {len(stream.names)} training shards in epoch {stream.epoch}; held-out {len(heldout)} sequences",
