@@ -379,6 +379,8 @@ def run(a) -> None:
                                                           "minutes": round(elapsed / 60, 1), "final": final,
                                                           **origin}})
 
+    if step == 0 and a.eval_every:  # the starting point of the held-out curve (e.g. the --init-from export)
+        evaluate(trainer, heldout, work, step, target, turns, a.replay_budgets)
     log = open(work / "train_log.jsonl", "a")
     while step < a.max_steps and not (a.max_minutes and (elapsed_prev + time.time() - t0) / 60 >= a.max_minutes):
         row = stream.next()

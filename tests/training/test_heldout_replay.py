@@ -52,7 +52,7 @@ def test_training_eval_logs_replayed_tau(tiny_training, tmp_path):
                        "--replay-prompt-file", str(pf), "--replay-max-tokens", "12", "--replay-budgets", "4", "8"])
     run(a)
     lines = [json.loads(x) for x in (tmp_path / "w" / "eval.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines] == [1, 2, 2]
+    assert [x["step"] for x in lines] == [0, 1, 2, 2]
     assert all(x["replay_tau_B4"] >= 1.0 and x["replay_tau_B8"] >= 1.0 for x in lines)
     turns = torch.load(tmp_path / "w" / "heldout_turns.pt", weights_only=False)["turns"]
     assert len(turns) == 2 and all(len(HeldoutTurn(**t).ref) <= 12 for t in turns)
