@@ -208,9 +208,10 @@ def build_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--work-dir", default="data/train", help="checkpoints, feature cache, logs")
     ap.add_argument("--out", default="models/smollm2-135m-dartree-drafter", help="exported drafter directory")
     ap.add_argument("--init-from", default=None,
-                    help="warm-start from an exported drafter directory when <work-dir>/ckpt.pt is absent (weights "
-                         "only: a fresh optimiser and schedule; its config replaces --layers / --gru-hidden-dim / "
-                         "--emb-dim), e.g. models/smollm2-135m-dartree-drafter")
+                    help="warm-start from an exported drafter directory unless resuming (no --resume, or no "
+                         "<work-dir>/ckpt.pt): weights only, a fresh optimiser and schedule; its config replaces "
+                         "--layers / --gru-hidden-dim / --emb-dim. '--resume --init-from DIR' works on a new machine "
+                         "and on one with ckpt.pt alike. E.g. models/smollm2-135m-dartree-drafter")
     ap.add_argument("--draft-vocab", type=int, default=0,
                     help="draft over the N most frequent target ids of --vocab-counts (EAGLE-3 style d2t map; "
                          "0 = the full vocabulary, the released layout); fixed once training has started")
