@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts (datasets.load_heldout)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--turns-cache", default=None,
+                    help="cache of the greedy references (e.g. data/train/heldout_turns.pt; reused when it matches)")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -51,14 +53,17 @@ def main(argv: list[str] | None = None) -> dict:
     full = load_drafter(ddir)
     target = TargetModel.from_pretrained(tdir, full.config.target_layer_ids)
     target.pack_for_rounds(a.budget, full.config.num_draft_slots)
-    counts = torch.load(a.counts)["counts"]
+    saved = torch.load(a.counts)
+    counts = saved["counts"]
     engines = {}
     for n in a.sizes:
-        d = full if n in (0, full.config.vocab_size) else reduce_draft_vocab(full, top_ids(counts, n, target.eos_token_ids))
+        d = full if n in (0, full.config.vocab_size) else reduce_draft_vocab(
+            full, top_ids(counts, n, target.eos_token_ids, secondary=saved.get("secondary")))
         svc = DrafterService(d, target.embed_tokens(), target.lm_head(), TreeDefaults(budget=a.budget, width=a.width))
         engines[n] = SpecEngine(target, InprocDrafterClient(svc), max_draft_depth=full.config.num_draft_slots)
     ar = SpecEngine(target, None)
-    turns = greedy_turns(target, heldout_prompt_ids(tdir, a.prompts), a.max_tokens)
+    turns = greedy_turns(target, heldout_prompt_ids(tdir, a.prompts), a.max_tokens,
+                         Path(a.turns_cache) if a.turns_cache else None)
     spec = SpecParams("dartree-pruned", budget=a.budget, width=a.width)
     per = {n: {"rounds": 0, "emitted": 0, "draft": [], "tree_build": []} for n in a.sizes}
     ar_steps: list[float] = []

@@ -288,8 +288,8 @@ def _with_draft_vocab(drafter: DFlashDrafter, a, always: tuple[int, ...]) -> DFl
         if have != a.draft_vocab:
             raise ValueError(f"--draft-vocab {a.draft_vocab} but the initial drafter drafts over {have} ids")
         return drafter
-    counts = torch.load(a.vocab_counts)["counts"]
-    ids = top_ids(counts, a.draft_vocab, always=tuple(always))
+    saved = torch.load(a.vocab_counts)
+    ids = top_ids(saved["counts"], a.draft_vocab, always=tuple(always), secondary=saved.get("secondary"))
     print(f"[train] draft vocabulary: the {a.draft_vocab} most frequent ids of {a.vocab_counts}", flush=True)
     return reduce_draft_vocab(drafter, ids)
 

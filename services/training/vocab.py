@@ -34,8 +34,25 @@ def count_tokens(gen_dir: Path, vocab_size: int) -> tuple[torch.Tensor, int]:
     return counts, len(paths)
 
 
-def top_ids(counts: torch.Tensor, n: int, always: tuple[int, ...] = ()) -> torch.Tensor:
-    """The ``n`` most frequent ids ``[n]`` int64, most frequent first (ties: lower id first).
+def reference_counts(tok, n_pairs: int, vocab_size: int) -> torch.Tensor:
+    """Token counts ``[vocab_size]`` of the reference responses of ``n_pairs`` train pairs
+    (:func:`services.datasets.load_train_pairs`: ShareGPT answers, GSM8K / MATH solutions, stdlib code).
+
+    A broad secondary ranking for the ids the target's own outputs (still few) have not shown yet.
+    """
+    from services.datasets import load_train_pairs
+
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for _, resp in load_train_pairs(n_pairs):
+        counts += torch.bincount(torch.tensor(tok.encode(resp, add_special_tokens=False), dtype=torch.long),
+                                 minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def top_ids(counts: torch.Tensor, n: int, always: tuple[int, ...] = (), secondary: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """The ``n`` most frequent ids ``[n]`` int64, most frequent first (ties: higher ``secondary`` count
+    first, then lower id).
 
     ``always`` ids (e.g. the EOS token) are included even when rare; they take the last slots.
 
@@ -45,7 +62,9 @@ def top_ids(counts: torch.Tensor, n: int, always: tuple[int, ...] = ()) -> torch
     v = counts.numel()
     if not len(set(always)) <= n <= v:
         raise ValueError(f"draft vocabulary size must be in [{len(set(always))}, {v}] (got {n})")
-    order = sorted(range(v), key=lambda i: (-int(counts[i]), i))
+    sec = secondary if secondary is not None else torch.zeros_like(counts)
+    c, s2 = counts.tolist(), sec.tolist()
+    order = sorted(range(v), key=lambda i: (-c[i], -s2[i], i))
     forced = [i for i in dict.fromkeys(always)]
     keep = [i for i in order if i not in set(forced)][: n - len(forced)]
     return torch.tensor(keep + forced, dtype=torch.long)
@@ -63,9 +82,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gen-dir", default="data/gen")
     ap.add_argument("--out", default="data/vocab_counts.pt")
     ap.add_argument("--vocab-size", type=int, default=49152, help="target vocabulary size (default: SmolLM2's)")
+    ap.add_argument("--ref-pairs", type=int, default=0,
+                    help="also count the reference responses of N train pairs (needs --target's tokenizer) as the "
+                         "tie-break ranking of ids the generated data has not shown (default: 0 = off)")
+    ap.add_argument("--target", default=None, help="target whose tokenizer encodes the reference responses")
     a = ap.parse_args(argv)
     counts, n = count_tokens(Path(a.gen_dir), a.vocab_size)
-    torch.save({"counts": counts, "shards": n, "gen_dir": str(a.gen_dir)}, a.out)
+    out = {"counts": counts, "shards": n, "gen_dir": str(a.gen_dir)}
+    if a.ref_pairs:
+        from transformers import AutoTokenizer
+
+        from services.models.registry import resolve_target
+
+        out["secondary"] = reference_counts(AutoTokenizer.from_pretrained(str(resolve_target(a.target))),
+                                            a.ref_pairs, a.vocab_size)
+        print(f"[vocab] secondary ranking: {int(out['secondary'].sum())} reference-response tokens of "
+              f"{a.ref_pairs} train pairs", flush=True)
+    torch.save(out, a.out)
     cov = coverage(counts, [1024, 4096, 8192, 16384, 32768])
     print(f"[vocab] {int(counts.sum())} response tokens from {n} shards, {int((counts > 0).sum())} distinct ids; "
           + ", ".join(f"top-{k}: {v:.4f}" for k, v in cov.items()), flush=True)

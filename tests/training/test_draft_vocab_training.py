@@ -20,6 +20,9 @@ def test_top_ids_rank_by_frequency_and_keep_forced_ids():
     assert top_ids(counts, 7).tolist()[:5] == [2, 3, 0, 6, 4]
     with pytest.raises(ValueError):
         top_ids(counts, 8)
+    # ids the generated data has not shown are ranked by the secondary (reference-text) counts
+    sec = torch.tensor([0, 4, 0, 0, 0, 7, 0])
+    assert top_ids(counts, 7, secondary=sec).tolist() == [2, 3, 0, 6, 4, 5, 1]
     cov = coverage(counts, [1, 2, 7])
     assert cov[1] == pytest.approx(9 / 27) and cov[2] == pytest.approx(18 / 27) and cov[7] == 1.0
 
