@@ -6,7 +6,8 @@ frequent ids of ``--counts`` (``python -m services.training.vocab``) WITHOUT ret
 dartree-pruned rounds are replayed at T = 0 against the target's greedy output on held-out prompts
 (:mod:`services.replay`). Reported per N: τ, and the median per-round drafter time (``draft`` = block
 forward + output projection, ``tree_build``), next to the median ``ar`` step of the target measured
-in the same run. Sizes are interleaved prompt by prompt so that background load hits all alike.
+in the same run; ``coverage``: share of the counted tokens inside the map; ``heldout_coverage``:
+share of the held-out greedy reference tokens inside it. Sizes are interleaved prompt by prompt so that background load hits all alike.
 
     python -m benchmarks.bench_draft_vocab --counts data/vocab_counts.pt --sizes 8192 16384 0 --threads 1
 """
@@ -55,10 +56,11 @@ def main(argv: list[str] | None = None) -> dict:
     target.pack_for_rounds(a.budget, full.config.num_draft_slots)
     saved = torch.load(a.counts)
     counts = saved["counts"]
-    engines = {}
+    engines, maps = {}, {}
     for n in a.sizes:
         d = full if n in (0, full.config.vocab_size) else reduce_draft_vocab(
             full, top_ids(counts, n, target.eos_token_ids, secondary=saved.get("secondary")))
+        maps[n] = d.draft_to_target()
         svc = DrafterService(d, target.embed_tokens(), target.lm_head(), TreeDefaults(budget=a.budget, width=a.width))
         engines[n] = SpecEngine(target, InprocDrafterClient(svc), max_draft_depth=full.config.num_draft_slots)
     ar = SpecEngine(target, None)
@@ -80,6 +82,11 @@ def main(argv: list[str] | None = None) -> dict:
                     p["tree_build"].append(r.timings["tree_build"])
     ar_ms = 1e3 * statistics.median(ar_steps)
     cov = coverage(counts, [n for n in a.sizes if n])
+    ref_toks = torch.tensor([x for t in turns for x in t.ref], dtype=torch.long)
+
+    def heldout_cov(n: int) -> float:  # share of the held-out greedy tokens the draft vocabulary holds
+        m = maps[n]
+        return 1.0 if m is None else float(torch.isin(ref_toks, m).double().mean())
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "drafter": str(ddir), "budget": a.budget,
            "width": a.width, "prompts": len(turns), "max_tokens": a.max_tokens, "threads": a.threads,
            "counted_tokens": int(counts.sum()), "ar_step_ms": round(ar_ms, 2), "sizes": {}}
@@ -87,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
         dm, tm = 1e3 * statistics.median(p["draft"]), 1e3 * statistics.median(p["tree_build"])
         res["sizes"][str(n or full.config.vocab_size)] = {
             "tau": round(p["emitted"] / p["rounds"], 3), "draft_ms": round(dm, 2), "tree_build_ms": round(tm, 2),
-            "draft_phase_over_ar": round((dm + tm) / ar_ms, 3), "coverage": round(cov.get(n, 1.0), 4)}
+            "draft_phase_over_ar": round((dm + tm) / ar_ms, 3), "coverage": round(cov.get(n, 1.0), 4),
+            "heldout_coverage": round(heldout_cov(n), 4)}
     print(json.dumps(res, indent=2))
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
