@@ -8,6 +8,7 @@ a shard that exists is skipped. Each shard is a list of ``{"uid", "prompt_ids", 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -52,6 +53,28 @@ def generate_shard(model, tok, batch: list[tuple[str, list[int]]], max_new_token
     return rows
 
 
+LAYOUT_KEYS = ("num_prompts", "batch_size", "max_prompt_tokens", "max_new_tokens", "sampled_every")
+
+
+def check_layout(out: Path, a) -> None:
+    """Record the flags that define which prompts a shard holds in ``out/datagen.json``; refuse a resume
+    with different ones (a shard that exists is skipped, so other flags would silently mix layouts).
+
+    Raises:
+        ValueError: ``out`` holds shards of another layout.
+    """
+    layout = {k: getattr(a, k) for k in LAYOUT_KEYS}
+    path = out / "datagen.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        diff = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v}
+        if diff:
+            raise ValueError(f"{out} holds shards made with other flags {diff} (saved, given): resume with the "
+                             "saved ones or use another --out-dir")
+    else:
+        path.write_text(json.dumps(layout, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="generate self-distillation data for drafter training")
     ap.add_argument("--target", default=None)
@@ -82,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     order = [order[i] for i in torch.randperm(len(order), generator=torch.Generator().manual_seed(0)).tolist()]
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    check_layout(out, a)
     t0, new_tokens = time.time(), 0
     todo = sum(not (out / f"shard_{b:05d}.pt").exists() for b in order)
     print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}, {todo} to generate", flush=True)
