@@ -340,11 +340,11 @@ def run(a) -> None:
     head_w = target.lm_head().weight.detach().float()
     opt = torch.optim.AdamW(drafter.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95))
     sched = Schedule(a.lr, a.warmup, a.schedule_steps or a.max_steps, a.lambda_start, a.lambda_end)
-    step, elapsed_prev, data_state = 0, 0.0, None
+    step, elapsed_prev, cpu_prev, data_state = 0, 0.0, 0.0, None
     if st is not None:
         drafter.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
-        step, elapsed_prev = st["step"], st.get("elapsed", 0.0)
+        step, elapsed_prev, cpu_prev = st["step"], st.get("elapsed", 0.0), st.get("cpu_elapsed", 0.0)
         rng.setstate(st["rng"])
         if "torch_rng" in st:
             torch.set_rng_state(st["torch_rng"])
@@ -366,18 +366,20 @@ def run(a) -> None:
     stream = DataStream(Path(a.feat_dir), a.seed, data_state)
     print(f"[train] {len(stream.names)} training shards in epoch {stream.epoch}; held-out {len(heldout)} sequences",
           flush=True)
-    t0, last_save = time.time(), time.time()
+    t0, last_save, cpu0 = time.time(), time.time(), time.process_time()
     bar = tqdm(total=a.max_steps, initial=step, desc="train", mininterval=30)
     ema: dict[str, float] = {}
 
     def save(final: bool = False) -> None:
-        elapsed = elapsed_prev + time.time() - t0
+        elapsed = elapsed_prev + time.time() - t0  # wall time, including any kill -STOP pause
+        cpu = cpu_prev + time.process_time() - cpu0  # CPU time of this process (all threads)
         torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng.getstate(),
-                    "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "schedule": dataclasses.asdict(sched),
+                    "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "cpu_elapsed": cpu, "schedule": dataclasses.asdict(sched),
                     "data": stream.state(), "drafter_config": cfg.to_hf(), "origin": origin}, work / "ckpt.tmp")
         (work / "ckpt.tmp").rename(ckpt)
         save_drafter(drafter, a.out, extra={"training": {"steps": step, "schedule_steps": sched.steps,
-                                                          "minutes": round(elapsed / 60, 1), "final": final,
+                                                          "minutes": round(elapsed / 60, 1),
+                                                          "cpu_minutes": round(cpu / 60, 1), "final": final,
                                                           **origin}})
 
     if step == 0 and a.eval_every:  # the starting point of the held-out curve (e.g. the --init-from export)

@@ -50,7 +50,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_training, tmp_pat
     for k in wa["model"]:
         torch.testing.assert_close(wa["model"][k], wb["model"][k], rtol=1e-4, atol=1e-6)
     cfg = json.loads((tmp_path / "b_out" / "config.json").read_text())["training"]
-    assert cfg["steps"] == 8 and cfg["schedule_steps"] == 20
+    assert cfg["steps"] == 8 and cfg["schedule_steps"] == 20 and cfg["cpu_minutes"] >= 0
 
 
 def test_resume_refuses_a_different_schedule(tiny_training, tmp_path):
