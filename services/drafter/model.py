@@ -48,8 +48,11 @@ class DrafterConfig:
     pure_draft_prefix_len: int = 1
     gru_hidden_dim: int = 256
     emb_dim: int = 128
+    draft_vocab_size: int | None = None  # None = draft over the full target vocabulary (released layout)
 
     def __post_init__(self) -> None:
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (got {self.draft_vocab_size})")
         if self.projector_type not in (None, "domino"):
             raise ValueError(f"unsupported projector_type {self.projector_type!r}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -59,6 +62,11 @@ class DrafterConfig:
     def feature_dim(self) -> int:
         """Width of the concatenated target features: ``len(target_layer_ids) * target_hidden_size``."""
         return len(self.target_layer_ids) * self.target_hidden_size
+
+    @property
+    def out_vocab_size(self) -> int:
+        """Rows of the drafter's output projections: ``draft_vocab_size`` when reduced, else ``vocab_size``."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def num_draft_slots(self) -> int:
@@ -72,7 +80,7 @@ class DrafterConfig:
             dc.update(projector_type=self.projector_type, shift_label=self.shift_label,
                       pure_draft_prefix_len=self.pure_draft_prefix_len, gru_hidden_dim=self.gru_hidden_dim,
                       emb_dim=self.emb_dim)
-        return {
+        out = {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
             "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -84,6 +92,9 @@ class DrafterConfig:
             "dtype": "bfloat16", "block_size": self.block_size, "num_target_layers": self.num_target_layers,
             "target_hidden_size": self.target_hidden_size, "dflash_config": dc,
         }
+        if self.draft_vocab_size is not None:  # EAGLE-3's field; absent in the full-vocabulary layout
+            out["draft_vocab_size"] = self.draft_vocab_size
+        return out
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DrafterConfig":
@@ -108,6 +119,7 @@ class DrafterConfig:
             projector_type=proj, shift_label=bool(dc.get("shift_label", False)),
             pure_draft_prefix_len=int(dc.get("pure_draft_prefix_len", 1 if proj else 0)),
             gru_hidden_dim=int(dc.get("gru_hidden_dim", cfg.get("gru_hidden_dim", emb_dim))), emb_dim=int(emb_dim),
+            draft_vocab_size=cfg.get("draft_vocab_size"),
         )
 
 
@@ -211,6 +223,11 @@ class DecoderLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """DFlash backbone (+ optional Domino head). Keys: ``layers.N.*``, ``fc``, ``hidden_norm``, ``norm``,
     and for Domino ``prefix_gru.weight_{ih,hh}_l0``, ``embed_proj.{0,2}.weight``.
+
+    Reduced draft vocabulary (``config.draft_vocab_size = N``, EAGLE-3's layout): two more buffers,
+    ``d2t [N]`` int64 offsets (draft id ``i`` is target id ``i + d2t[i]``) and ``t2d [V]`` bool (target
+    id is in the draft vocabulary); ``embed_proj.2`` is ``[N, E]`` and the borrowed lm_head is cut to
+    the N selected rows by the drafter service. Without it the state dict is the released one.
     """
 
     def __init__(self, c: DrafterConfig):
@@ -223,7 +240,34 @@ class DFlashDrafter(nn.Module):
         if c.projector_type == "domino":
             self.prefix_gru = nn.GRU(c.target_hidden_size, c.gru_hidden_dim, num_layers=1, batch_first=True, bias=False)
             self.embed_proj = nn.Sequential(nn.Linear(c.hidden_size + c.gru_hidden_dim, c.emb_dim, bias=False),
-                                            nn.SiLU(), nn.Linear(c.emb_dim, c.vocab_size, bias=False))
+                                            nn.SiLU(), nn.Linear(c.emb_dim, c.out_vocab_size, bias=False))
+        if c.draft_vocab_size is not None:
+            # identity map (the first N target ids) until set_draft_vocab / a checkpoint sets it
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(c.vocab_size) < c.draft_vocab_size)
+
+    def set_draft_vocab(self, target_ids: Tensor) -> None:
+        """Set the draft -> target map from ``target_ids [N]`` (distinct target ids, draft id i -> target_ids[i]).
+
+        Raises:
+            ValueError: no reduced vocabulary configured, wrong length, repeated or out-of-range ids.
+        """
+        c = self.config
+        ids = torch.as_tensor(target_ids, dtype=torch.long).flatten()
+        if c.draft_vocab_size is None or ids.numel() != c.draft_vocab_size:
+            raise ValueError(f"need exactly draft_vocab_size={c.draft_vocab_size} target ids (got {ids.numel()})")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size or ids.unique().numel() != ids.numel()):
+            raise ValueError("draft vocabulary ids must be distinct target ids in [0, vocab_size)")
+        with torch.no_grad():
+            self.d2t.copy_(ids - torch.arange(ids.numel()))
+            self.t2d.zero_()
+            self.t2d[ids] = True
+
+    def draft_to_target(self) -> Tensor | None:
+        """Target id of every draft id ``[N]`` (int64), or None for a full-vocabulary drafter."""
+        if self.config.draft_vocab_size is None:
+            return None
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
     @property
     def has_head(self) -> bool:
@@ -261,8 +305,34 @@ class DFlashDrafter(nn.Module):
         return (1 - z) * n + z * h
 
     def correction(self, hd: Tensor, states: Tensor) -> Tensor:
-        """Full-vocabulary additive bias ``embed_proj([hd; h])``: ``hd [.., H]``, ``states [.., G]`` -> ``[.., V]``."""
+        """Additive bias ``embed_proj([hd; h])``: ``hd [.., H]``, ``states [.., G]`` -> ``[.., V]`` (``[.., N]``
+        over the draft vocabulary when reduced)."""
         return self.embed_proj(torch.cat([hd, states], dim=-1))
+
+
+def reduce_draft_vocab(model: DFlashDrafter, target_ids: Tensor) -> DFlashDrafter:
+    """A copy of a full-vocabulary drafter that drafts over ``target_ids [N]`` only (draft id i -> target_ids[i]).
+
+    Every weight is copied; the Domino head's output rows (``embed_proj.2``) are the selected rows,
+    so the reduced drafter's logits over the draft vocabulary equal the full drafter's at those ids.
+
+    Raises:
+        ValueError: the drafter is already reduced, or ``target_ids`` is not a set of distinct target ids.
+    """
+    import dataclasses
+
+    c = model.config
+    if c.draft_vocab_size is not None:
+        raise ValueError("the drafter already has a reduced draft vocabulary")
+    ids = torch.as_tensor(target_ids, dtype=torch.long).flatten()
+    out = DFlashDrafter(dataclasses.replace(c, draft_vocab_size=int(ids.numel())))
+    out.set_draft_vocab(ids)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    if model.has_head:
+        sd["embed_proj.2.weight"] = sd["embed_proj.2.weight"][ids]
+    sd["d2t"], sd["t2d"] = out.d2t.clone(), out.t2d.clone()
+    out.load_state_dict(sd, strict=True)
+    return out.to(next(model.parameters()).dtype).train(model.training)
 
 
 def save_drafter(model: DFlashDrafter, out_dir: str | Path, extra: dict | None = None) -> None:
@@ -275,7 +345,8 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path, extra: dict | None =
     if extra:
         cfg.update(extra)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    sd = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
+          for k, v in model.state_dict().items()}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -293,7 +364,8 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: s
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
     sd = load_file(str(p / "model.safetensors"), device=device)
-    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
+    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()},
+                          strict=True, assign=True)
     return model.eval()
 
 

@@ -7,6 +7,7 @@ target's lm_head, and build the method's tree (algorithms.md §1.3, §2.2, §2.3
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +50,13 @@ class DominoScorer:
 
     Args:
         drafter: a drafter with a Domino head; embed: target embedding; hd: ``[D, H]`` drafter rows.
+        d2t: ``[N]`` target id of each draft id when the drafter drafts over a reduced vocabulary
+            (candidate ids are then draft ids; a token is mapped to its target id before the GRU
+            embeds it); None = full vocabulary.
     """
 
-    def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, hd: Tensor):
-        self.drafter, self.embed = drafter, embed
+    def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, hd: Tensor, d2t: Tensor | None = None):
+        self.drafter, self.embed, self.d2t = drafter, embed, d2t
         wz, self.ws, self.wout = drafter.head_split()
         self.z = hd @ wz.T  # [D, E]
 
@@ -66,15 +70,21 @@ class DominoScorer:
         return cand_vals.float()[None, :] + (mid @ w.T).float()
 
     def advance(self, parent_states: Tensor, tokens: Tensor) -> Tensor:
+        if self.d2t is not None:
+            tokens = self.d2t[tokens]
         return self.drafter.gru_cell(self.embed(tokens).to(parent_states.dtype), parent_states)
 
 
 class DrafterService:
     """Owns the drafter, the borrowed target embedding / lm_head, and per-request drafter contexts.
 
+    A drafter with a reduced draft vocabulary (``draft_vocab_size = N``) projects onto the N
+    lm_head rows its ``d2t`` map selects; the tree builders run over draft ids and the finished
+    tree's tokens are mapped back to target ids, so verification and acceptance see target ids only.
+
     Args:
         drafter: DFlash drafter (with or without a Domino head), eval mode.
-        embed: the target's ``embed_tokens``; lm_head: the target's output projection.
+        embed: the target's ``embed_tokens``; lm_head: the target's output projection (full vocabulary).
         defaults: server defaults of the tree knobs.
         packed_gemm: on a float32 CPU drafter, pre-pack the drafter's linears for its block rows and
             the lm_head for its draft rows (:mod:`services.cpu_gemm`; numerics unchanged).
@@ -82,8 +92,15 @@ class DrafterService:
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
                  defaults: TreeDefaults = TreeDefaults(), description: str = "", packed_gemm: bool = True):
-        self.drafter, self.embed, self.lm_head = drafter.eval(), embed, lm_head
+        self.drafter, self.embed = drafter.eval(), embed
         self.cfg = drafter.config
+        self.d2t = drafter.draft_to_target()  # [N] target ids, or None (full vocabulary)
+        if self.d2t is not None:
+            head = torch.nn.Linear(lm_head.weight.shape[1], self.d2t.numel(), bias=False)
+            head.weight = torch.nn.Parameter(lm_head.weight.detach()[self.d2t.to(lm_head.weight.device)].clone(),
+                                             requires_grad=False)
+            lm_head = head
+        self.lm_head = lm_head
         if packed_gemm:
             from services.cpu_gemm import pack_linears
 
@@ -98,7 +115,7 @@ class DrafterService:
     def info(self) -> dict:
         """Handshake fields."""
         c = self.cfg
-        return {"vocab_size": c.vocab_size, "block_size": c.block_size, "mask_token_id": c.mask_token_id,
+        return {"vocab_size": c.vocab_size, "draft_vocab_size": c.out_vocab_size, "block_size": c.block_size, "mask_token_id": c.mask_token_id,
                 "feature_dim": c.feature_dim, "max_position": c.max_position_embeddings,
                 "num_draft_slots": c.num_draft_slots, "has_head": self.drafter.has_head,
                 "target_layer_ids": list(c.target_layer_ids),
@@ -130,7 +147,8 @@ class DrafterService:
 
     @torch.inference_mode()
     def block_logits(self, request_id: str, features: Tensor, root_token: int, start: int) -> tuple[Tensor, Tensor]:
-        """Append context, run the block: ``(hd [D, H], base_logits [D, V] float32)``."""
+        """Append context, run the block: ``(hd [D, H], base_logits [D, N] float32)`` (N = the draft
+        vocabulary: ``V`` unless reduced; column i is target id ``d2t[i]``)."""
         self._append_context(request_id, features, start)
         return self._block(request_id, root_token, start)
 
@@ -250,6 +268,8 @@ class DrafterService:
         hd, base = hd[:depth], base[:depth]
         t1 = time.perf_counter()
         tree = self._build(method, spec, hd, base, root_token) if depth else DraftTree.empty()
+        if self.d2t is not None and tree.num_nodes:
+            tree = dataclasses.replace(tree, draft_tokens=self.d2t[tree.draft_tokens.long()])
         return tree, {"draft": t1 - t0, "tree_build": time.perf_counter() - t1}
 
     def _build(self, method: str, spec, hd: Tensor, base: Tensor, root: int) -> DraftTree:
@@ -263,7 +283,7 @@ class DrafterService:
             return chain(torch.argmax(base, dim=-1))
         if method == "ddtree":
             return ddtree(torch.log_softmax(base, dim=-1), budget)
-        scorer = DominoScorer(self.drafter, self.embed, hd.to(self.dtype))
+        scorer = DominoScorer(self.drafter, self.embed, hd.to(self.dtype), self.d2t)
         if method == "domino":
             return chain(chain_rollout(base, scorer, root, prefix)[0])
         if method == "domino-ddtree":

@@ -8,6 +8,7 @@ a shard that exists is skipped. Each shard is a list of ``{"uid", "prompt_ids", 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -52,6 +53,28 @@ def generate_shard(model, tok, batch: list[tuple[str, list[int]]], max_new_token
     return rows
 
 
+LAYOUT_KEYS = ("num_prompts", "batch_size", "max_prompt_tokens", "max_new_tokens", "sampled_every")
+
+
+def check_layout(out: Path, a) -> None:
+    """Record the flags that define which prompts a shard holds in ``out/datagen.json``; refuse a resume
+    with different ones (a shard that exists is skipped, so other flags would silently mix layouts).
+
+    Raises:
+        ValueError: ``out`` holds shards of another layout.
+    """
+    layout = {k: getattr(a, k) for k in LAYOUT_KEYS}
+    path = out / "datagen.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        diff = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v}
+        if diff:
+            raise ValueError(f"{out} holds shards made with other flags {diff} (saved, given): resume with the "
+                             "saved ones or use another --out-dir")
+    else:
+        path.write_text(json.dumps(layout, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="generate self-distillation data for drafter training")
     ap.add_argument("--target", default=None)
@@ -62,7 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--sampled-every", type=int, default=5, help="every k-th batch is sampled at T=1")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: 0 = torch's)")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.models.registry import resolve_target
@@ -79,8 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     order = [order[i] for i in torch.randperm(len(order), generator=torch.Generator().manual_seed(0)).tolist()]
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    check_layout(out, a)
     t0, new_tokens = time.time(), 0
-    bar = tqdm(order, desc="datagen")
+    todo = sum(not (out / f"shard_{b:05d}.pt").exists() for b in order)
+    print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}, {todo} to generate", flush=True)
+    bar = tqdm(order, desc="datagen", mininterval=60)
     for b in bar:
         shard = out / f"shard_{b:05d}.pt"
         if shard.exists():
@@ -89,8 +118,12 @@ def main(argv: list[str] | None = None) -> None:
         tmp = shard.with_suffix(".tmp")
         torch.save(rows, tmp)
         tmp.rename(shard)
-        new_tokens += sum(len(r["response_ids"]) for r in rows)
-        bar.set_postfix(tok_s=f"{new_tokens / (time.time() - t0):.0f}", new_tokens=new_tokens)
+        n_new = sum(len(r["response_ids"]) for r in rows)
+        new_tokens += n_new
+        rate = new_tokens / (time.time() - t0)
+        print(f"[datagen] {time.strftime('%H:%M:%S')} shard {b} ({'T=1' if b % a.sampled_every == 0 else 'greedy'}): "
+              f"{n_new} new tokens; this run {new_tokens} tokens, {rate:.1f} tok/s", flush=True)
+        bar.set_postfix(tok_s=f"{rate:.0f}", new_tokens=new_tokens)
 
 
 if __name__ == "__main__":

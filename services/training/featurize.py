@@ -4,11 +4,16 @@ Two sources: the target's own generations (``datagen`` shards) and reference res
 sets, teacher-forced through the target (``load_train_pairs``). For every position ``t`` a shard
 stores the target's tapped features and ``labels[t]`` = the target's argmax next token given
 ``ids[: t + 1]`` -- the token greedy decoding would emit there. Shards are resumable.
+
+Generated data is featurized one ``datagen`` shard at a time (``shard_NNNNN.pt`` ->
+``gen_NNNNN.pt``), so featurization can follow a running generation (``--watch-pid``) and a
+later run never re-chunks rows that an earlier run already wrote.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -58,6 +63,38 @@ def write_shards(target, rows: list[dict], out_dir: Path, prefix: str, shard_siz
         bar.set_postfix(tok_s=f"{done / (time.time() - t0):.0f}")
 
 
+def featurize_gen_dir(target, gen_dir: Path, out_dir: Path) -> int:
+    """Featurize every finished ``datagen`` shard that has no ``gen_NNNNN.pt`` yet; returns shards written.
+
+    ``gen_dir/shard_NNNNN.pt`` maps to ``out_dir/gen_NNNNN.pt`` (one to one, written atomically).
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = 0
+    for src in sorted(gen_dir.glob("shard_*.pt")):
+        dst = out_dir / f"gen_{src.stem.split('_')[1]}.pt"
+        if dst.exists():
+            continue
+        t0 = time.time()
+        data = featurize_rows(target, torch.load(src))
+        torch.save(data, dst.with_suffix(".tmp"))
+        dst.with_suffix(".tmp").rename(dst)
+        n = sum(int(d["ids"].numel()) for d in data)
+        print(f"[featurize] {time.strftime('%H:%M:%S')} {dst.name}: {len(data)} sequences, {n} tokens, "
+              f"{n / (time.time() - t0):.0f} tok/s", flush=True)
+        written += 1
+    return written
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="featurize drafter training data (resumable)")
     ap.add_argument("--target", default=None)
@@ -65,8 +102,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", default="data/feats")
     ap.add_argument("--num-pairs", type=int, default=6000)
     ap.add_argument("--shard-size", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="target precision; float32 gives the labels the fp32 engine's greedy decoding emits")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: 0 = torch's)")
+    ap.add_argument("--watch-pid", type=int, default=0,
+                    help="keep featurizing new datagen shards while this process (the datagen job) lives")
+    ap.add_argument("--poll-s", type=float, default=60.0, help="seconds between scans with --watch-pid")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     from transformers import AutoTokenizer
 
     from services.models.registry import resolve_target
@@ -75,9 +119,14 @@ def main(argv: list[str] | None = None) -> None:
     path = resolve_target(a.target)
     tok = AutoTokenizer.from_pretrained(path)
     target = TargetModel.from_pretrained(path, dtype=getattr(torch, a.dtype))
-    gen = [r for p in sorted(Path(a.gen_dir).glob("shard_*.pt")) for r in torch.load(p)]
-    write_shards(target, gen, Path(a.out_dir), "gen", a.shard_size)
-    write_shards(target, pair_rows(tok, a.num_pairs), Path(a.out_dir), "pair", a.shard_size)
+    gen_dir, out_dir = Path(a.gen_dir), Path(a.out_dir)
+    featurize_gen_dir(target, gen_dir, out_dir)
+    while a.watch_pid and _alive(a.watch_pid):
+        time.sleep(a.poll_s)
+        featurize_gen_dir(target, gen_dir, out_dir)
+    featurize_gen_dir(target, gen_dir, out_dir)  # whatever the generator finished last
+    if a.num_pairs:
+        write_shards(target, pair_rows(tok, a.num_pairs), out_dir, "pair", a.shard_size)
 
 
 if __name__ == "__main__":

@@ -5,16 +5,20 @@ block = [token at a, MASK x (block_size - 1)] at positions a .. a + block_size -
 target features of positions < a only; shift-label targets tokens a + 1 .. a + block_size. Loss =
 (1 - lambda) * CE(corrected) + lambda * CE(base), lambda decayed linearly; the target stays frozen
 and its embedding / lm_head are used in place (never copied into the drafter's weights).
-Resumable: ``--resume`` continues from ``<work-dir>/ckpt.pt`` (model, optimiser, step, RNG).
+Resumable: ``--resume`` continues from ``<work-dir>/ckpt.pt`` (model, optimiser, step, the lr and
+lambda schedules of ``--schedule-steps``, the data position, RNG) exactly as if never stopped; when
+``ckpt.pt`` is gone (a new machine), ``--init-from <exported drafter dir>`` warm-starts the weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,8 +40,18 @@ class Trainer:
     """One drafter, the frozen target pieces it borrows, and the loss of one sequence's anchors."""
 
     def __init__(self, drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Tensor, args):
-        self.m, self.embed_w, self.head_w, self.a = drafter, embed_w, head_w, args
+        """``embed_w [V, H]`` and ``head_w [V, H]`` are the target's (full vocabulary); a drafter with a
+        reduced draft vocabulary trains on the ``head_w`` rows its ``d2t`` selects, and labels outside
+        its vocabulary are ignored (it can never draft them)."""
+        self.m, self.embed_w, self.a = drafter, embed_w, args
         c = drafter.config
+        d2t = drafter.draft_to_target()
+        self.label_map = None
+        if d2t is not None:
+            head_w = head_w[d2t]
+            self.label_map = torch.full((c.vocab_size,), -100, dtype=torch.long)
+            self.label_map[d2t] = torch.arange(d2t.numel())
+        self.head_w = head_w
         self.bs = c.block_size
         self.row_w = torch.exp(-torch.arange(self.bs).float() / args.row_decay)
 
@@ -57,6 +71,8 @@ class Trainer:
         pad = torch.full((self.bs,), -100, dtype=torch.long)
         idx = anchors[:, None] + torch.arange(self.bs)[None, :]  # [A, Q]
         labels = torch.cat([labels_all.long(), pad])[idx]
+        if self.label_map is not None:  # target ids -> draft ids (-100: not in the draft vocabulary)
+            labels = torch.where(labels >= 0, self.label_map[labels.clamp(min=0)], labels)
         realised = torch.cat([ids.long(), pad])[idx]  # realised[:, 0] = anchor token
         block = torch.full_like(idx, self.m.config.mask_token_id)
         block[:, 0] = realised[:, 0]
@@ -110,32 +126,131 @@ class Trainer:
         return float((ok.int().cumprod(1).sum(1) + 1).float().mean())
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """Learning-rate and lambda schedules as pure functions of the step (saved in ``ckpt.pt``).
+
+    lr: linear warm-up over ``warmup`` steps to ``lr``, then cosine to 10 % of it at ``steps``
+    (flat after). lambda (weight of the base loss): linear ``lambda_start`` -> ``lambda_end`` over
+    ``steps`` (flat after). ``steps`` is ``--schedule-steps``, independent of where a run stops.
+    """
+
+    lr: float
+    warmup: int
+    steps: int
+    lambda_start: float
+    lambda_end: float
+
+    def lr_at(self, s: int) -> float:
+        """Learning rate of optimiser step ``s`` (0-based)."""
+        if s < self.warmup:
+            return self.lr * (s + 1) / self.warmup
+        frac = min(1.0, (s - self.warmup) / max(1, self.steps - self.warmup))
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    def lambda_at(self, s: int) -> float:
+        """Base-loss weight lambda of step ``s``."""
+        return self.lambda_start + (self.lambda_end - self.lambda_start) * min(1.0, s / max(1, self.steps))
+
+
+class DataStream:
+    """Deterministic, resumable order of training rows: epochs of shuffled shards, rows shuffled per shard.
+
+    Epoch ``e`` fixes its shard list when it starts (shards featurized later join the next epoch);
+    the shard order and each shard's row order are seeded by ``(seed, e, shard name)``, so the
+    position ``state()`` = ``{epoch, shards, shard_index, row_index}`` is all a resume needs.
+    """
+
+    def __init__(self, feat_dir: Path, seed: int, state: dict | None = None):
+        self.dir, self.seed = feat_dir, seed
+        if state:
+            self.epoch, self.names = state["epoch"], list(state["shards"])
+            self.si, self.ri = state["shard_index"], state["row_index"]
+        else:
+            self.epoch, self.si, self.ri = 0, 0, 0
+            self.names = self._order(0)
+        self._rows: list[dict] | None = None
+        self._row_order: list[int] = []
+        if not self.names:
+            raise FileNotFoundError(f"no training shards in {feat_dir} (run featurize first)")
+
+    def _order(self, epoch: int) -> list[str]:
+        names = [p.name for p in shard_paths(self.dir)]
+        return random.Random(f"{self.seed}/{epoch}").sample(names, len(names))
+
+    def state(self) -> dict:
+        """Position of the next row (JSON-able)."""
+        return {"epoch": self.epoch, "shards": list(self.names), "shard_index": self.si, "row_index": self.ri}
+
+    def next(self) -> dict:
+        """The next training row (a featurized sequence dict)."""
+        while True:
+            if self.si >= len(self.names):
+                self.epoch, self.si, self.ri = self.epoch + 1, 0, 0
+                self.names = self._order(self.epoch)
+                self._rows = None
+            if self._rows is None:
+                name = self.names[self.si]
+                self._rows = torch.load(self.dir / name)
+                self._row_order = random.Random(f"{self.seed}/{self.epoch}/{name}").sample(
+                    range(len(self._rows)), len(self._rows))
+            if self.ri < len(self._rows):
+                row = self._rows[self._row_order[self.ri]]
+                self.ri += 1
+                return row
+            self.si, self.ri, self._rows = self.si + 1, 0, None
+
+
 def build_args(ap: argparse.ArgumentParser) -> None:
     """Flags of ``dartree train-drafter``."""
     ap.add_argument("--target", default=None, help="target model (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--feat-dir", default="data/feats", help="featurized training shards (featurize output)")
     ap.add_argument("--work-dir", default="data/train", help="checkpoints, feature cache, logs")
     ap.add_argument("--out", default="models/smollm2-135m-dartree-drafter", help="exported drafter directory")
+    ap.add_argument("--init-from", default=None,
+                    help="warm-start from an exported drafter directory unless resuming (no --resume, or no "
+                         "<work-dir>/ckpt.pt): weights only, a fresh optimiser and schedule; its config replaces "
+                         "--layers / --gru-hidden-dim / --emb-dim. '--resume --init-from DIR' works on a new machine "
+                         "and on one with ckpt.pt alike. E.g. models/smollm2-135m-dartree-drafter")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="draft over the N most frequent target ids of --vocab-counts (EAGLE-3 style d2t map; "
+                         "0 = the full vocabulary, the released layout); fixed once training has started")
+    ap.add_argument("--vocab-counts", default="data/vocab_counts.pt",
+                    help="token counts of the training data (python -m services.training.vocab)")
     ap.add_argument("--layers", type=int, default=3, help="drafter transformer layers (default: 3)")
     ap.add_argument("--gru-hidden-dim", type=int, default=256, help="hidden size of the Domino head's GRU (default: 256)")
     ap.add_argument("--emb-dim", type=int, default=128, help="token embedding size of the Domino head (default: 128)")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, AdamW (default: 1e-3)")
     ap.add_argument("--warmup", type=int, default=100, help="linear learning-rate warm-up steps (default: 100)")
     ap.add_argument("--max-steps", type=int, default=20000,
-                    help="training steps: the length of the cosine and lambda schedules (default: 20000)")
+                    help="stop (and export) at this step; a later --resume may go further (default: 20000)")
+    ap.add_argument("--schedule-steps", type=int, default=None,
+                    help="length of the cosine lr and linear lambda schedules (default: --max-steps); saved in "
+                         "ckpt.pt, so a --resume continues the same schedules exactly")
     ap.add_argument("--max-minutes", type=float, default=0, help="stop (and export) after this wall time; 0 = off")
     ap.add_argument("--anchors", type=int, default=32, help="anchors per sequence per step")
     ap.add_argument("--row-decay", type=float, default=8.0, help="loss weight of block row j = exp(-j / decay)")
     ap.add_argument("--lambda-start", type=float, default=0.8,
                     help="weight of the base (pre-correction) loss at step 0, decayed linearly (default: 0.8)")
-    ap.add_argument("--lambda-end", type=float, default=0.2, help="weight of the base loss at --max-steps (default: 0.2)")
+    ap.add_argument("--lambda-end", type=float, default=0.2,
+                    help="weight of the base loss at --schedule-steps (default: 0.2)")
     ap.add_argument("--save-every-min", type=float, default=5.0, help="checkpoint period, minutes (default: 5)")
     ap.add_argument("--eval-every", type=int, default=500, help="held-out acceptance estimate every N steps (default: 500)")
-    ap.add_argument("--heldout", type=int, default=48, help="held-out sequences for the acceptance estimate")
+    ap.add_argument("--heldout", type=int, default=48,
+                    help="held-out on-policy sequences (shard gen_00000) for the teacher-forced chain estimate")
+    ap.add_argument("--replay-prompts", type=int, default=8,
+                    help="held-out prompts (datasets.load_heldout) for the engine's replayed tau at each eval; 0 = off")
+    ap.add_argument("--replay-prompt-file", default=None,
+                    help="JSON list of prompt token-id lists to use instead of load_heldout (tests, other targets)")
+    ap.add_argument("--replay-max-tokens", type=int, default=96, help="greedy tokens per held-out prompt (default: 96)")
+    ap.add_argument("--replay-budgets", type=int, nargs="+", default=[8, 64],
+                    help="tree budgets B of the replayed dartree-pruned tau (default: 8 64; W = 12)")
+    ap.add_argument("--log-every", type=int, default=50, help="append step, lr, lambda, loss to train_log.jsonl every N steps")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
                     help="bf16 autocast (slower than fp32 on the 2-core CPU measured 2026-11-30)")
-    ap.add_argument("--resume", action="store_true", help="continue from <work-dir>/ckpt.pt (model, optimiser, step, RNG)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from <work-dir>/ckpt.pt (model, optimiser, step, schedule, data position, RNG)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: 0 = torch's)")
 
 
@@ -145,8 +260,49 @@ def main(argv: list[str] | None = None) -> None:
     run(ap.parse_args(argv))
 
 
+def new_drafter_config(tcfg, target_layer_ids: list[int], a) -> DrafterConfig:
+    """A fresh drafter config matching the target's width and vocabulary (flags: layers, head sizes)."""
+    return DrafterConfig(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
+                         num_hidden_layers=a.layers, num_attention_heads=tcfg.num_attention_heads,
+                         num_key_value_heads=tcfg.num_key_value_heads,
+                         head_dim=getattr(tcfg, "head_dim", tcfg.hidden_size // tcfg.num_attention_heads),
+                         vocab_size=tcfg.vocab_size, rms_norm_eps=tcfg.rms_norm_eps,
+                         rope_theta=float((getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", 1e4)),
+                         max_position_embeddings=tcfg.max_position_embeddings,
+                         num_target_layers=tcfg.num_hidden_layers, target_hidden_size=tcfg.hidden_size,
+                         mask_token_id=16 if tcfg.vocab_size == 49152 else tcfg.vocab_size - 1,
+                         target_layer_ids=list(target_layer_ids), gru_hidden_dim=a.gru_hidden_dim, emb_dim=a.emb_dim)
+
+
+def _with_draft_vocab(drafter: DFlashDrafter, a, always: tuple[int, ...]) -> DFlashDrafter:
+    """``drafter`` cut to the ``--draft-vocab`` most frequent ids of ``--vocab-counts`` (EOS always kept).
+
+    Raises:
+        ValueError: the drafter already drafts over a different reduced vocabulary.
+    """
+    from services.drafter.model import reduce_draft_vocab
+    from services.training.vocab import top_ids
+
+    have = drafter.config.draft_vocab_size
+    if have is not None:
+        if have != a.draft_vocab:
+            raise ValueError(f"--draft-vocab {a.draft_vocab} but the initial drafter drafts over {have} ids")
+        return drafter
+    saved = torch.load(a.vocab_counts)
+    ids = top_ids(saved["counts"], a.draft_vocab, always=tuple(always), secondary=saved.get("secondary"))
+    print(f"[train] draft vocabulary: the {a.draft_vocab} most frequent ids of {a.vocab_counts}", flush=True)
+    return reduce_draft_vocab(drafter, ids)
+
+
 def run(a) -> None:
-    """Train (resumably) and export the drafter."""
+    """Train (resumably) and export the drafter.
+
+    Start: ``--resume`` with ``<work-dir>/ckpt.pt`` continues it exactly (weights, optimiser, step,
+    schedule, data position, RNG); otherwise ``--init-from DIR`` loads an exported drafter's
+    weights; otherwise a fresh drafter. Raises ``ValueError`` when ``--schedule-steps`` contradicts
+    the checkpoint's schedule, ``FileNotFoundError`` when there is no training shard.
+    """
+    from services.drafter.model import load_drafter
     from services.models.registry import resolve_target
     from services.verifier.target import TargetModel
 
@@ -155,100 +311,135 @@ def run(a) -> None:
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
     work = Path(a.work_dir)
-    (work / "feats").mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     tpath = resolve_target(a.target)
     target = TargetModel.from_pretrained(tpath, dtype=torch.float32)
-    tcfg = target.config
-    cfg = DrafterConfig(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
-                        num_hidden_layers=a.layers, num_attention_heads=tcfg.num_attention_heads,
-                        num_key_value_heads=tcfg.num_key_value_heads,
-                        head_dim=getattr(tcfg, "head_dim", tcfg.hidden_size // tcfg.num_attention_heads),
-                        vocab_size=tcfg.vocab_size, rms_norm_eps=tcfg.rms_norm_eps,
-                        rope_theta=float((getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", 1e4)),
-                        max_position_embeddings=tcfg.max_position_embeddings,
-                        num_target_layers=tcfg.num_hidden_layers, target_hidden_size=tcfg.hidden_size,
-                        mask_token_id=16 if tcfg.vocab_size == 49152 else tcfg.vocab_size - 1,
-                        target_layer_ids=target.target_layer_ids, gru_hidden_dim=a.gru_hidden_dim, emb_dim=a.emb_dim)
-    drafter = DFlashDrafter(cfg)
-    with torch.no_grad():  # start the output scale where the target's own final norm has it
-        drafter.norm.weight.copy_(target.model.model.norm.weight.float())
+    ckpt = work / "ckpt.pt"
+    st = torch.load(ckpt, weights_only=False) if a.resume and ckpt.exists() else None
+    origin: dict = {}
+    if st is not None:
+        cfg = DrafterConfig.from_hf(st["drafter_config"]) if "drafter_config" in st else \
+            new_drafter_config(target.config, target.target_layer_ids, a)
+        drafter = DFlashDrafter(cfg)
+        origin = st.get("origin", {})
+    elif a.init_from:
+        drafter = load_drafter(a.init_from).train()
+        cfg = drafter.config
+        prev = json.loads((Path(a.init_from) / "config.json").read_text()).get("training", {})
+        origin = {"init_from": str(a.init_from), "init_training": prev}
+        print(f"[train] warm start from {a.init_from} (its training: {prev})", flush=True)
+    else:
+        cfg = new_drafter_config(target.config, target.target_layer_ids, a)
+        drafter = DFlashDrafter(cfg)
+        with torch.no_grad():  # start the output scale where the target's own final norm has it
+            drafter.norm.weight.copy_(target.model.model.norm.weight.float())
+    if st is None and a.draft_vocab:
+        drafter = _with_draft_vocab(drafter, a, target.eos_token_ids)
+        cfg = drafter.config
     embed_w = target.embed_tokens().weight.detach().float()
     head_w = target.lm_head().weight.detach().float()
     opt = torch.optim.AdamW(drafter.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    step, elapsed_prev = 0, 0.0
-    ckpt = work / "ckpt.pt"
-    if a.resume and ckpt.exists():
-        st = torch.load(ckpt, weights_only=False)
+    sched = Schedule(a.lr, a.warmup, a.schedule_steps or a.max_steps, a.lambda_start, a.lambda_end)
+    step, elapsed_prev, cpu_prev, data_state = 0, 0.0, 0.0, None
+    if st is not None:
         drafter.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
-        step, elapsed_prev = st["step"], st.get("elapsed", 0.0)
+        step, elapsed_prev, cpu_prev = st["step"], st.get("elapsed", 0.0), st.get("cpu_elapsed", 0.0)
         rng.setstate(st["rng"])
-        print(f"[train] resumed at step {step} ({elapsed_prev / 60:.1f} min trained)", flush=True)
+        if "torch_rng" in st:
+            torch.set_rng_state(st["torch_rng"])
+        data_state = st.get("data")
+        if "schedule" in st:
+            saved = Schedule(**st["schedule"])
+            if a.schedule_steps is not None and a.schedule_steps != saved.steps:
+                raise ValueError(f"--schedule-steps {a.schedule_steps} differs from the checkpoint's {saved.steps}: a "
+                                 "resume continues the saved schedule (omit the flag, or start a new --work-dir)")
+            sched = saved
+        print(f"[train] resumed at step {step} ({elapsed_prev / 60:.1f} min trained); schedule {sched}", flush=True)
     args_log = {k: v for k, v in vars(a).items() if not callable(v)}  # the CLI adds its handler function
-    (work / "config.json").write_text(json.dumps({"args": args_log, "drafter": cfg.to_hf()}, indent=2))
+    (work / "config.json").write_text(json.dumps({"args": args_log, "schedule": dataclasses.asdict(sched),
+                                                  "origin": origin, "drafter": cfg.to_hf()}, indent=2))
     trainer = Trainer(drafter, embed_w, head_w, a)
-    heldout = torch.load(Path(a.feat_dir) / f"{HELDOUT_SHARD}.pt")[: a.heldout]
-    paths = shard_paths(Path(a.feat_dir))
-    print(f"[train] {len(paths)} training shards; held-out {len(heldout)} sequences", flush=True)
-    t0, last_save = time.time(), time.time()
-    bar = tqdm(total=a.max_steps, initial=step, desc="train", mininterval=10)
+    hpath = Path(a.feat_dir) / f"{HELDOUT_SHARD}.pt"
+    heldout = torch.load(hpath)[: a.heldout] if hpath.exists() else []  # not generated yet: replayed tau only
+    turns = _heldout_turns(a, target, tpath, work)
+    stream = DataStream(Path(a.feat_dir), a.seed, data_state)
+    print(f"[train] {len(stream.names)} training shards in epoch {stream.epoch}; held-out {len(heldout)} sequences",
+          flush=True)
+    t0, last_save, cpu0 = time.time(), time.time(), time.process_time()
+    bar = tqdm(total=a.max_steps, initial=step, desc="train", mininterval=30)
     ema: dict[str, float] = {}
 
-    def lr_at(s: int) -> float:
-        if s < a.warmup:
-            return a.lr * (s + 1) / a.warmup
-        frac = min(1.0, (s - a.warmup) / max(1, a.max_steps - a.warmup))
-        return a.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
     def save(final: bool = False) -> None:
-        elapsed = elapsed_prev + time.time() - t0
+        elapsed = elapsed_prev + time.time() - t0  # wall time, including any kill -STOP pause
+        cpu = cpu_prev + time.process_time() - cpu0  # CPU time of this process (all threads)
         torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng.getstate(),
-                    "elapsed": elapsed}, work / "ckpt.tmp")
+                    "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "cpu_elapsed": cpu, "schedule": dataclasses.asdict(sched),
+                    "data": stream.state(), "drafter_config": cfg.to_hf(), "origin": origin}, work / "ckpt.tmp")
         (work / "ckpt.tmp").rename(ckpt)
-        save_drafter(drafter, a.out, extra={"training": {"steps": step, "minutes": round(elapsed / 60, 1),
-                                                          "final": final}})
+        save_drafter(drafter, a.out, extra={"training": {"steps": step, "schedule_steps": sched.steps,
+                                                          "minutes": round(elapsed / 60, 1),
+                                                          "cpu_minutes": round(cpu / 60, 1), "final": final,
+                                                          **origin}})
 
-    done = False
-    while not done:
-        for path in rng.sample(paths, len(paths)):
-            rows = torch.load(path)
-            for row in rng.sample(rows, len(rows)):
-                lam = a.lambda_start + (a.lambda_end - a.lambda_start) * min(1.0, step / a.max_steps)
-                out = trainer.loss(row, lam, rng)
-                if out is None:
-                    continue
-                loss, stats = out
-                for g in opt.param_groups:
-                    g["lr"] = lr_at(step)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-                opt.step()
-                step += 1
-                for k, v in stats.items():
-                    ema[k] = v if k not in ema else 0.98 * ema[k] + 0.02 * v
-                bar.update(1)
-                bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()}, refresh=False)
-                if step % a.eval_every == 0:
-                    evaluate(trainer, heldout, work, step)
-                if time.time() - last_save > a.save_every_min * 60:
-                    save()
-                    last_save = time.time()
-                minutes = (elapsed_prev + time.time() - t0) / 60
-                if step >= a.max_steps or (a.max_minutes and minutes >= a.max_minutes):
-                    done = True
-                    break
-            if done:
-                break
-        paths = shard_paths(Path(a.feat_dir))  # pick up shards featurized since (resumable pipeline)
+    if step == 0 and a.eval_every:  # the starting point of the held-out curve (e.g. the --init-from export)
+        evaluate(trainer, heldout, work, step, target, turns, a.replay_budgets)
+    log = open(work / "train_log.jsonl", "a")
+    while step < a.max_steps and not (a.max_minutes and (elapsed_prev + time.time() - t0) / 60 >= a.max_minutes):
+        row = stream.next()
+        lam, lr = sched.lambda_at(step), sched.lr_at(step)
+        out = trainer.loss(row, lam, rng)
+        if out is None:
+            continue
+        loss, stats = out
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        step += 1
+        for k, v in stats.items():
+            ema[k] = v if k not in ema else 0.98 * ema[k] + 0.02 * v
+        if a.log_every and step % a.log_every == 0:
+            log.write(json.dumps({"step": step, "lr": lr, "lambda": lam, **{k: round(v, 5) for k, v in stats.items()},
+                                  **{f"ema_{k}": round(v, 4) for k, v in ema.items()}}) + "\n")
+            log.flush()
+        bar.update(1)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in ema.items()}, refresh=False)
+        if a.eval_every and step % a.eval_every == 0:
+            evaluate(trainer, heldout, work, step, target, turns, a.replay_budgets)
+        if time.time() - last_save > a.save_every_min * 60:
+            save()
+            last_save = time.time()
+    log.close()
     save(final=True)
-    evaluate(trainer, heldout, work, step)
-    print(f"[train] done at step {step}; drafter exported to {a.out}", flush=True)
+    evaluate(trainer, heldout, work, step, target, turns, a.replay_budgets)
+    print(f"[train] stopped at step {step} of {sched.steps} (schedule); drafter exported to {a.out}", flush=True)
+
+
+def _heldout_turns(a, target, tpath: Path, work: Path) -> list:
+    """Held-out prompts and the target's greedy outputs for the replayed tau (cached in the work dir)."""
+    from services.training.heldout import greedy_turns, heldout_prompt_ids, load_prompt_file
+
+    if not a.replay_prompts and not a.replay_prompt_file:
+        return []
+    prompts = (load_prompt_file(Path(a.replay_prompt_file)) if a.replay_prompt_file
+               else heldout_prompt_ids(tpath, a.replay_prompts))
+    t0 = time.time()
+    turns = greedy_turns(target, prompts, a.replay_max_tokens, work / "heldout_turns.pt")
+    print(f"[train] held-out replay: {len(turns)} prompts x <= {a.replay_max_tokens} greedy tokens "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    return turns
 
 
 @torch.no_grad()
-def evaluate(trainer: Trainer, heldout: list[dict], work: Path, step: int) -> dict:
-    """Teacher-forced chain acceptance on held-out on-policy sequences (base and Domino-corrected)."""
+def evaluate(trainer: Trainer, heldout: list[dict], work: Path, step: int, target=None, turns: list | None = None,
+             budgets: tuple[int, ...] = (8, 64)) -> dict:
+    """Held-out estimates, appended to ``<work>/eval.jsonl``: the engine's replayed dartree-pruned tau
+    (ddtree without a Domino head) on held-out prompts at each budget B (W = 12; ``replay_tau_B<B>``;
+    the figure to trust), and the
+    teacher-forced chain acceptance on held-out on-policy sequences (base and Domino-corrected)."""
     rng = random.Random(1234)
     acc: dict[str, list[float]] = {}
     trainer.m.eval()
@@ -259,6 +450,14 @@ def evaluate(trainer: Trainer, heldout: list[dict], work: Path, step: int) -> di
                 acc.setdefault(k, []).append(v)
     trainer.m.train()
     res = {k: sum(v) / len(v) for k, v in acc.items()}
+    if turns:
+        from services.training.heldout import replayed_tau
+
+        t0 = time.time()
+        method = "dartree-pruned" if trainer.m.has_head else "ddtree"
+        for b in budgets:
+            res[f"replay_tau_B{b}"] = replayed_tau(trainer.m, target, turns, method, budget=b)
+        res["replay_s"] = time.time() - t0
     line = json.dumps({"step": step, **{k: round(v, 4) for k, v in res.items()}})
     print(f"[eval] {line}", flush=True)
     with open(work / "eval.jsonl", "a") as f:
