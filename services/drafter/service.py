@@ -230,6 +230,8 @@ class DrafterService:
                 depth = base.shape[0] if j.max_depth is None else max(0, min(j.max_depth, base.shape[0]))
                 tree = self._build(j.spec.method, j.spec, hd[:depth], base[:depth], j.root_token) if depth \
                     else DraftTree.empty()
+                if self.d2t is not None and tree.num_nodes:  # draft ids -> target ids
+                    tree = dataclasses.replace(tree, draft_tokens=self.d2t[tree.draft_tokens.long()])
                 out[i] = (tree, {"draft": share, "tree_build": time.perf_counter() - t1})
             except Exception as exc:
                 out[i] = exc

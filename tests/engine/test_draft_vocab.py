@@ -92,3 +92,21 @@ def test_reduced_layout_round_trips_strictly_and_full_layout_is_unchanged(target
     assert back.t2d.sum() == 5 and bool(back.t2d[keep].all())
     with pytest.raises(ValueError):
         DFlashDrafter(back.config).set_draft_vocab(torch.tensor([1, 1, 2, 3, 4]))
+
+
+def test_reduced_vocab_batched_drafts_equal_single_drafts_in_target_ids(target):
+    """``draft_batch`` maps draft ids to target ids exactly like ``draft`` (several requests at once)."""
+    from services.verifier.drafter_client import DraftJob
+
+    keep = torch.randperm(V, generator=torch.Generator().manual_seed(3))[:30]
+    a, b = (tiny_service(target, reduce_draft_vocab(tiny_drafter(target, seed=2), keep)) for _ in range(2))
+    rng = random.Random(2)
+    jobs = []
+    for i, m in enumerate(DRAFT_METHODS):
+        ids = [rng.randrange(3, V - 1) for _ in range(3 + i)]
+        jobs.append(DraftJob(m, ids, torch.randn(len(ids), a.cfg.feature_dim), ids[-1], len(ids),
+                             SpecParams(m, budget=10, width=4), None))
+    for j, (tree, _) in zip(jobs, a.draft_batch(jobs)):
+        want, _ = b.draft(j.request_id, j.committed_ids, j.features, j.root_token, j.start, j.spec)
+        assert tree.draft_tokens.tolist() == want.draft_tokens.tolist() and set(tree.draft_tokens.tolist()) <= set(
+            keep.tolist())
