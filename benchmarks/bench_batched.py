@@ -110,12 +110,13 @@ async def level(url: str, vmetrics: str, method: str, c: int, n: int, ps: list[s
 
 
 def run_setting(label: str, serve_flags: list[str], methods, conc, factor, max_tokens, ps, deadline_s,
-                out: Path) -> dict:
+                out: Path, threads: int | None = None) -> dict:
     """Start a server with ``serve_flags`` and measure every (method, c) against it."""
     from services.testing import start_server
 
     table: dict = {}
-    with start_server(*serve_flags, log=out / f"serve-{label}.log", ready_timeout=600) as srv:
+    env = {"OMP_NUM_THREADS": str(threads)} if threads else None
+    with start_server(*serve_flags, log=out / f"serve-{label}.log", ready_timeout=600, env=env) as srv:
         vm = f"http://127.0.0.1:{srv.metrics_ports[0]}/metrics"
         for m in methods:
             asyncio.run(level(srv.base, vm, m, 1, 1, ps, 8, deadline_s))  # warm-up
@@ -141,7 +142,8 @@ def write_report(res: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     lines = [f"# Batched serving, {res['date']}", "", f"Command: `{res['command']}`", "",
-             f"Machine: {res['machine']}; git {res['git']}; {res['note']}", ""]
+             f"Machine: {res['machine']}; git {res['git']}; server threads per process: "
+             f"{res.get('threads') or 'torch default'}; {res['note']}", ""]
     fig, axes = plt.subplots(1, len(res["settings"]), figsize=(6 * len(res["settings"]), 4), squeeze=False)
     for ax, (label, s) in zip(axes[0], res["settings"].items()):
         conc = s["concurrency"]
@@ -178,6 +180,9 @@ def main(argv=None) -> int:
     p.add_argument("--setting", action="append", nargs=2, metavar=("LABEL", "FLAGS"),
                    help='a server setting: label and `dartree serve` flags (repeatable); default: '
                         '"batched" with --max-running 16')
+    p.add_argument("--threads", type=int, default=None,
+                   help="OMP_NUM_THREADS of every server process (default: torch's, = cores); 1 = one core each "
+                        "for the verifier and the drafter")
     p.add_argument("--note", default="")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -187,12 +192,12 @@ def main(argv=None) -> int:
         argv if argv is not None else __import__("sys").argv[1:]),
            "machine": f"{platform.platform()}, {__import__('os').cpu_count()} CPUs",
            "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-           "note": a.note, "settings": {}}
+           "note": a.note, "threads": a.threads, "settings": {}}
     for label, flags in settings:
         fl = flags.split()
         res["settings"][label] = {"flags": fl, "concurrency": a.concurrency,
                                   "table": run_setting(label, fl, a.methods, a.concurrency, a.requests_factor,
-                                                       a.max_tokens, ps, a.deadline_s, a.out)}
+                                                       a.max_tokens, ps, a.deadline_s, a.out, a.threads)}
         (a.out / "results.json").write_text(json.dumps(res, indent=1))
     write_report(res, a.out)
     return 0

@@ -13,8 +13,8 @@ server was started with one, e.g. ``dartree serve --tree-schedule 1:16x12,2:12x8
 (or ``DARTREE_TREE_SCHEDULE``); otherwise the row measures the server's default B/W. The bench reads
 the schedule from the verifier's ``dartree_info{tree_schedule=...}`` metric
 (``--serving-verifier-metrics``, default the verifier's default port) and labels the row with what
-it found. The verifier runs one request's round at a time (no batched verify), so a schedule is not
-expected to raise tokens/s here (``services/verifier/schedule.py``).
+it found. Every running request shares one batched step (engine v2), so a smaller B under load
+makes steps lighter; whether that pays depends on τ(B) against the step cost.
 """
 
 from __future__ import annotations
@@ -144,9 +144,8 @@ def _note(schedule: str | None) -> str:
               if schedule else "the server has no --tree-schedule, so its default B/W apply at every load"
               if schedule == "" else "the server's --tree-schedule could not be read (verifier metrics "
               "unreachable), so it is unknown whether a schedule applies")
-    return (f"T = 0, non-streaming; the last dartree-pruned row sends no budget/width: {server}. Rounds of "
-            "different requests are not batched into one verify forward, so a schedule trades tokens/s for "
-            "per-request latency; it is not expected to raise throughput here")
+    return (f"T = 0, non-streaming; the last dartree-pruned row sends no budget/width: {server}. All running "
+            "requests share one batched verify forward per step")
 
 
 def run_serving(url: str, prompts: list[str], budget: int, width: int, max_tokens: int, deadline_s: float,

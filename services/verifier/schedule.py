@@ -6,20 +6,10 @@ while the server is busy and grows back when it empties. The pick fills only the
 ``width`` a request left unset (``speculative`` values always win); below the first threshold, or
 with no schedule (the default), the drafter's defaults apply (``default_tree_knobs``).
 
-What it can and cannot buy in this engine: rounds of different requests are *not* batched into
-one verify forward; the verifier runs one request's round at a time, round-robin. A round's cost
-for a given B is therefore the same at every load, and aggregate tokens/s is τ(B) / round time(B)
-of whichever B is in use: no schedule beats the best fixed B on throughput, and next to the
-speedup-optimal default it can only lower it. What it can buy is latency fairness under load,
-where round time grows with B (CPU: README "Verify cost vs tree size"; on a GPU verify cost is
-nearly flat in B, so there is little to gain): between two of its own rounds a request waits for
-every other running request's round, so shorter rounds deliver each stream's chunks more often and
-reach a newly admitted request sooner, and fewer rejected nodes are drafted and verified per round.
-Nothing here measures that trade, which is why the schedule is off by default. It becomes a
-throughput tool only once several requests' trees share one verify forward (then a smaller B per
-request keeps the batched forward within the device's flat-cost region).
-
-Torch-free (the verifier config validates it at start-up).
+A manual override: all running requests now share one batched step (engine v2), so a smaller B
+under load makes each step lighter (B + 1 rows per request); whether that raises tokens/s depends
+on τ(B) against the step's cost, which the goodput policy issue measures per step. Numbers: README
+"Batched serving" and "CPU operating point".
 """
 
 from __future__ import annotations

@@ -69,8 +69,8 @@ class VerifierWorkerConfig:
         default_method: method when a request names none (must be one the drafter serves).
         tree_schedule: load-dependent tree budget/width, ``"1:16x12,2:12x8,4:8x6,8:4x4"`` (``N:BxW`` =
             at >= N running requests, B nodes and width W; per round; only for requests that leave
-            budget/width unset). "" = off: the drafter defaults at every load. Off by default because
-            rounds are not batched here, so it trades tokens/s for latency (``services/verifier/schedule.py``).
+            budget/width unset). "" = off: the drafter defaults at every load (a manual override;
+            ``services/verifier/schedule.py``).
         draft_timeout_s: deadline of one drafter round trip; drafter_wait_s: how long to wait for the
             drafter at start; health_interval_s: period of the drafter heartbeat (a thread of its own,
             so a hung drafter makes the verifier unready within ``health_interval_s`` + 2 s even

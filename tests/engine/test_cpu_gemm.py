@@ -145,12 +145,13 @@ def test_pack_for_rounds_covers_the_default_tree_and_a_chain():
 
 @needs_mkl
 def test_pack_for_steps_ladder_covers_every_batched_step_size():
-    """Every step of 2 .. max_running * (B + 1) rows finds a pack within 2x its rows, and the ladder
-    stops there (no pack for far larger steps)."""
+    """Every step of 3 .. max_running * (B + 1) rows finds a pack within 2x its rows (2 rows run the
+    plain kernel, faster there), and the ladder stops there (no pack for far larger steps)."""
     target = tiny_target("llama")
     assert target.pack_for_steps(8, 16, max_running=8) > 0
     lin = next(m for m in target.model.modules() if isinstance(m, PackedLinear))
-    assert sorted(lin._packs) == [2, 4, 9, 17, 33, 65, 129]
-    for m in range(2, 8 * 9 + 1):
+    assert sorted(lin._packs) == [4, 9, 17, 33, 65, 129]
+    assert lin._rows_for(2) is None
+    for m in range(3, 8 * 9 + 1):
         r = lin._rows_for(m)
         assert r is not None and m <= r < 2 * m, m
