@@ -63,9 +63,10 @@ class VerifierWorkerConfig:
             running requests' rounds); max_step_tokens: rows one step may hold (verify rows + chunks;
             requests beyond it wait for the next step, the order rotates so none starves);
             kv_bucket: a step reads the KV cache up to its longest context rounded up to this.
-        overlap: split the running requests into two groups that take turns: while the target
-            verifies one group, the drafter drafts the other's next trees (submitted right after
-            their commit). Same tokens; pays off when the drafter has its own core / GPU stream.
+        overlap: split the running drafting requests into two groups that take turns: while the
+            target verifies one group, the drafter drafts the other's next trees (submitted right
+            after their commit); ``ar`` requests run in every step. Same tokens; pays off when the
+            drafter has its own core / GPU stream.
         default_method: method when a request names none (must be one the drafter serves).
         tree_schedule: load-dependent tree budget/width, ``"1:16x12,2:12x8,4:8x6,8:4x4"`` (``N:BxW`` =
             at >= N running requests, B nodes and width W; per round; only for requests that leave
@@ -317,11 +318,16 @@ class VerifierWorker:
 
     def _schedule(self) -> list[str]:
         """Every running request in priority order, rotated one place per step: a step that cannot
-        hold them all (``max_step_tokens``) starts from a different request next time (no starvation)."""
-        order = list(self._order)
+        hold them all (``max_step_tokens``) starts from a different request next time (no starvation).
+        With ``overlap``: the drafting requests form two balanced groups that take turns (``ar``
+        requests join every step)."""
+        order = snapshot = list(self._order)
         self._order.rotate(-1)
-        if not self.config.overlap or len(order) < 2:
+        drafting = [r for r in order if self._running[r].method != "ar"]
+        if not self.config.overlap or len(drafting) < 2:
             return order
+        plain = {r for r in order if r not in drafting}  # ar requests draft nothing: they run every step
+        order = drafting
         sizes = [sum(1 for r in order if self._group.get(r) == g) for g in (0, 1)]
         for r in order:  # newcomers join the smaller group
             if r not in self._group:
@@ -335,7 +341,7 @@ class VerifierWorker:
                 self._group[r] = 1 - big
                 sizes[big], sizes[1 - big] = sizes[big] - 1, sizes[1 - big] + 1
         g, self._turn = self._turn, self._turn ^ 1
-        return [r for r in order if self._group[r] == g]
+        return [r for r in snapshot if r in plain or (r in self._group and self._group[r] == g)]
 
     def _step_batch(self, order: list[str]) -> None:
         """One engine step for ``order``; each request's result is sent as its own chunk."""

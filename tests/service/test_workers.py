@@ -428,7 +428,7 @@ def test_overlap_schedule_alternates_two_balanced_groups():
         w = VerifierWorker(FakeEngine(), verifier_info(400, epoch=new_epoch()),
                            VerifierWorkerConfig(drafter_endpoint="none", overlap=overlap), params=fake_params)
         for rid in "abcde":
-            w._running[rid] = _Entry(b"", gen(rid), 0.0, "ar")
+            w._running[rid] = _Entry(b"", gen(rid), 0.0, "dartree-pruned")
             w._order.append(rid)
         return w
 
@@ -443,7 +443,10 @@ def test_overlap_schedule_alternates_two_balanced_groups():
         w._drop(rid)  # a whole group finishes: the rest must be split again
     g1, g2 = w._schedule(), w._schedule()
     assert g1 and g2 and not set(g1) & set(g2) and set(g1) | set(g2) == set(w._running)
-
+    w._running["p"] = _Entry(b"", gen("p"), 0.0, "ar")  # plain decoding drafts nothing: every step
+    w._order.append("p")
+    g1, g2 = w._schedule(), w._schedule()
+    assert "p" in g1 and "p" in g2 and (set(g1) - {"p"}) & (set(g2) - {"p"}) == set()
 
 def test_submitted_drafts_are_collected_in_any_order_and_discarded_ones_dropped(sockdir):
     """The overlap path over ZMQ: several drafts in flight at once, collected out of order (early
