@@ -1,0 +1,368 @@
+"""Speculation policies: who drafts each step, with which budget, and which nodes are verified.
+
+The engine calls a policy at four points of a step (``SpecEngine.step_batch``):
+
+1. :meth:`begin_step` with the step's decoding requests (before any drafting);
+2. :meth:`draft_spec` per request: the resolved knobs of its drafter call, or ``None`` for a
+   plain-decoding round (B = 0: no drafter call at all);
+3. :meth:`select` after drafting: how many nodes of each tree to verify (a prefix-closed top-b by
+   calibrated acceptance, so the cut tree stays a valid tree);
+4. :meth:`observe_round` / :meth:`observe_step` after the forward: the committed tokens (labels for
+   the calibrator) and the step's measured times (the cost model).
+
+Two policies (``--spec-policy``):
+
+- :class:`FixedPolicy` is today's behaviour exactly: explicit request values, then the manual
+  ``--tree-schedule`` pick, then the drafter's defaults; every drafting request drafts every round
+  and the whole tree is verified.
+- :class:`GoodputPolicy` (issue 13) maximises expected emitted tokens per second of the whole step:
+  ``sum_r E[emitted_r] / predicted step seconds``, with ``E`` from :class:`AcceptanceCalibrator`
+  (``1 + sum`` of the calibrated P of the verified nodes) and the seconds from
+  :class:`StepCostModel` (forward ``a + b * rows``, a drafter call per drafting request, a
+  per-request overhead). Before drafting it predicts each request's gain from its last tree and
+  lets only requests whose draft pays for itself call the drafter (plus an exploration draft every
+  ``explore_every`` rounds, so a recovering drafter is noticed); after drafting it adds nodes in
+  descending calibrated P while a node's P per marginal row second beats the step's current
+  tokens per second (the ratio rises exactly while that holds). Requests that set
+  ``speculative.budget`` keep their whole tree (explicit values win).
+
+Lossless by construction: a policy only changes which draft nodes are verified, never how the
+target's tokens are chosen (greedy argmax / one target sample per row, then the walk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from services.tree import DraftTree
+from services.tree.dartree import select_nodes
+from services.verifier.calibration import AcceptanceCalibrator, regime_of
+from services.verifier.cost_model import StepCostModel
+from services.verifier.schedule import MAX_BUDGET
+
+log = logging.getLogger("verifier.policy")
+POLICIES = ("fixed", "goodput")
+
+
+def fill_knobs(spec, tree_knobs: tuple[int, int] | None):
+    """``spec`` with its unset budget / width taken from ``tree_knobs`` (explicit values win)."""
+    if tree_knobs is None or (spec.budget is not None and spec.width is not None):
+        return spec
+    budget, width = tree_knobs
+    return dataclasses.replace(spec, budget=budget if spec.budget is None else spec.budget,
+                               width=width if spec.width is None else spec.width)
+
+
+def truncate_tree(tree: DraftTree, keep_order: torch.Tensor, b: int) -> DraftTree:
+    """The first ``b`` nodes of ``keep_order`` as a tree (their indices sorted, parents remapped).
+
+    Raises:
+        ValueError: the kept set is not prefix-closed (``select_nodes``).
+    """
+    if b >= tree.num_nodes:
+        return tree
+    if b <= 0:
+        return DraftTree.empty()
+    return select_nodes(tree, torch.sort(keep_order[:b]).values)
+
+
+@dataclass
+class RoundInfo:
+    """One decoding request of a step, as the policy sees it.
+
+    Attributes:
+        rid: request id; method: its speculative method; temperature: its sampling temperature;
+        can_draft: the method drafts and the context has room for a draft token;
+        explicit_budget: the request set ``speculative.budget`` itself.
+    """
+
+    rid: str
+    method: str
+    temperature: float
+    can_draft: bool
+    explicit_budget: bool = False
+
+
+@dataclass
+class Drafted:
+    """A request's tree after drafting (``tree`` is empty for a request that did not draft)."""
+
+    info: RoundInfo
+    tree: DraftTree
+    drafted: bool
+
+
+@dataclass
+class Selection:
+    """What :meth:`select` chose for one request: the tree to verify, its budget and predicted tau."""
+
+    tree: DraftTree
+    budget: int
+    predicted_tau: float | None = None
+
+
+class FixedPolicy:
+    """Today's behaviour: every drafting request drafts with the filled knobs; nothing is cut."""
+
+    name = "fixed"
+
+    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0) -> None:
+        """Nothing to plan."""
+
+    def draft_spec(self, rid: str, spec, tree_knobs: tuple[int, int] | None):
+        """The request's knobs filled from ``tree_knobs`` (never ``None``: always draft)."""
+        return fill_knobs(spec, tree_knobs)
+
+    def select(self, items: list[Drafted]) -> dict[str, Selection]:
+        """Every tree whole."""
+        return {d.info.rid: Selection(d.tree, d.tree.num_nodes) for d in items}
+
+    def observe_round(self, rid: str, committed: list[int]) -> None:
+        """Nothing to learn."""
+
+    def observe_step(self, stats) -> None:
+        """Nothing to learn."""
+
+    def predicted_step_seconds(self) -> float | None:
+        """No prediction."""
+        return None
+
+    def release(self, rid: str) -> None:
+        """Nothing held."""
+
+
+@dataclass
+class _ReqState:
+    since_draft: int = 0                     # rounds since the last drafter call
+    last_tree: DraftTree | None = None       # the last drafted tree (the gain forecast of the next one)
+    regime: str = "greedy"
+    pending: deque = field(default_factory=deque)  # [tree, continuation] waiting for labels
+
+
+class GoodputPolicy:
+    """Per step, choose each request's budget (0 = plain decoding) to maximise tokens / second.
+
+    Args:
+        cost: the step cost model (seeded by a start-up sweep, refreshed by :meth:`observe_step`).
+        calibrator: acceptance calibration (refreshed by :meth:`observe_round`).
+        max_budget: B_max, the budget of a drafter call (None = the drafter's default) and the most
+            nodes one request verifies.
+        explore_every: a request not drafting for this many rounds drafts once anyway (its tree
+            is labelled by the tokens that follow, verified or not).
+    Raises:
+        ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]`` or ``explore_every < 1``.
+    """
+
+    name = "goodput"
+
+    def __init__(self, cost: StepCostModel | None = None, calibrator: AcceptanceCalibrator | None = None,
+                 max_budget: int | None = None, explore_every: int = 8):
+        if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
+            raise ValueError(f"max_budget must be in [1, {MAX_BUDGET}] (got {max_budget})")
+        if explore_every < 1:
+            raise ValueError(f"explore_every must be >= 1 (got {explore_every})")
+        self.cost = cost or StepCostModel()
+        self.cal = calibrator or AcceptanceCalibrator()
+        self.max_budget, self.explore_every = max_budget, explore_every
+        self._req: dict[str, _ReqState] = {}
+        self._skip: set[str] = set()
+        self._predicted: float | None = None
+        self._last_plan: dict[str, int] = {}
+
+    # ----------------------------------------------------------------- helpers
+    def _state(self, rid: str) -> _ReqState:
+        return self._req.setdefault(rid, _ReqState())
+
+    def _sorted_p(self, tree: DraftTree, regime: str, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.cal.p_accept(tree, regime, rid)
+        order = self.cal.order(p)
+        return p[order], order
+
+    def _cap(self) -> int:
+        return self.max_budget or MAX_BUDGET
+
+    # ----------------------------------------------------------- before drafting
+    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0) -> None:
+        """Decide which requests call the drafter this step (greedy over forecast gains).
+
+        Args:
+            rounds: the step's decoding requests; extra_rows: other rows of the step (prompt chunks).
+        """
+        c = self.cost
+        row_s, draft_s = c.per_row_seconds(), c.draft_cost()
+        gain = float(len(rounds))                       # one token per request (bonus / AR)
+        rows = len(rounds) + extra_rows
+        drafting = 0
+        curves: dict[str, list[float]] = {}
+        decided: dict[str, int] = {}
+        for r in rounds:
+            st = self._state(r.rid)
+            st.regime = regime_of(r.temperature)
+            if not r.can_draft:
+                continue
+            if r.explicit_budget or st.last_tree is None or st.since_draft + 1 >= self.explore_every:
+                decided[r.rid] = -1                     # draft regardless (explicit / no forecast / explore)
+                drafting += 1
+                continue
+            p_sorted, _ = self._sorted_p(st.last_tree, st.regime, r.rid)
+            curves[r.rid] = p_sorted[:self._cap()].tolist()
+        seconds = c.step_seconds(rows, drafting, len(rounds))
+        taken: dict[str, int] = {}
+        while True:  # add the option with the best tokens per second while it raises the step's ratio
+            best = None
+            for rid, curve in curves.items():
+                b0 = taken.get(rid, 0)
+                if b0 >= len(curve):
+                    continue
+                if b0 == 0:  # opening a draft: the best prefix, paying the drafter call
+                    acc, ratio, nb = 0.0, -1.0, 0
+                    for i, p in enumerate(curve):
+                        acc += p
+                        rt = acc / (draft_s + (i + 1) * row_s)
+                        if rt > ratio:
+                            ratio, nb = rt, i + 1
+                    g, t = sum(curve[:nb]), draft_s + nb * row_s
+                else:
+                    nb, g, t = 1, curve[b0], row_s
+                if t > 0 and (best is None or g / t > best[0]):
+                    best = (g / t, rid, nb, g, t)
+            if best is None or seconds <= 0 or best[0] <= gain / seconds:
+                break
+            _, rid, nb, g, t = best
+            taken[rid] = taken.get(rid, 0) + nb
+            gain += g
+            seconds += t
+        self._skip = {r.rid for r in rounds if r.can_draft and r.rid not in decided and taken.get(r.rid, 0) == 0}
+        self._last_plan = {**{rid: b for rid, b in taken.items()}, **decided}
+
+    def draft_spec(self, rid: str, spec, tree_knobs: tuple[int, int] | None):
+        """``None`` (plain round, no drafter call) for a request :meth:`begin_step` left out; else the
+        request's knobs with the budget set to ``max_budget`` where the request left it unset."""
+        st = self._state(rid)
+        if rid in self._skip:
+            st.since_draft += 1
+            return None
+        st.since_draft = 0
+        spec = fill_knobs(spec, tree_knobs)
+        if spec.budget is None and self.max_budget is not None:
+            spec = dataclasses.replace(spec, budget=self.max_budget)
+        return spec
+
+    # ------------------------------------------------------------ after drafting
+    def select(self, items: list[Drafted]) -> dict[str, Selection]:
+        """Cut each drafted tree to the budget that maximises the step's expected tokens / second.
+
+        Nodes enter in descending calibrated P (all cost one row), while ``P / row seconds`` beats
+        the step's current expected tokens per predicted second. Drafter calls already made count
+        in the step's seconds (sunk, but they set the bar). Explicit budgets keep the whole tree.
+        """
+        c = self.cost
+        row_s = c.per_row_seconds()
+        n_draft = sum(1 for d in items if d.drafted)
+        gain = float(len(items))
+        rows = len(items)
+        chosen: dict[str, int] = {}
+        cands: list[tuple[float, int, str]] = []
+        orders: dict[str, torch.Tensor] = {}
+        probs: dict[str, torch.Tensor] = {}
+        for d in items:
+            rid, tree = d.info.rid, d.tree
+            st = self._state(rid)
+            if d.drafted and tree.num_nodes:
+                st.last_tree = tree
+                st.pending.append([tree, []])
+            if tree.num_nodes == 0:
+                chosen[rid] = 0
+                continue
+            p_sorted, order = self._sorted_p(tree, st.regime, rid)
+            orders[rid], probs[rid] = order, p_sorted
+            if d.info.explicit_budget:
+                chosen[rid] = tree.num_nodes
+                gain += float(p_sorted.sum())
+                rows += tree.num_nodes
+                continue
+            chosen[rid] = 0
+            for i, p in enumerate(p_sorted[:self._cap()].tolist()):
+                cands.append((p, i, rid))
+        seconds = c.step_seconds(rows, n_draft, len(items))
+        cands.sort(key=lambda x: (-x[0], x[1]))
+        for p, i, rid in cands:  # per request the P are sorted, so each request's picks stay a prefix
+            if row_s <= 0 or seconds <= 0 or p / row_s <= gain / seconds:
+                break
+            if chosen[rid] != i:
+                continue
+            chosen[rid] = i + 1
+            gain += p
+            seconds += row_s
+        self._predicted = seconds
+        out = {}
+        for d in items:
+            rid, b = d.info.rid, chosen[d.info.rid]
+            if rid not in orders:
+                out[rid] = Selection(DraftTree.empty(), 0, 1.0)
+                continue
+            tau = 1.0 + float(probs[rid][:b].sum())
+            out[rid] = Selection(truncate_tree(d.tree, orders[rid], b), b, tau)
+        return out
+
+    # ------------------------------------------------------------------ learning
+    def observe_round(self, rid: str, committed: list[int]) -> None:
+        """The tokens a round committed after its root (accepted drafts + bonus): label the
+        request's pending trees once the tokens reach their depth."""
+        st = self._req.get(rid)
+        if st is None:
+            return
+        while st.pending:
+            for entry in st.pending:
+                entry[1].extend(committed)
+            committed = []
+            tree, cont = st.pending[0]
+            if len(cont) < tree.max_depth:
+                return
+            st.pending.popleft()
+            self.cal.observe(tree, cont, st.regime, rid)
+
+    def observe_step(self, stats) -> None:
+        """A step's measured forward (rows, seconds), drafter seconds and wall time (``StepStats``)."""
+        if not stats.requests:
+            return
+        self.cost.observe_forward(stats.rows, stats.forward_seconds)
+        drafting = getattr(stats, "drafting", 0)
+        if drafting:
+            self.cost.observe_draft(stats.draft_wait_seconds / drafting)
+        wall = getattr(stats, "wall_seconds", 0.0)
+        if wall > 0:
+            rest = wall - stats.forward_seconds - stats.draft_wait_seconds
+            self.cost.observe_overhead(max(rest, 0.0) / stats.requests)
+
+    def predicted_step_seconds(self) -> float | None:
+        """The last :meth:`select`'s predicted seconds of the step (None before any)."""
+        return self._predicted
+
+    def release(self, rid: str) -> None:
+        """A request ended: label its pending trees with the tokens it had, forget its state."""
+        st = self._req.pop(rid, None)
+        self._skip.discard(rid)
+        if st is not None:
+            for tree, cont in st.pending:
+                if cont:
+                    self.cal.observe(tree, cont, st.regime, None)
+        self.cal.release(rid)
+
+
+def make_policy(name: str, **kw):
+    """``"fixed"`` -> :class:`FixedPolicy`; ``"goodput"`` -> :class:`GoodputPolicy` (kwargs passed on).
+
+    Raises:
+        ValueError: unknown policy name.
+    """
+    if name == "fixed":
+        return FixedPolicy()
+    if name == "goodput":
+        return GoodputPolicy(**kw)
+    raise ValueError(f"unknown spec policy {name!r} (choose from {', '.join(POLICIES)})")
