@@ -173,14 +173,13 @@ class AcceptanceCalibrator:
                 request ended first; nodes deeper than this are not counted).
             regime: ``greedy`` / ``sampled``; request_id: updates that request's factor too.
         Returns:
-            ``(predicted, realised)`` accepted tokens of the whole tree (before this update, with
-            the global map only).
+            ``(predicted, realised)`` accepted tokens of the whole tree (predicted by the global map
+            before this update).
         """
         if tree.num_nodes == 0:
             return 0.0, 0.0
         labels, known = accepted_labels(tree, continuation)
-        p_global = self.p_accept(tree, regime)
-        predicted = float(p_global[known].sum())
+        predicted = float(self.p_accept(tree, regime)[known].sum())
         realised = float(labels.sum())
         d, s = self._cells(tree)
         flat = d * self._acc[regime].shape[1] + s
@@ -190,10 +189,10 @@ class AcceptanceCalibrator:
         self._acc[regime] += torch.bincount(flat[known], weights=labels[known].double(),
                                             minlength=size).view_as(self._acc[regime])
         self._tot[regime] += torch.bincount(flat[known], minlength=size).double().view_as(self._tot[regime])
-        if request_id is not None:
+        if request_id is not None:  # against the updated map: the factor is what the map still misses
             st = self._req.setdefault(request_id, _RequestScale())
             st.realised = st.realised * self.request_forget + realised
-            st.predicted = st.predicted * self.request_forget + predicted
+            st.predicted = st.predicted * self.request_forget + float(self.p_accept(tree, regime)[known].sum())
         return predicted, realised
 
     def release(self, request_id: str) -> None:
