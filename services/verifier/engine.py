@@ -200,9 +200,10 @@ class StepStats:
         forward_seconds: the target forward; draft_seconds: the drafter's own compute for this step's
         trees (draft + tree build, wherever it ran); draft_wait_seconds: how long this step waited for
         them (with overlap, less than draft_seconds: the rest was hidden behind other forwards);
-        drafting: requests that called the drafter; speculating: requests that verified >= 1 draft
-        node; wall_seconds: the whole step (draft, forward, walk, commit); predicted_seconds: the
-        policy's prediction of wall_seconds (None for the fixed policy).
+        decoding: requests running a decode round (not a prompt chunk); drafting: those that called
+        the drafter; speculating: those that verified >= 1 draft node; wall_seconds: the whole step
+        (draft, forward, walk, commit); predicted_seconds: the policy's prediction of wall_seconds
+        (None for the fixed policy).
     """
 
     requests: int = 0
@@ -211,6 +212,7 @@ class StepStats:
     forward_seconds: float = 0.0
     draft_seconds: float = 0.0
     draft_wait_seconds: float = 0.0
+    decoding: int = 0
     drafting: int = 0
     speculating: int = 0
     wall_seconds: float = 0.0
@@ -268,6 +270,22 @@ class SpecEngine:
         self.runner = ModelRunner(target, config.max_running, self.max_context + self.row_headroom, config.kv_bucket)
         self._reqs: dict[str, _Request] = {}
         self.last_step = StepStats()
+
+    def time_forward(self, rows: int) -> float:
+        """Seconds of one target forward of ``rows`` causal rows in a free slot, leaving no state
+        (the goodput policy's start-up cost sweep).
+
+        Raises:
+            ValueError: no free KV slot, or ``rows`` beyond a slot's capacity.
+        """
+        if self.runner.cache.num_free() == 0:
+            raise ValueError("no free KV slot to time a forward in")
+        slot = self.runner.cache.alloc()
+        try:
+            step = self.runner.execute([causal_segment([0] * rows, 0, slot)], torch.tensor([rows - 1]))
+        finally:
+            self.runner.cache.free(slot)
+        return step.seconds
 
     def num_active(self) -> int:
         """Requests holding state (KV slot or pending prefill)."""
@@ -404,6 +422,7 @@ class SpecEngine:
         self.last_step = StepStats(len(plan), sum(p.segment.num_rows for p in plan),
                                    sum(p.segment.num_rows for p in plan if p.buffers is None),
                                    plan[0].timings["verify"], draft_s, wait_s,
+                                   decoding=sum(1 for p in plan if p.buffers is not None),
                                    drafting=sum(1 for p in plan if p.drafted),
                                    speculating=sum(1 for p in plan if p.tree is not None and p.tree.num_nodes),
                                    wall_seconds=time.perf_counter() - t_step,

@@ -355,6 +355,31 @@ class GoodputPolicy:
         self.cal.release(rid)
 
 
+def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sweep: bool = True,
+                       **kw) -> GoodputPolicy:
+    """A :class:`GoodputPolicy` whose cost model starts from a timed sweep (``time_forward(rows)`` ->
+    seconds), taken from the per-machine cache under ``key`` when one is there (issue 13, item 1).
+
+    The sweep takes a few seconds (5 row counts, a warm-up and 3 timed forwards each) and is logged.
+    """
+    from services.verifier.cost_model import calibration_sweep, load_cached, save_cached
+
+    policy = GoodputPolicy(max_budget=max_budget, **kw)
+    if not sweep:
+        return policy
+    samples = load_cached(key)
+    source = "cache"
+    if samples is None:
+        samples = calibration_sweep(time_forward)
+        save_cached(key, samples)
+        source = "sweep"
+    policy.cost.seed(samples)
+    a, b = policy.cost.coefficients()
+    log.info("step cost model (%s): forward = %.2f ms + %.3f ms/row (%s)", source, a * 1e3, b * 1e3,
+             ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in samples))
+    return policy
+
+
 def make_policy(name: str, **kw):
     """``"fixed"`` -> :class:`FixedPolicy`; ``"goodput"`` -> :class:`GoodputPolicy` (kwargs passed on).
 
