@@ -35,7 +35,6 @@ from services.tree import DraftTree
 
 # upper edges of the q = exp(path score) buckets (the last bucket runs to 1)
 Q_EDGES = (0.01, 0.03, 0.06, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99)
-REGIMES = ("greedy", "sampled")
 
 
 def regime_of(temperature: float) -> str:
@@ -105,10 +104,7 @@ class AcceptanceCalibrator:
             raise ValueError("max_depth_bucket must be >= 1 and prior_weight > 0")
         if not 0 < self.forget <= 1 or not 0 < self.request_forget <= 1:
             raise ValueError("forget and request_forget must be in (0, 1]")
-        shape = (self.max_depth_bucket, len(Q_EDGES) + 1)
-        for r in REGIMES:
-            self._acc[r] = torch.zeros(shape, dtype=torch.float64)
-            self._tot[r] = torch.zeros(shape, dtype=torch.float64)
+        shape = self._shape = (self.max_depth_bucket, len(Q_EDGES) + 1)
         centres = [0.005] + [(lo + hi) / 2 for lo, hi in zip(Q_EDGES[:-1], Q_EDGES[1:])] + [0.995]
         self._prior = torch.tensor(centres, dtype=torch.float64)[None, :].expand(shape)
 
@@ -119,17 +115,25 @@ class AcceptanceCalibrator:
         s = torch.tensor([bisect.bisect_left(Q_EDGES, v) for v in q], dtype=torch.long)
         return d, s
 
+    def _table(self, regime: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if regime not in self._acc:
+            self._acc[regime] = torch.zeros(self._shape, dtype=torch.float64)
+            self._tot[regime] = torch.zeros(self._shape, dtype=torch.float64)
+        return self._acc[regime], self._tot[regime]
+
     def cell_probability(self, regime: str) -> torch.Tensor:
         """``[depth buckets, q buckets]`` posterior mean of each cell (float64)."""
+        acc, tot = self._table(regime)
         w = self.prior_weight
-        return (self._acc[regime] + w * self._prior) / (self._tot[regime] + w)
+        return (acc + w * self._prior) / (tot + w)
 
     # ------------------------------------------------------------ prediction
     def p_accept(self, tree: DraftTree, regime: str = "greedy", request_id: str | None = None) -> torch.Tensor:
         """``[N]`` float64 calibrated ``P(A_i)``, monotone along paths, times the request's factor.
 
-        Raises:
-            KeyError: unknown regime.
+        ``regime`` names a table: ``greedy`` / ``sampled``, optionally prefixed by the method
+        (``"ddtree:greedy"``), since each builder's scores mean something else; a new name starts a
+        table at the prior.
         """
         n = tree.num_nodes
         if n == 0:
@@ -182,13 +186,12 @@ class AcceptanceCalibrator:
         predicted = float(self.p_accept(tree, regime)[known].sum())
         realised = float(labels.sum())
         d, s = self._cells(tree)
-        flat = d * self._acc[regime].shape[1] + s
-        size = self._acc[regime].numel()
-        self._acc[regime] *= self.forget
-        self._tot[regime] *= self.forget
-        self._acc[regime] += torch.bincount(flat[known], weights=labels[known].double(),
-                                            minlength=size).view_as(self._acc[regime])
-        self._tot[regime] += torch.bincount(flat[known], minlength=size).double().view_as(self._tot[regime])
+        acc, tot = self._table(regime)
+        flat = d * acc.shape[1] + s
+        acc *= self.forget
+        tot *= self.forget
+        acc += torch.bincount(flat[known], weights=labels[known].double(), minlength=acc.numel()).view_as(acc)
+        tot += torch.bincount(flat[known], minlength=acc.numel()).double().view_as(tot)
         if request_id is not None:  # against the updated map: the factor is what the map still misses
             st = self._req.setdefault(request_id, _RequestScale())
             st.realised = st.realised * self.request_forget + realised
@@ -201,5 +204,5 @@ class AcceptanceCalibrator:
 
     def mean_probability(self, regime: str = "greedy") -> float:
         """Observation-weighted mean P over all cells (for logs and tests)."""
-        tot = float(self._tot[regime].sum())
-        return float(self._acc[regime].sum()) / tot if tot > 0 else math.nan
+        acc, tot = self._table(regime)
+        return float(acc.sum()) / float(tot.sum()) if float(tot.sum()) > 0 else math.nan

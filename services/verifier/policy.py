@@ -202,7 +202,7 @@ class GoodputPolicy:
         decided: dict[str, int] = {}
         for r in rounds:
             st = self._state(r.rid)
-            st.regime = regime_of(r.temperature)
+            st.regime = f"{r.method}:{regime_of(r.temperature)}"  # one calibration table per method and regime
             if not r.can_draft:
                 continue
             if r.explicit_budget or st.last_tree is None or st.since_draft + 1 >= self.explore_every:
@@ -378,6 +378,23 @@ def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sw
     log.info("step cost model (%s): forward = %.2f ms + %.3f ms/row (%s)", source, a * 1e3, b * 1e3,
              ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in samples))
     return policy
+
+
+def attach_policy(engine, name: str, model: str, dtype: str, device: str = "cpu", max_budget: int | None = None,
+                  sweep: bool = True) -> None:
+    """Give ``engine`` (a ``SpecEngine``) the named policy; ``goodput`` times its start-up sweep on
+    the engine's own runner (``engine.time_forward``), cached per machine / ``model`` / ``dtype``.
+
+    Raises:
+        ValueError: unknown policy name.
+    """
+    from services.verifier.cost_model import cache_key
+
+    if name == "goodput":
+        engine.policy = goodput_with_sweep(engine.time_forward, cache_key(model, dtype, device), max_budget, sweep)
+    else:
+        engine.policy = make_policy(name)
+    log.info("speculation policy: %s", engine.policy.name)
 
 
 def make_policy(name: str, **kw):

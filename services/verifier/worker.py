@@ -552,13 +552,10 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     if config.packed_gemm and budget:
         added = target.pack_for_steps(budget, engine.max_draft_depth, config.max_running)
         log.info("packed GEMM weights for batched steps: +%.2f GiB", added / 2**30)
-    if config.spec_policy == "goodput":  # after packing: the sweep times the packed forwards
-        from services.verifier.cost_model import cache_key
-        from services.verifier.policy import goodput_with_sweep
+    from services.verifier.policy import attach_policy  # after packing: the sweep times the packed forwards
 
-        engine.policy = goodput_with_sweep(engine.time_forward, cache_key(target_dir.name, config.dtype, config.device),
-                                           max_budget=config.spec_max_budget or None, sweep=config.cost_sweep)
-    log.info("speculation policy: %s", engine.policy.name)
+    attach_policy(engine, config.spec_policy, target_dir.name, config.dtype, config.device,
+                  max_budget=config.spec_max_budget or None, sweep=config.cost_sweep)
     return engine, target, target_dir
 
 
