@@ -34,7 +34,20 @@ def test_cost_model_fits_the_line_and_follows_a_change():
         m.observe_forward(r, 2 * (0.01 + 0.002 * r))
     a, b = m.coefficients()
     assert abs(a - 0.02) < 1e-3 and abs(b - 0.004) < 1e-4
-    assert m.forward_seconds(10) == pytest.approx(a + 10 * b)
+    assert m.forward_seconds(10) == pytest.approx(0.06, rel=0.02)
+    assert m.forward_seconds(40) == pytest.approx(m.forward_seconds(33) + 7 * b)  # the line beyond the table
+
+
+def test_cost_model_table_keeps_the_cpu_step_shape():
+    """One row is a GEMV, more rows a (packed) GEMM: the first extra row is expensive, the next ones
+    nearly free (SmolLM2 on this CPU: 1 row 40 ms, 9 rows 74 ms, 17 rows 77 ms, 33 rows 105 ms)."""
+    m = StepCostModel()
+    m.seed([(1, 0.040), (4, 0.0686), (9, 0.0744), (17, 0.0773), (33, 0.1054)])
+    assert m.forward_seconds(1) == pytest.approx(0.040)
+    assert m.forward_seconds(13) == pytest.approx((0.0744 + 0.0773) / 2)
+    assert m.forward_seconds(2) - m.forward_seconds(1) > 5 * (m.forward_seconds(10) - m.forward_seconds(9))
+    m.observe_forward(20, 0.070)  # a noisy fast sample: the curve stays non-decreasing
+    assert m.forward_seconds(20) >= m.forward_seconds(17)
 
 
 def test_cost_model_single_row_count_keeps_the_prior_slope_and_ignores_junk():
@@ -199,8 +212,8 @@ def test_good_drafter_speculates_and_a_sudden_drop_moves_the_budget_down():
     budgets = _drive(pol, [tree] * 40, accept=lambda k: True)
     assert all(b > 0 for b in budgets[-10:]), budgets
     budgets = _drive(pol, [tree] * 30, accept=lambda k: False)  # the drafter stops being right
-    first_low = next(i for i, b in enumerate(budgets) if b < 1)
-    assert first_low <= 5, budgets
+    assert next(i for i, b in enumerate(budgets) if b < budgets[0]) <= 4, budgets   # B moves down ...
+    assert next(i for i, b in enumerate(budgets) if b < 1) <= 8, budgets             # ... to plain decoding
     assert budgets[-12:].count(-1) >= 9, budgets  # mostly plain rounds (no drafter call), exploring now and then
     assert any(b >= 0 for b in budgets[-12:]), budgets
     budgets = _drive(pol, [tree] * 40, accept=lambda k: True)  # the drafter recovers: exploration notices

@@ -94,7 +94,7 @@ class AcceptanceCalibrator:
     prior_weight: float = 1.0
     forget: float = 0.995
     request_forget: float = 0.7
-    request_prior: float = 1.0
+    request_prior: float = 2.0
     _acc: dict = field(default_factory=dict)   # regime -> [Dd, Q] weighted accepted counts
     _tot: dict = field(default_factory=dict)   # regime -> [Dd, Q] weighted observations
     _req: dict = field(default_factory=dict)   # request id -> _RequestScale

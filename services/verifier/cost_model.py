@@ -2,13 +2,17 @@
 
 Pure (no torch, no models). A step costs
 
-    forward(R) = a + b * R           seconds, R = rows of the step's one target forward
+    forward(R) = table(R)            seconds, R = rows of the step's one target forward
     + draft    = d * (drafting requests)   (the drafter's draft + tree build, run before the forward)
     + overhead = o * (requests)      (walk, commit, emit per request)
 
-``a, b`` are fitted by least squares on ``(rows, seconds)`` samples with exponential forgetting
-(each new sample multiplies the weight of the old ones by ``forget``), so the model follows a
-machine whose speed changes (other load, thermal). ``d`` and ``o`` are exponential moving averages
+``table`` holds a moving average of the measured seconds per row count and interpolates
+piecewise-linearly between the row counts it has seen (made non-decreasing in R): on a CPU the
+first extra row is expensive (one row runs a GEMV, more rows a GEMM; pre-packed GEMM weights for
+some row counts) and the next dozens nearly free, which no straight line captures. Beyond the
+largest row count seen, and while fewer than two row counts are known, the line ``a + b * R``
+applies, fitted by least squares with exponential forgetting (each new sample multiplies the
+weight of the old ones by ``forget``), so the model follows a machine whose speed changes. ``d`` and ``o`` are exponential moving averages
 of measured seconds. A start-up sweep (:func:`calibration_sweep`) times a few forwards at row counts
 ``{1, 4, 9, 17, 33}`` so the first steps already have a model; :func:`load_cached` /
 :func:`save_cached` keep its result per machine / model / dtype.
@@ -49,10 +53,12 @@ class StepCostModel:
     ema: float = 0.1
     prior_a: float = 0.02
     prior_b: float = 0.002
+    table_ema: float = 0.2
     draft_seconds: float | None = None     # per drafting request
     overhead_seconds: float = 0.0          # per request in the step
     samples: int = 0
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w x, w y, w x^2, w x y
+    _table: dict = field(default_factory=dict)                   # rows -> moving average of seconds
 
     def __post_init__(self) -> None:
         if not 0 < self.forget <= 1 or not 0 < self.ema <= 1:
@@ -73,6 +79,8 @@ class StepCostModel:
         s[3] += x * x
         s[4] += x * y
         self.samples += 1
+        old = self._table.get(rows)
+        self._table[rows] = y if old is None else (1 - self.table_ema) * old + self.table_ema * y
 
     def observe_draft(self, seconds_per_request: float) -> None:
         """Add one measured drafter time (draft + tree build) of one drafting request."""
@@ -102,12 +110,25 @@ class StepCostModel:
 
     # ------------------------------------------------------------ prediction
     def forward_seconds(self, rows: int) -> float:
-        """Predicted forward seconds for ``rows`` rows."""
+        """Predicted forward seconds for ``rows`` rows (table interpolation, else the line)."""
         a, b = self.coefficients()
-        return a + b * max(rows, 0)
+        if len(self._table) < 2:
+            return a + b * max(rows, 0)
+        xs = sorted(self._table)
+        ys, top = [], 0.0
+        for x in xs:  # non-decreasing in rows
+            top = max(top, self._table[x])
+            ys.append(top)
+        if rows <= xs[0]:
+            return ys[0]
+        if rows >= xs[-1]:
+            return ys[-1] + b * (rows - xs[-1])
+        i = next(k for k, x in enumerate(xs) if x >= rows)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
 
     def per_row_seconds(self) -> float:
-        """Marginal seconds of one more row (``b``)."""
+        """Marginal seconds of one more row of the line (``b``)."""
         return self.coefficients()[1]
 
     def draft_cost(self) -> float:
@@ -121,7 +142,8 @@ class StepCostModel:
     def state(self) -> dict:
         """JSON-able fitted state (for the cache)."""
         a, b = self.coefficients()
-        return {"a": a, "b": b, "draft_seconds": self.draft_seconds, "overhead_seconds": self.overhead_seconds}
+        return {"a": a, "b": b, "table": {str(k): v for k, v in sorted(self._table.items())},
+                "draft_seconds": self.draft_seconds, "overhead_seconds": self.overhead_seconds}
 
     def seed(self, samples: Iterable[tuple[int, float]]) -> None:
         """Add start-up samples ``(rows, seconds)`` (same as :meth:`observe_forward` each)."""

@@ -172,7 +172,6 @@ class GoodputPolicy:
         self._req: dict[str, _ReqState] = {}
         self._skip: set[str] = set()
         self._predicted: float | None = None
-        self._last_plan: dict[str, int] = {}
 
     # ----------------------------------------------------------------- helpers
     def _state(self, rid: str) -> _ReqState:
@@ -187,58 +186,56 @@ class GoodputPolicy:
         return self.max_budget or MAX_BUDGET
 
     # ----------------------------------------------------------- before drafting
+    def _best_prefix(self, gain0: float, rows0: int, probs: list[float], fixed_s: float) -> tuple[int, float, float]:
+        """Best ``k`` of ``(gain0 + sum probs[:k]) / (forward(rows0 + k) + fixed_s)`` (``probs``
+        descending): ``(k, gain, seconds)``. Exact: every row costs the same whoever it belongs to,
+        so the best set of k nodes is the k most likely."""
+        c = self.cost
+        best = (0, gain0, c.forward_seconds(rows0) + fixed_s)
+        g = gain0
+        for k, p in enumerate(probs, start=1):
+            g += p
+            t = c.forward_seconds(rows0 + k) + fixed_s
+            if t > 0 and g / t > best[1] / best[2] + 1e-12:
+                best = (k, g, t)
+        return best
+
     def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0) -> None:
-        """Decide which requests call the drafter this step (greedy over forecast gains).
+        """Decide which requests call the drafter this step, from each request's forecast (its last
+        tree under the current calibration): for m = 0, 1, ... of the requests with the largest
+        forecast gain, the best number of nodes over their pooled forecasts, paying m drafter calls;
+        the m with the most tokens per predicted second drafts.
 
         Args:
             rounds: the step's decoding requests; extra_rows: other rows of the step (prompt chunks).
         """
         c = self.cost
-        row_s, draft_s = c.per_row_seconds(), c.draft_cost()
-        gain = float(len(rounds))                       # one token per request (bonus / AR)
-        rows = len(rounds) + extra_rows
-        drafting = 0
-        curves: dict[str, list[float]] = {}
-        decided: dict[str, int] = {}
+        forced = 0
+        curves: list[tuple[float, str, list[float]]] = []
         for r in rounds:
             st = self._state(r.rid)
             st.regime = f"{r.method}:{regime_of(r.temperature)}"  # one calibration table per method and regime
             if not r.can_draft:
                 continue
             if r.explicit_budget or st.last_tree is None or st.since_draft + 1 >= self.explore_every:
-                decided[r.rid] = -1                     # draft regardless (explicit / no forecast / explore)
-                drafting += 1
+                forced += 1                              # draft regardless (explicit / no forecast / explore)
                 continue
             p_sorted, _ = self._sorted_p(st.last_tree, st.regime, r.rid)
-            curves[r.rid] = p_sorted[:self._cap()].tolist()
-        seconds = c.step_seconds(rows, drafting, len(rounds))
-        taken: dict[str, int] = {}
-        while True:  # add the option with the best tokens per second while it raises the step's ratio
-            best = None
-            for rid, curve in curves.items():
-                b0 = taken.get(rid, 0)
-                if b0 >= len(curve):
-                    continue
-                if b0 == 0:  # opening a draft: the best prefix, paying the drafter call
-                    acc, ratio, nb = 0.0, -1.0, 0
-                    for i, p in enumerate(curve):
-                        acc += p
-                        rt = acc / (draft_s + (i + 1) * row_s)
-                        if rt > ratio:
-                            ratio, nb = rt, i + 1
-                    g, t = sum(curve[:nb]), draft_s + nb * row_s
-                else:
-                    nb, g, t = 1, curve[b0], row_s
-                if t > 0 and (best is None or g / t > best[0]):
-                    best = (g / t, rid, nb, g, t)
-            if best is None or seconds <= 0 or best[0] <= gain / seconds:
-                break
-            _, rid, nb, g, t = best
-            taken[rid] = taken.get(rid, 0) + nb
-            gain += g
-            seconds += t
-        self._skip = {r.rid for r in rounds if r.can_draft and r.rid not in decided and taken.get(r.rid, 0) == 0}
-        self._last_plan = {**{rid: b for rid, b in taken.items()}, **decided}
+            curve = p_sorted[:self._cap()].tolist()
+            curves.append((sum(curve), r.rid, curve))
+        curves.sort(key=lambda x: -x[0])
+        n, rows0 = len(rounds), len(rounds) + extra_rows
+        per_req = c.overhead_seconds * n
+        best_m, best_ratio = 0, -1.0
+        pool: list[float] = []
+        for m in range(len(curves) + 1):
+            if m:
+                pool = sorted(pool + curves[m - 1][2], reverse=True)
+            _, g, t = self._best_prefix(float(n), rows0, pool, c.draft_cost() * (forced + m) + per_req)
+            if t > 0 and g / t > best_ratio + 1e-12:
+                best_m, best_ratio = m, g / t
+        drafting = {rid for _, rid, _ in curves[:best_m]}
+        self._skip = {rid for _, rid, _ in curves if rid not in drafting}
 
     def draft_spec(self, rid: str, spec, tree_knobs: tuple[int, int] | None):
         """``None`` (plain round, no drafter call) for a request :meth:`begin_step` left out; else the
@@ -255,21 +252,20 @@ class GoodputPolicy:
 
     # ------------------------------------------------------------ after drafting
     def select(self, items: list[Drafted]) -> dict[str, Selection]:
-        """Cut each drafted tree to the budget that maximises the step's expected tokens / second.
+        """Cut each drafted tree to the budgets that maximise the step's expected tokens / second.
 
-        Nodes enter in descending calibrated P (all cost one row), while ``P / row seconds`` beats
-        the step's current expected tokens per predicted second. Drafter calls already made count
-        in the step's seconds (sunk, but they set the bar). Explicit budgets keep the whole tree.
+        All candidate nodes of the step, in descending calibrated P (each request's own nodes in
+        its prefix-closed order), are tried as prefixes k = 0, 1, ...; the k with the most expected
+        tokens per predicted second wins (drafter calls already made count in the seconds: sunk,
+        but they set the bar). Explicit budgets keep the whole tree.
         """
         c = self.cost
-        row_s = c.per_row_seconds()
         n_draft = sum(1 for d in items if d.drafted)
-        gain = float(len(items))
-        rows = len(items)
-        chosen: dict[str, int] = {}
+        gain0, rows0 = float(len(items)), len(items)
         cands: list[tuple[float, int, str]] = []
         orders: dict[str, torch.Tensor] = {}
         probs: dict[str, torch.Tensor] = {}
+        explicit: set[str] = set()
         for d in items:
             rid, tree = d.info.rid, d.tree
             st = self._state(rid)
@@ -277,35 +273,30 @@ class GoodputPolicy:
                 st.last_tree = tree
                 st.pending.append([tree, []])
             if tree.num_nodes == 0:
-                chosen[rid] = 0
                 continue
             p_sorted, order = self._sorted_p(tree, st.regime, rid)
             orders[rid], probs[rid] = order, p_sorted
             if d.info.explicit_budget:
-                chosen[rid] = tree.num_nodes
-                gain += float(p_sorted.sum())
-                rows += tree.num_nodes
+                explicit.add(rid)
+                gain0 += float(p_sorted.sum())
+                rows0 += tree.num_nodes
                 continue
-            chosen[rid] = 0
             for i, p in enumerate(p_sorted[:self._cap()].tolist()):
                 cands.append((p, i, rid))
-        seconds = c.step_seconds(rows, n_draft, len(items))
-        cands.sort(key=lambda x: (-x[0], x[1]))
-        for p, i, rid in cands:  # per request the P are sorted, so each request's picks stay a prefix
-            if row_s <= 0 or seconds <= 0 or p / row_s <= gain / seconds:
-                break
-            if chosen[rid] != i:
-                continue
-            chosen[rid] = i + 1
-            gain += p
-            seconds += row_s
+        cands.sort(key=lambda x: (-x[0], x[1]))  # a request's own nodes stay in its order (P sorted, ties by i)
+        fixed_s = c.draft_cost() * n_draft + c.overhead_seconds * len(items)
+        k, _, seconds = self._best_prefix(gain0, rows0, [p for p, _, _ in cands], fixed_s)
+        chosen = {rid: (probs[rid].numel() if rid in explicit else 0) for rid in orders}
+        for _, _, rid in cands[:k]:
+            chosen[rid] += 1
         self._predicted = seconds
         out = {}
         for d in items:
-            rid, b = d.info.rid, chosen[d.info.rid]
+            rid = d.info.rid
             if rid not in orders:
                 out[rid] = Selection(DraftTree.empty(), 0, 1.0)
                 continue
+            b = chosen[rid]
             tau = 1.0 + float(probs[rid][:b].sum())
             out[rid] = Selection(truncate_tree(d.tree, orders[rid], b), b, tau)
         return out
