@@ -141,3 +141,19 @@ def test_goodput_sampling_keeps_the_target_distribution(target8, draft_s=0.0):
     stat_w, df_w = chi2_stat(counts, exact_joint(target8.model, parent_row_bug=True))
     assert stat_w > 2 * chi2_critical(df_w)
     assert engine.num_active() == 0 and client.num_contexts() == 0
+
+
+@pytest.mark.parametrize("method", ["dflash", "domino"])
+def test_chains_carry_path_scores_for_the_calibrator(target, service, method):
+    """Chain drafts score each node with its path log-probability (non-increasing, <= 0), so the
+    calibrator can tell a confident chain from a doubtful one."""
+    import torch
+
+    from services.verifier.engine import SpecParams as SP
+
+    feats = torch.zeros(3, target.feature_dim)
+    tree, _ = service.draft("chain", [5, 6, 7], feats, 9, 3, SP(method), max_depth=5)
+    service.release("chain")
+    assert tree.num_nodes == 5
+    assert bool((tree.scores <= 1e-6).all()) and bool((tree.scores[1:] <= tree.scores[:-1] + 1e-6).all())
+    assert float(tree.scores[-1]) < 0
