@@ -58,19 +58,23 @@ def run_level(engine, prompts: list[list[int]], c: int, method: str, budget: int
                 drafted += int(out.drafted)
                 emitted += len(out.token_ids)
                 if out.finish_reason is None:
-                    st["rounds"].append((out.predicted_tau, out.accept_length + 1))
+                    st["rounds"].append((out.predicted_tau, out.accept_length + 1, out.num_draft_tokens))
             if out.finish_reason is not None:
                 done[st["i"]] = live.pop(rid)
     wall = time.perf_counter() - t0
     total = sum(len(d["tokens"]) for d in done.values())
-    errs = []
+    errs, errs_spec = [], []
     for d in done.values():
-        late = [abs(p - r) for p, r in d["rounds"][8:] if p is not None]
+        late = [(abs(p - r), n) for p, r, n in d["rounds"][8:] if p is not None]
         if late:
-            errs.append(statistics.mean(late))
+            errs.append(statistics.mean(e for e, _ in late))
+        spec = [e for e, n in late if n > 0]  # rounds that verified nodes (a plain round's 1.0 is always right)
+        if spec:
+            errs_spec.append(statistics.mean(spec))
     return {"tokens_per_s": total / wall, "wall_s": wall, "tokens": total, "rounds": rounds,
             "tau": emitted / rounds if rounds else 0.0, "plain_round_fraction": 1 - drafted / rounds if rounds else 1.0,
             "calib_error_per_request": statistics.mean(errs) if errs else None,
+            "calib_error_spec_rounds": statistics.mean(errs_spec) if errs_spec else None,
             "outputs": {i: d["tokens"] for i, d in done.items()}}
 
 
@@ -130,6 +134,7 @@ def main(argv=None) -> int:
                 row[label] = r
                 print(f"{ds} c={c} {label:12s} {r['tokens_per_s']:6.2f} tok/s tau {r['tau']:.2f} "
                       f"plain {r['plain_round_fraction']:.2f} calib {r['calib_error_per_request']} "
+                      f"(spec rounds {r['calib_error_spec_rounds']}) "
                       f"equals_ar {r['equals_ar']}", flush=True)
             best = max(row[lbl]["tokens_per_s"] for lbl, *_ in settings if lbl != "goodput")
             row["goodput_vs_best"] = row["goodput"]["tokens_per_s"] / best

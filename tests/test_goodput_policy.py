@@ -250,3 +250,28 @@ def test_fixed_policy_is_a_pass_through():
         make_policy("fastest")
     with pytest.raises(ValueError):
         GoodputPolicy(max_budget=0)
+
+
+def test_worker_config_and_metrics_of_the_policy():
+    from prometheus_client import generate_latest
+
+    from services.metrics import VerifierMetrics
+    from services.verifier.worker import VerifierWorkerConfig
+
+    assert VerifierWorkerConfig().spec_policy == "goodput"
+    with pytest.raises(ValueError, match="spec_policy"):
+        VerifierWorkerConfig(spec_policy="fastest")
+    with pytest.raises(ValueError, match="spec_max_budget"):
+        VerifierWorkerConfig(spec_max_budget=-1)
+    m = VerifierMetrics()
+    m.observe_policy_round("dartree-pruned", 0, None, 1)
+    m.observe_policy_round("dartree-pruned", 8, 2.5, 2)
+    m.observe_policy_step(0, 0.05, 0.06)
+    m.observe_policy_step(2, None, 0.07)
+    text = generate_latest(m.registry).decode()
+    assert 'dartree_spec_policy_budget_bucket{le="0.0",method="dartree-pruned"} 1.0' in text
+    assert "dartree_spec_policy_tau_abs_error_sum 0.5" in text
+    assert "dartree_spec_policy_predicted_tau_total 2.5" in text and "dartree_spec_policy_realised_tau_total 2.0" in text
+    assert 'dartree_spec_policy_step_seconds_total{kind="measured"} 0.06' in text
+    assert 'dartree_spec_policy_steps_total{speculation="none"} 1.0' in text
+    assert 'dartree_spec_policy_steps_total{speculation="some"} 1.0' in text

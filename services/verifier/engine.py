@@ -378,7 +378,9 @@ class SpecEngine:
                                 can_draft=req.spec.method != "ar" and self.drafter is not None
                                 and self.draft_depth(req.start) > 0, explicit_budget=req.spec.budget is not None)
                  for rid, req in reqs if req.decoding}
-        self.policy.begin_step(list(infos.values()))
+        chunks = sum(min(self.config.prefill_chunk, len(req.prompt_ids) - req.prefilled)
+                     for _, req in reqs if not req.decoding)
+        self.policy.begin_step(list(infos.values()), extra_rows=min(chunks, self.config.max_step_tokens))
         for rid, req in reqs:
             if req.decoding and (left > 0 or not plan):
                 try:

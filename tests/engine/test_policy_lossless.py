@@ -157,3 +157,28 @@ def test_chains_carry_path_scores_for_the_calibrator(target, service, method):
     assert tree.num_nodes == 5
     assert bool((tree.scores <= 1e-6).all()) and bool((tree.scores[1:] <= tree.scores[:-1] + 1e-6).all())
     assert float(tree.scores[-1]) < 0
+
+
+def test_goodput_with_overlap_equals_greedy(target, service):
+    """With overlap the next draft is submitted right after the commit, also asking the policy."""
+    policy = FrozenCostPolicy(0.02, explore_every=3)
+    engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(max_running=4, overlap=True),
+                        max_draft_depth=5, policy=policy)
+    prompts = {f"o{i}": _prompt(20 + i, n=5 + i) for i in range(3)}
+    want = {rid: greedy_reference(target.model, p, 20) for rid, p in prompts.items()}
+    got = {rid: [] for rid in prompts}
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, SamplingParams(max_tokens=20, ignore_eos=True), SpecParams("dartree-pruned"))
+    live = list(prompts)
+    for k in range(300):
+        if not live:
+            break
+        group = live[k % 2::2] or live  # alternate groups, as the worker does
+        for rid, out in engine.step_batch(group).items():
+            assert not isinstance(out, BaseException), out
+            if out is not None:
+                got[rid] += out.token_ids
+                if out.finish_reason:
+                    live.remove(rid)
+    assert got == want
+    assert engine.num_active() == 0 and service.num_contexts() == 0
