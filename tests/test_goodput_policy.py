@@ -216,15 +216,19 @@ def test_good_drafter_speculates_and_a_sudden_drop_moves_the_budget_down():
     assert next(i for i, b in enumerate(budgets) if b < 1) <= 8, budgets             # ... to plain decoding
     assert budgets[-12:].count(-1) >= 9, budgets  # mostly plain rounds (no drafter call), exploring now and then
     assert any(b >= 0 for b in budgets[-12:]), budgets
-    budgets = _drive(pol, [tree] * 40, accept=lambda k: True)  # the drafter recovers: exploration notices
+    budgets = _drive(pol, [tree] * 80, accept=lambda k: True)  # the drafter recovers: exploration notices
     assert all(b > 0 for b in budgets[-10:]), budgets
+    assert budgets.index(8) <= 40, budgets  # within the backed-off exploration interval (<= 32 here)
 
 
 def test_expensive_drafter_is_never_called_after_exploring():
     pol = _policy(draft_s=1.0)  # a drafter call costs 50 forwards
-    budgets = _drive(pol, [_tree()] * 24, accept=lambda k: True)
+    budgets = _drive(pol, [_tree()] * 200, accept=lambda k: True)
     assert budgets[0] >= 0  # the first round has no forecast: it drafts
-    assert budgets[1:].count(-1) >= 20, budgets
+    explored = [i for i, b in enumerate(budgets) if b >= 0]
+    assert explored == [0, 16, 48, 112], explored  # back-off: each useless draft doubles the interval (8 -> 16, 32, 64)
+    budgets = _drive(pol, [_tree()] * 20, accept=lambda k: True, rid="new")
+    assert budgets[0] == -1 and budgets.count(-1) >= 19, budgets  # a new request inherits the forecast
 
 
 def test_batch_selection_prefers_likely_nodes_and_respects_explicit_budgets():

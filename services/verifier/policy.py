@@ -139,6 +139,7 @@ class FixedPolicy:
 @dataclass
 class _ReqState:
     since_draft: int = 0                     # rounds since the last drafter call
+    interval: int = 0                        # exploration interval (doubles while drafts do not pay)
     last_tree: DraftTree | None = None       # the last drafted tree (the gain forecast of the next one)
     regime: str = "greedy"
     pending: deque = field(default_factory=deque)  # [tree, continuation] waiting for labels
@@ -153,7 +154,11 @@ class GoodputPolicy:
         max_budget: B_max, the budget of a drafter call (None = the drafter's default) and the most
             nodes one request verifies.
         explore_every: a request not drafting for this many rounds drafts once anyway (its tree
-            is labelled by the tokens that follow, verified or not).
+            is labelled by the tokens that follow, verified or not); while such drafts are cut to
+            b = 0 the interval doubles, up to ``explore_max`` (an exploration costs a drafter call,
+            so a useless drafter costs ~1 / ``explore_max`` of a call per round), and a draft that
+            pays resets it.
+        explore_max: the longest exploration interval.
     Raises:
         ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]`` or ``explore_every < 1``.
     """
@@ -161,7 +166,7 @@ class GoodputPolicy:
     name = "goodput"
 
     def __init__(self, cost: StepCostModel | None = None, calibrator: AcceptanceCalibrator | None = None,
-                 max_budget: int | None = None, explore_every: int = 8):
+                 max_budget: int | None = None, explore_every: int = 16, explore_max: int = 128):
         if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
             raise ValueError(f"max_budget must be in [1, {MAX_BUDGET}] (got {max_budget})")
         if explore_every < 1:
@@ -169,13 +174,18 @@ class GoodputPolicy:
         self.cost = cost or StepCostModel()
         self.cal = calibrator or AcceptanceCalibrator()
         self.max_budget, self.explore_every = max_budget, explore_every
+        self.explore_max = max(explore_max, explore_every)
+        self._regime_tree: dict[str, DraftTree] = {}  # the last tree of each method / regime (new requests' forecast)
         self._req: dict[str, _ReqState] = {}
         self._skip: set[str] = set()
         self._predicted: float | None = None
 
     # ----------------------------------------------------------------- helpers
     def _state(self, rid: str) -> _ReqState:
-        return self._req.setdefault(rid, _ReqState())
+        st = self._req.get(rid)
+        if st is None:
+            st = self._req[rid] = _ReqState(interval=self.explore_every)
+        return st
 
     def _sorted_p(self, tree: DraftTree, regime: str, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.cal.p_accept(tree, regime, rid)
@@ -217,10 +227,11 @@ class GoodputPolicy:
             st.regime = f"{r.method}:{regime_of(r.temperature)}"  # one calibration table per method and regime
             if not r.can_draft:
                 continue
-            if r.explicit_budget or st.last_tree is None or st.since_draft + 1 >= self.explore_every:
+            forecast = st.last_tree if st.last_tree is not None else self._regime_tree.get(st.regime)
+            if r.explicit_budget or forecast is None or st.since_draft + 1 >= st.interval:
                 forced += 1                              # draft regardless (explicit / no forecast / explore)
                 continue
-            p_sorted, _ = self._sorted_p(st.last_tree, st.regime, r.rid)
+            p_sorted, _ = self._sorted_p(forecast, st.regime, r.rid)
             curve = p_sorted[:self._cap()].tolist()
             curves.append((sum(curve), r.rid, curve))
         curves.sort(key=lambda x: -x[0])
@@ -270,7 +281,7 @@ class GoodputPolicy:
             rid, tree = d.info.rid, d.tree
             st = self._state(rid)
             if d.drafted and tree.num_nodes:
-                st.last_tree = tree
+                st.last_tree = self._regime_tree[st.regime] = tree
                 st.pending.append([tree, []])
             if tree.num_nodes == 0:
                 continue
@@ -289,6 +300,17 @@ class GoodputPolicy:
         chosen = {rid: (probs[rid].numel() if rid in explicit else 0) for rid in orders}
         for _, _, rid in cands[:k]:
             chosen[rid] += 1
+        rows = rows0 + k
+        total_gain = gain0 + sum(p for p, _, _ in cands[:k])
+        for d in items:  # exploration back-off: a draft that did not pay for its drafter call doubles the
+            rid = d.info.rid  # interval, one that paid resets it
+            if d.drafted and not d.info.explicit_budget:
+                st = self._state(rid)
+                b = chosen.get(rid, 0)
+                g = float(probs[rid][:b].sum()) if b else 0.0
+                t = c.draft_cost() + c.forward_seconds(rows) - c.forward_seconds(rows - b)
+                paid = b > 0 and (t <= 0 or g / t >= (total_gain - g) / max(seconds - t, 1e-9))
+                st.interval = self.explore_every if paid else min(2 * st.interval, self.explore_max)
         self._predicted = seconds
         out = {}
         for d in items:
