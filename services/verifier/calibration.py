@@ -86,6 +86,7 @@ class AcceptanceCalibrator:
         forget: factor applied to a regime's counts per observed tree (0 < forget <= 1).
         request_forget: factor applied to a request's realised / predicted sums per round.
         request_prior: pseudo accepted tokens of the per-request factor (starts at 1).
+        request_relax: factor applied to a request's sums per round it does not draft (:meth:`relax`).
     Raises:
         ValueError: a parameter out of range.
     """
@@ -93,8 +94,9 @@ class AcceptanceCalibrator:
     max_depth_bucket: int = 8
     prior_weight: float = 1.0
     forget: float = 0.995
-    request_forget: float = 0.7
-    request_prior: float = 2.0
+    request_forget: float = 0.85
+    request_prior: float = 3.0
+    request_relax: float = 0.9
     _acc: dict = field(default_factory=dict)   # regime -> [Dd, Q] weighted accepted counts
     _tot: dict = field(default_factory=dict)   # regime -> [Dd, Q] weighted observations
     _req: dict = field(default_factory=dict)   # request id -> _RequestScale
@@ -121,14 +123,20 @@ class AcceptanceCalibrator:
             self._tot[regime] = torch.zeros(self._shape, dtype=torch.float64)
         return self._acc[regime], self._tot[regime]
 
-    def cell_probability(self, regime: str) -> torch.Tensor:
-        """``[depth buckets, q buckets]`` posterior mean of each cell (float64)."""
+    def cell_probability(self, regime: str, optimism: float = 0.0) -> torch.Tensor:
+        """``[depth buckets, q buckets]`` posterior mean of each cell (float64), plus ``optimism``
+        posterior standard deviations (an upper confidence bound: cells with little evidence look
+        better, so a policy deciding from them keeps trying them)."""
         acc, tot = self._table(regime)
         w = self.prior_weight
-        return (acc + w * self._prior) / (tot + w)
+        mean = (acc + w * self._prior) / (tot + w)
+        if optimism:
+            mean = mean + optimism * torch.sqrt(mean * (1 - mean) / (tot + w + 1))
+        return mean.clamp(0.0, 1.0)
 
     # ------------------------------------------------------------ prediction
-    def p_accept(self, tree: DraftTree, regime: str = "greedy", request_id: str | None = None) -> torch.Tensor:
+    def p_accept(self, tree: DraftTree, regime: str = "greedy", request_id: str | None = None,
+                 optimism: float = 0.0) -> torch.Tensor:
         """``[N]`` float64 calibrated ``P(A_i)``, monotone along paths, times the request's factor.
 
         ``regime`` names a table: ``greedy`` / ``sampled``, optionally prefixed by the method
@@ -139,7 +147,7 @@ class AcceptanceCalibrator:
         if n == 0:
             return torch.zeros(0, dtype=torch.float64)
         d, s = self._cells(tree)
-        p = self.cell_probability(regime)[d, s] * self.request_factor(request_id)
+        p = self.cell_probability(regime, optimism)[d, s] * self.request_factor(request_id)
         p = p.clamp(0.0, 1.0)
         for _ in range(int(tree.depths.max()) - 1):  # P(child) <= P(parent), one depth level per pass
             par = torch.where(tree.parents >= 0, p[tree.parents.clamp(min=0)], torch.ones_like(p))
@@ -197,6 +205,14 @@ class AcceptanceCalibrator:
             st.realised = st.realised * self.request_forget + realised
             st.predicted = st.predicted * self.request_forget + float(self.p_accept(tree, regime)[known].sum())
         return predicted, realised
+
+    def relax(self, request_id: str) -> None:
+        """A round without a draft: age the request's evidence one round, so a factor that stopped
+        a request drafting drifts back towards 1 (the global map) instead of staying stale."""
+        st = self._req.get(request_id)
+        if st is not None:
+            st.realised *= self.request_relax
+            st.predicted *= self.request_relax
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's factor."""

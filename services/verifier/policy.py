@@ -159,6 +159,9 @@ class GoodputPolicy:
             so a useless drafter costs ~1 / ``explore_max`` of a call per round), and a draft that
             pays resets it.
         explore_max: the longest exploration interval.
+        optimism: the forecast before drafting uses calibrated P plus this many posterior standard
+            deviations (an upper confidence bound), so a map made pessimistic by a few unlucky rounds
+            is retried instead of trusted; the cut after drafting uses the plain posterior mean.
     Raises:
         ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]`` or ``explore_every < 1``.
     """
@@ -166,7 +169,8 @@ class GoodputPolicy:
     name = "goodput"
 
     def __init__(self, cost: StepCostModel | None = None, calibrator: AcceptanceCalibrator | None = None,
-                 max_budget: int | None = None, explore_every: int = 16, explore_max: int = 128):
+                 max_budget: int | None = None, explore_every: int = 16, explore_max: int = 128,
+                 optimism: float = 0.5):
         if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
             raise ValueError(f"max_budget must be in [1, {MAX_BUDGET}] (got {max_budget})")
         if explore_every < 1:
@@ -175,6 +179,7 @@ class GoodputPolicy:
         self.cal = calibrator or AcceptanceCalibrator()
         self.max_budget, self.explore_every = max_budget, explore_every
         self.explore_max = max(explore_max, explore_every)
+        self.optimism = optimism
         self._regime_tree: dict[str, DraftTree] = {}  # the last tree of each method / regime (new requests' forecast)
         self._req: dict[str, _ReqState] = {}
         self._skip: set[str] = set()
@@ -187,8 +192,9 @@ class GoodputPolicy:
             st = self._req[rid] = _ReqState(interval=self.explore_every)
         return st
 
-    def _sorted_p(self, tree: DraftTree, regime: str, rid: str) -> tuple[torch.Tensor, torch.Tensor]:
-        p = self.cal.p_accept(tree, regime, rid)
+    def _sorted_p(self, tree: DraftTree, regime: str, rid: str, optimism: float = 0.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.cal.p_accept(tree, regime, rid, optimism)
         order = self.cal.order(p)
         return p[order], order
 
@@ -231,7 +237,7 @@ class GoodputPolicy:
             if r.explicit_budget or forecast is None or st.since_draft + 1 >= st.interval:
                 forced += 1                              # draft regardless (explicit / no forecast / explore)
                 continue
-            p_sorted, _ = self._sorted_p(forecast, st.regime, r.rid)
+            p_sorted, _ = self._sorted_p(forecast, st.regime, r.rid, self.optimism)
             curve = p_sorted[:self._cap()].tolist()
             curves.append((sum(curve), r.rid, curve))
         curves.sort(key=lambda x: -x[0])
@@ -254,6 +260,7 @@ class GoodputPolicy:
         st = self._state(rid)
         if rid in self._skip:
             st.since_draft += 1
+            self.cal.relax(rid)
             return None
         st.since_draft = 0
         spec = fill_knobs(spec, tree_knobs)
