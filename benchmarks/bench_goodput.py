@@ -140,10 +140,11 @@ def main(argv=None) -> int:
             row["goodput_vs_best"] = row["goodput"]["tokens_per_s"] / best
             print(f"{ds} c={c} goodput / max(ar, best fixed) = {row['goodput_vs_best']:.3f}", flush=True)
             res["levels"].append(row)
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(res, indent=1))
+            if a.out:  # after every level: a run cut short keeps what it measured
+                out = Path(a.out)
+                out.mkdir(parents=True, exist_ok=True)
+                name = "results-weak.json" if a.weak_drafter else "results.json"
+                (out / name).write_text(json.dumps(res, indent=1))
     return 0
 
 

@@ -277,7 +277,8 @@ def test_worker_config_and_metrics_of_the_policy():
     text = generate_latest(m.registry).decode()
     assert 'dartree_spec_policy_budget_bucket{le="0.0",method="dartree-pruned"} 1.0' in text
     assert "dartree_spec_policy_tau_abs_error_sum 0.5" in text
-    assert "dartree_spec_policy_predicted_tau_total 2.5" in text and "dartree_spec_policy_realised_tau_total 2.0" in text
+    assert "dartree_spec_policy_predicted_tau_total 2.5" in text
+    assert "dartree_spec_policy_realised_tau_total 2.0" in text
     assert 'dartree_spec_policy_step_seconds_total{kind="measured"} 0.06' in text
     assert 'dartree_spec_policy_steps_total{speculation="none"} 1.0' in text
     assert 'dartree_spec_policy_steps_total{speculation="some"} 1.0' in text

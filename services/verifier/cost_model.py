@@ -12,8 +12,8 @@ first extra row is expensive (one row runs a GEMV, more rows a GEMM; pre-packed 
 some row counts) and the next dozens nearly free, which no straight line captures. Beyond the
 largest row count seen, and while fewer than two row counts are known, the line ``a + b * R``
 applies, fitted by least squares with exponential forgetting (each new sample multiplies the
-weight of the old ones by ``forget``), so the model follows a machine whose speed changes. ``d`` and ``o`` are exponential moving averages
-of measured seconds. A start-up sweep (:func:`calibration_sweep`) times a few forwards at row counts
+weight of the old ones by ``forget``), so the model follows a machine whose speed changes.
+``d`` and ``o`` are exponential moving averages of measured seconds. A start-up sweep (:func:`calibration_sweep`) times a few forwards at row counts
 ``{1, 4, 9, 17, 33}`` so the first steps already have a model; :func:`load_cached` /
 :func:`save_cached` keep its result per machine / model / dtype.
 
