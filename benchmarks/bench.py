@@ -84,6 +84,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--width", type=int, default=None)
     k.add_argument("--depth-bonus", type=float, default=None)
     k.add_argument("--candidates", type=int, default=None)
+    k.add_argument("--spec-policy", choices=["fixed", "goodput"], default="fixed",
+                   help="fixed (default here, so cached cells keep their meaning): every round verifies the whole "
+                        "tree of --budget; goodput: the engine's goodput policy picks each round's budget "
+                        "(0 = plain decoding) up to --budget (services/verifier/policy.py)")
     s = p.add_argument_group("sweeps (separate optional stages; a flag without values uses the defaults)")
     s.add_argument("--sweep-width", type=int, nargs="*", default=None, help=f"default {SWEEP_DEFAULTS['width']}")
     s.add_argument("--sweep-budget", type=int, nargs="*", default=None, help=f"default {SWEEP_DEFAULTS['budget']}")
@@ -206,7 +210,8 @@ def resolve_config(a) -> dict:
             "max_new_tokens": a.max_new_tokens or (FULL_TOKENS if a.full else QUICK_TOKENS),
             "seed": a.seed, "target": a.target or "smollm2-135m-instruct", "drafter": a.drafter, "dtype": a.dtype,
             "device": a.device, "full": bool(a.full), "max_turns": int(getattr(a, "max_turns", 0) or 0),
-            "packed_gemm": bool(getattr(a, "packed_gemm", True))}
+            "packed_gemm": bool(getattr(a, "packed_gemm", True)),
+            "spec_policy": getattr(a, "spec_policy", "fixed") or "fixed"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,7 +250,8 @@ class Bench:
             [_fingerprint(self.target_dir), _fingerprint(ddir) if (ddir / "config.json").exists() else "random",
              cfg["dtype"], cfg["device"], cfg["max_new_tokens"], cfg["seed"]]
             + ([cfg["max_turns"]] if cfg.get("max_turns") else [])
-            + ([] if cfg.get("packed_gemm", True) else ["unpacked"])).encode()).hexdigest()[:8]
+            + ([] if cfg.get("packed_gemm", True) else ["unpacked"])
+            + ([cfg["spec_policy"]] if cfg.get("spec_policy", "fixed") != "fixed" else [])).encode()).hexdigest()[:8]
 
     # -- models ---------------------------------------------------------------------------------
     def ensure_engine(self) -> None:
@@ -268,6 +274,11 @@ class Bench:
         self.defaults = {k: getattr(d, k) for k in ("budget", "width", "depth_bonus", "candidates")} if d else {}
         if self.cfg.get("packed_gemm", True):  # before any cell: every cell sees the same packs whatever the order
             self.engine.target.pack_for_rounds(int(self.knobs()["budget"]), self.engine.max_draft_depth)
+        if self.cfg.get("spec_policy", "fixed") != "fixed":  # after packing: its cost sweep times the packed forwards
+            from services.verifier.policy import attach_policy
+
+            attach_policy(self.engine, self.cfg["spec_policy"], self.target_dir.name, self.cfg["dtype"],
+                          self.cfg["device"])
         if svc is not None and hasattr(svc, "info"):
             self.supported = set(svc.info()["methods"]) | set(PEERS)
 
@@ -327,6 +338,9 @@ class Bench:
             return replay_runner(self.engine, self.tok, method, knobs, self.reference)
         if self.cfg.get("packed_gemm", True) and knobs.get("budget") and method != "ar":
             self.engine.target.pack_gemm([int(knobs["budget"]) + 1])  # a sweep cell's verify rows (once per B)
+        if getattr(self.engine.policy, "name", "fixed") == "goodput" and "budget" in knobs:
+            self.engine.policy.max_budget = int(knobs["budget"])  # the policy picks each round's budget up to B
+            knobs = {k: v for k, v in knobs.items() if k != "budget"}
         inner = engine_runner(self.engine, self.tok, method, knobs, temperature)
         if method != "ar" or temperature != 0:
             return inner

@@ -34,6 +34,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="model precision (default: float32)")
     p.add_argument("--no-packed-gemm", dest="packed_gemm", action="store_false",
                    help="do not pre-pack float32 CPU weights for the round's row counts (services/cpu_gemm.py)")
+    p.add_argument("--spec-policy", choices=["goodput", "fixed"], default="goodput",
+                   help="goodput (default): each round's tree budget (0 = plain decoding) is chosen to maximise "
+                        "tokens/s from calibrated acceptance and a measured cost model, --budget is its maximum; "
+                        "fixed: every round verifies the whole tree of --budget")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_generate)
 

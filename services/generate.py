@@ -81,6 +81,13 @@ def run_generate(a) -> int:
     engine, tok, note = build_inprocess(a.target, a.drafter, getattr(torch, a.dtype), packed_gemm=packed)
     if packed and a.budget and a.method not in ("ar", "dflash", "domino"):
         engine.target.pack_gemm([a.budget + 1])  # this run's verify rows
+    policy = getattr(a, "spec_policy", "fixed")
+    if policy != "fixed":
+        from services.models.registry import resolve_target
+        from services.verifier.policy import attach_policy
+
+        attach_policy(engine, policy, resolve_target(a.target).name, a.dtype, max_budget=a.budget)
+        spec = SpecParams(a.method, None, a.width, a.depth_bonus, a.candidates)  # --budget is the policy's B_max
     if not a.json:
         print(f"[dartree] {note}", file=sys.stderr)
     ids = encode(tok, a.prompt, a.chat)
@@ -103,7 +110,7 @@ def run_generate(a) -> int:
     tau = sum(emitted) / rounds if rounds else 0.0
     decode = wall - ttft
     result = {"text": tok.decode(tokens, skip_special_tokens=True), "token_ids": tokens, "finish_reason": finish,
-              "method": a.method, "tau": round(tau, 3), "rounds": rounds, "prompt_tokens": len(ids),
+              "method": a.method, "spec_policy": policy, "tau": round(tau, 3), "rounds": rounds, "prompt_tokens": len(ids),
               "completion_tokens": len(tokens), "ttft_s": round(ttft, 4), "wall_s": round(wall, 3),
               "tokens_per_s": round((len(tokens) - 1) / decode, 2) if decode > 0 and len(tokens) > 1 else None,
               "round_ms": {k: round(1000 * v / max(rounds, 1), 3) for k, v in phases.items()},

@@ -6,6 +6,8 @@ owns a disjoint set and exports it from its own registry:
 - verifier: ``dartree_spec_*``, ``dartree_round_seconds{phase}``, ``dartree_request_queue_seconds``,
   ``dartree_num_requests_running`` / ``_waiting``, ``dartree_aborts_total{reason}``,
   ``dartree_spec_scheduled_budget`` / ``_width`` (the ``--tree-schedule`` pick at the current load);
+  the speculation policy's ``dartree_spec_policy_*`` (budget per round, predicted vs realised tau,
+  predicted vs measured step seconds, steps with / without speculation);
 - gateway: ``dartree_time_to_first_token_seconds``, ``dartree_inter_token_latency_seconds`` (time
   between two streamed rounds of one request), ``dartree_e2e_request_latency_seconds``,
   ``dartree_requests_total{finish_reason}``, ``dartree_prompt_tokens_total``,
@@ -44,6 +46,14 @@ PromQL recipes (windows are examples)::
     histogram_quantile(0.99, sum by (le) (rate(dartree_time_to_first_token_seconds_bucket[5m])))
     # generation throughput (tokens/s)
     sum(rate(dartree_generation_tokens_total[1m]))
+    # goodput policy: mean |predicted tau - realised tau| per round, and its bias
+    sum(rate(dartree_spec_policy_tau_abs_error_sum[5m])) / sum(rate(dartree_spec_policy_tau_abs_error_count[5m]))
+    (sum(rate(dartree_spec_policy_predicted_tau_total[5m])) - sum(rate(dartree_spec_policy_realised_tau_total[5m])))
+      / sum(rate(dartree_spec_policy_tau_abs_error_count[5m]))
+    # measured / predicted step seconds, and the fraction of steps without speculation
+    sum(rate(dartree_spec_policy_step_seconds_total{kind="measured"}[5m]))
+      / sum(rate(dartree_spec_policy_step_seconds_total{kind="predicted"}[5m]))
+    sum(rate(dartree_spec_policy_steps_total{speculation="none"}[5m])) / sum(rate(dartree_spec_policy_steps_total[5m]))
 """
 
 from __future__ import annotations
@@ -85,6 +95,14 @@ KV_SLOTS = "dartree_kv_slots"
 STEP_REQUEST_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0)
 STEP_ROW_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
 DRAFTER_CALLS = "dartree_drafter_calls_total"
+POLICY_BUDGET = "dartree_spec_policy_budget"
+POLICY_TAU_ERROR = "dartree_spec_policy_tau_abs_error"
+POLICY_PREDICTED_TAU = "dartree_spec_policy_predicted_tau_total"
+POLICY_REALISED_TAU = "dartree_spec_policy_realised_tau_total"
+POLICY_STEP_SECONDS = "dartree_spec_policy_step_seconds_total"
+POLICY_STEPS = "dartree_spec_policy_steps_total"
+BUDGET_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0, 128.0)
+TAU_ERROR_BUCKETS = (0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 DRAFTER_ERRORS = "dartree_drafter_errors_total"
 
 ACCEPTANCE_BUCKETS = tuple(float(i) for i in range(1, 18)) + (24.0, 32.0, 65.0)
@@ -177,8 +195,38 @@ class VerifierMetrics:
         self.drafter_busy = Counter(DRAFTER_BUSY, "Drafter compute seconds (draft + tree build) behind the "
                                     "verifier's steps; 1 - wait / busy = the fraction hidden by overlap.", registry=r)
         self.kv_slots = Gauge(KV_SLOTS, "KV-cache slots by state (used / free).", ["state"], registry=r)
+        self.policy_budget = Histogram(POLICY_BUDGET, "Draft nodes verified per decode round, as the speculation "
+                                       "policy chose them (0 = plain decoding).", ["method"], buckets=BUDGET_BUCKETS,
+                                       registry=r)
+        self.policy_tau_error = Histogram(POLICY_TAU_ERROR, "|predicted tau - realised tau| per round the policy "
+                                          "predicted (realised = tokens the verify produced, bonus included).",
+                                          buckets=TAU_ERROR_BUCKETS, registry=r)
+        self.policy_predicted_tau = Counter(POLICY_PREDICTED_TAU, "Sum of the policy's predicted tau over rounds.",
+                                            registry=r)
+        self.policy_realised_tau = Counter(POLICY_REALISED_TAU, "Sum of realised tau over the same rounds.",
+                                           registry=r)
+        self.policy_step_seconds = Counter(POLICY_STEP_SECONDS, "Step wall seconds predicted by the policy's cost "
+                                           "model and measured, over steps with a prediction.", ["kind"], registry=r)
+        self.policy_steps = Counter(POLICY_STEPS, "Batched steps by whether any request verified draft nodes.",
+                                    ["speculation"], registry=r)
         self.ipc_errors = _ipc_errors(r)
         _info(r, role="verifier", **info)
+
+    def observe_policy_round(self, method: str, num_draft_tokens: int, predicted_tau: float | None,
+                             realised_tau: int) -> None:
+        """A decode round's chosen budget and, when the policy predicted one, its tau error."""
+        self.policy_budget.labels(method).observe(num_draft_tokens)
+        if predicted_tau is not None:
+            self.policy_tau_error.observe(abs(predicted_tau - realised_tau))
+            self.policy_predicted_tau.inc(predicted_tau)
+            self.policy_realised_tau.inc(realised_tau)
+
+    def observe_policy_step(self, speculating: int, predicted_seconds: float | None, wall_seconds: float) -> None:
+        """A step: with or without speculation; predicted vs measured seconds when predicted."""
+        self.policy_steps.labels("some" if speculating else "none").inc()
+        if predicted_seconds is not None and wall_seconds > 0:
+            self.policy_step_seconds.labels("predicted").inc(predicted_seconds)
+            self.policy_step_seconds.labels("measured").inc(wall_seconds)
 
     def observe_round(self, method: str, num_draft_tokens: int, accept_length: int,
                       accepted_per_depth: list[int], num_emitted: int, timings: dict[str, float],

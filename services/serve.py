@@ -130,7 +130,7 @@ def _to_bool(s: str) -> bool:
 
 
 # Fields whose values come from a fixed set (argparse ``choices``: a typo is a one-line error at start).
-CHOICES = {"dtype": DTYPES, "default_method": METHODS,
+CHOICES = {"dtype": DTYPES, "default_method": METHODS, "spec_policy": ("goodput", "fixed"),
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "debug", "info", "warning", "error",
                          "critical")}
 

@@ -281,13 +281,15 @@ class DrafterService:
         beta = spec.depth_bonus if spec.depth_bonus is not None else d.depth_bonus
         k = spec.candidates if spec.candidates is not None else d.candidates
         prefix = self.cfg.pure_draft_prefix_len
-        if method == "dflash":
-            return chain(torch.argmax(base, dim=-1))
+        if method == "dflash":  # scores: the chain's path log-probabilities (the goodput policy calibrates them)
+            toks = torch.argmax(base, dim=-1)
+            return chain(toks, _path_scores(base, toks))
         if method == "ddtree":
             return ddtree(torch.log_softmax(base, dim=-1), budget)
         scorer = DominoScorer(self.drafter, self.embed, hd.to(self.dtype), self.d2t)
         if method == "domino":
-            return chain(chain_rollout(base, scorer, root, prefix)[0])
+            toks, rows = chain_rollout(base, scorer, root, prefix)
+            return chain(toks, _path_scores(rows, toks))
         if method == "domino-ddtree":
             return domino_ddtree(chain_rollout(base, scorer, root, prefix)[1], budget)
         if method == "seqheap":
@@ -295,6 +297,12 @@ class DrafterService:
         variant = method.split("-")[1]
         return dartree(base, scorer, root, K=k, W=width, B=budget, beta=beta if variant == "pruned" else 0.0,
                        variant=variant, pure_draft_prefix_len=prefix)
+
+
+def _path_scores(logits: Tensor, tokens: Tensor) -> Tensor:
+    """``[D]`` cumulative log-softmax of ``logits [D, V]`` at a chain's ``tokens [D]``."""
+    lp = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.long().to(logits.device)[:, None])[:, 0]
+    return lp.cumsum(0).cpu()
 
 
 def load_borrowed_weights(target_dir: str | Path, dtype: torch.dtype = torch.float32

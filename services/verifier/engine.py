@@ -15,7 +15,6 @@ the prompt's last position for the first token (bug-classes B19: never the draft
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from math import isfinite
@@ -27,6 +26,7 @@ from services.protocol import LOGPROB_FLOOR, MAX_TOP_LOGPROBS
 from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
 from services.tree.batch import Segment, causal_segment
 from services.verifier.drafter_client import DraftJob, DrafterClient
+from services.verifier.policy import Drafted, FixedPolicy, RoundInfo, fill_knobs
 from services.verifier.runner import ModelRunner
 from services.verifier.schedule import MAX_BUDGET, check_tree_knobs
 
@@ -119,6 +119,8 @@ class RoundOutput:
         prefill_seconds: > 0 only for the prefill step (which emits the first token).
         is_prefill: this step ran the prompt and emitted the first token (not a speculative round).
         logprobs: one row per ``token_ids`` entry when the request asked for logprobs, else None.
+        drafted: the round called the drafter (False for plain rounds the policy chose, ``ar``, prefill).
+        predicted_tau: the policy's expected emitted tokens of the verified tree (None: no prediction).
     """
 
     token_ids: list[int]
@@ -130,15 +132,11 @@ class RoundOutput:
     prefill_seconds: float = 0.0
     is_prefill: bool = False
     logprobs: TokenLogprobs | None = None
+    drafted: bool = False
+    predicted_tau: float | None = None
 
 
-def _fill_knobs(spec: SpecParams, tree_knobs: tuple[int, int] | None) -> SpecParams:
-    """``spec`` with its unset budget / width taken from ``tree_knobs`` (explicit values win)."""
-    if tree_knobs is None or (spec.budget is not None and spec.width is not None):
-        return spec
-    budget, width = tree_knobs
-    return dataclasses.replace(spec, budget=budget if spec.budget is None else spec.budget,
-                               width=width if spec.width is None else spec.width)
+_fill_knobs = fill_knobs  # the fixed policy's rule (kept for callers of the old name)
 
 
 @dataclass
@@ -154,6 +152,7 @@ class _Request:
     ctx_feats: torch.Tensor | None = None              # [len(ctx_ids), F]
     chunk_feats: list[torch.Tensor] = field(default_factory=list)
     pending: object = None             # a submitted draft for the next round (overlap), or None
+    skip_round: bool = False           # the policy chose a plain round (decided before the batched draft)
     prefill_seconds: float = 0.0
     generated: int = 0
     generator: torch.Generator | None = None
@@ -201,7 +200,11 @@ class StepStats:
         requests: requests in the step; rows: rows of its forward; prefill_tokens: prompt-chunk rows;
         forward_seconds: the target forward; draft_seconds: the drafter's own compute for this step's
         trees (draft + tree build, wherever it ran); draft_wait_seconds: how long this step waited for
-        them (with overlap, less than draft_seconds: the rest was hidden behind other forwards).
+        them (with overlap, less than draft_seconds: the rest was hidden behind other forwards);
+        decoding: requests running a decode round (not a prompt chunk); drafting: those that called
+        the drafter; speculating: those that verified >= 1 draft node; wall_seconds: the whole step
+        (draft, forward, walk, commit); predicted_seconds: the policy's prediction of wall_seconds
+        (None for the fixed policy).
     """
 
     requests: int = 0
@@ -210,6 +213,11 @@ class StepStats:
     forward_seconds: float = 0.0
     draft_seconds: float = 0.0
     draft_wait_seconds: float = 0.0
+    decoding: int = 0
+    drafting: int = 0
+    speculating: int = 0
+    wall_seconds: float = 0.0
+    predicted_seconds: float | None = None
 
 
 @dataclass
@@ -224,6 +232,9 @@ class _Planned:
     timings: dict = field(default_factory=dict)
     final_chunk: bool = False
     knobs: tuple[int, int] | None = None  # the step's tree_knobs (also used for an overlapped next draft)
+    drafted: bool = False              # the drafter was called (or its overlapped draft collected)
+    skipped: bool = False              # the policy chose a plain round for a drafting method
+    predicted_tau: float | None = None
 
 
 class SpecEngine:
@@ -237,13 +248,16 @@ class SpecEngine:
         target: the verifier's target model; drafter: drafter client (None = AR only).
         max_draft_depth: deepest draft (the drafter's slots); drafter_max_position: no draft token
             at a position >= this (None: from ``drafter.info()`` when it has one).
+        policy: who drafts, with which knobs, which nodes are verified (``services.verifier.policy``;
+            default :class:`FixedPolicy`: every drafting request drafts its whole tree).
     Raises:
         MemoryError: the slot KV cache does not fit (one line).
     """
 
     def __init__(self, target, drafter: DrafterClient | None, config: EngineConfig = EngineConfig(),
-                 max_draft_depth: int = 16, drafter_max_position: int | None = None):
+                 max_draft_depth: int = 16, drafter_max_position: int | None = None, policy=None):
         self.target, self.drafter = target, drafter
+        self.policy = policy if policy is not None else FixedPolicy()
         if drafter_max_position is None and hasattr(drafter, "info"):
             drafter_max_position = int(drafter.info().get("max_position") or 0) or None
         self.drafter_max_position = drafter_max_position  # no draft token at a position >= this
@@ -257,6 +271,22 @@ class SpecEngine:
         self.runner = ModelRunner(target, config.max_running, self.max_context + self.row_headroom, config.kv_bucket)
         self._reqs: dict[str, _Request] = {}
         self.last_step = StepStats()
+
+    def time_forward(self, rows: int) -> float:
+        """Seconds of one target forward of ``rows`` causal rows in a free slot, leaving no state
+        (the goodput policy's start-up cost sweep).
+
+        Raises:
+            ValueError: no free KV slot, or ``rows`` beyond a slot's capacity.
+        """
+        if self.runner.cache.num_free() == 0:
+            raise ValueError("no free KV slot to time a forward in")
+        slot = self.runner.cache.alloc()
+        try:
+            step = self.runner.execute([causal_segment([0] * rows, 0, slot)], torch.tensor([rows - 1]))
+        finally:
+            self.runner.cache.free(slot)
+        return step.seconds
 
     def num_active(self) -> int:
         """Requests holding state (KV slot or pending prefill)."""
@@ -300,6 +330,7 @@ class SpecEngine:
         if req is None:
             return
         self.runner.cache.free(req.slot)
+        self.policy.release(request_id)
         if req.pending is not None and not isinstance(req.pending, BaseException):
             self.drafter.discard(req.pending)
         if self.drafter is not None and req.spec.method != "ar" and req.decoding:
@@ -339,16 +370,30 @@ class SpecEngine:
             KeyError: unknown request id. An error of the shared forward itself propagates (every
             request of the step is freed).
         """
+        t_step = time.perf_counter()
         reqs = [(rid, self._reqs[rid]) for rid in dict.fromkeys(request_ids)]
-        t_sub = time.perf_counter()
-        if hasattr(self.drafter, "submit_many"):  # every decoding request's draft in one drafter forward
-            jobs = [(req, self._draft_job(rid, req, tree_knobs)) for rid, req in reqs
-                    if req.decoding and req.pending is None]
-            self._submit([(req, job) for req, job in jobs if job is not None])
-        submit_wait = time.perf_counter() - t_sub  # an in-process drafter drafts right here
         left = self.config.max_step_tokens
         plan: list[_Planned] = []
         results: dict[str, RoundOutput | BaseException | None] = {}
+        infos = {rid: RoundInfo(rid, req.spec.method, req.sampling.temperature,
+                                can_draft=req.spec.method != "ar" and self.drafter is not None
+                                and self.draft_depth(req.start) > 0, explicit_budget=req.spec.budget is not None)
+                 for rid, req in reqs if req.decoding}
+        chunks = sum(min(self.config.prefill_chunk, len(req.prompt_ids) - req.prefilled)
+                     for _, req in reqs if not req.decoding)
+        self.policy.begin_step(list(infos.values()), extra_rows=min(chunks, self.config.max_step_tokens))
+        t_sub = time.perf_counter()
+        if hasattr(self.drafter, "submit_many"):  # every drafting request's draft in one drafter forward
+            pairs = []
+            for rid, req in reqs:
+                if req.decoding and req.pending is None and infos[rid].can_draft:
+                    job = self._draft_job(rid, req, tree_knobs)
+                    if job is None:
+                        req.skip_round = True  # the policy chose a plain round: no drafter call
+                    else:
+                        pairs.append((req, job))
+            self._submit(pairs)
+        submit_wait = time.perf_counter() - t_sub  # an in-process drafter drafts right here
         for rid, req in reqs:
             if req.decoding and (left > 0 or not plan):
                 try:
@@ -358,7 +403,16 @@ class SpecEngine:
                     results[rid] = exc
                     continue
                 plan.append(item)
-                left -= item.segment.num_rows
+                left -= item.tree.num_nodes + 1
+        if plan:  # the policy cuts each tree to its budget (prefix-closed), then the rows are laid out
+            chosen = self.policy.select([Drafted(infos[p.rid], p.tree, p.drafted) for p in plan])
+            for p in plan:
+                sel = chosen[p.rid]
+                p.tree, p.predicted_tau = sel.tree, sel.predicted_tau
+                p.buffers = derive_buffers(p.tree, p.req.root)
+                b = p.buffers
+                p.segment = Segment(b.input_ids, b.position_offsets, b.tree_mask, p.req.start, p.req.slot)
+            left = self.config.max_step_tokens - sum(p.segment.num_rows for p in plan)
         for rid, req in reqs:
             if not req.decoding and (left > 0 or not plan):
                 n = min(self.config.prefill_chunk, len(req.prompt_ids) - req.prefilled, max(left, 1))
@@ -372,9 +426,6 @@ class SpecEngine:
         draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in plan)
         wait_s = submit_wait + sum(p.timings.get("draft_wait", 0.0) for p in plan)
         out = self._forward(plan)
-        self.last_step = StepStats(len(plan), sum(p.segment.num_rows for p in plan),
-                                   sum(p.segment.num_rows for p in plan if p.buffers is None),
-                                   plan[0].timings["verify"], draft_s, wait_s)
         for item, (logits, feats) in zip(plan, out):
             try:
                 results[item.rid] = self._finish(item, logits, feats)
@@ -385,6 +436,15 @@ class SpecEngine:
             if isinstance(results[item.rid], RoundOutput) and results[item.rid].finish_reason is not None:
                 self.abort(item.rid)
         self._submit(self._next_jobs)
+        self.last_step = StepStats(len(plan), sum(p.segment.num_rows for p in plan),
+                                   sum(p.segment.num_rows for p in plan if p.buffers is None),
+                                   plan[0].timings["verify"], draft_s, wait_s,
+                                   decoding=sum(1 for p in plan if p.buffers is not None),
+                                   drafting=sum(1 for p in plan if p.drafted),
+                                   speculating=sum(1 for p in plan if p.tree is not None and p.tree.num_nodes),
+                                   wall_seconds=time.perf_counter() - t_step,
+                                   predicted_seconds=self.policy.predicted_step_seconds())
+        self.policy.observe_step(self.last_step)
         return results
 
     def _forward(self, plan: list[_Planned]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -441,34 +501,46 @@ class SpecEngine:
         return min(room, self.max_draft_depth)
 
     def _plan_round(self, rid: str, req: _Request, tree_knobs: tuple[int, int] | None) -> _Planned:
-        """Draft (unless ``ar`` or no room) and lay out the round's verify rows."""
+        """Draft (unless ``ar``, no room, or the policy chose a plain round); the verify rows are
+        laid out by ``step_batch`` once the policy has cut the tree."""
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         depth = self.draft_depth(req.start)
         tree = DraftTree.empty()
+        drafted = skipped = False
         if req.pending is not None:
             handle, req.pending = req.pending, None
             if isinstance(handle, BaseException):
                 raise handle
             tree, dt = self.drafter.collect(handle)
             timings.update(dt)
+            drafted = True
+        elif req.skip_round:
+            req.skip_round, skipped = False, True
         elif req.spec.method != "ar" and depth > 0:
-            tree, dt = self.drafter.draft(rid, req.ctx_ids, req.ctx_feats, req.root, req.start,
-                                          _fill_knobs(req.spec, tree_knobs), max_depth=depth)
-            timings.update(dt)
+            spec = self.policy.draft_spec(rid, req.spec, tree_knobs)
+            if spec is None:
+                skipped = True
+            else:
+                tree, dt = self.drafter.draft(rid, req.ctx_ids, req.ctx_feats, req.root, req.start, spec,
+                                              max_depth=depth)
+                timings.update(dt)
+                drafted = True
         timings["draft_wait"] = time.perf_counter() - t0
-        buffers = derive_buffers(tree, req.root)
         timings["_t0"] = t0
-        seg = Segment(buffers.input_ids, buffers.position_offsets, buffers.tree_mask, req.start, req.slot)
-        return _Planned(rid, req, seg, buffers=buffers, tree=tree, timings=timings, knobs=tree_knobs)
+        return _Planned(rid, req, None, tree=tree, timings=timings, knobs=tree_knobs, drafted=drafted,
+                        skipped=skipped)
 
     def _draft_job(self, rid: str, req: _Request, tree_knobs: tuple[int, int] | None) -> DraftJob | None:
-        """The next draft of a decoding request (None: ``ar``, or no room left for a draft)."""
+        """The next draft of a decoding request (None: ``ar``, no room left for a draft, or the
+        policy chose a plain round)."""
         depth = self.draft_depth(req.start)
         if req.spec.method == "ar" or depth <= 0 or self.drafter is None:
             return None
-        return DraftJob(rid, list(req.ctx_ids), req.ctx_feats, req.root, req.start,
-                        _fill_knobs(req.spec, tree_knobs), depth)
+        spec = self.policy.draft_spec(rid, req.spec, tree_knobs)  # None: the policy chose a plain round
+        if spec is None:
+            return None
+        return DraftJob(rid, list(req.ctx_ids), req.ctx_feats, req.root, req.start, spec, depth)
 
     def _submit(self, pairs: list[tuple[_Request, DraftJob]]) -> None:
         """Start the drafts of ``pairs`` as ONE batched drafter call (clients with ``submit_many``);
@@ -502,9 +574,14 @@ class SpecEngine:
         rows = res.accepted_rows
         accepted = buffers.input_ids[rows[1:]].tolist()
         ids, finish = self._emit(req, accepted + [res.bonus_token])
-        req.ctx_ids = buffers.input_ids[rows].tolist()
-        req.ctx_feats = feats[rows.to(feats.device)]
+        new_ids, new_feats = buffers.input_ids[rows].tolist(), feats[rows.to(feats.device)]
+        if item.skipped and req.ctx_feats is not None:  # no drafter call: its context still owes these
+            req.ctx_ids = req.ctx_ids + new_ids
+            req.ctx_feats = torch.cat([req.ctx_feats, new_feats])
+        else:
+            req.ctx_ids, req.ctx_feats = new_ids, new_feats
         req.start += rows.numel()
+        self.policy.observe_round(item.rid, accepted + [res.bonus_token])
         req.root = res.bonus_token
         if finish is None:
             self._queue_next(item.rid, req, item.knobs)
@@ -514,7 +591,8 @@ class SpecEngine:
         timings.update(commit=t3 - t2, total=t3 - t0)
         return RoundOutput(ids, finish, num_draft_tokens=item.tree.num_nodes, accept_length=n_acc,
                            accepted_per_depth=[1] * n_acc, timings=timings,
-                           logprobs=self._logprobs(req, logits, rows, ids))
+                           logprobs=self._logprobs(req, logits, rows, ids), drafted=item.drafted,
+                           predicted_tau=item.predicted_tau)
 
     def _finish_chunk(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
         req = item.req

@@ -43,6 +43,7 @@ from services.verifier.schedule import MAX_BUDGET, parse_tree_schedule
 from services.wire import Decoded
 
 log = logging.getLogger("verifier")
+SPEC_POLICIES = ("goodput", "fixed")  # services.verifier.policy (imported lazily: it needs torch)
 DRAFTER_PING_TIMEOUT_S = 1.0  # a drafter heartbeat ping without a Pong by then: not ready
 _PARAM_RE = re.compile(r"(speculative\.\w+|max_tokens|temperature|top_p|top_k|prompt|stop_token_ids|logprobs)")
 
@@ -68,10 +69,19 @@ class VerifierWorkerConfig:
             after their commit); ``ar`` requests run in every step. Same tokens; pays off when the
             drafter has its own core / GPU stream.
         default_method: method when a request names none (must be one the drafter serves).
-        tree_schedule: load-dependent tree budget/width, ``"1:16x12,2:12x8,4:8x6,8:4x4"`` (``N:BxW`` =
-            at >= N running requests, B nodes and width W; per round; only for requests that leave
-            budget/width unset). "" = off: the drafter defaults at every load (a manual override;
-            ``services/verifier/schedule.py``).
+        spec_policy: ``goodput`` (default): per step, each request's tree budget (0 = plain decoding,
+            no drafter call) is chosen to maximise expected emitted tokens per second of the whole
+            step, from calibrated per-node acceptance and a measured step cost model
+            (``services/verifier/policy.py``); ``fixed``: every drafting request drafts and verifies
+            its whole tree every round (the behaviour before the policy existed).
+        spec_max_budget: the goodput policy's B_max, the budget of its drafter calls and the most nodes
+            it verifies per request (0 = the drafter's default budget).
+        cost_sweep: with ``goodput``, time a few target forwards at start-up (1-33 rows, a few
+            seconds, cached per machine / model / dtype in ``~/.cache/dartree/cost_model.json``).
+        tree_schedule: manual override, load-dependent tree budget/width, ``"1:16x12,2:12x8,4:8x6,8:4x4"``
+            (``N:BxW`` = at >= N running requests, B nodes and width W; only for requests that leave
+            budget/width unset). "" = off. With ``goodput`` the pick is the drafter call's budget and the
+            policy may still verify fewer nodes (``services/verifier/schedule.py``).
         draft_timeout_s: deadline of one drafter round trip; drafter_wait_s: how long to wait for the
             drafter at start; health_interval_s: period of the drafter heartbeat (a thread of its own,
             so a hung drafter makes the verifier unready within ``health_interval_s`` + 2 s even
@@ -97,6 +107,9 @@ class VerifierWorkerConfig:
     kv_bucket: int = 64
     overlap: bool = False
     default_method: str = "dartree-pruned"
+    spec_policy: str = "goodput"
+    spec_max_budget: int = 0
+    cost_sweep: bool = True
     tree_schedule: str = ""
     draft_timeout_s: float = 30.0
     drafter_wait_s: float = 600.0
@@ -120,6 +133,10 @@ class VerifierWorkerConfig:
         if self.default_method not in METHODS:
             raise ValueError(f"unknown default_method {self.default_method!r} (choose from {', '.join(METHODS)})")
         parse_tree_schedule(self.tree_schedule, MAX_BUDGET, self.max_running)  # ValueError: one line
+        if self.spec_policy not in SPEC_POLICIES:
+            raise ValueError(f"unknown spec_policy {self.spec_policy!r} (choose from {', '.join(SPEC_POLICIES)})")
+        if not 0 <= self.spec_max_budget <= MAX_BUDGET:
+            raise ValueError(f"spec_max_budget must be in [0, {MAX_BUDGET}] (got {self.spec_max_budget})")
 
 
 @dataclass
@@ -377,6 +394,8 @@ class VerifierWorker:
         m.drafter_wait.inc(st.draft_wait_seconds)
         m.drafter_busy.inc(st.draft_seconds)
         m.round_seconds.labels("step").observe(st.forward_seconds)
+        if getattr(st, "decoding", 0):
+            m.observe_policy_step(st.speculating, st.predicted_seconds, st.wall_seconds)
 
     def _step(self, rid: str) -> None:
         entry = self._running[rid]
@@ -428,6 +447,8 @@ class VerifierWorker:
             return
         self.metrics.observe_round(entry.method, out.num_draft_tokens, out.accept_length, list(out.accepted_per_depth),
                                    len(out.token_ids), dict(out.timings), out.prefill_seconds)
+        predicted = getattr(out, "predicted_tau", None) if out.finish_reason is None else None
+        self.metrics.observe_policy_round(entry.method, out.num_draft_tokens, predicted, out.accept_length + 1)
 
     def _drop(self, rid: str) -> None:
         if self._running.pop(rid, None) is not None:
@@ -537,6 +558,10 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     if config.packed_gemm and budget:
         added = target.pack_for_steps(budget, engine.max_draft_depth, config.max_running)
         log.info("packed GEMM weights for batched steps: +%.2f GiB", added / 2**30)
+    from services.verifier.policy import attach_policy  # after packing: the sweep times the packed forwards
+
+    attach_policy(engine, config.spec_policy, target_dir.name, config.dtype, config.device,
+                  max_budget=config.spec_max_budget or None, sweep=config.cost_sweep)
     return engine, target, target_dir
 
 
@@ -556,7 +581,7 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     if config.default_method not in methods:
         raise SystemExit(f"default method {config.default_method!r} is not served (available: {', '.join(methods)})")
     info = verifier_info(target_dir, engine, target, epoch, config, methods, drafter)
-    metrics = VerifierMetrics(model=info.model, default_method=config.default_method,
+    metrics = VerifierMetrics(model=info.model, default_method=config.default_method, spec_policy=config.spec_policy,
                               tree_schedule=str(parse_tree_schedule(config.tree_schedule) or ""))
     start_metrics_server(config.verifier_metrics_port, config.metrics_host, metrics.registry)
     worker = VerifierWorker(engine, info, config, metrics,  # the idle ping also re-handshakes a restarted drafter

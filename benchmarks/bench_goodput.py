@@ -1,0 +1,158 @@
+"""Goodput policy vs ``ar`` vs fixed budgets, side by side in one process (issue 13).
+
+In-process batched serving without HTTP: the engine's ``step_batch`` with ``c`` requests in flight
+(a finished request is replaced by the next prompt), as the verifier worker runs it. Per
+(dataset, c, setting): aggregate tokens/s (emitted tokens / wall time of the level), tau, the
+fraction of rounds without a drafter call, and the calibration error of the goodput policy
+(per request, over its rounds after the first 8: |mean predicted tau - mean realised tau|,
+the issue's goal, and the mean per-round |predicted - realised|, which a round's randomness keeps high). T = 0 output
+of every setting is checked token for token against ``ar``.
+
+    python -m benchmarks.bench_goodput --datasets gsm8k --concurrency 1 4 --prompts 4 --max-tokens 64 \\
+        --fixed-budgets 4 8 [--weak-drafter] [--out benchmarks/results/<dir>]
+
+``--weak-drafter`` perturbs the shipped drafter's weights with Gaussian noise (a deliberately weak
+drafter: the policy should fall back to about ``ar`` by itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def _prompts(tok, dataset: str, n: int) -> list[list[int]]:
+    from services.datasets import load_eval
+    from services.generate import encode
+
+    return [encode(tok, p.turns[0], True) for p in load_eval(dataset, n)]
+
+
+def run_level(engine, prompts: list[list[int]], c: int, method: str, budget: int | None, max_tokens: int) -> dict:
+    """All ``prompts`` through ``engine`` with ``c`` in flight; returns tokens/s, tau and per-request stats."""
+    from services.verifier.engine import SamplingParams, SpecParams
+
+    queue = list(enumerate(prompts))
+    live: dict[str, dict] = {}
+    done: dict[int, dict] = {}
+    emitted = rounds = drafted = 0
+    t0 = time.perf_counter()
+    while queue or live:
+        while queue and len(live) < c:
+            i, ids = queue.pop(0)
+            rid = f"{method}-{budget}-{c}-{i}-{time.monotonic_ns()}"
+            engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=False),
+                               SpecParams(method, budget=budget))
+            live[rid] = {"i": i, "tokens": [], "rounds": []}
+        for rid, out in engine.step_batch(list(live)).items():
+            if isinstance(out, BaseException):
+                raise out
+            if out is None:
+                continue
+            st = live[rid]
+            st["tokens"] += out.token_ids
+            if not out.is_prefill:
+                rounds += 1
+                drafted += int(out.drafted)
+                emitted += len(out.token_ids)
+                if out.finish_reason is None:
+                    st["rounds"].append((out.predicted_tau, out.accept_length + 1, out.num_draft_tokens))
+            if out.finish_reason is not None:
+                done[st["i"]] = live.pop(rid)
+    wall = time.perf_counter() - t0
+    total = sum(len(d["tokens"]) for d in done.values())
+    errs, errs_spec, bias = [], [], []
+    for d in done.values():
+        pr = [(p, r) for p, r, _ in d["rounds"][8:] if p is not None]
+        if pr:  # the issue's goal: |mean predicted tau - mean realised tau| per request after 8 rounds
+            bias.append(abs(statistics.mean(p for p, _ in pr) - statistics.mean(r for _, r in pr)))
+        late = [(abs(p - r), n) for p, r, n in d["rounds"][8:] if p is not None]
+        if late:
+            errs.append(statistics.mean(e for e, _ in late))
+        spec = [e for e, n in late if n > 0]  # rounds that verified nodes (a plain round's 1.0 is always right)
+        if spec:
+            errs_spec.append(statistics.mean(spec))
+    return {"tokens_per_s": total / wall, "wall_s": wall, "tokens": total, "rounds": rounds,
+            "tau": emitted / rounds if rounds else 0.0, "plain_round_fraction": 1 - drafted / rounds if rounds else 1.0,
+            "calib_tau_error_per_request": statistics.mean(bias) if bias else None,
+            "calib_error_per_request": statistics.mean(errs) if errs else None,
+            "calib_error_spec_rounds": statistics.mean(errs_spec) if errs_spec else None,
+            "outputs": {i: d["tokens"] for i, d in done.items()}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--datasets", nargs="+", default=["gsm8k"])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--method", default="dartree-pruned")
+    ap.add_argument("--fixed-budgets", type=int, nargs="*", default=[8])
+    ap.add_argument("--weak-drafter", action="store_true")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+
+    import torch
+
+    from services.generate import build_inprocess
+    from services.verifier.engine import EngineConfig, SpecEngine
+    from services.verifier.policy import FixedPolicy, attach_policy
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    engine0, tok, note = build_inprocess(None, None, torch.float32)
+    if a.weak_drafter:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in engine0.drafter.service.drafter.parameters():
+                if p.ndim >= 2:
+                    p.add_(torch.randn_like(p) * p.std() * 1.0)
+        note += " (weights perturbed: weak drafter)"
+    c_max = max(a.concurrency)
+    engine = SpecEngine(engine0.target, engine0.drafter, EngineConfig(max_running=c_max),
+                        max_draft_depth=engine0.max_draft_depth)
+    engine.target.pack_for_steps(8, engine.max_draft_depth, c_max)
+    fixed = FixedPolicy()
+    attach_policy(engine, "goodput", "smollm2-135m-instruct", "float32")
+    goodput = engine.policy
+    settings = [("ar", "ar", None, fixed)] + [(f"fixed B={b}", a.method, b, fixed) for b in a.fixed_budgets] + [
+        ("goodput", a.method, None, goodput)]
+    res = {"note": note, "machine": "shared 2-core CPU (another benchmark may have been running)",
+           "args": vars(a), "levels": []}
+    for ds in a.datasets:
+        prompts = _prompts(tok, ds, a.prompts)
+        run_level(engine, prompts[:1], 1, "ar", None, 8)  # warm-up
+        for c in a.concurrency:
+            row = {"dataset": ds, "c": c}
+            ref = None
+            for label, method, budget, pol in settings:
+                engine.policy = pol
+                r = run_level(engine, prompts, c, method, budget, a.max_tokens)
+                outs = r.pop("outputs")
+                if ref is None:
+                    ref = outs
+                r["equals_ar"] = outs == ref
+                row[label] = r
+                print(f"{ds} c={c} {label:12s} {r['tokens_per_s']:6.2f} tok/s tau {r['tau']:.2f} "
+                      f"plain {r['plain_round_fraction']:.2f} |mean pred - mean real tau| {r['calib_tau_error_per_request']} "
+                      f"per-round |err| {r['calib_error_per_request']} "
+                      f"(spec rounds {r['calib_error_spec_rounds']}) "
+                      f"equals_ar {r['equals_ar']}", flush=True)
+            best = max(row[lbl]["tokens_per_s"] for lbl, *_ in settings if lbl != "goodput")
+            row["goodput_vs_best"] = row["goodput"]["tokens_per_s"] / best
+            print(f"{ds} c={c} goodput / max(ar, best fixed) = {row['goodput_vs_best']:.3f}", flush=True)
+            res["levels"].append(row)
+            if a.out:  # after every level: a run cut short keeps what it measured
+                out = Path(a.out)
+                out.mkdir(parents=True, exist_ok=True)
+                name = "results-weak.json" if a.weak_drafter else "results.json"
+                (out / name).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,206 @@
+"""Step cost model of the goodput policy: predicted seconds of a batched step (issue 13, item 1).
+
+Pure (no torch, no models). A step costs
+
+    forward(R) = table(R)            seconds, R = rows of the step's one target forward
+    + draft    = d * (drafting requests)   (the drafter's draft + tree build, run before the forward)
+    + overhead = o * (requests)      (walk, commit, emit per request)
+
+``table`` holds a moving average of the measured seconds per row count and interpolates
+piecewise-linearly between the row counts it has seen (made non-decreasing in R): on a CPU the
+first extra row is expensive (one row runs a GEMV, more rows a GEMM; pre-packed GEMM weights for
+some row counts) and the next dozens nearly free, which no straight line captures. Beyond the
+largest row count seen, and while fewer than two row counts are known, the line ``a + b * R``
+applies, fitted by least squares with exponential forgetting (each new sample multiplies the
+weight of the old ones by ``forget``), so the model follows a machine whose speed changes.
+``d`` and ``o`` are exponential moving averages of measured seconds. A start-up sweep (:func:`calibration_sweep`) times a few forwards at row counts
+``{1, 4, 9, 17, 33}`` so the first steps already have a model; :func:`load_cached` /
+:func:`save_cached` keep its result per machine / model / dtype.
+
+Source: this issue (SmartSpec / TurboSpec use the same "goodput = expected tokens / predicted
+step time" with a linear batch-time model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("verifier.cost")
+
+SWEEP_ROWS = (1, 4, 9, 17, 33)
+
+
+@dataclass
+class StepCostModel:
+    """Online linear model of step time.
+
+    Args:
+        forget: weight kept by old forward samples per new sample (0 < forget <= 1).
+        ema: weight of a new draft / overhead sample in its moving average.
+        prior_a, prior_b: the model before any sample (seconds, seconds per row).
+    Raises:
+        ValueError: ``forget`` or ``ema`` outside ``(0, 1]``.
+    """
+
+    forget: float = 0.98
+    ema: float = 0.1
+    prior_a: float = 0.02
+    prior_b: float = 0.002
+    table_ema: float = 0.2
+    draft_seconds: float | None = None     # per drafting request
+    overhead_seconds: float = 0.0          # per request in the step
+    samples: int = 0
+    _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w x, w y, w x^2, w x y
+    _table: dict = field(default_factory=dict)                   # rows -> moving average of seconds
+
+    def __post_init__(self) -> None:
+        if not 0 < self.forget <= 1 or not 0 < self.ema <= 1:
+            raise ValueError(f"forget and ema must be in (0, 1] (got {self.forget}, {self.ema})")
+
+    # ---------------------------------------------------------------- fitting
+    def observe_forward(self, rows: int, seconds: float) -> None:
+        """Add one measured forward of ``rows`` rows that took ``seconds``."""
+        if rows < 1 or not seconds > 0:
+            return
+        s = self._s
+        for i in range(5):
+            s[i] *= self.forget
+        x, y = float(rows), float(seconds)
+        s[0] += 1.0
+        s[1] += x
+        s[2] += y
+        s[3] += x * x
+        s[4] += x * y
+        self.samples += 1
+        old = self._table.get(rows)
+        self._table[rows] = y if old is None else (1 - self.table_ema) * old + self.table_ema * y
+
+    def observe_draft(self, seconds_per_request: float) -> None:
+        """Add one measured drafter time (draft + tree build) of one drafting request."""
+        if seconds_per_request < 0:
+            return
+        d = self.draft_seconds
+        self.draft_seconds = seconds_per_request if d is None else (1 - self.ema) * d + self.ema * seconds_per_request
+
+    def observe_overhead(self, seconds_per_request: float) -> None:
+        """Add one measured per-request overhead (step wall time - forward - draft, per request)."""
+        if seconds_per_request >= 0:
+            self.overhead_seconds = (1 - self.ema) * self.overhead_seconds + self.ema * seconds_per_request
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(a, b)``: forward seconds = a + b * rows. Falls back to the prior (or a proportional
+        fit through one row count) while the samples cannot separate the two; b is kept >= 0."""
+        w, sx, sy, sxx, sxy = self._s
+        if w <= 0:
+            return self.prior_a, self.prior_b
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        if var <= 1e-9 * max(1.0, mx * mx):  # one row count so far: keep the prior's slope
+            b = self.prior_b
+            return max(my - b * mx, 0.0), b
+        b = max((sxy / w - mx * my) / var, 0.0)
+        return max(my - b * mx, 0.0), b
+
+    # ------------------------------------------------------------ prediction
+    def forward_seconds(self, rows: int) -> float:
+        """Predicted forward seconds for ``rows`` rows (table interpolation, else the line)."""
+        a, b = self.coefficients()
+        if len(self._table) < 2:
+            return a + b * max(rows, 0)
+        xs = sorted(self._table)
+        ys, top = [], 0.0
+        for x in xs:  # non-decreasing in rows
+            top = max(top, self._table[x])
+            ys.append(top)
+        if rows <= xs[0]:
+            return ys[0]
+        if rows >= xs[-1]:
+            return ys[-1] + b * (rows - xs[-1])
+        i = next(k for k, x in enumerate(xs) if x >= rows)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+
+    def per_row_seconds(self) -> float:
+        """Marginal seconds of one more row of the line (``b``)."""
+        return self.coefficients()[1]
+
+    def draft_cost(self) -> float:
+        """Predicted drafter seconds of one drafting request (0 before any measurement)."""
+        return self.draft_seconds or 0.0
+
+    def step_seconds(self, rows: int, drafting: int, requests: int) -> float:
+        """Predicted wall seconds of a step: forward + drafter calls + per-request overhead."""
+        return self.forward_seconds(rows) + self.draft_cost() * drafting + self.overhead_seconds * requests
+
+    def state(self) -> dict:
+        """JSON-able fitted state (for the cache)."""
+        a, b = self.coefficients()
+        return {"a": a, "b": b, "table": {str(k): v for k, v in sorted(self._table.items())},
+                "draft_seconds": self.draft_seconds, "overhead_seconds": self.overhead_seconds}
+
+    def seed(self, samples: Iterable[tuple[int, float]]) -> None:
+        """Add start-up samples ``(rows, seconds)`` (same as :meth:`observe_forward` each)."""
+        for rows, seconds in samples:
+            self.observe_forward(rows, seconds)
+
+
+def calibration_sweep(run_rows: Callable[[int], float], rows: Iterable[int] = SWEEP_ROWS, repeats: int = 3
+                      ) -> list[tuple[int, float]]:
+    """Time ``run_rows(R)`` (one forward of R rows, returning its seconds) at each row count.
+
+    One warm-up call per row count, then ``repeats`` timed calls; the median of each row count is
+    returned, so one slow call (another process on the core) does not skew the fit.
+
+    Returns:
+        ``[(rows, median seconds)]``.
+    """
+    out = []
+    for r in rows:
+        run_rows(r)
+        times = sorted(run_rows(r) for _ in range(max(repeats, 1)))
+        out.append((int(r), times[len(times) // 2]))
+    return out
+
+
+def cache_key(model: str, dtype: str, device: str) -> str:
+    """Key of a cached sweep: machine (host, CPU count, processor) / model / dtype / device."""
+    return f"{platform.node()}|{os.cpu_count()}|{platform.processor() or platform.machine()}|{model}|{dtype}|{device}"
+
+
+def default_cache_path() -> Path:
+    """``$DARTREE_CACHE_DIR/cost_model.json`` (default ``~/.cache/dartree``)."""
+    return Path(os.environ.get("DARTREE_CACHE_DIR", Path.home() / ".cache" / "dartree")) / "cost_model.json"
+
+
+def load_cached(key: str, path: Path | None = None, max_age_s: float = 7 * 86400) -> list[tuple[int, float]] | None:
+    """A cached sweep for ``key`` younger than ``max_age_s`` (None when absent, stale or unreadable)."""
+    path = path or default_cache_path()
+    try:
+        entry = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    if not entry or time.time() - entry.get("time", 0) > max_age_s:
+        return None
+    return [(int(r), float(s)) for r, s in entry["samples"]]
+
+
+def save_cached(key: str, samples: list[tuple[int, float]], path: Path | None = None) -> None:
+    """Store a sweep under ``key`` (best effort: an unwritable cache only logs)."""
+    path = path or default_cache_path()
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        data = {}
+    data[key] = {"time": time.time(), "samples": samples}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
+    except OSError as exc:
+        log.warning("could not write the cost-model cache %s: %s", path, exc)

@@ -1,0 +1,430 @@
+"""Speculation policies: who drafts each step, with which budget, and which nodes are verified.
+
+The engine calls a policy at four points of a step (``SpecEngine.step_batch``):
+
+1. :meth:`begin_step` with the step's decoding requests (before any drafting);
+2. :meth:`draft_spec` per request: the resolved knobs of its drafter call, or ``None`` for a
+   plain-decoding round (B = 0: no drafter call at all);
+3. :meth:`select` after drafting: how many nodes of each tree to verify (a prefix-closed top-b by
+   calibrated acceptance, so the cut tree stays a valid tree);
+4. :meth:`observe_round` / :meth:`observe_step` after the forward: the committed tokens (labels for
+   the calibrator) and the step's measured times (the cost model).
+
+Two policies (``--spec-policy``):
+
+- :class:`FixedPolicy` is today's behaviour exactly: explicit request values, then the manual
+  ``--tree-schedule`` pick, then the drafter's defaults; every drafting request drafts every round
+  and the whole tree is verified.
+- :class:`GoodputPolicy` (issue 13) maximises expected emitted tokens per second of the whole step:
+  ``sum_r E[emitted_r] / predicted step seconds``, with ``E`` from :class:`AcceptanceCalibrator`
+  (``1 + sum`` of the calibrated P of the verified nodes) and the seconds from
+  :class:`StepCostModel` (forward ``a + b * rows``, a drafter call per drafting request, a
+  per-request overhead). Before drafting it predicts each request's gain from its last tree and
+  lets only requests whose draft pays for itself call the drafter (plus an exploration draft every
+  ``explore_every`` rounds, so a recovering drafter is noticed); after drafting it adds nodes in
+  descending calibrated P while a node's P per marginal row second beats the step's current
+  tokens per second (the ratio rises exactly while that holds). Requests that set
+  ``speculative.budget`` keep their whole tree (explicit values win).
+
+Lossless by construction: a policy only changes which draft nodes are verified, never how the
+target's tokens are chosen (greedy argmax / one target sample per row, then the walk).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from services.tree import DraftTree
+from services.tree.dartree import select_nodes
+from services.verifier.calibration import AcceptanceCalibrator, regime_of
+from services.verifier.cost_model import StepCostModel
+from services.verifier.schedule import MAX_BUDGET
+
+log = logging.getLogger("verifier.policy")
+POLICIES = ("fixed", "goodput")
+
+
+def fill_knobs(spec, tree_knobs: tuple[int, int] | None):
+    """``spec`` with its unset budget / width taken from ``tree_knobs`` (explicit values win)."""
+    if tree_knobs is None or (spec.budget is not None and spec.width is not None):
+        return spec
+    budget, width = tree_knobs
+    return dataclasses.replace(spec, budget=budget if spec.budget is None else spec.budget,
+                               width=width if spec.width is None else spec.width)
+
+
+def truncate_tree(tree: DraftTree, keep_order: torch.Tensor, b: int) -> DraftTree:
+    """The first ``b`` nodes of ``keep_order`` as a tree (their indices sorted, parents remapped).
+
+    Raises:
+        ValueError: the kept set is not prefix-closed (``select_nodes``).
+    """
+    if b >= tree.num_nodes:
+        return tree
+    if b <= 0:
+        return DraftTree.empty()
+    return select_nodes(tree, torch.sort(keep_order[:b]).values)
+
+
+@dataclass
+class RoundInfo:
+    """One decoding request of a step, as the policy sees it.
+
+    Attributes:
+        rid: request id; method: its speculative method; temperature: its sampling temperature;
+        can_draft: the method drafts and the context has room for a draft token;
+        explicit_budget: the request set ``speculative.budget`` itself.
+    """
+
+    rid: str
+    method: str
+    temperature: float
+    can_draft: bool
+    explicit_budget: bool = False
+
+
+@dataclass
+class Drafted:
+    """A request's tree after drafting (``tree`` is empty for a request that did not draft)."""
+
+    info: RoundInfo
+    tree: DraftTree
+    drafted: bool
+
+
+@dataclass
+class Selection:
+    """What :meth:`select` chose for one request: the tree to verify, its budget and predicted tau."""
+
+    tree: DraftTree
+    budget: int
+    predicted_tau: float | None = None
+
+
+class FixedPolicy:
+    """Today's behaviour: every drafting request drafts with the filled knobs; nothing is cut."""
+
+    name = "fixed"
+
+    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0) -> None:
+        """Nothing to plan."""
+
+    def draft_spec(self, rid: str, spec, tree_knobs: tuple[int, int] | None):
+        """The request's knobs filled from ``tree_knobs`` (never ``None``: always draft)."""
+        return fill_knobs(spec, tree_knobs)
+
+    def select(self, items: list[Drafted]) -> dict[str, Selection]:
+        """Every tree whole."""
+        return {d.info.rid: Selection(d.tree, d.tree.num_nodes) for d in items}
+
+    def observe_round(self, rid: str, committed: list[int]) -> None:
+        """Nothing to learn."""
+
+    def observe_step(self, stats) -> None:
+        """Nothing to learn."""
+
+    def predicted_step_seconds(self) -> float | None:
+        """No prediction."""
+        return None
+
+    def release(self, rid: str) -> None:
+        """Nothing held."""
+
+
+@dataclass
+class _ReqState:
+    since_draft: int = 0                     # rounds since the last drafter call
+    interval: int = 0                        # exploration interval (doubles while drafts do not pay)
+    last_tree: DraftTree | None = None       # the last drafted tree (the gain forecast of the next one)
+    regime: str = "greedy"
+    pending: deque = field(default_factory=deque)  # [tree, continuation] waiting for labels
+
+
+class GoodputPolicy:
+    """Per step, choose each request's budget (0 = plain decoding) to maximise tokens / second.
+
+    Args:
+        cost: the step cost model (seeded by a start-up sweep, refreshed by :meth:`observe_step`).
+        calibrator: acceptance calibration (refreshed by :meth:`observe_round`).
+        max_budget: B_max, the budget of a drafter call (None = the drafter's default) and the most
+            nodes one request verifies.
+        explore_every: a request not drafting for this many rounds drafts once anyway (its tree
+            is labelled by the tokens that follow, verified or not); while such drafts are cut to
+            b = 0 the interval doubles, up to ``explore_max`` (an exploration costs a drafter call,
+            so a useless drafter costs ~1 / ``explore_max`` of a call per round), and a draft that
+            pays resets it.
+        explore_max: the longest exploration interval.
+        optimism: the forecast before drafting uses calibrated P plus this many posterior standard
+            deviations (an upper confidence bound), so a map made pessimistic by a few unlucky rounds
+            is retried instead of trusted; the cut after drafting uses the plain posterior mean.
+    Raises:
+        ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]`` or ``explore_every < 1``.
+    """
+
+    name = "goodput"
+
+    def __init__(self, cost: StepCostModel | None = None, calibrator: AcceptanceCalibrator | None = None,
+                 max_budget: int | None = None, explore_every: int = 16, explore_max: int = 128,
+                 optimism: float = 0.5):
+        if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
+            raise ValueError(f"max_budget must be in [1, {MAX_BUDGET}] (got {max_budget})")
+        if explore_every < 1:
+            raise ValueError(f"explore_every must be >= 1 (got {explore_every})")
+        self.cost = cost or StepCostModel()
+        self.cal = calibrator or AcceptanceCalibrator()
+        self.max_budget, self.explore_every = max_budget, explore_every
+        self.explore_max = max(explore_max, explore_every)
+        self.optimism = optimism
+        self._regime_tree: dict[str, DraftTree] = {}  # the last tree of each method / regime (new requests' forecast)
+        self._req: dict[str, _ReqState] = {}
+        self._skip: set[str] = set()
+        self._predicted: float | None = None
+
+    # ----------------------------------------------------------------- helpers
+    def _state(self, rid: str) -> _ReqState:
+        st = self._req.get(rid)
+        if st is None:
+            st = self._req[rid] = _ReqState(interval=self.explore_every)
+        return st
+
+    def _sorted_p(self, tree: DraftTree, regime: str, rid: str, optimism: float = 0.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.cal.p_accept(tree, regime, rid, optimism)
+        order = self.cal.order(p)
+        return p[order], order
+
+    def _cap(self) -> int:
+        return self.max_budget or MAX_BUDGET
+
+    # ----------------------------------------------------------- before drafting
+    def _best_prefix(self, gain0: float, rows0: int, probs: list[float], fixed_s: float) -> tuple[int, float, float]:
+        """Best ``k`` of ``(gain0 + sum probs[:k]) / (forward(rows0 + k) + fixed_s)`` (``probs``
+        descending): ``(k, gain, seconds)``. Exact: every row costs the same whoever it belongs to,
+        so the best set of k nodes is the k most likely."""
+        c = self.cost
+        best = (0, gain0, c.forward_seconds(rows0) + fixed_s)
+        g = gain0
+        for k, p in enumerate(probs, start=1):
+            g += p
+            t = c.forward_seconds(rows0 + k) + fixed_s
+            if t > 0 and g / t > best[1] / best[2] + 1e-12:
+                best = (k, g, t)
+        return best
+
+    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0) -> None:
+        """Decide which requests call the drafter this step, from each request's forecast (its last
+        tree under the current calibration): for m = 0, 1, ... of the requests with the largest
+        forecast gain, the best number of nodes over their pooled forecasts, paying m drafter calls;
+        the m with the most tokens per predicted second drafts.
+
+        Args:
+            rounds: the step's decoding requests; extra_rows: other rows of the step (prompt chunks).
+        """
+        c = self.cost
+        forced = 0
+        curves: list[tuple[float, str, list[float]]] = []
+        for r in rounds:
+            st = self._state(r.rid)
+            st.regime = f"{r.method}:{regime_of(r.temperature)}"  # one calibration table per method and regime
+            if not r.can_draft:
+                continue
+            forecast = st.last_tree if st.last_tree is not None else self._regime_tree.get(st.regime)
+            if r.explicit_budget or forecast is None or st.since_draft + 1 >= st.interval:
+                forced += 1                              # draft regardless (explicit / no forecast / explore)
+                continue
+            p_sorted, _ = self._sorted_p(forecast, st.regime, r.rid, self.optimism)
+            curve = p_sorted[:self._cap()].tolist()
+            curves.append((sum(curve), r.rid, curve))
+        curves.sort(key=lambda x: -x[0])
+        n, rows0 = len(rounds), len(rounds) + extra_rows
+        per_req = c.overhead_seconds * n
+        best_m, best_ratio = 0, -1.0
+        pool: list[float] = []
+        for m in range(len(curves) + 1):
+            if m:
+                pool = sorted(pool + curves[m - 1][2], reverse=True)
+            _, g, t = self._best_prefix(float(n), rows0, pool, c.draft_cost() * (forced + m) + per_req)
+            if t > 0 and g / t > best_ratio + 1e-12:
+                best_m, best_ratio = m, g / t
+        drafting = {rid for _, rid, _ in curves[:best_m]}
+        self._skip = {rid for _, rid, _ in curves if rid not in drafting}
+
+    def draft_spec(self, rid: str, spec, tree_knobs: tuple[int, int] | None):
+        """``None`` (plain round, no drafter call) for a request :meth:`begin_step` left out; else the
+        request's knobs with the budget set to ``max_budget`` where the request left it unset."""
+        st = self._state(rid)
+        if rid in self._skip:
+            st.since_draft += 1
+            self.cal.relax(rid)
+            return None
+        st.since_draft = 0
+        spec = fill_knobs(spec, tree_knobs)
+        if spec.budget is None and self.max_budget is not None:
+            spec = dataclasses.replace(spec, budget=self.max_budget)
+        return spec
+
+    # ------------------------------------------------------------ after drafting
+    def select(self, items: list[Drafted]) -> dict[str, Selection]:
+        """Cut each drafted tree to the budgets that maximise the step's expected tokens / second.
+
+        All candidate nodes of the step, in descending calibrated P (each request's own nodes in
+        its prefix-closed order), are tried as prefixes k = 0, 1, ...; the k with the most expected
+        tokens per predicted second wins (drafter calls already made count in the seconds: sunk,
+        but they set the bar). Explicit budgets keep the whole tree.
+        """
+        c = self.cost
+        n_draft = sum(1 for d in items if d.drafted)
+        gain0, rows0 = float(len(items)), len(items)
+        cands: list[tuple[float, int, str]] = []
+        orders: dict[str, torch.Tensor] = {}
+        probs: dict[str, torch.Tensor] = {}
+        explicit: set[str] = set()
+        for d in items:
+            rid, tree = d.info.rid, d.tree
+            st = self._state(rid)
+            if d.drafted and tree.num_nodes:
+                st.last_tree = self._regime_tree[st.regime] = tree
+                st.pending.append([tree, []])
+            if tree.num_nodes == 0:
+                continue
+            p_sorted, order = self._sorted_p(tree, st.regime, rid)
+            orders[rid], probs[rid] = order, p_sorted
+            if d.info.explicit_budget:
+                explicit.add(rid)
+                gain0 += float(p_sorted.sum())
+                rows0 += tree.num_nodes
+                continue
+            for i, p in enumerate(p_sorted[:self._cap()].tolist()):
+                cands.append((p, i, rid))
+        cands.sort(key=lambda x: (-x[0], x[1]))  # a request's own nodes stay in its order (P sorted, ties by i)
+        fixed_s = c.draft_cost() * n_draft + c.overhead_seconds * len(items)
+        k, _, seconds = self._best_prefix(gain0, rows0, [p for p, _, _ in cands], fixed_s)
+        chosen = {rid: (probs[rid].numel() if rid in explicit else 0) for rid in orders}
+        for _, _, rid in cands[:k]:
+            chosen[rid] += 1
+        rows = rows0 + k
+        total_gain = gain0 + sum(p for p, _, _ in cands[:k])
+        for d in items:  # exploration back-off: a draft that did not pay for its drafter call doubles the
+            rid = d.info.rid  # interval, one that paid resets it
+            if d.drafted and not d.info.explicit_budget:
+                st = self._state(rid)
+                b = chosen.get(rid, 0)
+                g = float(probs[rid][:b].sum()) if b else 0.0
+                t = c.draft_cost() + c.forward_seconds(rows) - c.forward_seconds(rows - b)
+                paid = b > 0 and (t <= 0 or g / t >= (total_gain - g) / max(seconds - t, 1e-9))
+                st.interval = self.explore_every if paid else min(2 * st.interval, self.explore_max)
+        self._predicted = seconds
+        out = {}
+        for d in items:
+            rid = d.info.rid
+            if rid not in orders:
+                out[rid] = Selection(DraftTree.empty(), 0, 1.0)
+                continue
+            b = chosen[rid]
+            tau = 1.0 + float(probs[rid][:b].sum())
+            out[rid] = Selection(truncate_tree(d.tree, orders[rid], b), b, tau)
+        return out
+
+    # ------------------------------------------------------------------ learning
+    def observe_round(self, rid: str, committed: list[int]) -> None:
+        """The tokens a round committed after its root (accepted drafts + bonus): label the
+        request's pending trees once the tokens reach their depth."""
+        st = self._req.get(rid)
+        if st is None:
+            return
+        while st.pending:
+            for entry in st.pending:
+                entry[1].extend(committed)
+            committed = []
+            tree, cont = st.pending[0]
+            if len(cont) < tree.max_depth:
+                return
+            st.pending.popleft()
+            self.cal.observe(tree, cont, st.regime, rid)
+
+    def observe_step(self, stats) -> None:
+        """A step's measured forward (rows, seconds), drafter seconds and wall time (``StepStats``)."""
+        if not stats.requests:
+            return
+        self.cost.observe_forward(stats.rows, stats.forward_seconds)
+        drafting = getattr(stats, "drafting", 0)
+        if drafting:
+            self.cost.observe_draft(stats.draft_wait_seconds / drafting)
+        wall = getattr(stats, "wall_seconds", 0.0)
+        if wall > 0:
+            rest = wall - stats.forward_seconds - stats.draft_wait_seconds
+            self.cost.observe_overhead(max(rest, 0.0) / stats.requests)
+
+    def predicted_step_seconds(self) -> float | None:
+        """The last :meth:`select`'s predicted seconds of the step (None before any)."""
+        return self._predicted
+
+    def release(self, rid: str) -> None:
+        """A request ended: label its pending trees with the tokens it had, forget its state."""
+        st = self._req.pop(rid, None)
+        self._skip.discard(rid)
+        if st is not None:
+            for tree, cont in st.pending:
+                if cont:
+                    self.cal.observe(tree, cont, st.regime, None)
+        self.cal.release(rid)
+
+
+def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sweep: bool = True,
+                       **kw) -> GoodputPolicy:
+    """A :class:`GoodputPolicy` whose cost model starts from a timed sweep (``time_forward(rows)`` ->
+    seconds), taken from the per-machine cache under ``key`` when one is there (issue 13, item 1).
+
+    The sweep takes a few seconds (5 row counts, a warm-up and 3 timed forwards each) and is logged.
+    """
+    from services.verifier.cost_model import calibration_sweep, load_cached, save_cached
+
+    policy = GoodputPolicy(max_budget=max_budget, **kw)
+    if not sweep:
+        return policy
+    samples = load_cached(key)
+    source = "cache"
+    if samples is None:
+        samples = calibration_sweep(time_forward)
+        save_cached(key, samples)
+        source = "sweep"
+    policy.cost.seed(samples)
+    a, b = policy.cost.coefficients()
+    log.info("step cost model (%s): forward = %.2f ms + %.3f ms/row (%s)", source, a * 1e3, b * 1e3,
+             ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in samples))
+    return policy
+
+
+def attach_policy(engine, name: str, model: str, dtype: str, device: str = "cpu", max_budget: int | None = None,
+                  sweep: bool = True) -> None:
+    """Give ``engine`` (a ``SpecEngine``) the named policy; ``goodput`` times its start-up sweep on
+    the engine's own runner (``engine.time_forward``), cached per machine / ``model`` / ``dtype``.
+
+    Raises:
+        ValueError: unknown policy name.
+    """
+    from services.verifier.cost_model import cache_key
+
+    if name == "goodput":
+        engine.policy = goodput_with_sweep(engine.time_forward, cache_key(model, dtype, device), max_budget, sweep)
+    else:
+        engine.policy = make_policy(name)
+    log.info("speculation policy: %s", engine.policy.name)
+
+
+def make_policy(name: str, **kw):
+    """``"fixed"`` -> :class:`FixedPolicy`; ``"goodput"`` -> :class:`GoodputPolicy` (kwargs passed on).
+
+    Raises:
+        ValueError: unknown policy name.
+    """
+    if name == "fixed":
+        return FixedPolicy()
+    if name == "goodput":
+        return GoodputPolicy(**kw)
+    raise ValueError(f"unknown spec policy {name!r} (choose from {', '.join(POLICIES)})")
