@@ -207,6 +207,7 @@ class DrafterWorker:
         """Several requests' drafts in one drafter forward; one :class:`DraftReply` per job."""
         jobs = dec.msg.jobs
         self._last_draft = time.monotonic()
+        self.metrics.batch_jobs.observe(len(jobs))
         try:
             feats = self.transport.unpack([j.features for j in jobs], dec.frames, copy=True)
         except Exception as exc:  # malformed frames: every job fails, the drafter keeps serving
@@ -228,7 +229,6 @@ class DrafterWorker:
                 for phase, seconds in timings.items():
                     self.metrics.seconds.labels(phase).observe(seconds)
             self.send(identity, reply, frames)
-        self.metrics.batch_jobs.observe(len(jobs))
 
     def _release(self, identity: bytes, dec: Decoded) -> None:
         self._forget(dec.msg.request_id)
