@@ -255,6 +255,7 @@ def test_concurrent_different_requests_share_steps_and_equal_plain_decoding(serv
 
 @pytest.mark.parametrize("victim", ["dartree-drafter", "dartree-verifie"], ids=["drafter", "verifier"])
 def test_kill_9_of_a_worker_mid_stream_gives_a_clean_error_and_recovers(server, victim):
+    server.wait_ready(timeout=180)  # a previous kill's restart can still flip readiness for a heartbeat or two
     old = server.child(victim)
     with httpx.Client(base_url=server.base, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 240, "stream": True}) as r:
@@ -273,6 +274,7 @@ def test_kill_9_of_a_worker_mid_stream_gives_a_clean_error_and_recovers(server, 
 
 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(server):
+    server.wait_ready(timeout=180)
     with httpx.Client(base_url=server.base, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 120, "stream": True}) as r:
             lines = r.iter_lines()
