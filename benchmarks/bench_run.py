@@ -67,6 +67,12 @@ class RecordingDrafter:
         self.last_tree = tree
         return tree, timings
 
+    def collect(self, handle):
+        """A batched / submitted draft (the engine's ``submit_many`` path) is recorded when collected."""
+        tree, timings = self.inner.collect(handle)
+        self.last_tree = tree
+        return tree, timings
+
     def release(self, request_id: str) -> None:
         self.inner.release(request_id)
 

@@ -139,6 +139,18 @@ def greedy_reference(model, prompt_ids: list[int], n: int) -> list[int]:
 # ----------------------------------------------------------------------------------------------
 # Trees
 # ----------------------------------------------------------------------------------------------
+def served_ar_reference(target_dir, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Plain greedy decoding of a saved target in this process (what a served greedy answer equals)."""
+    from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+    from services.verifier.target import TargetModel
+
+    engine = SpecEngine(TargetModel.from_pretrained(target_dir, [1, 2]), None)
+    out = []
+    for r in engine.generate("ref", prompt_ids, SamplingParams(max_tokens=max_tokens), SpecParams(method="ar")):
+        out += r.token_ids
+    return out
+
+
 def tree_from_nodes(tokens: list[int], parents: list[int]) -> DraftTree:
     """A :class:`DraftTree` from lists (parents topological, ``-1`` = child of the root)."""
     depths: list[int] = []

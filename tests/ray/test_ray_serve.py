@@ -22,6 +22,8 @@ import httpx
 import openai
 import pytest
 
+from services.testing import served_ar_reference
+
 from .conftest import APP_NAME, REPLICA_HEADER, RayAppConfig, ScaleConfig, UnitSpec, run_app, serve, unit_flags
 
 pytestmark = pytest.mark.e2e
@@ -45,14 +47,7 @@ def _client(base: str) -> openai.OpenAI:
 
 def _ar_reference(target_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """Plain greedy decoding of the tiny target in this process (what a single unit serves)."""
-    from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
-    from services.verifier.target import TargetModel
-
-    engine = SpecEngine(TargetModel.from_pretrained(target_dir, [1, 2]), None)
-    out = []
-    for r in engine.generate("ref", prompt_ids, SamplingParams(max_tokens=max_tokens), SpecParams(method="ar")):
-        out += r.token_ids
-    return out
+    return served_ar_reference(target_dir, prompt_ids, max_tokens)
 
 
 async def _fire(base: str, n: int, concurrency: int, max_tokens: int = 8, stream: bool = False) -> list[httpx.Response]:

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from services.runtime import free_loopback_ports
-from services.testing import Server, start_server
+from services.testing import Server, served_ar_reference, start_server
 
 from .tiny import TINY_FLAGS, make_tiny_models
 
@@ -50,14 +50,7 @@ def _client(server: Server) -> openai.OpenAI:
 
 def _ar_reference(target_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """Plain greedy decoding of the tiny target in this process (the served answer must equal it)."""
-    from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
-    from services.verifier.target import TargetModel
-
-    engine = SpecEngine(TargetModel.from_pretrained(target_dir, [1, 2]), None)
-    out = []
-    for r in engine.generate("ref", prompt_ids, SamplingParams(max_tokens=max_tokens), SpecParams(method="ar")):
-        out += r.token_ids
-    return out
+    return served_ar_reference(target_dir, prompt_ids, max_tokens)
 
 
 def _sse(r: httpx.Response) -> list:
