@@ -47,7 +47,9 @@ class GenerateProbe:
     async def _generate(self) -> tuple[bool, str, float]:
         t0 = time.monotonic()
         sampling = SamplingSpec(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
-        gen = Generate(f"health-{uuid.uuid4().hex[:16]}", list(self.prompt_ids), sampling, SpecSpec())
+        # an explicit budget: the goodput policy may skip drafting for a request that leaves it unset,
+        # and this probe must go through the drafter whenever the server has one
+        gen = Generate(f"health-{uuid.uuid4().hex[:16]}", list(self.prompt_ids), sampling, SpecSpec(budget=2))
         num_tokens = 0
         try:
             async for chunk in self.engine.generate(gen, deadline=t0 + self.timeout_s):
