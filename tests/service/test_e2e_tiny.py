@@ -275,8 +275,12 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(server):
                 if line.startswith("data: {"):
                     break
             server.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.2)  # the batched engine finishes 240 tiny-model tokens in about a second
-            refused = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            deadline = time.monotonic() + 3.0  # the drain reaches the gateway within a moment of the signal
+            while True:  # (the batched engine finishes 240 tiny-model tokens in about a second)
+                refused = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                if refused.status_code == 503 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             rest = [line for line in lines if line.startswith("data: ")]
     assert refused.status_code == 503
     assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
