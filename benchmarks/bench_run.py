@@ -339,9 +339,10 @@ def replay_turn(engine, tok, prompt_ids: list[int], ref: list[int], finish: str 
     Returns:
         The sample record of :func:`engine_turn` with ``replay: True``.
     """
-    from services.verifier.engine import SpecParams, _fill_knobs
+    from services.verifier.engine import SpecParams
+    from services.verifier.policy import fill_knobs
 
-    spec = _fill_knobs(SpecParams(method, **knobs), None)
+    spec = fill_knobs(SpecParams(method, **knobs), None)
     taus: list[int] = []
     for r in replay_rounds(engine, prompt_ids, ref, finish, spec, request_id):
         taus.append(r.emitted)

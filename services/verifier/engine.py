@@ -26,7 +26,7 @@ from services.protocol import LOGPROB_FLOOR, MAX_TOP_LOGPROBS
 from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
 from services.tree.batch import Segment, causal_segment
 from services.verifier.drafter_client import DraftJob, DrafterClient
-from services.verifier.policy import Drafted, FixedPolicy, RoundInfo, fill_knobs
+from services.verifier.policy import Drafted, FixedPolicy, RoundInfo
 from services.verifier.runner import ModelRunner
 from services.verifier.schedule import MAX_BUDGET, check_tree_knobs
 
@@ -136,7 +136,6 @@ class RoundOutput:
     predicted_tau: float | None = None
 
 
-_fill_knobs = fill_knobs  # the fixed policy's rule (kept for callers of the old name)
 
 
 @dataclass

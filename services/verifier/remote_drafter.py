@@ -140,10 +140,8 @@ class ZmqDrafterClient:
             raise DrafterUnavailable("the drafter restarted; this request's drafter context is lost")
         round_id = next(self._round)
         metas, frames = self.transport.pack([features])
-        spec_msg = SpecSpec(method=spec.method, budget=spec.budget, width=spec.width,
-                            depth_bonus=spec.depth_bonus, candidates=spec.candidates)
         msg = DraftRequest(request_id, round_id, list(committed_ids), metas[0], int(root_token), int(start),
-                           spec_msg, max_depth=max_depth)
+                           _spec_msg(spec), max_depth=max_depth)
         self._sock.send_multipart(encode(msg, frames), copy=False)
         self._pending.add(round_id)
         return round_id, request_id, t0
@@ -168,11 +166,8 @@ class ZmqDrafterClient:
         metas, frames = self.transport.pack([j.features for j in jobs])
         for j, meta in zip(jobs, metas):
             round_id = next(self._round)
-            s = j.spec
             msgs.append(DraftRequest(j.request_id, round_id, list(j.committed_ids), meta, int(j.root_token),
-                                     int(j.start), SpecSpec(method=s.method, budget=s.budget, width=s.width,
-                                                            depth_bonus=s.depth_bonus, candidates=s.candidates),
-                                     max_depth=j.max_depth))
+                                     int(j.start), _spec_msg(j.spec), max_depth=j.max_depth))
             handles.append((round_id, j.request_id, t0))
         self._sock.send_multipart(encode(DraftBatch(msgs), frames), copy=False)
         self._pending.update(h[0] for h in handles)
@@ -284,6 +279,12 @@ class ZmqDrafterClient:
             raise DrafterError(f"draft reply carries {len(reply.tree)} tensors, expected 4")
         tokens, parents, depths, scores = self.transport.unpack(reply.tree, frames, copy=True)
         return DraftTree(tokens.long(), parents.long(), depths.long(), scores.float())
+
+
+def _spec_msg(spec) -> SpecSpec:
+    """The wire form of a request's resolved speculation knobs."""
+    return SpecSpec(method=spec.method, budget=spec.budget, width=spec.width, depth_bonus=spec.depth_bonus,
+                    candidates=spec.candidates)
 
 
 def _fields(info: PeerInfo) -> dict:
