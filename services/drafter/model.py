@@ -49,12 +49,24 @@ class DrafterConfig:
     gru_hidden_dim: int = 256
     emb_dim: int = 128
     draft_vocab_size: int | None = None  # None = draft over the full target vocabulary (released layout)
+    # DSpark (projector_type "markov", algorithms.md §3): low-rank bigram head and optional confidence head
+    markov_rank: int = 0
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = True
+    num_anchors: int = 512
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (got {self.draft_vocab_size})")
-        if self.projector_type not in (None, "domino"):
-            raise ValueError(f"unsupported projector_type {self.projector_type!r}")
+        if self.projector_type not in (None, "domino", "markov"):
+            raise ValueError(f"unsupported projector_type {self.projector_type!r} (choose from None, 'domino', 'markov')")
+        if self.projector_type == "markov":
+            if self.markov_rank < 1:
+                raise ValueError(f"a DSpark (markov) drafter needs markov_rank >= 1 (got {self.markov_rank})")
+            if not self.shift_label:
+                raise ValueError("a DSpark (markov) drafter uses the shift-label layout (shift_label must be true)")
+            if self.draft_vocab_size is not None:
+                raise ValueError("a DSpark (markov) drafter drafts over the full vocabulary (no draft_vocab_size)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
@@ -73,8 +85,15 @@ class DrafterConfig:
         """Draft depth D: 16 rows under shift-label, ``block_size - 1`` otherwise."""
         return self.block_size if self.shift_label else self.block_size - 1
 
+    @property
+    def is_dspark(self) -> bool:
+        """A DSpark drafter: own embedding / lm_head copies and a vanilla Markov head (algorithms.md §3)."""
+        return self.projector_type == "markov"
+
     def to_hf(self) -> dict:
-        """The released config.json layout (algorithms.md §1.1)."""
+        """The released config.json layout (algorithms.md §1.1; DSpark's ``Qwen3DSparkModel`` layout, §3)."""
+        if self.is_dspark:
+            return self._to_hf_dspark()
         dc = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
         if self.projector_type:
             dc.update(projector_type=self.projector_type, shift_label=self.shift_label,
@@ -96,9 +115,59 @@ class DrafterConfig:
             out["draft_vocab_size"] = self.draft_vocab_size
         return out
 
+    def _to_hf_dspark(self) -> dict:
+        """DSpark's released config layout: top-level ``block_size``, ``mask_token_id``, ``target_layer_ids``,
+        Markov / confidence head fields, ``rope_parameters`` (DSPK ``config/dspark``; algorithms.md §3)."""
+        return {
+            "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "max_position_embeddings": self.max_position_embeddings, "attention_bias": False,
+            "layer_types": ["full_attention"] * self.num_hidden_layers, "tie_word_embeddings": False,
+            "dtype": "bfloat16", "block_size": self.block_size, "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids), "num_target_layers": self.num_target_layers,
+            "target_hidden_size": self.target_hidden_size, "num_anchors": self.num_anchors,
+            "markov_rank": self.markov_rank, "markov_head_type": "vanilla",
+            "enable_confidence_head": self.enable_confidence_head,
+            "confidence_head_with_markov": self.confidence_head_with_markov,
+        }
+
+    @classmethod
+    def _from_hf_dspark(cls, cfg: dict) -> "DrafterConfig":
+        """Parse DSpark's config layout (``Qwen3DSparkModel``).
+
+        Raises:
+            ValueError: a Markov head type other than ``vanilla`` (the only released one), or no Markov head.
+        """
+        kind = cfg.get("markov_head_type", "vanilla")
+        if kind != "vanilla":
+            raise ValueError(f"markov_head_type {kind!r} is not supported (only the released 'vanilla' head)")
+        n_layers = cfg.get("num_target_layers", 36)
+        return cls(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
+            vocab_size=cfg["vocab_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 40960), block_size=cfg.get("block_size", 7),
+            num_target_layers=n_layers, target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
+            mask_token_id=cfg["mask_token_id"],
+            target_layer_ids=list(cfg.get("target_layer_ids") or default_target_layer_ids(n_layers)),
+            projector_type="markov", shift_label=True, pure_draft_prefix_len=0,
+            markov_rank=int(cfg.get("markov_rank", 0)), enable_confidence_head=bool(cfg.get("enable_confidence_head")),
+            confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", True)),
+            num_anchors=int(cfg.get("num_anchors", 512)))
+
     @classmethod
     def from_hf(cls, cfg: dict) -> "DrafterConfig":
-        """Parse a released or our own config.json (tolerates DART's older field spellings)."""
+        """Parse a released or our own config.json (tolerates DART's older field spellings; DSpark's
+        ``Qwen3DSparkModel`` layout too)."""
+        if "Qwen3DSparkModel" in (cfg.get("architectures") or []) or cfg.get("markov_rank"):
+            return cls._from_hf_dspark(cfg)
         dc = dict(cfg.get("dflash_config") or {})
         proj = dc.get("projector_type")
         proj = "domino" if proj == "causal_v5" else proj
@@ -220,6 +289,37 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class MarkovHead(nn.Module):
+    """DSpark's vanilla Markov head: a rank-r bigram bias ``W2 . W1[prev]`` added to the base logits.
+
+    Keys (DSPK ``markov_head.py``, algorithms.md §3): ``markov_w1.weight [V, r]`` (an embedding of the
+    previous token) and ``markov_w2.weight [V, r]`` (a bias-free Linear r -> V).
+    """
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def bias(self, prev_tokens: Tensor) -> Tensor:
+        """``prev_tokens [...]`` long -> additive logits bias ``[..., V]``."""
+        return self.markov_w2(self.markov_w1(prev_tokens))
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's confidence head: ``proj`` = Linear(H [+ r] -> 1) with bias over ``[h_k; W1[x_{k-1}]]``
+    (algorithms.md §3). Its sigmoid predicts whether slot k's draft is accepted; a threshold > 0
+    truncates the chain (not used by our methods: a longer tree costs little on the verify side)."""
+
+    def __init__(self, in_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(in_dim, 1, bias=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x [..., in_dim]`` -> logit ``[...]``."""
+        return self.proj(x)[..., 0]
+
+
 class DFlashDrafter(nn.Module):
     """DFlash backbone (+ optional Domino head). Keys: ``layers.N.*``, ``fc``, ``hidden_norm``, ``norm``,
     and for Domino ``prefix_gru.weight_{ih,hh}_l0``, ``embed_proj.{0,2}.weight``.
@@ -228,11 +328,17 @@ class DFlashDrafter(nn.Module):
     ``d2t [N]`` int64 offsets (draft id ``i`` is target id ``i + d2t[i]``) and ``t2d [V]`` bool (target
     id is in the draft vocabulary); ``embed_proj.2`` is ``[N, E]`` and the borrowed lm_head is cut to
     the N selected rows by the drafter service. Without it the state dict is the released one.
+
+    DSpark (``config.projector_type == "markov"``, DSPK ``qwen3/modeling.py``, algorithms.md §3): the
+    same backbone keys plus its own frozen copies ``embed_tokens.weight [V, H]`` and ``lm_head.weight
+    [V, H]`` of the target's, ``markov_head.markov_w{1,2}.weight [V, r]`` and, when
+    ``enable_confidence_head``, ``confidence_head.proj.{weight [1, H + r], bias [1]}``.
     """
 
     def __init__(self, c: DrafterConfig):
         super().__init__()
         self.config = c
+        self.needs_target_io = False  # DSpark loaded without its target copies (see load_drafter)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.fc = nn.Linear(c.feature_dim, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -241,6 +347,13 @@ class DFlashDrafter(nn.Module):
             self.prefix_gru = nn.GRU(c.target_hidden_size, c.gru_hidden_dim, num_layers=1, batch_first=True, bias=False)
             self.embed_proj = nn.Sequential(nn.Linear(c.hidden_size + c.gru_hidden_dim, c.emb_dim, bias=False),
                                             nn.SiLU(), nn.Linear(c.emb_dim, c.out_vocab_size, bias=False))
+        if c.is_dspark:
+            self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+            self.markov_head = MarkovHead(c.vocab_size, c.markov_rank)
+            if c.enable_confidence_head:
+                self.confidence_head = ConfidenceHead(
+                    c.hidden_size + (c.markov_rank if c.confidence_head_with_markov else 0))
         if c.draft_vocab_size is not None:
             # identity map (the first N target ids) until set_draft_vocab / a checkpoint sets it
             self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
@@ -273,6 +386,30 @@ class DFlashDrafter(nn.Module):
     def has_head(self) -> bool:
         """Whether a Domino correction head is present."""
         return self.config.projector_type == "domino"
+
+    @property
+    def has_markov(self) -> bool:
+        """Whether a DSpark Markov head (and own embedding / lm_head copies) is present."""
+        return self.config.is_dspark
+
+    def copy_target_io(self, embed_w: Tensor, head_w: Tensor) -> None:
+        """Copy the target's ``embed_tokens [V, H]`` and ``lm_head [V, H]`` into a DSpark drafter and freeze them
+        (DSPK ``initialize_embeddings_and_head``).
+
+        Raises:
+            ValueError: not a DSpark drafter, or shapes differ from ``[vocab_size, hidden_size]``.
+        """
+        if not self.has_markov:
+            raise ValueError("only a DSpark drafter carries its own embedding / lm_head")
+        want = (self.config.vocab_size, self.config.hidden_size)
+        if tuple(embed_w.shape) != want or tuple(head_w.shape) != want:
+            raise ValueError(f"embedding / lm_head must be {want}, got {tuple(embed_w.shape)} / {tuple(head_w.shape)}")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed_w)
+            self.lm_head.weight.copy_(head_w)
+        self.embed_tokens.requires_grad_(False)
+        self.lm_head.requires_grad_(False)
+        self.needs_target_io = False
 
     def context_kv(self, features: Tensor, pos: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Per-layer context keys/values of target features ``[B, C, F]`` at positions ``pos [C]``."""
@@ -335,8 +472,23 @@ def reduce_draft_vocab(model: DFlashDrafter, target_ids: Tensor) -> DFlashDrafte
     return out.to(next(model.parameters()).dtype).train(model.training)
 
 
-def save_drafter(model: DFlashDrafter, out_dir: str | Path, extra: dict | None = None) -> None:
-    """Write ``config.json`` + ``model.safetensors`` in the released layout (bf16 weights)."""
+# DSpark keys that are frozen copies of the target's weights; ``save_drafter(..., omit_target_copies=True)``
+# leaves them out (config flag below) and the drafter service refills them from the target it serves.
+DSPARK_TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")
+OMIT_FLAG = "target_copies_omitted"
+
+
+def save_drafter(model, out_dir: str | Path, extra: dict | None = None, omit_target_copies: bool = False) -> None:
+    """Write ``config.json`` + ``model.safetensors`` in the released layout (bf16 weights).
+
+    ``omit_target_copies`` (DSpark only): leave out ``embed_tokens`` / ``lm_head`` (frozen copies of the
+    target's, 2 x V x H) and set ``target_copies_omitted: true`` in config.json; the file is then the
+    released layout minus those two keys, and :class:`services.drafter.service.DrafterService` refills
+    them from the target. Works for EAGLE-3 drafters too (their config has its own ``to_hf``).
+
+    Raises:
+        ValueError: ``omit_target_copies`` on a drafter that has no such copies.
+    """
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -344,14 +496,24 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path, extra: dict | None =
     cfg = model.config.to_hf()
     if extra:
         cfg.update(extra)
+    skip: tuple[str, ...] = ()
+    if omit_target_copies:
+        if not getattr(model, "has_markov", False):
+            raise ValueError("only a DSpark drafter carries target copies to omit")
+        skip, cfg[OMIT_FLAG] = DSPARK_TARGET_COPIES, True
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     sd = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
-          for k, v in model.state_dict().items()}
+          for k, v in model.state_dict().items() if k not in skip}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DFlashDrafter:
-    """Load a drafter directory with ``strict=True``.
+def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Load a drafter directory with ``strict=True``: DFlash / Domino / DSpark (:class:`DFlashDrafter`) or
+    EAGLE-3 (``architectures`` ``LlamaForCausalLMEagle3``: :class:`services.drafter.eagle3.Eagle3Drafter`).
+
+    A DSpark directory saved with ``target_copies_omitted`` must hold every key but ``embed_tokens`` /
+    ``lm_head``; those two are allocated empty and the model's ``needs_target_io`` is True until
+    :meth:`DFlashDrafter.copy_target_io` fills them (the drafter service does).
 
     Raises:
         FileNotFoundError: missing config.json / model.safetensors.
@@ -360,12 +522,24 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: s
     from safetensors.torch import load_file
 
     p = Path(path)
-    cfg = DrafterConfig.from_hf(json.loads((p / "config.json").read_text()))
+    raw = json.loads((p / "config.json").read_text())
+    if "LlamaForCausalLMEagle3" in (raw.get("architectures") or []):
+        from services.drafter.eagle3 import load_eagle3
+
+        return load_eagle3(p, dtype=dtype, device=device)
+    cfg = DrafterConfig.from_hf(raw)
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
-    sd = load_file(str(p / "model.safetensors"), device=device)
-    model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()},
-                          strict=True, assign=True)
+    sd = {k: v.to(dtype) if v.is_floating_point() else v
+          for k, v in load_file(str(p / "model.safetensors"), device=device).items()}
+    omitted = bool(raw.get(OMIT_FLAG)) and cfg.is_dspark
+    if omitted:
+        for k in DSPARK_TARGET_COPIES:
+            if k in sd:
+                raise RuntimeError(f"{p}: config says the target copies are omitted but {k} is present")
+            sd[k] = torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.needs_target_io = omitted
     return model.eval()
 
 

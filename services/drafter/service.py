@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services.drafter.model import DFlashDrafter
-from services.protocol import HEAD_METHODS, METHODS  # noqa: F401 (re-exported)
-from services.tree import DraftTree, chain, chain_rollout, dartree, ddtree, domino_ddtree, seqheap
+from services.protocol import (DFLASH_METHODS, EAGLE3_METHODS, HEAD_METHODS, MARKOV_METHODS,  # noqa: F401 (re-exported)
+                               METHODS, served_methods)
+from services.tree import DraftTree, MarkovScorer, chain, chain_rollout, dartree, ddtree, domino_ddtree, seqheap
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ class DrafterService:
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
                  defaults: TreeDefaults = TreeDefaults(), description: str = "", packed_gemm: bool = True):
+        if drafter.has_markov:  # DSpark carries its own (frozen) copies of the target's embedding and lm_head
+            if drafter.needs_target_io:  # saved without them: they ARE the target's, refill from it
+                drafter.copy_target_io(embed.weight.detach().to(self._dtype_of(drafter)),
+                                       lm_head.weight.detach().to(self._dtype_of(drafter)))
+            embed, lm_head = drafter.embed_tokens, drafter.lm_head
         self.drafter, self.embed = drafter.eval(), embed
         self.cfg = drafter.config
         self.d2t = drafter.draft_to_target()  # [N] target ids, or None (full vocabulary)
@@ -119,8 +125,17 @@ class DrafterService:
                 "feature_dim": c.feature_dim, "max_position": c.max_position_embeddings,
                 "num_draft_slots": c.num_draft_slots, "has_head": self.drafter.has_head,
                 "target_layer_ids": list(c.target_layer_ids),
-                "methods": [m for m in METHODS if m == "ar" or self.drafter.has_head or m not in HEAD_METHODS],
+                "methods": list(served_methods(self.kind)),
                 "description": self.description}
+
+    @staticmethod
+    def _dtype_of(m: torch.nn.Module) -> torch.dtype:
+        return next(m.parameters()).dtype
+
+    @property
+    def kind(self) -> str:
+        """``"dspark"``, ``"domino"`` or ``"dflash"`` (see :func:`services.protocol.served_methods`)."""
+        return "dspark" if self.drafter.has_markov else "domino" if self.drafter.has_head else "dflash"
 
     def num_contexts(self) -> int:
         """Requests holding a drafter context (a gauge: returns to 0 when all are released)."""
@@ -243,8 +258,11 @@ class DrafterService:
         method = spec.method
         if method not in METHODS or method == "ar":
             raise ValueError(f"method {method!r} does not draft (choose from {METHODS[1:]})")
-        if method in HEAD_METHODS and not self.drafter.has_head:
-            raise ValueError(f"method {method!r} needs a Domino correction head; this drafter has none")
+        if method not in served_methods(self.kind):
+            need = ("a Domino correction head" if method in HEAD_METHODS else "a DSpark (Markov head) drafter"
+                    if method in MARKOV_METHODS else "an EAGLE-3 drafter")
+            raise ValueError(f"method {method!r} needs {need}; this {self.kind} drafter serves "
+                             f"{', '.join(served_methods(self.kind))}")
 
     @torch.inference_mode()
     def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
@@ -286,6 +304,14 @@ class DrafterService:
             return chain(toks, _path_scores(base, toks))
         if method == "ddtree":
             return ddtree(torch.log_softmax(base, dim=-1), budget)
+        if method in MARKOV_METHODS:  # DSpark: bias W2 . W1[prev] on every slot, slot 0's prev = the root (§3)
+            head = self.drafter.markov_head
+            scorer = MarkovScorer(head.markov_w1.weight, head.markov_w2.weight)
+            if method == "dspark":
+                toks, rows = chain_rollout(base, scorer, root, pure_draft_prefix_len=0)
+                return chain(toks, _path_scores(rows, toks))
+            return dartree(base, scorer, root, K=k, W=width, B=budget, beta=beta, variant="pruned",
+                           pure_draft_prefix_len=0)
         scorer = DominoScorer(self.drafter, self.embed, hd.to(self.dtype), self.d2t)
         if method == "domino":
             toks, rows = chain_rollout(base, scorer, root, prefix)

@@ -53,7 +53,8 @@ class Trainer:
             self.label_map[d2t] = torch.arange(d2t.numel())
         self.head_w = head_w
         self.bs = c.block_size
-        self.row_w = torch.exp(-torch.arange(self.bs).float() / args.row_decay)
+        decay = args.row_decay if not drafter.has_markov or args.dspark_gamma <= 0 else args.dspark_gamma
+        self.row_w = torch.exp(-torch.arange(self.bs).float() / decay)
 
     def batch(self, row: dict, n_anchor: int, rng: random.Random):
         """Sample anchors of one sequence.
@@ -103,7 +104,19 @@ class Trainer:
             ce_base = F.cross_entropy(base.float().flatten(0, 1), tgt.flatten(), reduction="none").view_as(labels)
             loss_base = (ce_base * w).sum() / w.sum()
             stats = {"acc_base": self._chain_tau(base, labels)}
-            if m.has_head:
+            if m.has_markov:
+                # DSpark (algorithms.md §3): logits_k = base_k + W2 . W1[x_{a+k}] (teacher-forced prev tokens);
+                # loss = ce * CE + l1 * L1, where L1 = |softmax - onehot(label)|_1 = 2 (1 - p_label) (the labels
+                # are the target's greedy tokens, so its distribution is taken as one-hot), rows weighted
+                # exp(-k / gamma) (the DSpark recipe: gamma 4, ce 0.1, l1 0.9).
+                final = base + m.markov_head.bias(realised.clamp(min=0))
+                logp = torch.log_softmax(final.float(), dim=-1)
+                nll = -logp.gather(-1, tgt[..., None])[..., 0]
+                l1 = 2.0 * (1.0 - nll.neg().exp())
+                per = self.a.dspark_ce * nll + self.a.dspark_l1 * l1
+                loss = (per * w).sum() / w.sum()
+                stats["acc_dspark"] = self._chain_tau(final, labels)
+            elif m.has_head:
                 gru_in = F.embedding(realised.clamp(min=0), self.embed_w)  # [A, Q, H]
                 states, _ = m.prefix_gru(gru_in)  # state i consumed [anchor, y_1 .. y_i]
                 corr = m.correction(hd, states)
@@ -218,6 +231,16 @@ def build_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--vocab-counts", default="data/vocab_counts.pt",
                     help="token counts of the training data (python -m services.training.vocab)")
     ap.add_argument("--layers", type=int, default=3, help="drafter transformer layers (default: 3)")
+    ap.add_argument("--dspark", action="store_true",
+                    help="train a DSpark drafter (own frozen embedding / lm_head copies, vanilla Markov head, "
+                         "algorithms.md §3) instead of DFlash + Domino; with --init-from, the DFlash backbone is "
+                         "warm-started and the Markov head starts at zero")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="block rows (default: 16; 7 with --dspark, the released DSpark block)")
+    ap.add_argument("--markov-rank", type=int, default=64, help="rank r of the DSpark Markov head (default: 64)")
+    ap.add_argument("--dspark-gamma", type=float, default=4.0, help="DSpark row weight exp(-k / gamma) (default: 4)")
+    ap.add_argument("--dspark-ce", type=float, default=0.1, help="DSpark weight of the CE loss (default: 0.1)")
+    ap.add_argument("--dspark-l1", type=float, default=0.9, help="DSpark weight of the L1 loss (default: 0.9)")
     ap.add_argument("--gru-hidden-dim", type=int, default=256, help="hidden size of the Domino head's GRU (default: 256)")
     ap.add_argument("--emb-dim", type=int, default=128, help="token embedding size of the Domino head (default: 128)")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, AdamW (default: 1e-3)")
@@ -274,6 +297,31 @@ def new_drafter_config(tcfg, target_layer_ids: list[int], a) -> DrafterConfig:
                          target_layer_ids=list(target_layer_ids), gru_hidden_dim=a.gru_hidden_dim, emb_dim=a.emb_dim)
 
 
+def _dspark_from(src: DFlashDrafter, a) -> DFlashDrafter:
+    """A DSpark drafter (block ``--block-size`` or 7, Markov head of rank ``--markov-rank``) whose backbone
+    (``layers.*``, ``fc``, ``hidden_norm``, ``norm``) is copied from ``src``. The Markov head starts as
+    ``W1 ~ N(0, 0.02)``, ``W2 = 0`` (a zero bias that still gets gradients); embedding / lm_head are
+    filled from the target by ``copy_target_io``.
+
+    Raises:
+        ValueError: ``src`` uses a reduced draft vocabulary (DSpark drafts over the full vocabulary).
+    """
+    if src.config.draft_vocab_size is not None:
+        raise ValueError("DSpark drafts over the full vocabulary; the initial drafter has a reduced one")
+    cfg = dataclasses.replace(src.config, projector_type="markov", shift_label=True, pure_draft_prefix_len=0,
+                              block_size=a.block_size or 7, markov_rank=a.markov_rank,
+                              enable_confidence_head=False)
+    out = DFlashDrafter(cfg)
+    keep = {k: v for k, v in src.state_dict().items()
+            if k.startswith(("layers.", "fc.", "hidden_norm.", "norm."))}
+    missing, _ = out.load_state_dict(keep, strict=False)
+    assert all(k.startswith(("embed_tokens.", "lm_head.", "markov_head.")) for k in missing), missing
+    with torch.no_grad():
+        out.markov_head.markov_w1.weight.normal_(0.0, 0.02)
+        out.markov_head.markov_w2.weight.zero_()
+    return out.train()
+
+
 def _with_draft_vocab(drafter: DFlashDrafter, a, always: tuple[int, ...]) -> DFlashDrafter:
     """``drafter`` cut to the ``--draft-vocab`` most frequent ids of ``--vocab-counts`` (EOS always kept).
 
@@ -322,6 +370,12 @@ def run(a) -> None:
             new_drafter_config(target.config, target.target_layer_ids, a)
         drafter = DFlashDrafter(cfg)
         origin = st.get("origin", {})
+    elif a.init_from and a.dspark:
+        drafter = _dspark_from(load_drafter(a.init_from), a)
+        cfg = drafter.config
+        prev = json.loads((Path(a.init_from) / "config.json").read_text()).get("training", {})
+        origin = {"init_from": str(a.init_from), "init_training": prev, "init": "DFlash backbone only"}
+        print(f"[train] DSpark: backbone warm-started from {a.init_from} (its training: {prev})", flush=True)
     elif a.init_from:
         drafter = load_drafter(a.init_from).train()
         cfg = drafter.config
@@ -330,7 +384,8 @@ def run(a) -> None:
         print(f"[train] warm start from {a.init_from} (its training: {prev})", flush=True)
     else:
         cfg = new_drafter_config(target.config, target.target_layer_ids, a)
-        drafter = DFlashDrafter(cfg)
+        drafter = _dspark_from(DFlashDrafter(cfg), a) if a.dspark else DFlashDrafter(cfg)
+        cfg = drafter.config
         with torch.no_grad():  # start the output scale where the target's own final norm has it
             drafter.norm.weight.copy_(target.model.model.norm.weight.float())
     if st is None and a.draft_vocab:
@@ -338,11 +393,15 @@ def run(a) -> None:
         cfg = drafter.config
     embed_w = target.embed_tokens().weight.detach().float()
     head_w = target.lm_head().weight.detach().float()
+    if drafter.has_markov and st is None:  # DSpark's own frozen copies of the target's embedding and lm_head
+        drafter.copy_target_io(embed_w, head_w)
     opt = torch.optim.AdamW(drafter.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95))
     sched = Schedule(a.lr, a.warmup, a.schedule_steps or a.max_steps, a.lambda_start, a.lambda_end)
     step, elapsed_prev, cpu_prev, data_state = 0, 0.0, 0.0, None
     if st is not None:
         drafter.load_state_dict(st["model"])
+        if drafter.has_markov:
+            drafter.copy_target_io(embed_w, head_w)  # frozen (requires_grad off) after the load
         opt.load_state_dict(st["opt"])
         step, elapsed_prev, cpu_prev = st["step"], st.get("elapsed", 0.0), st.get("cpu_elapsed", 0.0)
         rng.setstate(st["rng"])
@@ -377,7 +436,7 @@ def run(a) -> None:
                     "torch_rng": torch.get_rng_state(), "elapsed": elapsed, "cpu_elapsed": cpu, "schedule": dataclasses.asdict(sched),
                     "data": stream.state(), "drafter_config": cfg.to_hf(), "origin": origin}, work / "ckpt.tmp")
         (work / "ckpt.tmp").rename(ckpt)
-        save_drafter(drafter, a.out, extra={"training": {"steps": step, "schedule_steps": sched.steps,
+        save_drafter(drafter, a.out, omit_target_copies=drafter.has_markov, extra={"training": {"steps": step, "schedule_steps": sched.steps,
                                                           "minutes": round(elapsed / 60, 1),
                                                           "cpu_minutes": round(cpu / 60, 1), "final": final,
                                                           **origin}})
@@ -454,7 +513,7 @@ def evaluate(trainer: Trainer, heldout: list[dict], work: Path, step: int, targe
         from services.training.heldout import replayed_tau
 
         t0 = time.time()
-        method = "dartree-pruned" if trainer.m.has_head else "ddtree"
+        method = "dspark-dartree" if trainer.m.has_markov else "dartree-pruned" if trainer.m.has_head else "ddtree"
         for b in budgets:
             res[f"replay_tau_B{b}"] = replayed_tau(trainer.m, target, turns, method, budget=b)
         res["replay_s"] = time.time() - t0
