@@ -26,7 +26,7 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     from services.hf_compat import quiet_progress_bars
 
     from services.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
-    from services.drafter.service import DrafterService, default_tree_knobs
+    from services.drafter.service import default_tree_knobs, make_service
     from services.drafter.worker import check_drafter_dir
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.verifier.drafter_client import InprocDrafterClient
@@ -52,8 +52,8 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
         note = "drafter: RANDOMLY INITIALISED (no trained drafter found): expect tau ~ 1, no speedup"
     target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype)
     defaults = defaults or default_tree_knobs("cpu")
-    service = DrafterService(drafter, target.embed_tokens(), target.lm_head(), defaults, description=note,
-                             packed_gemm=packed_gemm)
+    service = make_service(drafter, target.embed_tokens(), target.lm_head(), defaults, description=note,
+                           packed_gemm=packed_gemm)
     engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=drafter.config.num_draft_slots)
     if packed_gemm:
         target.pack_for_rounds(defaults.budget, engine.max_draft_depth)

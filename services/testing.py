@@ -119,12 +119,60 @@ def tiny_drafter(target, seed: int = 1, std: float = 0.2, **kw):
     return d.to(target.dtype).eval()
 
 
+def tiny_dspark(target, seed: int = 1, std: float = 0.2, rank: int = 8, block_size: int = 7,
+                confidence: bool = False, num_layers: int = 1):
+    """A random DSpark drafter for ``target``: backbone + Markov head ~ N(0, std) (norms 1), its own
+    embedding / lm_head copied from the target (algorithms.md §3)."""
+    import dataclasses
+
+    from services.drafter.model import DFlashDrafter
+
+    cfg = dataclasses.replace(tiny_drafter_config(target, projector_type=None, block_size=block_size,
+                                                  num_layers=num_layers),
+                              projector_type="markov", shift_label=True, pure_draft_prefix_len=0, markov_rank=rank,
+                              enable_confidence_head=confidence)
+    torch.manual_seed(seed)
+    d = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, std)
+    d.copy_target_io(target.embed_tokens().weight.detach().float(), target.lm_head().weight.detach().float())
+    return d.to(target.dtype).eval()
+
+
+def tiny_eagle3(target, seed: int = 1, std: float = 0.2, draft_vocab_size: int | None = None, depth: int = 4,
+                top_k: int = 3):
+    """A random EAGLE-3 drafter for a tiny target tapping exactly 3 layers; the draft vocabulary is a
+    random subset of ``draft_vocab_size`` ids (default: 3/4 of the vocabulary)."""
+    from services.drafter.eagle3 import Eagle3Config, Eagle3Drafter
+
+    cfg = target.config
+    heads = int(cfg.num_attention_heads)
+    n = draft_vocab_size or (3 * target.vocab_size) // 4
+    c = Eagle3Config(hidden_size=target.hidden_size, intermediate_size=2 * target.hidden_size,
+                     num_attention_heads=heads, num_key_value_heads=int(cfg.num_key_value_heads),
+                     head_dim=target.hidden_size // heads, vocab_size=target.vocab_size, draft_vocab_size=n,
+                     rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=target.max_context,
+                     target_hidden_size=target.hidden_size, num_target_layers=int(cfg.num_hidden_layers),
+                     target_layer_ids=list(target.target_layer_ids), depth=depth, top_k=top_k)
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(c)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, std)
+    g = torch.Generator().manual_seed(seed)
+    d.set_draft_vocab(torch.randperm(target.vocab_size, generator=g)[:n])
+    return d.to(target.dtype).eval()
+
+
 def tiny_service(target, drafter=None, defaults=None, **kw):
     """A :class:`DrafterService` borrowing ``target``'s embedding and lm_head."""
-    from services.drafter.service import DrafterService, TreeDefaults
+    from services.drafter.service import TreeDefaults, make_service
 
     drafter = drafter if drafter is not None else tiny_drafter(target, **kw)
-    return DrafterService(drafter, target.embed_tokens(), target.lm_head(), defaults or TreeDefaults())
+    return make_service(drafter, target.embed_tokens(), target.lm_head(), defaults or TreeDefaults())
 
 
 def greedy_reference(model, prompt_ids: list[int], n: int) -> list[int]:

@@ -325,6 +325,20 @@ class DrafterService:
                        variant=variant, pure_draft_prefix_len=prefix)
 
 
+def make_service(drafter, embed: torch.nn.Module, lm_head: torch.nn.Module, defaults: TreeDefaults = TreeDefaults(),
+                 description: str = "", packed_gemm: bool = True):
+    """The drafter service for any drafter :func:`services.drafter.model.load_drafter` returns:
+    :class:`services.drafter.eagle3_service.Eagle3Service` for EAGLE-3 (it needs only the embedding),
+    :class:`DrafterService` otherwise (DFlash, Domino, DSpark)."""
+    from services.drafter.eagle3 import Eagle3Drafter
+
+    if isinstance(drafter, Eagle3Drafter):
+        from services.drafter.eagle3_service import Eagle3Service
+
+        return Eagle3Service(drafter, embed, defaults, description=description, packed_gemm=packed_gemm)
+    return DrafterService(drafter, embed, lm_head, defaults, description=description, packed_gemm=packed_gemm)
+
+
 def _path_scores(logits: Tensor, tokens: Tensor) -> Tensor:
     """``[D]`` cumulative log-softmax of ``logits [D, V]`` at a chain's ``tokens [D]``."""
     lp = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.long().to(logits.device)[:, None])[:, 0]

@@ -261,7 +261,7 @@ def build_drafter_service(config: DrafterWorkerConfig):
     import torch
 
     from services.drafter.model import load_drafter
-    from services.drafter.service import DrafterService, default_tree_knobs, load_borrowed_weights
+    from services.drafter.service import default_tree_knobs, load_borrowed_weights, make_service
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
 
     dtype = getattr(torch, config.dtype)
@@ -272,8 +272,8 @@ def build_drafter_service(config: DrafterWorkerConfig):
     knobs = {k: getattr(config, k) for k in ("budget", "width", "depth_bonus", "candidates")
              if getattr(config, k) is not None}
     defaults = dataclasses.replace(default_tree_knobs(config.device), **knobs)
-    service = DrafterService(drafter, embed.to(config.device), head.to(config.device), defaults,
-                             description=str(drafter_dir), packed_gemm=config.packed_gemm)
+    service = make_service(drafter, embed.to(config.device), head.to(config.device), defaults,
+                           description=str(drafter_dir), packed_gemm=config.packed_gemm)
     return service, target_dir
 
 
