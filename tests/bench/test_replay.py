@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from benchmarks.bench_run import CellStats, engine_turn, install_recorder, replay_turn
-from services.drafter.service import METHODS
+from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino drafter's methods
 from services.testing import tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SpecEngine

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from services.drafter.service import METHODS
+from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino drafter's methods
 from services.testing import random_tree, tiny_drafter, tiny_service, tiny_target
 from services.tree import derive_buffers
 from services.tree.batch import Segment, causal_segment, pack_segments, split_rows
@@ -319,7 +319,7 @@ def test_drafter_batch_equals_one_request_at_a_time(target):
     """``DrafterService.draft_batch``: one block forward over requests with contexts of different
     lengths (padded + masked) gives every request the tree it gets alone, for every method, over
     several rounds (contexts grow); a bad job fails alone."""
-    from services.drafter.service import METHODS as DRAFT_METHODS
+    from services.drafter.service import DFLASH_METHODS as DRAFT_METHODS
     from services.verifier.drafter_client import DraftJob
 
     a, b = (tiny_service(target, tiny_drafter(target, seed=5, block_size=6)) for _ in range(2))

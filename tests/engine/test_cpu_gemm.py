@@ -13,7 +13,7 @@ from torch import nn
 
 from services import cpu_gemm
 from services.cpu_gemm import PackedLinear, pack_linears, packed_bytes, packing_available
-from services.drafter.service import METHODS, TreeDefaults
+from services.drafter.service import DFLASH_METHODS as METHODS, TreeDefaults
 from services.testing import greedy_reference, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.drafter.model import DFlashDrafter, load_drafter, reduce_draft_vocab, save_drafter
-from services.drafter.service import METHODS
+from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino drafter's methods
 from services.testing import greedy_reference, tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.drafter.service import HEAD_METHODS, METHODS, DominoScorer
+from services.drafter.service import DFLASH_METHODS, HEAD_METHODS, METHODS, DominoScorer  # noqa: F401
 from services.testing import tiny_drafter, tiny_service, tiny_target
 from services.verifier.engine import SpecParams
 
@@ -118,7 +118,7 @@ def test_domino_chain_matches_the_sequential_definition(target):
     assert tree.parents.tolist() == list(range(-1, len(toks) - 1))
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "ar"])
+@pytest.mark.parametrize("method", [m for m in DFLASH_METHODS if m != "ar"])
 @pytest.mark.parametrize("max_depth", [None, 3, 1, 0])
 def test_every_method_returns_a_valid_tree(target, method, max_depth):
     svc = tiny_service(target, block_size=8)
@@ -140,7 +140,7 @@ def test_every_method_returns_a_valid_tree(target, method, max_depth):
 def test_method_checks(target):
     plain = tiny_service(target, tiny_drafter(target, projector_type=None))
     assert set(plain.info()["methods"]) == {"ar", "dflash", "ddtree"}
-    assert set(tiny_service(target).info()["methods"]) == set(METHODS)
+    assert set(tiny_service(target).info()["methods"]) == set(DFLASH_METHODS)
     for m in HEAD_METHODS:
         with pytest.raises(ValueError, match="correction head"):
             plain.draft("r", [1], _feats(target, 1), 2, 1, SpecParams(m))

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from services.drafter.service import HEAD_METHODS, METHODS
+from services.drafter.service import DFLASH_METHODS, HEAD_METHODS, METHODS
 from services.testing import (OracleDrafter, RandomDrafter, greedy_reference, tiny_drafter, tiny_service,
                               tiny_target)
 from services.verifier.drafter_client import InprocDrafterClient
@@ -118,7 +118,7 @@ def domino_service(target):
     return tiny_service(target, tiny_drafter(target, block_size=8))
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", DFLASH_METHODS)
 def test_dflash_domino_drafter_equals_greedy(target, domino_service, method):
     prompt = _prompt(4)
     ref = greedy_reference(target.model, prompt, N)

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from services.drafter.service import METHODS
+from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino drafter's methods
 from services.protocol import LOGPROB_FLOOR
 from services.testing import OracleDrafter, greedy_reference, tiny_drafter, tiny_service
 from services.verifier.drafter_client import InprocDrafterClient

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from services.drafter.service import METHODS
+from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino drafter's methods
 from services.testing import OracleDrafter, RandomDrafter, greedy_reference, tiny_drafter, tiny_service
 from services.verifier.calibration import AcceptanceCalibrator
 from services.verifier.cost_model import StepCostModel

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from services.drafter.service import HEAD_METHODS, METHODS
+from services.drafter.service import DFLASH_METHODS, HEAD_METHODS, METHODS
 from services.testing import OracleDrafter, greedy_reference, tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
@@ -112,7 +112,7 @@ def test_unknown_request_step_raises_key_error(engine):
         engine.step("nope")
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", DFLASH_METHODS)  # the Domino drafter's methods
 def test_finish_and_abort_free_all_state(engine, service, method):
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
     list(engine.generate("done", [5, 6, 7], sp, SpecParams(method)))  # finishes by length
@@ -163,7 +163,7 @@ class _CheckedRunner:
         return self._execute(segments, logit_rows)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", DFLASH_METHODS)  # the Domino drafter's methods
 @pytest.mark.parametrize("remaining", [0, 1, 2, 3])
 def test_near_the_context_end_the_tree_shrinks(target, service, method, remaining):
     """The prompt leaves ``remaining`` free positions after ``max_tokens`` = all of them: the engine
