@@ -39,8 +39,8 @@ from pathlib import Path
 
 from benchmarks.bench_run import (ENGINE_METHODS, EXAMPLE_ROUNDS, KNOBS_BY_METHOD, PEERS, CellStats, engine_runner,
                                   engine_turn, hf_runner, method_knobs, replay_runner, run_cell)
-from benchmarks.bench_stats import (TABLE2_METHODS, add_speedups, lossless_check, merge_phase, phase_stats,
-                                    render_markdown, slim_cell, summarize, table1, table2)
+from benchmarks.bench_stats import (TABLE2_METHODS, TABLE3_METHODS, TABLE4_METHODS, add_speedups, lossless_check,
+                                    merge_phase, phase_stats, render_markdown, slim_cell, summarize, table1, table2)
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 QUICK_PROMPTS, QUICK_TOKENS = 4, 96  # sized to finish in ~45 min on the 2-core CI-class CPU
@@ -500,6 +500,11 @@ def aggregate(rows: list[dict], cells: dict, cfg: dict, bench: Bench) -> dict:
     for t in (temps if main else []):
         res["table1"][f"{t:g}"] = table1(main, cfg["methods"], cfg["datasets"], t)
         res["table2"][f"{t:g}"] = table2(main, cells, t, TABLE2_METHODS)
+        for key, ms in (("table3", TABLE3_METHODS), ("table4", TABLE4_METHODS)):
+            ran = [m for m in ms if any(r["method"] == m and r["temperature"] == t and r.get("status") == "ok"
+                                        for r in main)]
+            if ran and (key == "table3" or "eagle3" in ran):
+                res.setdefault(key, {})[f"{t:g}"] = table1(main, ran, cfg["datasets"], t)
         res["acceptance"][f"{t:g}"], res["round_breakdown"][f"{t:g}"] = {}, {}
         for m in cfg["methods"]:
             rs = [r for r in main if r["method"] == m and r["temperature"] == t and r["status"] == "ok"]

@@ -29,7 +29,8 @@ import torch
 
 from services.replay import accepted_nodes, replay_rounds
 
-ENGINE_METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree")
+ENGINE_METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree",
+                  "dspark", "dspark-dartree", "eagle3")  # the last three need a DSpark / EAGLE-3 --drafter
 PEERS = ("hf-generate", "hf-prompt-lookup")
 PROMPT_LOOKUP_TOKENS = 10
 # Tree knobs that change each method's trees (others are dropped from the cell key, so e.g. the
@@ -40,6 +41,7 @@ KNOBS_BY_METHOD = {
     "dartree-fixed": ("budget", "candidates"),
     "seqheap": ("budget", "depth_bonus", "candidates"),
     "dartree-pruned": ("budget", "width", "depth_bonus", "candidates"),
+    "dspark": (), "dspark-dartree": ("budget", "width", "depth_bonus", "candidates"), "eagle3": ("budget",),
 }
 PHASES = ("draft", "tree_build", "verify", "commit", "total")
 EXAMPLE_ROUNDS = 4  # whole trees kept from the first sample of each T=0 cell

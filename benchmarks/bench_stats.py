@@ -20,6 +20,8 @@ import math
 from collections import Counter
 
 TABLE2_METHODS = ("dartree-pruned", "dartree-fixed", "seqheap", "domino-ddtree", "ddtree", "domino")
+TABLE3_METHODS = ("dspark", "dspark-dartree")  # the paper's Table 3: DSpark-Markov alone vs + DARTree
+TABLE4_METHODS = ("eagle3", "dartree-pruned", "ddtree")  # Table 4: EAGLE-3's 64-node tree next to ours
 DATASET_LABELS = {"gsm8k": "GSM8K", "math500": "MATH-500", "aime25": "AIME25", "humaneval": "HumanEval",
                   "mt-bench": "MT-Bench", "sharegpt": "ShareGPT", "mbpp": "MBPP", "alpaca": "Alpaca"}
 
@@ -253,6 +255,15 @@ def render_markdown(res: dict) -> str:
                 cells += [_f(v.get("tau")), _f(v.get("speedup"), "{:.2f}×")]
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
+    for key, title in (("table3", "Table 3: DSpark (Markov head) chain vs + DARTree"),
+                       ("table4", "Table 4: EAGLE-3 dynamic tree")):
+        for t, tab in res.get(key, {}).items():
+            dss = list(res["config"]["datasets"])
+            lines += [f"## {title}, T = {t}", "", "| Method | " + " | ".join(
+                f"{DATASET_LABELS.get(d, d)} τ" for d in dss + ["mean"]) + " |", "|---|" + "---:|" * (len(dss) + 1)]
+            lines += [f"| {m} | " + " | ".join(_f(per.get(d, {}).get("tau")) for d in dss + ["mean"]) + " |"
+                      for m, per in tab.items()]
+            lines.append("")
     for t, tab in res.get("table2", {}).items():
         if not tab:
             continue

@@ -51,7 +51,7 @@ def _generate(a) -> int:
 def _add_train(sub) -> None:
     from services.training.train import build_args
 
-    p = sub.add_parser("train-drafter", help="train a DFlash + Domino drafter for a target")
+    p = sub.add_parser("train-drafter", help="train a DFlash + Domino (with --dspark: DSpark) drafter for a target")
     build_args(p)
     p.set_defaults(func=lambda a: __import__("services.training.train", fromlist=["run"]).run(a) or 0)
 

@@ -238,6 +238,8 @@ def build_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block-size", type=int, default=None,
                     help="block rows (default: 16; 7 with --dspark, the released DSpark block)")
     ap.add_argument("--markov-rank", type=int, default=64, help="rank r of the DSpark Markov head (default: 64)")
+    ap.add_argument("--markov-lr-mult", type=float, default=10.0,
+                    help="learning-rate multiplier of the DSpark Markov head (it starts at zero; default: 10)")
     ap.add_argument("--dspark-gamma", type=float, default=4.0, help="DSpark row weight exp(-k / gamma) (default: 4)")
     ap.add_argument("--dspark-ce", type=float, default=0.1, help="DSpark weight of the CE loss (default: 0.1)")
     ap.add_argument("--dspark-l1", type=float, default=0.9, help="DSpark weight of the L1 loss (default: 0.9)")
@@ -300,7 +302,7 @@ def new_drafter_config(tcfg, target_layer_ids: list[int], a) -> DrafterConfig:
 def _dspark_from(src: DFlashDrafter, a) -> DFlashDrafter:
     """A DSpark drafter (block ``--block-size`` or 7, Markov head of rank ``--markov-rank``) whose backbone
     (``layers.*``, ``fc``, ``hidden_norm``, ``norm``) is copied from ``src``. The Markov head starts as
-    ``W1 ~ N(0, 0.02)``, ``W2 = 0`` (a zero bias that still gets gradients); embedding / lm_head are
+    ``W1 ~ N(0, 1)``, ``W2 = 0`` (a zero bias that still gets gradients); embedding / lm_head are
     filled from the target by ``copy_target_io``.
 
     Raises:
@@ -317,7 +319,7 @@ def _dspark_from(src: DFlashDrafter, a) -> DFlashDrafter:
     missing, _ = out.load_state_dict(keep, strict=False)
     assert all(k.startswith(("embed_tokens.", "lm_head.", "markov_head.")) for k in missing), missing
     with torch.no_grad():
-        out.markov_head.markov_w1.weight.normal_(0.0, 0.02)
+        out.markov_head.markov_w1.weight.normal_(0.0, 1.0)  # nn.Embedding's default scale
         out.markov_head.markov_w2.weight.zero_()
     return out.train()
 
@@ -395,7 +397,10 @@ def run(a) -> None:
     head_w = target.lm_head().weight.detach().float()
     if drafter.has_markov and st is None:  # DSpark's own frozen copies of the target's embedding and lm_head
         drafter.copy_target_io(embed_w, head_w)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    head = [p for n, p in drafter.named_parameters() if n.startswith("markov_head.")]
+    rest = [p for n, p in drafter.named_parameters() if not n.startswith("markov_head.")]
+    groups = [{"params": rest, "lr_mult": 1.0}] + ([{"params": head, "lr_mult": a.markov_lr_mult}] if head else [])
+    opt = torch.optim.AdamW(groups, lr=a.lr, weight_decay=0.01, betas=(0.9, 0.95))
     sched = Schedule(a.lr, a.warmup, a.schedule_steps or a.max_steps, a.lambda_start, a.lambda_end)
     step, elapsed_prev, cpu_prev, data_state = 0, 0.0, 0.0, None
     if st is not None:
@@ -452,7 +457,7 @@ def run(a) -> None:
             continue
         loss, stats = out
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_mult", 1.0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
