@@ -132,7 +132,7 @@ def test_dflash_domino_drafter_equals_greedy(target, domino_service, method):
     assert engine.num_active() == 0 and domino_service.num_contexts() == 0
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m not in HEAD_METHODS])
+@pytest.mark.parametrize("method", [m for m in DFLASH_METHODS if m not in HEAD_METHODS])
 def test_plain_dflash_drafter_equals_greedy(llama, method):
     """A DFlash drafter without the head (shift_label False: block_size - 1 draft slots)."""
     svc = tiny_service(llama, tiny_drafter(llama, projector_type=None, block_size=6))
