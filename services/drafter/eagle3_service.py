@@ -22,7 +22,7 @@ from torch import Tensor
 
 from services.drafter.eagle3 import Eagle3Drafter
 from services.drafter.service import TreeDefaults
-from services.protocol import METHODS, served_methods
+from services.protocol import MARKOV_METHODS, METHODS, served_methods
 from services.tree import DraftTree
 from services.tree.eagle import eagle_tree
 
@@ -84,7 +84,8 @@ class Eagle3Service:
         if spec.method not in METHODS or spec.method == "ar":
             raise ValueError(f"method {spec.method!r} does not draft (choose from {METHODS[1:]})")
         if spec.method != "eagle3":
-            raise ValueError(f"method {spec.method!r} needs a DFlash-family drafter; this eagle3 drafter serves "
+            need = "a DSpark (Markov head) drafter" if spec.method in MARKOV_METHODS else "a DFlash-family drafter"
+            raise ValueError(f"method {spec.method!r} needs {need}; this eagle3 drafter serves "
                              f"{', '.join(served_methods('eagle3'))}")
 
     def _append(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int) -> None:

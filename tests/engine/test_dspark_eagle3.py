@@ -252,8 +252,10 @@ def test_methods_follow_the_drafter_kind(target, target3):
         dsp.draft("r", [1], f, 2, 1, SpecParams("dartree-pruned"))
     with pytest.raises(ValueError, match="EAGLE-3"):
         dsp.draft("r", [1], f, 2, 1, SpecParams("eagle3"))
-    with pytest.raises(ValueError, match="DFlash-family"):
+    with pytest.raises(ValueError, match="DSpark"):
         e3.draft("r", [1], torch.randn(1, 3 * H), 2, 1, SpecParams("dspark"))
+    with pytest.raises(ValueError, match="DFlash-family"):
+        e3.draft("r", [1], torch.randn(1, 3 * H), 2, 1, SpecParams("dartree-pruned"))
     with pytest.raises(ValueError, match="features must be"):
         e3.draft("r", [1], torch.randn(1, 2 * H), 2, 1, SpecParams("eagle3"))
 
