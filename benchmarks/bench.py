@@ -106,6 +106,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     v.add_argument("--serving", metavar="URL", default=None,
                    help="e.g. http://127.0.0.1:8000 (a running dartree serve)")
     v.add_argument("--serving-max-tokens", type=int, default=128)
+    v.add_argument("--serving-methods", nargs="+", default=None, choices=ENGINE_METHODS[1:], metavar="METHOD",
+                   help="rows: ar + these methods at --budget/--width (default: the Domino drafter's rows; e.g. "
+                        "eagle3 or dspark dspark-dartree for a server holding that drafter)")
     v.add_argument("--serving-timeout", type=float, default=300.0, help="deadline per (method, concurrency) level, s")
     v.add_argument("--serving-requests-factor", type=int, default=2, help="requests per level = factor × concurrency")
     v.add_argument("--serving-prompts", type=int, default=16)
@@ -619,7 +622,8 @@ def bench_main(a) -> int:
         res["serving"] = run_serving(a.serving, serving_prompts(bench, a.serving_prompts), res["config"]["knobs"]
                                      ["budget"], res["config"]["knobs"]["width"], a.serving_max_tokens,
                                      a.serving_timeout, a.serving_requests_factor, a.serving_api_key,
-                                     verifier_metrics=a.serving_verifier_metrics)
+                                     verifier_metrics=a.serving_verifier_metrics,
+                                     methods=getattr(a, "serving_methods", None))
     res["elapsed_s"] = time.perf_counter() - t_start
     if not a.no_figures:
         from benchmarks.bench_plots import make_figures

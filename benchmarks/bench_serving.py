@@ -29,9 +29,17 @@ CONCURRENCY = (1, 2, 4, 8)
 VERIFIER_METRICS = "http://127.0.0.1:8001/metrics"  # the verifier's default metrics endpoint
 
 
-def serving_methods(budget: int, width: int, schedule: str | None = None) -> list[tuple[str, dict]]:
+def serving_methods(budget: int, width: int, schedule: str | None = None,
+                    methods: list[str] | None = None) -> list[tuple[str, dict]]:
     """(label, ``speculative`` object) per row; the last row leaves B/W to the server, labelled by
-    ``schedule`` (the server's ``--tree-schedule``: "" = none, None = could not be read)."""
+    ``schedule`` (the server's ``--tree-schedule``: "" = none, None = could not be read).
+
+    ``methods`` (``--serving-methods``, e.g. ``eagle3`` for a server holding an EAGLE-3 drafter): rows
+    ``ar`` plus each named method at the fixed B / W instead of the default Domino-drafter rows."""
+    if methods:
+        return [("ar", {"method": "ar"})] + [(f"{m} (fixed B={budget}, W={width})",
+                                              {"method": m, "budget": budget, "width": width})
+                                             for m in methods if m != "ar"]
     server_row = ("server B/W schedule " + schedule if schedule else
                   "server default B/W, no schedule" if schedule == "" else "server B/W, schedule unknown")
     return [("ar", {"method": "ar"}), ("domino", {"method": "domino"}), ("ddtree", {"method": "ddtree"}),
@@ -150,11 +158,11 @@ def _note(schedule: str | None) -> str:
 
 def run_serving(url: str, prompts: list[str], budget: int, width: int, max_tokens: int, deadline_s: float,
                 requests_factor: int = 2, api_key: str | None = None, transport=None,
-                verifier_metrics: str | None = VERIFIER_METRICS) -> dict:
+                verifier_metrics: str | None = VERIFIER_METRICS, methods: list[str] | None = None) -> dict:
     """Synchronous entry used by ``benchmarks.bench`` (``verifier_metrics`` None: schedule unknown)."""
     key = api_key if api_key is not None else os.environ.get("DARTREE_API_KEY")
     schedule = read_server_schedule(verifier_metrics, transport) if verifier_metrics else None
-    return asyncio.run(run_serving_async(url, prompts, serving_methods(budget, width, schedule),
+    return asyncio.run(run_serving_async(url, prompts, serving_methods(budget, width, schedule, methods),
                                          requests_per_level=lambda c: max(1, requests_factor * c),
                                          max_tokens=max_tokens, deadline_s=deadline_s, api_key=key,
                                          transport=transport, schedule=schedule))
