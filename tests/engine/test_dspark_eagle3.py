@@ -21,7 +21,7 @@ from services.drafter.model import DFlashDrafter, load_drafter, save_drafter
 from services.drafter.service import TreeDefaults, make_service
 from services.protocol import served_methods
 from services.testing import greedy_reference, tiny_drafter, tiny_dspark, tiny_eagle3, tiny_service, tiny_target
-from services.tree import MarkovScorer, chain_rollout, dartree
+from services.tree import MarkovScorer, dartree
 from services.tree.eagle import eagle_tree
 from services.verifier.drafter_client import DraftJob, InprocDrafterClient
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
