@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fixed-budgets", type=int, nargs="*", default=[8])
     ap.add_argument("--weak-drafter", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--weights", default=None, help="target weight format (services/weights.py; default: "
+                    "$DARTREE_WEIGHTS or auto, measured on this machine)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -102,9 +104,14 @@ def main(argv=None) -> int:
     from services.verifier.engine import EngineConfig, SpecEngine
     from services.verifier.policy import FixedPolicy, attach_policy
 
+    from services.models.registry import resolve_target
+    from services.weights import choose_weights, compute_dtype, default_weights
+
     if a.threads:
         torch.set_num_threads(a.threads)
-    engine0, tok, note = build_inprocess(None, None, torch.float32)
+    weights = choose_weights(a.weights or default_weights(), resolve_target(None))
+    a.weights = weights
+    engine0, tok, note = build_inprocess(None, None, compute_dtype(weights), weights=weights)
     if a.weak_drafter:
         torch.manual_seed(0)
         with torch.no_grad():
@@ -117,7 +124,7 @@ def main(argv=None) -> int:
                         max_draft_depth=engine0.max_draft_depth)
     engine.target.pack_for_steps(8, engine.max_draft_depth, c_max)
     fixed = FixedPolicy()
-    attach_policy(engine, "goodput", "smollm2-135m-instruct", "float32")
+    attach_policy(engine, "goodput", "smollm2-135m-instruct", weights)
     goodput = engine.policy
     settings = [("ar", "ar", None, fixed)] + [(f"fixed B={b}", a.method, b, fixed) for b in a.fixed_budgets] + [
         ("goodput", a.method, None, goodput)]
