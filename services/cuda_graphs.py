@@ -103,7 +103,8 @@ class GraphedStep:
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: a drafter thread's CUDA work elsewhere in the process does not break the capture
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             out = self.fn(*self.static_inputs)
         self._tuple = isinstance(out, tuple)
         outs = out if self._tuple else (out,)
