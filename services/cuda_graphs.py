@@ -23,6 +23,15 @@ Rules a captured callable must follow (PyTorch's, restated):
 
 Off CUDA (CPU tensors, or ``enabled=False`` / ``DARTREE_CUDA_GRAPHS=0``) every class here calls the
 callable eagerly with the same signature, so callers have one code path and a switch back (R19).
+
+Wiring into :class:`services.verifier.runner.ModelRunner` (a sketch; the runner owns the padding):
+key a step by ``(num_slots_padded, rows_bucket, max_rows_per_request, kv_length)``; pad the
+:class:`~services.tree.batch.PackedRows` tensors to the key (dummy rows write to a scratch slot
+and are masked out); ``make_fn(key)`` returns ``fn(input_ids, positions, write_slot, write_pos,
+slots, row_index, attn_mask, keep)`` that sets ``_ACTIVE.step = (cache, PackedRows(...from the
+args..., kv_length=key[3]))``, runs ``target.model(..., logits_to_keep=keep)`` and returns
+``(logits, features)``; ``execute`` then calls ``buckets.run(key, *padded)`` and slices the real
+rows. The drafter block (fixed ``block_size`` rows, context length bucketed) is keyed the same way.
 """
 
 from __future__ import annotations
