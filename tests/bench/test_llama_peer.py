@@ -121,7 +121,10 @@ needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
 @needs_llama
 def test_real_gguf_greedy_turn_from_our_ids():
     """llama.cpp on SmolLM2's Q4_1 GGUF, fed our chat-template ids: it evaluates exactly those ids,
-    and its first greedy token equals our float32 (dequantized) target's."""
+    and its first greedy token is a top choice of our float32 (dequantized) target at that position.
+    Not necessarily our argmax: llama.cpp multiplies against 8-bit-quantized activations, and here
+    our top two ("The" 25.33, "L" 25.24) are 0.09 apart while the two engines' logits differ by up
+    to ~1.8 (correlation 0.9985, measured 2026-11-30), so llama.cpp answers "L'Étoile, ..."."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,7 +145,8 @@ def test_real_gguf_greedy_turn_from_our_ids():
     assert rec["finish"] == "length" or len(rec["tokens"]) < 8
     model = AutoModelForCausalLM.from_pretrained(tdir, dtype=torch.float32)
     with torch.inference_mode():
-        first = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-    assert rec["tokens"][0] == first
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    assert rec["tokens"][0] in logits.topk(3).indices.tolist()
+    assert float(logits[rec["tokens"][0]]) >= float(logits.max()) - 1.0
     again = llama_turn(llm, ids, 8, (tok.eos_token_id,))  # a fresh cache each turn: same greedy output
     assert again["tokens"] == rec["tokens"]
