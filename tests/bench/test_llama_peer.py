@@ -150,3 +150,41 @@ def test_real_gguf_greedy_turn_from_our_ids():
     assert float(logits[rec["tokens"][0]]) >= float(logits.max()) - 1.0
     again = llama_turn(llm, ids, 8, (tok.eos_token_id,))  # a fresh cache each turn: same greedy output
     assert again["tokens"] == rec["tokens"]
+
+
+def test_serving_row_runs_requests_one_at_a_time_and_compares_with_ar():
+    """The serving table's llama-cpp row: requests per level as the HTTP rows, tokens counted
+    without the terminator, speedup over the ar row at the same concurrency."""
+    from types import SimpleNamespace
+
+    from benchmarks.bench import add_llama_serving
+
+    llm = FakeLlama([7, 8, EOS])
+    tok = SimpleNamespace(apply_chat_template=lambda msgs, **kw: "<chat>" + msgs[0]["content"],
+                          encode=lambda text: [ord(c) % 50 for c in text])
+    bench = SimpleNamespace(llama=lambda: llm, tok=tok, engine=SimpleNamespace(eos_token_ids=(EOS,)),
+                            prompts=lambda ds, n: [SimpleNamespace(turns=[f"q{i}"]) for i in range(n)])
+    serving = {"concurrency": [1, 2], "max_tokens": 16, "note": "n",
+               "table": {"ar": {"1": {"tokens_per_s": 10.0}, "2": {"tokens_per_s": 15.0}}}}
+    add_llama_serving(serving, bench, SimpleNamespace(serving_prompts=3, serving_requests_factor=2))
+    (label, rows), = [(k, v) for k, v in serving["table"].items() if k.startswith("llama-cpp")]
+    assert "batch 1" in label and "llama-cpp row" in serving["note"]
+    assert [rows[c]["requests"] for c in ("1", "2")] == [2, 4]
+    assert [rows[c]["completion_tokens"] for c in ("1", "2")] == [4, 8]  # 2 tokens per request, EOS not counted
+    assert llm.prompts == [tok.encode(f"<chat>q{i}") for i in (0, 1, 0, 1, 2, 0)]  # each level from prompt 0, cycled
+    for c, base in (("1", 10.0), ("2", 15.0)):
+        assert rows[c]["speedup"] == pytest.approx(rows[c]["tokens_per_s"] / base)
+
+
+def test_serving_row_when_unavailable_says_why():
+    from types import SimpleNamespace
+
+    from benchmarks.bench import add_llama_serving
+
+    def missing():
+        raise PeerUnavailableError("llama-cpp-python is not installed: x")
+
+    serving = {"concurrency": [1], "max_tokens": 4, "table": {"ar": {}}}
+    add_llama_serving(serving, SimpleNamespace(llama=missing), SimpleNamespace())
+    (row,) = [v for k, v in serving["table"].items() if k.startswith("llama-cpp")]
+    assert row == {"error": "unavailable: llama-cpp-python is not installed: x"}
