@@ -20,6 +20,7 @@ def test_smoke_writes_one_json_and_one_png(tmp_path, capsys):
     for key in ("python", "torch", "transformers", "device"):
         assert key in res["env"]
     assert res["tests"]["status"] == "ok" and res["tests"]["counts"].get("skipped", 0) >= 4  # gpu tests, no GPU
+    assert {"tests/engine/test_cuda_graphs.py", "tests/service/test_ipc_pool.py"} <= set(res["tests"]["files"])
     cells = res["breakdown"]
     assert {c["shape"] for c in cells} == {"tiny-llama", "tiny-qwen3"}
     assert all(c["status"] == "ok" and c["rounds"] >= 1 for c in cells)
