@@ -42,6 +42,7 @@ from benchmarks.bench_run import (ENGINE_METHODS, EXAMPLE_ROUNDS, KNOBS_BY_METHO
                                   engine_runner, engine_turn, hf_runner, method_knobs, replay_runner, run_cell)
 from benchmarks.bench_stats import (TABLE2_METHODS, add_speedups, lossless_check, merge_phase, phase_stats,
                                     render_markdown, slim_cell, summarize, table1, table2)
+from services.runtime import WEIGHT_CHOICES, default_weights
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 QUICK_PROMPTS, QUICK_TOKENS = 4, 96  # sized to finish in ~45 min on the 2-core CI-class CPU
@@ -117,7 +118,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("models and output")
     m.add_argument("--target", default=None, help="target: default SmolLM2-135M-Instruct, or a local HF dir")
     m.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="HF peers' precision; a non-default value also pins --weights when that is auto")
+    m.add_argument("--weights", default=default_weights(), choices=list(WEIGHT_CHOICES),
+                   help="the engine target's weight format (services/weights.py; default auto: the fastest "
+                        "here, measured once and cached; env DARTREE_WEIGHTS)")
     m.add_argument("--no-packed-gemm", dest="packed_gemm", action="store_false",
                    help="do not pre-pack float32 CPU weights for the rounds' row counts (services/cpu_gemm.py); "
                         "the packs serve every method and the HF peers alike")
@@ -215,7 +220,7 @@ def resolve_config(a) -> dict:
             "max_new_tokens": a.max_new_tokens or (FULL_TOKENS if a.full else QUICK_TOKENS),
             "seed": a.seed, "target": a.target or "smollm2-135m-instruct", "drafter": a.drafter, "dtype": a.dtype,
             "device": a.device, "full": bool(a.full), "max_turns": int(getattr(a, "max_turns", 0) or 0),
-            "packed_gemm": bool(getattr(a, "packed_gemm", True)),
+            "packed_gemm": bool(getattr(a, "packed_gemm", True)), "weights": getattr(a, "weights", None) or "auto",
             "spec_policy": getattr(a, "spec_policy", "fixed") or "fixed"}
 
 
@@ -251,10 +256,16 @@ class Bench:
         from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
 
         self.target_dir = resolve_target(a.target)
+        from services.weights import resolve_cli_weights
+
+        fmt, self.engine_dtype = resolve_cli_weights(cfg.get("weights"), cfg["dtype"] if cfg["dtype"] != "float32"
+                                                     else None, self.target_dir, cfg["device"])
+        cfg["weights"] = fmt or cfg["dtype"]  # concrete from here on (recorded in results and the cell signature)
         ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
         self.sig = hashlib.sha1(json.dumps(
             [_fingerprint(self.target_dir), _fingerprint(ddir) if (ddir / "config.json").exists() else "random",
              cfg["dtype"], cfg["device"], cfg["max_new_tokens"], cfg["seed"]]
+            + ([cfg["weights"]] if cfg["weights"] != cfg["dtype"] else [])
             + ([cfg["max_turns"]] if cfg.get("max_turns") else [])
             + ([] if cfg.get("packed_gemm", True) else ["unpacked"])
             + ([cfg["spec_policy"]] if cfg.get("spec_policy", "fixed") != "fixed" else [])).encode()).hexdigest()[:8]
@@ -272,9 +283,10 @@ class Bench:
             if "device" not in inspect.signature(build_inprocess).parameters:
                 raise RuntimeError("--device other than cpu needs services.generate.build_inprocess(device=...)")
             kw["device"] = self.cfg["device"]
-        self.engine, self.tok, self.note = build_inprocess(self.a.target, self.a.drafter,
-                                                           getattr(torch, self.cfg["dtype"]),
-                                                           packed_gemm=self.cfg.get("packed_gemm", True), **kw)
+        fmt = self.cfg["weights"] if self.cfg["weights"] in ("float32", "bfloat16", "q4") else None
+        self.engine, self.tok, self.note = build_inprocess(self.a.target, self.a.drafter, self.engine_dtype,
+                                                           packed_gemm=self.cfg.get("packed_gemm", True),
+                                                           weights=fmt, **kw)
         svc = getattr(self.engine.drafter, "service", None)
         d = getattr(svc, "defaults", None)
         self.defaults = {k: getattr(d, k) for k in ("budget", "width", "depth_bonus", "candidates")} if d else {}
@@ -283,7 +295,7 @@ class Bench:
         if self.cfg.get("spec_policy", "fixed") != "fixed":  # after packing: its cost sweep times the packed forwards
             from services.verifier.policy import attach_policy
 
-            attach_policy(self.engine, self.cfg["spec_policy"], self.target_dir.name, self.cfg["dtype"],
+            attach_policy(self.engine, self.cfg["spec_policy"], self.target_dir.name, self.engine.target.weights,
                           self.cfg["device"])
         if svc is not None and hasattr(svc, "info"):
             self.supported = set(svc.info()["methods"]) | set(PEERS)
