@@ -253,6 +253,7 @@ class Bench:
         self._refs: dict[tuple, tuple[list[int], str | None]] = {}  # (prompt ids, max_tokens) -> greedy output
         self.unavailable: dict[str, str] = {}
         self._llama = None
+        self.llama_info: dict = {}  # gguf path, threads, n_ctx of the llama-cpp peer once loaded
         from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
 
         self.target_dir = resolve_target(a.target)
@@ -364,7 +365,9 @@ class Bench:
                 check_installed()
                 path = resolve_gguf(self.a.target, getattr(self.a, "llama_gguf", None))
                 self.ensure_engine()
-                self._llama = load_llama(path, self.engine.max_context, default_threads(self.a.threads))
+                threads = default_threads(self.a.threads)
+                self._llama = load_llama(path, self.engine.max_context, threads)
+                self.llama_info = {"gguf": str(path), "threads": threads, "n_ctx": self.engine.max_context}
             except PeerUnavailableError as e:
                 self.unavailable[LLAMA_PEER] = str(e)
                 print(f"[bench] peer {LLAMA_PEER} unavailable: {e}", file=sys.stderr, flush=True)
@@ -677,6 +680,8 @@ def bench_main(a) -> int:
                  "definitions": "see benchmarks/bench_stats.py docstring (tau incl. bonus, macro over samples; "
                                 "speedup = TPOT_ar / TPOT_method, micro TPOT, decode clock after the first token)"}
     res.update(aggregate(rows, cells, cfg, bench))
+    if bench.llama_info:
+        res["config"]["llama_cpp"] = bench.llama_info
     res["cells"] = rows
     if a.serving:
         from benchmarks.bench_serving import run_serving

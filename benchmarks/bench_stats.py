@@ -222,7 +222,11 @@ def render_markdown(res: dict) -> str:
               "- Kernels: " + ("float32 weights pre-packed for the verify / draft row counts (services/cpu_gemm.py; "
                                "every method and the HF peers share them)" if cfg.get("packed_gemm", True)
                                else "plain F.linear (--no-packed-gemm)"),
-              f"- Versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items()), ""]
+              f"- Versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items())]
+    if cfg.get("llama_cpp"):
+        lc = cfg["llama_cpp"]
+        lines.append(f"- llama.cpp peer: `{lc['gguf']}`, {lc['threads']} threads, n_ctx {lc['n_ctx']}")
+    lines.append("")
     for name, why in res.get("unavailable", {}).items():
         lines.append(f"- **{DATASET_LABELS.get(name, name)} not run**: {why}")
     lines += ["", "τ = mean tokens per speculative round incl. the bonus (macro over samples); speedup = AR TPOT / "
