@@ -1,8 +1,9 @@
 """``dartree bench``: every method and the peers side by side, the paper's tables and figures.
 
 Question answered: on this machine and target, what τ and speedup over ``ar`` does each speculative
-method reach per dataset and temperature, measured the same way in one run, and how do the HF
-``generate`` peers and llama.cpp on the same GGUF (``llama-cpp``, optional: ``make bench-deps``) compare? Stages (all optional but the first, each resumable):
+method reach per dataset and temperature, measured the same way in one run, and how do the peers
+compare (HF ``generate``, HF prompt lookup, and llama.cpp on the same GGUF: ``llama-cpp``, optional,
+``make bench-deps``)? Stages (all optional but the first, each resumable):
 
 1. main: methods × datasets × temperatures (Table 1, Table 2 ablation, Figs. 1a, 2, 5, 7, 8-9);
 2. sweeps (``--sweep-width/--sweep-budget/--sweep-beta/--sweep-candidates``, ``--sweep-grid``):

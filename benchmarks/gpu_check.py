@@ -180,7 +180,8 @@ def graph_probe(model, rows: int, device: str, reps: int) -> dict:
         step = GraphedStep(fwd, [ids, pos])
         graphed = timed(step) if step.captured else None
         equal = bool(torch.allclose(step(ids, pos).float(), fwd(ids, pos).float(), rtol=1e-2, atol=1e-2))
-    return {"rows": rows, "eager_ms": eager, "graph_ms": graphed, "captured": step.captured, "graph_equals_eager": equal}
+    return {"rows": rows, "eager_ms": eager, "graph_ms": graphed, "captured": step.captured,
+            "graph_equals_eager": equal}
 
 
 def gpu_test_files() -> list[str]:
@@ -200,8 +201,8 @@ def run_tests(files: list[str], timeout: float) -> dict:
     tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", tail[0])}
     ok = r.returncode in (0, 5) and not counts.get("failed") and not counts.get("error") and not counts.get("errors")
-    return {"command": "python " + " ".join(cmd[1:]), "files": files, "status": "ok" if ok else "failed", "returncode": r.returncode,
-            "counts": counts, "summary": tail[0], "elapsed_s": time.perf_counter() - t0,
+    return {"command": "python " + " ".join(cmd[1:]), "files": files, "status": "ok" if ok else "failed",
+            "returncode": r.returncode, "counts": counts, "summary": tail[0], "elapsed_s": time.perf_counter() - t0,
             "output_tail": (r.stdout + r.stderr)[-3000:] if not ok else ""}
 
 
