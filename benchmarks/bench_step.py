@@ -79,25 +79,18 @@ def bare_loop_ms(model, ids: list[int], n: int, cache_kw: str) -> float:
 
 
 def llama_cpp_ms(gguf: Path, ids: list[int], n: int, threads: int) -> dict | None:
-    """llama.cpp greedy decode of ``n`` tokens after the prompt ``ids`` (ms per token, prompt excluded);
-    None when ``llama-cpp-python`` is not installed (``make bench-deps``)."""
+    """llama.cpp greedy decode of up to ``n`` tokens after the prompt ``ids`` (ms per token, prompt
+    excluded; :func:`benchmarks.bench_llama.llama_turn`, EOS ignored); None when ``llama-cpp-python``
+    is not installed (``make bench-deps``)."""
+    from benchmarks.bench_llama import PeerUnavailableError, llama_turn, load_llama
+
     try:
-        from llama_cpp import Llama
-    except ImportError:
+        llm = load_llama(gguf, max(512, len(ids) + n + 8), threads)
+    except PeerUnavailableError as e:
+        print(f"llama-cpp: unavailable ({e})", flush=True)
         return None
-    llm = Llama(model_path=str(gguf), n_ctx=max(512, len(ids) + n + 8), n_threads=threads,
-                n_threads_batch=threads, verbose=False)
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(ids)
-    t1 = time.perf_counter()
-    out = []
-    for _ in range(n):
-        tok = int(torch.from_numpy(llm.scores[llm.n_tokens - 1]).argmax())
-        out.append(tok)
-        llm.eval([tok])
-    t2 = time.perf_counter()
-    return {"ms_per_token": 1000 * (t2 - t1) / n, "prefill_ms": 1000 * (t1 - t0), "tokens": out}
+    rec = llama_turn(llm, ids, n, eos_ids=())
+    return {"ms_per_token": 1000 * rec["decode_s"] / max(rec["rounds"], 1), "prefill_ms": 1000 * rec["ttft_s"]}
 
 
 def measure_format(fmt: str, ids_prompt: str, a) -> dict:
@@ -156,10 +149,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(row), flush=True)
     peer = None
     if a.llama_cpp and ids is not None:
-        runs = [llama_cpp_ms(_gguf_dir() / GGUF_FILE, ids, a.tokens, threads) for _ in range(a.repeats)]
-        if runs[0] is None:
-            print("llama-cpp: unavailable (pip install llama-cpp-python: make bench-deps)", flush=True)
-        else:
+        first = llama_cpp_ms(_gguf_dir() / GGUF_FILE, ids, a.tokens, threads)
+        runs = [first] + [llama_cpp_ms(_gguf_dir() / GGUF_FILE, ids, a.tokens, threads)
+                          for _ in range(a.repeats - 1)] if first is not None else [None]
+        if runs[0] is not None:
             peer = {"ms_per_token": round(_median([r["ms_per_token"] for r in runs]), 2),
                     "prefill_ms": round(_median([r["prefill_ms"] for r in runs]), 1), "gguf": GGUF_FILE}
             for r in rows:
