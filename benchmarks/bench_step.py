@@ -93,15 +93,23 @@ def llama_cpp_ms(gguf: Path, ids: list[int], n: int, threads: int) -> dict | Non
     return {"ms_per_token": 1000 * rec["decode_s"] / max(rec["rounds"], 1), "prefill_ms": 1000 * rec["ttft_s"]}
 
 
-def measure_format(fmt: str, ids_prompt: str, a) -> dict:
-    """All engine-side numbers of one weight format."""
+def measure_format(fmt: str, ids_prompt: str, a, compile: bool = False) -> dict:
+    """All engine-side numbers of one weight format (``compile``: steps through torch.compile)."""
     from services.generate import build_inprocess, encode
     from services.models.registry import resolve_target
     from services.weights import choose_weights, compute_dtype
 
     fmt = choose_weights(fmt, resolve_target(None))
+    t0 = time.perf_counter()
     engine, tok, _ = build_inprocess(None, None, compute_dtype(fmt), weights=fmt)
     engine.target.pack_gemm([17])  # float32: the 17-row verify packed too (no-op for other formats)
+    if compile:
+        from services.verifier.engine import EngineConfig, SpecEngine
+
+        engine = SpecEngine(engine.target, engine.drafter, EngineConfig(compile=True),
+                            max_draft_depth=engine.max_draft_depth)
+        engine.runner.warm_up((1, 9, 17))
+    load_s = time.perf_counter() - t0
     ids = encode(tok, ids_prompt, chat=True)
     engine_stats(engine, ids, 8, "ar")  # warm-up
     runs = {"ar": [], "b8": [], "b16": []}
@@ -118,7 +126,7 @@ def measure_format(fmt: str, ids_prompt: str, a) -> dict:
 
     bare = _median([bare_loop_ms(engine.target.model, ids, a.tokens, engine.target._cache_kw)
                     for _ in range(a.repeats)])
-    return {"weights": fmt, "ar_ms": round(ar_ms, 2), "ar_tok_s": round(1000 / ar_ms, 1),
+    return {"weights": fmt + (" compiled" if compile else ""), "load_s": round(load_s, 1), "ar_ms": round(ar_ms, 2), "ar_tok_s": round(1000 / ar_ms, 1),
             "ar_step_ms": round(step, 2), "ar_forward_ms": round(fwd1, 2),
             "overhead_pct": round(100 * (1 - fwd1 / step), 1),
             "verify9_ms": round(rows("b8", 9), 2), "verify9_x": round(rows("b8", 9) / fwd1, 2),
@@ -133,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false")
+    ap.add_argument("--compile", action="store_true", help="also measure each format with torch.compile'd steps "
+                    "(load_s then includes the compile warm-up)")
     ap.add_argument("--out", default=None, help="directory for step_cost.json and step_cost.md")
     a = ap.parse_args(argv)
     from services.hf_compat import quiet_progress_bars
@@ -144,9 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     threads = torch.get_num_threads()
     rows, ids = [], None
     for fmt in a.weights:
-        row, ids = measure_format(fmt, PROMPT, a)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for comp in (False, True) if a.compile else (False,):
+            row, ids = measure_format(fmt, PROMPT, a, comp)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     peer = None
     if a.llama_cpp and ids is not None:
         first = llama_cpp_ms(_gguf_dir() / GGUF_FILE, ids, a.tokens, threads)
@@ -157,11 +168,11 @@ def main(argv: list[str] | None = None) -> None:
                     "prefill_ms": round(_median([r["prefill_ms"] for r in runs]), 1), "gguf": GGUF_FILE}
             for r in rows:
                 r["vs_llama_cpp"] = round(peer["ms_per_token"] / r["ar_ms"], 2)
-    head = f"{'weights':9} {'ar ms/tok':>9} {'tok/s':>6} {'overhead':>8} {'9-row x':>8} {'17-row x':>9} " \
+    head = f"{'weights':18} {'ar ms/tok':>9} {'tok/s':>6} {'overhead':>8} {'9-row x':>8} {'17-row x':>9} " \
            f"{'bare HF ms':>10} {'vs llama.cpp':>12}"
     print(head)
     for r in rows:
-        print(f"{r['weights']:9} {r['ar_ms']:9.2f} {r['ar_tok_s']:6.1f} {r['overhead_pct']:7.1f}% {r['verify9_x']:8.2f} "
+        print(f"{r['weights']:18} {r['ar_ms']:9.2f} {r['ar_tok_s']:6.1f} {r['overhead_pct']:7.1f}% {r['verify9_x']:8.2f} "
               f"{r['verify17_x']:9.2f} {r['bare_ms']:10.2f} {r.get('vs_llama_cpp', float('nan')):12.2f}")
     if peer:
         print(f"llama.cpp {peer['ms_per_token']:9.2f} {1000 / peer['ms_per_token']:6.1f}  ({GGUF_FILE}, {threads} threads)")

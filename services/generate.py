@@ -12,12 +12,13 @@ import torch
 
 
 def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torch.dtype, defaults=None,
-                    packed_gemm: bool = True, weights: str | None = None):
+                    packed_gemm: bool = True, weights: str | None = None, compile: bool = False):
     """Load target + drafter in one process: ``(engine, tokenizer, drafter_note)``.
 
     ``packed_gemm``: pre-pack float32 CPU weights for the default tree's verify rows (B + 1), a chain
     method's (draft slots + 1) and the drafter's block (:mod:`services.cpu_gemm`).
 
+    ``compile``: the target's steps through ``torch.compile`` (warmed up here, after packing).
     ``weights``: the target's format (:mod:`services.weights`; None = dense ``dtype``); ``dtype`` is
     the drafter's and the activations' precision.
 
@@ -57,9 +58,14 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     defaults = defaults or default_tree_knobs("cpu")
     service = DrafterService(drafter, target.embed_tokens(), target.lm_head(), defaults, description=note,
                              packed_gemm=packed_gemm)
-    engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=drafter.config.num_draft_slots)
+    from services.verifier.engine import EngineConfig
+
+    engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(compile=compile),
+                        max_draft_depth=drafter.config.num_draft_slots)
     if packed_gemm:
         target.pack_for_rounds(defaults.budget, engine.max_draft_depth)
+    if compile:
+        engine.runner.warm_up((1, defaults.budget + 1))
     return engine, tok, note
 
 
@@ -85,7 +91,8 @@ def run_generate(a) -> int:
     from services.weights import resolve_cli_weights
 
     weights, dtype = resolve_cli_weights(getattr(a, "weights", None), a.dtype, resolve_target(a.target))
-    engine, tok, note = build_inprocess(a.target, a.drafter, dtype, packed_gemm=packed, weights=weights)
+    engine, tok, note = build_inprocess(a.target, a.drafter, dtype, packed_gemm=packed, weights=weights,
+                                        compile=getattr(a, "compile", False))
     if packed and a.budget and a.method not in ("ar", "dflash", "domino"):
         engine.target.pack_gemm([a.budget + 1])  # this run's verify rows
     policy = getattr(a, "spec_policy", "fixed")

@@ -57,6 +57,8 @@ class VerifierWorkerConfig:
         verifier_endpoint: where the verifier listens for the gateway ("" = default ipc:// socket).
         drafter_endpoint: the drafter's endpoint ("" = default ipc:// socket; "none" = no drafter, AR only).
         device, dtype: where and in which precision the target runs.
+        compile: run the target's batched steps through ``torch.compile`` (warm-up at start, logged;
+            minutes the first time on a small CPU, faster once inductor's disk cache is warm).
         weights: the target's weight format (``services/weights.py``): float32, bfloat16, q4 (the
             GGUF's 4-bit blocks, bfloat16 activations) or auto (the fastest here, measured once and
             cached); a concrete format overrides ``dtype``.
@@ -110,6 +112,7 @@ class VerifierWorkerConfig:
     max_step_tokens: int = 512
     kv_bucket: int = 64
     overlap: bool = False
+    compile: bool = False
     default_method: str = "dartree-pruned"
     spec_policy: str = "goodput"
     spec_max_budget: int = 0
@@ -557,7 +560,7 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
     engine_config = EngineConfig(max_context=config.max_context or None, max_running=config.max_running,
                                  prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
-                                 kv_bucket=config.kv_bucket, overlap=config.overlap)
+                                 kv_bucket=config.kv_bucket, overlap=config.overlap, compile=config.compile)
     engine = SpecEngine(target, drafter_client, engine_config,
                         max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
                         drafter_max_position=(drafter.max_position or None) if drafter else None)
@@ -568,6 +571,10 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     if config.packed_gemm and budget:
         added = target.pack_for_steps(budget, engine.max_draft_depth, config.max_running)
         log.info("packed GEMM weights for batched steps: +%.2f GiB", added / 2**30)
+    if config.compile:  # after packing (the packs are part of what is compiled), before the cost sweep
+        rows = (1, budget + 1 if budget else 2)
+        log.info("compiling the target's steps (torch.compile, rows %s) ...", rows)
+        log.info("compiled steps ready in %.1f s", engine.runner.warm_up(rows))
     from services.verifier.policy import attach_policy  # after packing: the sweep times the packed forwards
 
     attach_policy(engine, config.spec_policy, target_dir.name, target.weights, config.device,
