@@ -10,7 +10,7 @@ STAMP := $(VENV)/.dartree-setup-stamp
 PROMPT ?= Write a haiku about speculative decoding.
 ARGS ?=
 
-.PHONY: setup test test-deps serve generate bench bench-tree
+.PHONY: setup test test-deps serve generate bench bench-tree bench-deps gpu-check
 
 setup: $(STAMP)
 
@@ -39,6 +39,17 @@ generate: setup
 
 bench: setup
 	$(BIN)/dartree bench $(ARGS)
+
+# Optional: llama.cpp as a `dartree bench` peer (builds llama-cpp-python from source, ~20 min on one
+# core; cmake and a C++ compiler needed). Not part of setup/test: CI never builds it.
+bench-deps: setup
+	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} $(PIP) install -r requirements-bench.txt
+
+# On a machine with a CUDA GPU: the gpu-marked tests + a round-time breakdown on random weights
+# (< 8 min), one JSON + one PNG under OUT. `make gpu-check ARGS=--smoke` runs a tiny CPU version.
+OUT ?= benchmarks/results/gpu-check
+gpu-check: setup
+	$(BIN)/python -m benchmarks.gpu_check --out $(OUT) $(ARGS)
 
 bench-tree: setup
 	$(BIN)/python -m benchmarks.bench_tree $(ARGS)

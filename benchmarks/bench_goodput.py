@@ -83,6 +83,31 @@ def run_level(engine, prompts: list[list[int]], c: int, method: str, budget: int
             "outputs": {i: d["tokens"] for i, d in done.items()}}
 
 
+def plot(res: dict, path: Path) -> None:
+    """tokens/s vs concurrency, one line per setting (ar, fixed budgets, goodput), one panel per dataset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(lv["dataset"] for lv in res["levels"]))
+    fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 3.6), squeeze=False)
+    for ax, ds in zip(axes[0], datasets):
+        levels = [lv for lv in res["levels"] if lv["dataset"] == ds]
+        labels = [k for k, v in levels[0].items() if isinstance(v, dict)]
+        for lbl in labels:
+            ax.plot([lv["c"] for lv in levels], [lv[lbl]["tokens_per_s"] for lv in levels], marker="o",
+                    label=lbl, linewidth=2.5 if lbl == "goodput" else 1.2)
+        ax.set_title(f"{ds} ({res['args'].get('weights', 'float32')} weights)")
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("tokens/s (all requests)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--datasets", nargs="+", default=["gsm8k"])
@@ -93,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fixed-budgets", type=int, nargs="*", default=[8])
     ap.add_argument("--weak-drafter", action="store_true")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--weights", default=None, help="target weight format (services/weights.py; default: "
+                    "$DARTREE_WEIGHTS or auto, measured on this machine)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -102,9 +129,14 @@ def main(argv=None) -> int:
     from services.verifier.engine import EngineConfig, SpecEngine
     from services.verifier.policy import FixedPolicy, attach_policy
 
+    from services.models.registry import resolve_target
+    from services.weights import choose_weights, compute_dtype, default_weights
+
     if a.threads:
         torch.set_num_threads(a.threads)
-    engine0, tok, note = build_inprocess(None, None, torch.float32)
+    weights = choose_weights(a.weights or default_weights(), resolve_target(None))
+    a.weights = weights
+    engine0, tok, note = build_inprocess(None, None, compute_dtype(weights), weights=weights)
     if a.weak_drafter:
         torch.manual_seed(0)
         with torch.no_grad():
@@ -117,7 +149,7 @@ def main(argv=None) -> int:
                         max_draft_depth=engine0.max_draft_depth)
     engine.target.pack_for_steps(8, engine.max_draft_depth, c_max)
     fixed = FixedPolicy()
-    attach_policy(engine, "goodput", "smollm2-135m-instruct", "float32")
+    attach_policy(engine, "goodput", "smollm2-135m-instruct", weights)
     goodput = engine.policy
     settings = [("ar", "ar", None, fixed)] + [(f"fixed B={b}", a.method, b, fixed) for b in a.fixed_budgets] + [
         ("goodput", a.method, None, goodput)]
@@ -151,6 +183,8 @@ def main(argv=None) -> int:
                 out.mkdir(parents=True, exist_ok=True)
                 name = "results-weak.json" if a.weak_drafter else "results.json"
                 (out / name).write_text(json.dumps(res, indent=1))
+    if a.out and res["levels"]:
+        plot(res, Path(a.out) / ("goodput-weak.png" if a.weak_drafter else "goodput.png"))
     return 0
 
 

@@ -6,9 +6,11 @@ Two runners, one record format:
   engine's drafter client is wrapped in :class:`RecordingDrafter` (a proxy, no library change) so
   every round's :class:`services.tree.DraftTree` is seen: node-depth histograms for all drafting
   methods, and a few whole trees (token text, accepted path) for the example-tree figures.
-- :func:`run_hf_cell` runs the peers a user would pick instead, on the same target weights:
+- :func:`hf_runner` runs the peers a user would pick instead, on the same target weights:
   Hugging Face ``generate`` greedy (``hf-generate``) and its prompt-lookup assisted generation
   (``hf-prompt-lookup``, ``prompt_lookup_num_tokens=10``). A streamer timestamps each emitted chunk.
+- :func:`benchmarks.bench_llama.llama_runner` runs llama.cpp (``llama-cpp``) on the GGUF file the
+  default target is dequantized from, fed the same prompt ids, timed per token the same way.
 
 Clock rules (algorithms.md §6, as adopted here): the first engine step (prefill, emits token 1) is
 TTFT; the decode clock covers the remaining steps; ``TPOT = decode time / tokens after the first``.
@@ -31,12 +33,13 @@ from services.replay import accepted_nodes, replay_rounds
 
 ENGINE_METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree",
                   "dspark", "dspark-dartree", "eagle3")  # the last three need a DSpark / EAGLE-3 --drafter
-PEERS = ("hf-generate", "hf-prompt-lookup")
+PEERS = ("hf-generate", "hf-prompt-lookup", "llama-cpp")
+NOT_LOSSLESS_PEERS = ("llama-cpp",)  # other weights' kernels: token agreement reported, not a lossless check
 PROMPT_LOOKUP_TOKENS = 10
 # Tree knobs that change each method's trees (others are dropped from the cell key, so e.g. the
 # ``ar`` cell is shared by every sweep point).
 KNOBS_BY_METHOD = {
-    "ar": (), "dflash": (), "domino": (), "hf-generate": (), "hf-prompt-lookup": (),
+    "ar": (), "dflash": (), "domino": (), "hf-generate": (), "hf-prompt-lookup": (), "llama-cpp": (),
     "ddtree": ("budget",), "domino-ddtree": ("budget",),
     "dartree-fixed": ("budget", "candidates"),
     "seqheap": ("budget", "depth_bonus", "candidates"),

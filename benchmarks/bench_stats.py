@@ -224,12 +224,17 @@ def render_markdown(res: dict) -> str:
               "- Kernels: " + ("float32 weights pre-packed for the verify / draft row counts (services/cpu_gemm.py; "
                                "every method and the HF peers share them)" if cfg.get("packed_gemm", True)
                                else "plain F.linear (--no-packed-gemm)"),
-              f"- Versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items()), ""]
+              f"- Versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items())]
+    if cfg.get("llama_cpp"):
+        lc = cfg["llama_cpp"]
+        lines.append(f"- llama.cpp peer: `{lc['gguf']}`, {lc['threads']} threads, n_ctx {lc['n_ctx']}")
+    lines.append("")
     for name, why in res.get("unavailable", {}).items():
         lines.append(f"- **{DATASET_LABELS.get(name, name)} not run**: {why}")
     lines += ["", "τ = mean tokens per speculative round incl. the bonus (macro over samples); speedup = AR TPOT / "
-              "method TPOT (decode clock after the first token, AR measured by the same loop). HF peers are "
-              "greedy only (n/a at T > 0).", ""]
+              "method TPOT (decode clock after the first token, AR measured by the same loop). The peers (HF "
+              "`generate`, HF prompt lookup, llama.cpp `llama-cpp` on the same GGUF and thread count) are greedy "
+              "only (n/a at T > 0); a `llama-cpp` speedup above 1 means llama.cpp decodes faster than our `ar`.", ""]
     if res.get("replayed"):
         lines += ["**τ replay** (`--tau-replay`): the T = 0 cells of " + ", ".join(f"`{c}`" for c in res["replayed"])
                   + " replayed acceptance against `ar`'s greedy output with the engine's drafter and tree builders "
@@ -242,6 +247,11 @@ def render_markdown(res: dict) -> str:
                   "|---|---:|---:|"]
         lines += [f"| {m} | {v['checked']} | {v['mismatches']} |" for m, v in ll.items()]
         lines.append("")
+    for m, v in res.get("peer_agreement", {}).items():
+        if v["checked"]:
+            lines += [f"`{m}` runs llama.cpp's own kernels on the GGUF's Q4_1 weights (8-bit activations, f16 KV), "
+                      f"not our target's kernels, so it is not held to the lossless check: "
+                      f"{v['checked'] - v['mismatches']}/{v['checked']} samples token-identical to `ar`.", ""]
     for t, tab in res.get("table1", {}).items():
         dss = [d for d in res["config"]["datasets"]]
         lines += [f"## Table 1: τ and speedup, T = {t}", "",

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from services.protocol import METHODS
-from services.runtime import DTYPES
+from services.runtime import DTYPES, WEIGHT_CHOICES, default_weights
 
 
 def _add_generate(sub) -> None:
@@ -31,9 +31,17 @@ def _add_generate(sub) -> None:
     p.add_argument("--candidates", type=int, default=None, help="candidate pool K per depth (default: 64)")
     p.add_argument("--target", default=None, help="target: default SmolLM2-135M-Instruct, or a local HF dir")
     p.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="model precision (default: float32)")
+    p.add_argument("--weights", default=default_weights(), choices=list(WEIGHT_CHOICES),
+                   help="target weight format: float32, bfloat16, q4 (the GGUF's own 4-bit blocks, bfloat16 "
+                        "activations, CPU) or auto (default: the fastest here, measured once and cached; "
+                        "env DARTREE_WEIGHTS)")
+    p.add_argument("--dtype", default=None, choices=list(DTYPES),
+                   help="older spelling: pins --weights to this dense precision when --weights is auto")
     p.add_argument("--no-packed-gemm", dest="packed_gemm", action="store_false",
                    help="do not pre-pack float32 CPU weights for the round's row counts (services/cpu_gemm.py)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the target's steps through torch.compile (a warm-up of minutes the first time on a "
+                        "small CPU; default: off)")
     p.add_argument("--spec-policy", choices=["goodput", "fixed"], default="goodput",
                    help="goodput (default): each round's tree budget (0 = plain decoding) is chosen to maximise "
                         "tokens/s from calibrated acceptance and a measured cost model, --budget is its maximum; "

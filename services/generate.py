@@ -12,11 +12,15 @@ import torch
 
 
 def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torch.dtype, defaults=None,
-                    packed_gemm: bool = True):
+                    packed_gemm: bool = True, weights: str | None = None, compile: bool = False):
     """Load target + drafter in one process: ``(engine, tokenizer, drafter_note)``.
 
     ``packed_gemm``: pre-pack float32 CPU weights for the default tree's verify rows (B + 1), a chain
     method's (draft slots + 1) and the drafter's block (:mod:`services.cpu_gemm`).
+
+    ``compile``: the target's steps through ``torch.compile`` (warmed up here, after packing).
+    ``weights``: the target's format (:mod:`services.weights`; None = dense ``dtype``); ``dtype`` is
+    the drafter's and the activations' precision.
 
     The drafter borrows the target's embedding and lm_head modules. Without a trained drafter a
     randomly initialised one is used (tau ~ 1) and ``drafter_note`` says so.
@@ -50,13 +54,18 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
             num_target_layers=tcfg["num_hidden_layers"],
             target_layer_ids=default_target_layer_ids(tcfg["num_hidden_layers"]))).to(dtype).eval()
         note = "drafter: RANDOMLY INITIALISED (no trained drafter found): expect tau ~ 1, no speedup"
-    target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype)
+    target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype, weights=weights)
     defaults = defaults or default_tree_knobs("cpu")
     service = make_service(drafter, target.embed_tokens(), target.lm_head(), defaults, description=note,
                            packed_gemm=packed_gemm)
-    engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=drafter.config.num_draft_slots)
+    from services.verifier.engine import EngineConfig
+
+    engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(compile=compile),
+                        max_draft_depth=drafter.config.num_draft_slots)
     if packed_gemm:
         target.pack_for_rounds(defaults.budget, engine.max_draft_depth)
+    if compile:
+        engine.runner.warm_up((1, defaults.budget + 1))
     return engine, tok, note
 
 
@@ -78,7 +87,12 @@ def run_generate(a) -> int:
     if not a.prompt.strip() and not a.chat:
         raise ValueError("the prompt is empty")
     packed = getattr(a, "packed_gemm", True)
-    engine, tok, note = build_inprocess(a.target, a.drafter, getattr(torch, a.dtype), packed_gemm=packed)
+    from services.models.registry import resolve_target
+    from services.weights import resolve_cli_weights
+
+    weights, dtype = resolve_cli_weights(getattr(a, "weights", None), a.dtype, resolve_target(a.target))
+    engine, tok, note = build_inprocess(a.target, a.drafter, dtype, packed_gemm=packed, weights=weights,
+                                        compile=getattr(a, "compile", False))
     if packed and a.budget and a.method not in ("ar", "dflash", "domino"):
         engine.target.pack_gemm([a.budget + 1])  # this run's verify rows
     policy = getattr(a, "spec_policy", "fixed")
@@ -86,7 +100,7 @@ def run_generate(a) -> int:
         from services.models.registry import resolve_target
         from services.verifier.policy import attach_policy
 
-        attach_policy(engine, policy, resolve_target(a.target).name, a.dtype, max_budget=a.budget)
+        attach_policy(engine, policy, resolve_target(a.target).name, engine.target.weights, max_budget=a.budget)
         spec = SpecParams(a.method, None, a.width, a.depth_bonus, a.candidates)  # --budget is the policy's B_max
     if not a.json:
         print(f"[dartree] {note}", file=sys.stderr)
@@ -110,7 +124,7 @@ def run_generate(a) -> int:
     tau = sum(emitted) / rounds if rounds else 0.0
     decode = wall - ttft
     result = {"text": tok.decode(tokens, skip_special_tokens=True), "token_ids": tokens, "finish_reason": finish,
-              "method": a.method, "spec_policy": policy, "tau": round(tau, 3), "rounds": rounds, "prompt_tokens": len(ids),
+              "method": a.method, "spec_policy": policy, "weights": engine.target.weights, "tau": round(tau, 3), "rounds": rounds, "prompt_tokens": len(ids),
               "completion_tokens": len(tokens), "ttft_s": round(ttft, 4), "wall_s": round(wall, 3),
               "tokens_per_s": round((len(tokens) - 1) / decode, 2) if decode > 0 and len(tokens) > 1 else None,
               "round_ms": {k: round(1000 * v / max(rounds, 1), 3) for k, v in phases.items()},

@@ -31,6 +31,15 @@ class RequestIdFilter(logging.Filter):
 DTYPES = ("float32", "bfloat16")  # model precisions the workers run (and the tests cover)
 
 
+WEIGHT_FORMATS = ("float32", "bfloat16", "q4")  # target weight formats (services/weights.py)
+WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
+
+
+def default_weights() -> str:
+    """The command lines' default ``--weights``: ``$DARTREE_WEIGHTS`` or ``auto`` (the tests pin float32)."""
+    return os.environ.get("DARTREE_WEIGHTS", "auto")
+
+
 def check_dtype(dtype: str) -> None:
     """ValueError (one line) unless ``dtype`` is one of :data:`DTYPES`."""
     if dtype not in DTYPES:

@@ -54,7 +54,7 @@ from pathlib import Path
 from gateway.config import GatewayConfig
 from services.drafter.worker import DrafterWorkerConfig
 from services.protocol import METHODS
-from services.runtime import DRAIN_SIGNAL, DTYPES, STOP_NOW_SIGNAL
+from services.runtime import DRAIN_SIGNAL, DTYPES, STOP_NOW_SIGNAL, WEIGHT_CHOICES
 from services.verifier.worker import VerifierWorkerConfig
 
 log = logging.getLogger("dartree.serve")
@@ -130,7 +130,7 @@ def _to_bool(s: str) -> bool:
 
 
 # Fields whose values come from a fixed set (argparse ``choices``: a typo is a one-line error at start).
-CHOICES = {"dtype": DTYPES, "default_method": METHODS, "spec_policy": ("goodput", "fixed"),
+CHOICES = {"dtype": DTYPES, "weights": WEIGHT_CHOICES, "default_method": METHODS, "spec_policy": ("goodput", "fixed"),
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "debug", "info", "warning", "error",
                          "critical")}
 
@@ -478,6 +478,23 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
         check_drafter_dir(args.drafter)
 
 
+def _resolve_weights(args: argparse.Namespace, target: str) -> str:
+    """The target's concrete weight format, chosen once here so that both workers agree (``auto``
+    measures on this machine, cached; an explicit non-default ``--dtype`` pins it, as before
+    ``--weights`` existed). Raises ValueError (one line) for a format that cannot run here."""
+    from services.weights import choose_weights
+
+    weights = args.weights
+    if weights == "auto" and args.dtype != "float32":
+        weights = args.dtype
+    return choose_weights(weights, target, args.device)
+
+
+def _dtype_of(fmt: str) -> str:
+    """Activation dtype name of a weight format: the drafter runs in it too."""
+    return "float32" if fmt == "float32" else "bfloat16"
+
+
 def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, VerifierWorkerConfig,
                                            DrafterWorkerConfig | None, Path | None]:
     """Resolve the configs of one ``serve``: shared endpoints in a private runtime dir, the target
@@ -498,6 +515,7 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
     config_from_args(DrafterWorkerConfig, args)  # its tree knobs are checked even when no drafter runs
     preflight(args, use_drafter)
     target = str(resolve_target(args.target))
+    fmt = _resolve_weights(args, target)
     if not use_drafter and sup.drafter != "none":
         log.warning("no trained drafter found (pass --drafter DIR); serving with plain decoding (method 'ar')")
     rt = None
@@ -510,11 +528,11 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
         gateway = config_from_args(GatewayConfig, args, target=target,
                                    verifier_endpoint=endpoints["verifier_endpoint"],
                                    served_model_name=args.served_model_name or Path(args.target).name)
-        vover = {"target": target, **endpoints}
+        vover = {"target": target, "weights": fmt, "dtype": _dtype_of(fmt), **endpoints}
         if not use_drafter:
             vover["default_method"] = "ar"
         verifier = config_from_args(VerifierWorkerConfig, args, **vover)
-        drafter = config_from_args(DrafterWorkerConfig, args, target=target, drafter=sup.drafter,
+        drafter = config_from_args(DrafterWorkerConfig, args, target=target, drafter=sup.drafter, dtype=_dtype_of(fmt),
                                    drafter_endpoint=endpoints["drafter_endpoint"]) if use_drafter else None
     except BaseException:
         if rt is not None:

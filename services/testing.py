@@ -73,6 +73,52 @@ def tiny_causal_lm(arch: str = "llama", *, vocab_size: int = 128, hidden_size: i
     return model.to(dtype).eval()
 
 
+def llama_cpp_permute(w, n_head: int):
+    """llama.cpp's converter permutation of q/k rows (HF rotary halves -> interleaved pairs), numpy."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_gguf_target_dir(path: str | Path, *, seed: int = 0, num_layers: int = 2) -> Path:
+    """A tiny llama target saved as a HF directory *and* as ``model.gguf`` whose decoder linears are Q4_1
+    (q/k rows permuted as llama.cpp stores them), the HF weights being their exact dequantization, as
+    the default SmolLM2 target's converted directory is. Shapes fit the int4 kernel (N % 16, K % 32).
+    Returns the directory (for ``--weights q4``: :func:`services.weights.gguf_source` finds the file).
+    """
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    path = Path(path)
+    model = tiny_causal_lm("llama", hidden_size=64, intermediate_size=128, num_layers=num_layers, num_heads=4,
+                           num_kv_heads=2, init_std=0.1, seed=seed)
+    cfg = model.config
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+    q41 = gguf.GGMLQuantizationType.Q4_1
+    writer = gguf.GGUFWriter(str(path / "model.gguf"), "llama")
+    path.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            for hf, gg in names.items():
+                lin = layer.get_submodule(hf)
+                w = lin.weight.float().numpy()
+                heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}.get(gg)
+                stored = llama_cpp_permute(w, heads) if heads else w
+                raw = quantize(stored, q41)
+                writer.add_tensor(f"blk.{i}.{gg}.weight", raw, raw_dtype=q41)
+                deq = dequantize(raw, q41).reshape(w.shape)
+                if heads:  # undo the permutation: [n_head, dim, 2] <- [n_head, 2, dim]
+                    deq = deq.reshape(heads, deq.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+                lin.weight.copy_(torch.from_numpy(np.ascontiguousarray(deq)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.save_pretrained(path)
+    return path
+
+
 def tiny_target(arch: str = "llama", target_layer_ids: list[int] | None = None, **kw):
     """A :class:`TargetModel` over :func:`tiny_causal_lm` (tapped layers default to ``[0, L-1]``)."""
     from services.verifier.target import TargetModel

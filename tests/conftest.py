@@ -17,3 +17,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Pin the target's weight format of every server, CLI and bench the tests start to float32
+    (``--weights`` defaults to ``auto``, which measures the machine): the exactness tests are float32
+    ones; the other formats are tested explicitly (tests/engine/test_weights.py)."""
+    import os
+
+    os.environ.setdefault("DARTREE_WEIGHTS", "float32")

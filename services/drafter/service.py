@@ -117,6 +117,7 @@ class DrafterService:
         self._ctx: dict[str, list[tuple[Tensor, Tensor]]] = {}
         self._ctx_len: dict[str, int] = {}
         self.dtype = next(drafter.parameters()).dtype
+        self.device = next(drafter.parameters()).device  # ids / positions / masks are built here (CUDA too)
 
     def info(self) -> dict:
         """Handshake fields."""
@@ -153,8 +154,8 @@ class DrafterService:
             raise ValueError(f"drafter context of {request_id!r} holds {have} positions, expected {start - n}")
         if n == 0:
             return
-        pos = torch.arange(start - n, start)
-        kv = self.drafter.context_kv(features.to(self.dtype)[None], pos)
+        pos = torch.arange(start - n, start, device=self.device)
+        kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], pos)
         old = self._ctx.get(request_id)
         self._ctx[request_id] = kv if old is None else [
             (torch.cat([ok, k], 2), torch.cat([ov, v], 2)) for (ok, ov), (k, v) in zip(old, kv)]
@@ -169,8 +170,8 @@ class DrafterService:
 
     def _block(self, request_id: str, root_token: int, start: int) -> tuple[Tensor, Tensor]:
         c = self.cfg
-        ids = torch.tensor([root_token] + [c.mask_token_id] * (c.block_size - 1))
-        pos = torch.arange(start, start + c.block_size)
+        ids = torch.tensor([root_token] + [c.mask_token_id] * (c.block_size - 1), device=self.device)
+        pos = torch.arange(start, start + c.block_size, device=self.device)
         h = self.drafter.block_forward(self.embed(ids).to(self.dtype)[None], pos, self._ctx[request_id])[0]
         hd = h if c.shift_label else h[1:]
         return hd, self.lm_head(hd.to(self.lm_head.weight.dtype)).float()
@@ -196,9 +197,11 @@ class DrafterService:
                 if lens[i]:
                     k[i, :, :lens[i]], v[i, :, :lens[i]] = self._ctx[rid][li][0][0], self._ctx[rid][li][1][0]
             ctx.append((k, v))
-        mask = (torch.arange(cmax)[None, None, :] < torch.tensor(lens)[:, None, None]).expand(n, q, cmax)
-        ids = torch.tensor([[root] + [c.mask_token_id] * (q - 1) for _, root, _ in jobs])
-        pos = torch.stack([torch.arange(start, start + q) for _, _, start in jobs])
+        dev = self.device
+        mask = (torch.arange(cmax, device=dev)[None, None, :]
+                < torch.tensor(lens, device=dev)[:, None, None]).expand(n, q, cmax)
+        ids = torch.tensor([[root] + [c.mask_token_id] * (q - 1) for _, root, _ in jobs], device=dev)
+        pos = torch.stack([torch.arange(start, start + q, device=dev) for _, _, start in jobs])
         h = self.drafter.block_forward(self.embed(ids).to(self.dtype), pos, ctx, mask)  # [n, Q, H]
         hd = h if c.shift_label else h[:, 1:]
         logits = self.lm_head(hd.to(self.lm_head.weight.dtype)).float()
@@ -246,11 +249,15 @@ class DrafterService:
                 tree = self._build(j.spec.method, j.spec, hd[:depth], base[:depth], j.root_token) if depth \
                     else DraftTree.empty()
                 if self.d2t is not None and tree.num_nodes:  # draft ids -> target ids
-                    tree = dataclasses.replace(tree, draft_tokens=self.d2t[tree.draft_tokens.long()])
+                    tree = dataclasses.replace(tree, draft_tokens=self._to_target_ids(tree.draft_tokens))
                 out[i] = (tree, {"draft": share, "tree_build": time.perf_counter() - t1})
             except Exception as exc:
                 out[i] = exc
         return out
+
+    def _to_target_ids(self, draft_ids: Tensor) -> Tensor:
+        """``[N]`` draft-vocabulary ids -> target ids (CPU, as every tree's tensors)."""
+        return self.d2t[draft_ids.long().to(self.d2t.device)].cpu()
 
     def _check_job(self, request_id: str, committed_ids, features: Tensor, spec) -> None:
         if features.shape[0] != len(committed_ids):
@@ -289,7 +296,7 @@ class DrafterService:
         t1 = time.perf_counter()
         tree = self._build(method, spec, hd, base, root_token) if depth else DraftTree.empty()
         if self.d2t is not None and tree.num_nodes:
-            tree = dataclasses.replace(tree, draft_tokens=self.d2t[tree.draft_tokens.long()])
+            tree = dataclasses.replace(tree, draft_tokens=self._to_target_ids(tree.draft_tokens))
         return tree, {"draft": t1 - t0, "tree_build": time.perf_counter() - t1}
 
     def _build(self, method: str, spec, hd: Tensor, base: Tensor, root: int) -> DraftTree:

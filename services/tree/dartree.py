@@ -123,8 +123,9 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
     cand_vals, cand_ids = candidates(base_logits, K)  # [D, K]
     k = cand_vals.shape[1]
     states = scorer.root_state(root_token)  # [1, S]
-    frontier_scores = torch.zeros(1)
-    frontier_nodes = torch.tensor([-1])
+    dev = base_logits.device  # the search runs where the logits are (CPU or CUDA); the tree comes back on CPU
+    frontier_scores = torch.zeros(1, device=dev)
+    frontier_nodes = torch.tensor([-1], device=dev)
     toks, pars, deps, scs = [], [], [], []
     created = 0
     for depth in range(1, depth_max + 1):
@@ -141,15 +142,16 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
         frontier_scores = path[order]
         toks.append(child_tokens)
         pars.append(frontier_nodes[pidx])
-        deps.append(torch.full((order.numel(),), depth, dtype=torch.long))
+        deps.append(torch.full((order.numel(),), depth, dtype=torch.long, device=dev))
         scs.append(frontier_scores)
-        frontier_nodes = torch.arange(created, created + order.numel())
+        frontier_nodes = torch.arange(created, created + order.numel(), device=dev)
         created += order.numel()
         if variant == "pruned" and created >= B and depth < depth_max and _prune_settled(scs, deps, B, beta, depth):
             break
     if not toks:
         return DraftTree.empty()
-    tree = DraftTree(torch.cat(toks).long().cpu(), torch.cat(pars).long(), torch.cat(deps), torch.cat(scs).float())
+    tree = DraftTree(torch.cat(toks).long().cpu(), torch.cat(pars).long().cpu(), torch.cat(deps).cpu(),
+                     torch.cat(scs).float().cpu())
     if variant == "pruned" and tree.num_nodes > B:
         tree = select_nodes(tree, top_b(tree.scores, tree.depths, B, beta))
     return tree
@@ -235,7 +237,7 @@ def seqheap(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
         node = len(toks)
         toks.append(tok), pars.append(parent), deps.append(depth), scs.append(s)
         if depth < depth_max:
-            push_children(node, scorer.advance(pstate, torch.tensor([tok])), s, depth)
+            push_children(node, scorer.advance(pstate, torch.tensor([tok], device=cand_ids.device)), s, depth)
     if not toks:
         return DraftTree.empty()
     return DraftTree(torch.tensor(toks), torch.tensor(pars), torch.tensor(deps),

@@ -176,6 +176,7 @@ class EngineConfig:
             ``submit`` / ``collect``), so the drafter drafts while the target verifies other
             requests; the caller alternates groups of requests between steps (the verifier worker
             does). Tokens are unchanged: the same draft is computed, only earlier.
+        compile: run the runner's steps through ``torch.compile`` (:class:`ModelRunner`).
     """
 
     max_context: int | None = None
@@ -184,6 +185,7 @@ class EngineConfig:
     max_step_tokens: int = 512
     kv_bucket: int = 64
     overlap: bool = False
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_chunk", "max_step_tokens", "kv_bucket"):
@@ -267,7 +269,8 @@ class SpecEngine:
         self.max_draft_depth = max_draft_depth
         # verify rows sit past the committed length: room for the widest tree a request may ask for
         self.row_headroom = max(MAX_BUDGET + 1, config.prefill_chunk)
-        self.runner = ModelRunner(target, config.max_running, self.max_context + self.row_headroom, config.kv_bucket)
+        self.runner = ModelRunner(target, config.max_running, self.max_context + self.row_headroom, config.kv_bucket,
+                                  compile=config.compile)
         self._reqs: dict[str, _Request] = {}
         self.last_step = StepStats()
 

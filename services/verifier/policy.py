@@ -142,6 +142,7 @@ class _ReqState:
     interval: int = 0                        # exploration interval (doubles while drafts do not pay)
     last_tree: DraftTree | None = None       # the last drafted tree (the gain forecast of the next one)
     regime: str = "greedy"
+    fresh: bool = True                       # no step seen yet (takes its regime's exploration interval)
     pending: deque = field(default_factory=deque)  # [tree, continuation] waiting for labels
 
 
@@ -157,7 +158,9 @@ class GoodputPolicy:
             is labelled by the tokens that follow, verified or not); while such drafts are cut to
             b = 0 the interval doubles, up to ``explore_max`` (an exploration costs a drafter call,
             so a useless drafter costs ~1 / ``explore_max`` of a call per round), and a draft that
-            pays resets it.
+            pays resets it. The interval is also kept per method / regime: a new request starts
+            from its regime's current one, so a drafter that does not pay at this load is not
+            re-explored by every arriving request.
         explore_max: the longest exploration interval.
         optimism: the forecast before drafting uses calibrated P plus this many posterior standard
             deviations (an upper confidence bound), so a map made pessimistic by a few unlucky rounds
@@ -181,6 +184,7 @@ class GoodputPolicy:
         self.explore_max = max(explore_max, explore_every)
         self.optimism = optimism
         self._regime_tree: dict[str, DraftTree] = {}  # the last tree of each method / regime (new requests' forecast)
+        self._regime_interval: dict[str, int] = {}  # the exploration interval of each method / regime
         self._req: dict[str, _ReqState] = {}
         self._skip: set[str] = set()
         self._predicted: float | None = None
@@ -231,6 +235,9 @@ class GoodputPolicy:
         for r in rounds:
             st = self._state(r.rid)
             st.regime = f"{r.method}:{regime_of(r.temperature)}"  # one calibration table per method and regime
+            if st.fresh:
+                st.fresh = False
+                st.interval = self._regime_interval.get(st.regime, self.explore_every)
             if not r.can_draft:
                 continue
             forecast = st.last_tree if st.last_tree is not None else self._regime_tree.get(st.regime)
@@ -318,6 +325,7 @@ class GoodputPolicy:
                 t = c.draft_cost() + c.forward_seconds(rows) - c.forward_seconds(rows - b)
                 paid = b > 0 and (t <= 0 or g / t >= (total_gain - g) / max(seconds - t, 1e-9))
                 st.interval = self.explore_every if paid else min(2 * st.interval, self.explore_max)
+                self._regime_interval[st.regime] = st.interval
         self._predicted = seconds
         out = {}
         for d in items:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services import hf_compat
-from services.tree.batch import PackedRows, Segment, pack_segments
+from services.tree.batch import PackedRows, Segment, causal_segment, pack_segments
 from services.verifier.kv_cache import SlotKVCache
 
 _ACTIVE = threading.local()  # the step being run by this thread's forward (None outside a step)
@@ -47,12 +47,24 @@ class StepOutput:
 
 
 def _slot_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs):
-    """Attention of one layer over the slot cache (see the module docstring); shapes as HF's SDPA."""
+    """Attention of one layer over the slot cache (see the module docstring); shapes as HF's SDPA.
+
+    Under ``torch.compile`` (``ModelRunner(compile=True)``; only steps run compiled) it is the opaque
+    custom op ``dartree::slot_attention``, whose eager body is this function: the compiler sees a
+    pure ``[1, Hq, R, Dh] x 3 -> [1, R, Hq, Dh]`` op and the slot writes stay out of its graph."""
+    if torch.compiler.is_compiling():
+        scaling = kwargs.get("scaling")
+        return torch.ops.dartree.slot_attention(query, key, value, int(module.layer_idx),
+                                                float(scaling if scaling is not None else module.scaling)), None
+    return _slot_attention_eager(module.layer_idx, query, key, value, attention_mask, module, **kwargs)
+
+
+def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor, attention_mask, module=None,
+                          **kwargs):
     step = getattr(_ACTIVE, "step", None)
     if step is None:
         return hf_compat.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     cache, p = step
-    layer = module.layer_idx
     cache.write(layer, p.write_slot, p.write_pos, key[0].transpose(0, 1), value[0].transpose(0, 1))
     k, v = cache.read(layer, p.slots, p.kv_length)  # [n, Hkv, L, Dh]
     safe = p.row_index.clamp(min=0)
@@ -63,6 +75,19 @@ def _slot_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     return out[None], None
 
 
+@torch.library.custom_op("dartree::slot_attention", mutates_args=())
+def _slot_attention_op(query: Tensor, key: Tensor, value: Tensor, layer: int, scaling: float) -> Tensor:
+    """The slot attention of the active step as one opaque op (for compiled steps; writes the step's
+    K/V into the slot cache as a side effect the compiler does not see: each call's output is used,
+    so it runs exactly once per layer, in order)."""
+    return _slot_attention_eager(layer, query, key, value, None, scaling=scaling)[0].contiguous()
+
+
+@_slot_attention_op.register_fake
+def _(query, key, value, layer, scaling):
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
 class ModelRunner:
     """Runs batched steps of a :class:`TargetModel` over a slot KV cache.
 
@@ -71,16 +96,41 @@ class ModelRunner:
             outside a step, so :meth:`TargetModel.verify` / ``prefill`` keep working).
         num_slots: KV slots (concurrent requests); capacity: columns per slot.
         kv_bucket: the KV length a step reads is rounded up to a multiple of this.
+        compile: run steps through ``torch.compile(model, dynamic=True)`` (inductor; CPU or CUDA):
+            one graph for one-row steps and one for every other row count / KV length (dynamic
+            shapes), the slot attention an opaque custom op. Call :meth:`warm_up` at start: the first
+            compile takes minutes on a small CPU (inductor caches its kernels on disk, so later
+            starts are faster). The reference paths of :class:`TargetModel` stay eager.
     Raises:
         MemoryError: the cache does not fit (one line, with its size).
     """
 
-    def __init__(self, target, num_slots: int, capacity: int, kv_bucket: int = 64):
+    def __init__(self, target, num_slots: int, capacity: int, kv_bucket: int = 64, compile: bool = False):
         self.target = target
         self.cache = SlotKVCache.for_model(target.config, num_slots, capacity, target.dtype, target.device)
         self.kv_bucket = kv_bucket
         name = hf_compat.register_slot_attention(_slot_attention)
         hf_compat.set_attention_implementation(target.model, name)
+        self.compiled = bool(compile)
+        self._forward = torch.compile(target.model, dynamic=True) if compile else target.model
+
+    @torch.inference_mode()
+    def warm_up(self, rows: tuple[int, ...] = (1, 9)) -> float:
+        """Run one step of each row count on a scratch slot (compiles the graphs when compiled).
+
+        Returns seconds taken. Raises RuntimeError when no slot is free (call it before serving).
+        """
+        t0 = time.perf_counter()
+        try:
+            slot = self.cache.alloc()
+        except Exception as e:  # noqa: BLE001 - one line for the caller
+            raise RuntimeError(f"warm-up needs a free KV slot: {e}") from None
+        try:
+            for n in rows:
+                self.execute([causal_segment([1] * n, 0, slot)])
+        finally:
+            self.cache.free(slot)
+        return time.perf_counter() - t0
 
     @torch.inference_mode()
     def execute(self, segments: list[Segment], logit_rows: Tensor | None = None) -> StepOutput:
@@ -103,8 +153,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         _ACTIVE.step = (self.cache, p)
         try:
-            out = self.target.model(input_ids=p.input_ids[None], position_ids=p.positions[None],
-                                    attention_mask=None, use_cache=False, logits_to_keep=keep)
+            out = self._forward(input_ids=p.input_ids[None], position_ids=p.positions[None],
+                                attention_mask=None, use_cache=False, logits_to_keep=keep)
         finally:
             _ACTIVE.step = None
         feats = self.target._features()

@@ -39,6 +39,7 @@ class TargetModel:
         self.target_layer_ids = list(target_layer_ids)
         self.feature_dim = len(self.target_layer_ids) * self.hidden_size
         self.dtype = next(model.parameters()).dtype
+        self.weights = str(self.dtype).removeprefix("torch.")  # the weight format (services.weights)
         self.device = next(model.parameters()).device
         self._taps: dict[int, Tensor] = {}
         self._cache_kw = next(iter(hf_compat.cache_kwargs(model, None)))
@@ -50,15 +51,33 @@ class TargetModel:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target_layer_ids: list[int] | None = None,
-                        dtype: torch.dtype = torch.float32, device: str = "cpu") -> "TargetModel":
-        """Load a local HF directory with SDPA attention (needed for the 4-D tree mask)."""
-        from transformers import AutoModelForCausalLM
+                        dtype: torch.dtype = torch.float32, device: str = "cpu",
+                        weights: str | None = None) -> "TargetModel":
+        """Load a local HF directory with SDPA attention (needed for the 4-D tree mask).
 
+        Args:
+            dtype: precision when ``weights`` is None (float32 / bfloat16 dense weights).
+            weights: a concrete :mod:`services.weights` format (``float32``, ``bfloat16``, ``q4``: the
+                GGUF's 4-bit blocks, bfloat16 activations); overrides ``dtype``.
+        Raises:
+            ValueError: a format that cannot run here (one line).
+        """
         from services.drafter.model import default_target_layer_ids
+        from services.weights import load_causal_lm
 
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa").to(device)
+        if weights is None:
+            weights = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype)
+        if weights is None:  # float16 and others: plain HF load in that dtype
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa").to(device)
+            weights = str(dtype).removeprefix("torch.")
+        else:
+            model = load_causal_lm(path, weights, device)
         ids = target_layer_ids or default_target_layer_ids(model.config.num_hidden_layers)
-        return cls(model, ids)
+        target = cls(model, ids)
+        target.weights = weights
+        return target
 
     def pack_gemm(self, rows) -> int:
         """Pre-pack the target's float32 CPU linears for verifies of ``rows`` rows (``[B + 1]`` for a

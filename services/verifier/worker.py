@@ -37,7 +37,7 @@ from services.protocol import (
     check_compatible,
     check_hello_version,
 )
-from services.runtime import check_dtype, request_id_var
+from services.runtime import WEIGHT_CHOICES, check_dtype, request_id_var
 from services.verifier.remote_drafter import DrafterError, DrafterUnavailable
 from services.verifier.schedule import MAX_BUDGET, parse_tree_schedule
 from services.wire import Decoded
@@ -57,6 +57,11 @@ class VerifierWorkerConfig:
         verifier_endpoint: where the verifier listens for the gateway ("" = default ipc:// socket).
         drafter_endpoint: the drafter's endpoint ("" = default ipc:// socket; "none" = no drafter, AR only).
         device, dtype: where and in which precision the target runs.
+        compile: run the target's batched steps through ``torch.compile`` (warm-up at start, logged;
+            minutes the first time on a small CPU, faster once inductor's disk cache is warm).
+        weights: the target's weight format (``services/weights.py``): float32, bfloat16, q4 (the
+            GGUF's 4-bit blocks, bfloat16 activations) or auto (the fastest here, measured once and
+            cached); a concrete format overrides ``dtype``.
         max_running: requests decoded concurrently, each in its own KV slot, all in one batched step;
             max_waiting: queued beyond that (429 after).
         max_context: context window (0 = the target's).
@@ -99,6 +104,7 @@ class VerifierWorkerConfig:
     drafter_endpoint: str = ""
     device: str = "cpu"
     dtype: str = "float32"
+    weights: str = "auto"
     max_running: int = 8
     max_waiting: int = 64
     max_context: int = 0
@@ -106,6 +112,7 @@ class VerifierWorkerConfig:
     max_step_tokens: int = 512
     kv_bucket: int = 64
     overlap: bool = False
+    compile: bool = False
     default_method: str = "dartree-pruned"
     spec_policy: str = "goodput"
     spec_max_budget: int = 0
@@ -130,6 +137,8 @@ class VerifierWorkerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         check_dtype(self.dtype)
+        if self.weights not in WEIGHT_CHOICES:
+            raise ValueError(f"weights {self.weights!r} is not supported (choose from {', '.join(WEIGHT_CHOICES)})")
         if self.default_method not in METHODS:
             raise ValueError(f"unknown default_method {self.default_method!r} (choose from {', '.join(METHODS)})")
         parse_tree_schedule(self.tree_schedule, MAX_BUDGET, self.max_running)  # ValueError: one line
@@ -539,28 +548,36 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     from services.verifier.engine import EngineConfig, SpecEngine
     from services.verifier.target import TargetModel
 
+    from services.weights import choose_weights
+
     target_dir = resolve_target(config.target)
     layer_ids = list(drafter.target_layer_ids) if drafter and drafter.target_layer_ids else None
+    weights = config.weights if config.weights != "auto" or config.dtype == "float32" else config.dtype
+    weights = choose_weights(weights, target_dir, config.device)  # the supervisor passes a concrete one
     target = TargetModel.from_pretrained(target_dir, layer_ids, dtype=getattr(torch, config.dtype),
-                                         device=config.device)
+                                         device=config.device, weights=weights)
     if drafter is not None and drafter.feature_dim and drafter.feature_dim != target.feature_dim:
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
     engine_config = EngineConfig(max_context=config.max_context or None, max_running=config.max_running,
                                  prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
-                                 kv_bucket=config.kv_bucket, overlap=config.overlap)
+                                 kv_bucket=config.kv_bucket, overlap=config.overlap, compile=config.compile)
     engine = SpecEngine(target, drafter_client, engine_config,
                         max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
                         drafter_max_position=(drafter.max_position or None) if drafter else None)
     cache = engine.runner.cache
     log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; pages committed as used)",
-             cache.num_slots, cache.capacity, cache.nbytes() / 2**30, config.dtype, config.device)
+             cache.num_slots, cache.capacity, cache.nbytes() / 2**30, target.weights, config.device)
     budget = drafter.default_spec.budget if drafter is not None and drafter.default_spec is not None else None
     if config.packed_gemm and budget:
         added = target.pack_for_steps(budget, engine.max_draft_depth, config.max_running)
         log.info("packed GEMM weights for batched steps: +%.2f GiB", added / 2**30)
+    if config.compile:  # after packing (the packs are part of what is compiled), before the cost sweep
+        rows = (1, budget + 1 if budget else 2)
+        log.info("compiling the target's steps (torch.compile, rows %s) ...", rows)
+        log.info("compiled steps ready in %.1f s", engine.runner.warm_up(rows))
     from services.verifier.policy import attach_policy  # after packing: the sweep times the packed forwards
 
-    attach_policy(engine, config.spec_policy, target_dir.name, config.dtype, config.device,
+    attach_policy(engine, config.spec_policy, target_dir.name, target.weights, config.device,
                   max_budget=config.spec_max_budget or None, sweep=config.cost_sweep)
     return engine, target, target_dir
 

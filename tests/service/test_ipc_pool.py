@@ -79,3 +79,64 @@ def test_cuda_ipc_pool_across_processes():
     finally:
         proc.join(30)
     assert proc.exitcode == 0
+
+
+def _drafter_side(conn) -> None:
+    """Drafter process of the feature path: open the verifier's pool, take DraftBatch messages as the
+    drafter worker does (``unpack([job.features ...], frames)``), answer each batch with one
+    DraftReply whose tensors (per-job row sums, and job 0's features echoed) ride in its own pool."""
+    import torch
+
+    from services.ipc_pool import CudaIpcTransport
+
+    mine = CudaIpcTransport("cuda:0", num_slots=4, slot_bytes=1 << 14)
+    mine.attach(msgspec.msgpack.decode(conn.recv_bytes(), type=PoolHandle))
+    conn.send_bytes(msgspec.msgpack.encode(mine.export()))
+    while (n := int(conn.recv_bytes())) > 0:
+        dec = decode([conn.recv_bytes() for _ in range(n)])
+        feats = mine.unpack([j.features for j in dec.msg.jobs], dec.frames, copy=True)
+        sums = torch.stack([f.float().sum(1).sum() for f in feats])
+        metas, frames = mine.pack([sums, feats[0]])
+        parts = encode(DraftReply(dec.msg.jobs[0].request_id, dec.msg.jobs[0].round_id, "e", tuple(metas)), frames)
+        conn.send_bytes(str(len(parts)).encode())
+        for p in parts:
+            conn.send_bytes(bytes(p))
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_feature_path_of_draft_batches():
+    """Verifier -> drafter features through the CUDA-IPC pool inside real DraftBatch messages, as the
+    workers send them: bf16 [L, F] feature blocks of several jobs, one too big for a slot (it falls
+    back to a side frame between pooled ones), and more tensors than slots over three batches (the
+    ring wraps; copy-on-receipt keeps every batch exact)."""
+    from services.ipc_pool import CudaIpcTransport
+    from services.protocol import DraftBatch, DraftRequest, SpecSpec
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_drafter_side, args=(child,))
+    proc.start()
+    try:
+        verifier = CudaIpcTransport("cuda:0", num_slots=4, slot_bytes=1 << 14)
+        parent.send_bytes(msgspec.msgpack.encode(verifier.export()))
+        verifier.attach(msgspec.msgpack.decode(parent.recv_bytes(), type=PoolHandle))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        for round_id, rows in enumerate([(3, 50, 7), (1, 2, 4), (9, 60, 1)]):  # 50 / 60 rows x 96 x 2 B > a slot
+            feats = [torch.randn(r, 96, device="cuda", generator=gen).to(torch.bfloat16) for r in rows]
+            metas, frames = verifier.pack(feats)
+            assert [m.slot >= 0 for m in metas] == [r * 96 * 2 <= 1 << 14 for r in rows] and len(frames) == 1
+            jobs = [DraftRequest(f"r{i}", round_id, [5] * r, m, 5, 10, SpecSpec("ddtree"))
+                    for i, (r, m) in enumerate(zip(rows, metas))]
+            parts = encode(DraftBatch(jobs), frames)
+            parent.send_bytes(str(len(parts)).encode())
+            for p in parts:
+                parent.send_bytes(bytes(p))
+            reply = decode([parent.recv_bytes() for _ in range(int(parent.recv_bytes()))])
+            assert reply.msg.round_id == round_id and all(m.slot >= 0 for m in reply.msg.tree)
+            sums, echo = verifier.unpack(reply.msg.tree, reply.frames)
+            torch.testing.assert_close(sums, torch.stack([f.float().sum(1).sum() for f in feats]))
+            assert echo.dtype == torch.bfloat16 and torch.equal(echo, feats[0])
+        parent.send_bytes(b"0")
+    finally:
+        proc.join(30)
+    assert proc.exitcode == 0

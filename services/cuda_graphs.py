@@ -1,0 +1,178 @@
+"""CUDA-graph capture of fixed-shape steps (verify / draft buckets), with an eager fallback.
+
+A step whose shapes are fixed by a *bucket* (rows padded to a bucket size, KV length rounded up to
+``kv_bucket``, requests padded to a slot count) launches the same kernels every time; on a GPU the
+eager launches of a 30-layer model cost more than the small kernels themselves. Capturing the step
+once per bucket in a ``torch.cuda.CUDAGraph`` and replaying it turns hundreds of launches into one
+(gpt-fast's ``reduce-overhead``, vLLM's and SGLang's CUDA-graph runners). This module only uses
+torch's public graph API; it writes no kernels.
+
+Rules a captured callable must follow (PyTorch's, restated):
+
+- Its tensor inputs are the graph's *static inputs*: every call copies new values into them, so
+  shapes, dtypes and devices never change within a bucket (checked on every call, one-line error).
+- No host synchronisation inside (no ``.item()``, ``.tolist()``, ``.cpu()``, printing tensors), no
+  data-dependent shapes, no CPU tensors created inside: prepare those before the call.
+- In-place writes into tensors that live outside the call (a KV cache) are replayed as written:
+  the cache must be pre-allocated and stay at the same address (``SlotKVCache`` does).
+- Warm-up and capture *execute* the callable on the example inputs (warm-up really runs, and
+  in-place writes land), so capture with inputs that write where nothing is read yet (a free slot,
+  positions past every committed length).
+- The returned tensors are the graph's static outputs: the next replay of the same graph
+  overwrites them; clone what must outlive it.
+
+Off CUDA (CPU tensors, or ``enabled=False`` / ``DARTREE_CUDA_GRAPHS=0``) every class here calls the
+callable eagerly with the same signature, so callers have one code path and a switch back (R19).
+
+Wiring into :class:`services.verifier.runner.ModelRunner` (a sketch; the runner owns the padding):
+key a step by ``(num_slots_padded, rows_bucket, max_rows_per_request, kv_length)``; pad the
+:class:`~services.tree.batch.PackedRows` tensors to the key (dummy rows write to a scratch slot
+and are masked out); ``make_fn(key)`` returns ``fn(input_ids, positions, write_slot, write_pos,
+slots, row_index, attn_mask, keep)`` that sets ``_ACTIVE.step = (cache, PackedRows(...from the
+args..., kv_length=key[3]))``, runs ``target.model(..., logits_to_keep=keep)`` and returns
+``(logits, features)``; ``execute`` then calls ``buckets.run(key, *padded)`` and slices the real
+rows. The drafter block (fixed ``block_size`` rows, context length bucketed) is keyed the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+Outputs = Tensor | tuple[Tensor, ...]
+
+
+def graphs_enabled(default: bool = True) -> bool:
+    """Whether CUDA graphs may be used: a CUDA device is present and ``DARTREE_CUDA_GRAPHS`` is not 0."""
+    return default and os.environ.get("DARTREE_CUDA_GRAPHS", "1") != "0" and torch.cuda.is_available()
+
+
+def pick_bucket(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket ``>= n`` (``buckets`` ascending or not).
+
+    Raises:
+        ValueError: ``n`` exceeds every bucket, or ``n < 1``.
+    """
+    if n < 1:
+        raise ValueError(f"bucket size must be >= 1 (got {n})")
+    fit = [b for b in buckets if b >= n]
+    if not fit:
+        raise ValueError(f"{n} exceeds the largest bucket {max(buckets)}")
+    return min(fit)
+
+
+def _sig(t: Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.device
+
+
+class GraphedStep:
+    """``fn(*inputs)`` captured once in a CUDA graph for the shapes of ``example_inputs``.
+
+    Args:
+        fn: ``fn(*tensors) -> Tensor | tuple[Tensor, ...]``, capturable (see the module docstring).
+        example_inputs: tensors fixing each input's shape / dtype / device; copied into the static
+            input buffers (so the caller keeps its own tensors).
+        warmup: eager calls on a side stream before capture (cuBLAS handles, lazy init).
+        pool: a memory pool shared with other graphs of the same runner
+            (``torch.cuda.graph_pool_handle()``); graphs sharing a pool must be replayed one at a time.
+        enabled: False forces eager calls (also the case off CUDA).
+    Attributes:
+        captured: True when calls replay a graph, False when they run ``fn`` eagerly.
+    Raises:
+        ValueError: no example inputs, inputs on different devices, or ``fn`` returned something
+            other than a tensor or a tuple of tensors.
+        RuntimeError: the capture failed (torch's message: an op that synchronises or is not capturable).
+    """
+
+    def __init__(self, fn: Callable[..., Outputs], example_inputs: Sequence[Tensor], warmup: int = 2,
+                 pool=None, enabled: bool = True):
+        if not example_inputs:
+            raise ValueError("GraphedStep needs at least one example input tensor")
+        devices = {t.device for t in example_inputs}
+        if len(devices) != 1:
+            raise ValueError(f"all inputs of a graphed step must be on one device (got {sorted(map(str, devices))})")
+        self.fn = fn
+        self.signature = [_sig(t) for t in example_inputs]
+        self.device = devices.pop()
+        self.captured = enabled and self.device.type == "cuda" and graphs_enabled()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if self.captured:
+            self.static_inputs = [t.detach().clone() for t in example_inputs]
+            self._capture(warmup, pool)
+
+    def _capture(self, warmup: int, pool) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self.fn(*self.static_inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: a drafter thread's CUDA work elsewhere in the process does not break the capture
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            out = self.fn(*self.static_inputs)
+        self._tuple = isinstance(out, tuple)
+        outs = out if self._tuple else (out,)
+        if not all(isinstance(o, Tensor) for o in outs):
+            raise ValueError("a graphed step must return a tensor or a tuple of tensors")
+        self.static_outputs = outs
+
+    def check(self, inputs: Sequence[Tensor]) -> None:
+        """Raises ValueError (one line) when ``inputs`` do not match the captured signature."""
+        if len(inputs) != len(self.signature):
+            raise ValueError(f"graphed step takes {len(self.signature)} inputs (got {len(inputs)})")
+        for i, (t, sig) in enumerate(zip(inputs, self.signature)):
+            if _sig(t) != sig:
+                raise ValueError(f"input {i}: {tuple(t.shape)} {t.dtype} on {t.device} does not match the captured "
+                                 f"{sig[0]} {sig[1]} on {sig[2]} (pad to the bucket)")
+
+    def __call__(self, *inputs: Tensor) -> Outputs:
+        """Replay (or run eagerly) on ``inputs``; see the class docstring for the output lifetime."""
+        self.check(inputs)
+        if not self.captured:
+            return self.fn(*inputs)
+        for dst, src in zip(self.static_inputs, inputs):
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src, non_blocking=True)
+        self.graph.replay()
+        return self.static_outputs if self._tuple else self.static_outputs[0]
+
+
+class GraphBuckets:
+    """One :class:`GraphedStep` per bucket key, captured on first use, all sharing one memory pool.
+
+    Args:
+        make_fn: ``make_fn(key) -> fn`` the callable of a bucket (e.g. the runner's forward with the
+            bucket's static step metadata bound), called once per key.
+        enabled: False (or no CUDA) runs every bucket eagerly through the same interface.
+        warmup: see :class:`GraphedStep`; max_graphs: captures kept at most (a further key raises).
+    Raises (from :meth:`run`):
+        ValueError: a new key beyond ``max_graphs``, or inputs not matching the key's first call.
+    """
+
+    def __init__(self, make_fn: Callable[[Hashable], Callable[..., Outputs]], enabled: bool = True,
+                 warmup: int = 2, max_graphs: int = 64):
+        self.make_fn, self.warmup, self.max_graphs = make_fn, warmup, max_graphs
+        self.enabled = enabled and graphs_enabled()
+        self.steps: dict[Hashable, GraphedStep] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
+
+    def run(self, key: Hashable, *inputs: Tensor) -> Outputs:
+        """The bucket ``key``'s step on ``inputs`` (captured from these inputs on the key's first call)."""
+        step = self.steps.get(key)
+        if step is None:
+            if len(self.steps) >= self.max_graphs:
+                raise ValueError(f"more than {self.max_graphs} graph buckets requested (key {key!r}); "
+                                 "coarsen the buckets")
+            step = GraphedStep(self.make_fn(key), inputs, self.warmup, self.pool,
+                               enabled=self.enabled and inputs[0].device.type == "cuda")
+            self.steps[key] = step
+        return step(*inputs)
+
+    def num_captured(self) -> int:
+        """Buckets that replay a CUDA graph (0 on CPU)."""
+        return sum(1 for s in self.steps.values() if s.captured)

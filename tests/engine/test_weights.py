@@ -1,0 +1,199 @@
+"""Weight formats (``--weights``): the GGUF's own Q4_1 blocks served 4-bit, and the auto choice.
+
+Oracles: gguf's own quantizer/dequantizer (the byte layout), the HF weights of a directory made from
+the same GGUF (transformers' loader semantics, q/k un-permuted), the exact dequantization ``d*q+m``
+(the served values differ by bfloat16 rounding of the block constants only), and the engine's plain
+decoding with the same q4 model (the lossless guarantee is relative to the weights served).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from services.drafter.service import METHODS
+from services.testing import REPO, OracleDrafter, tiny_gguf_target_dir, tiny_service
+from services.verifier.drafter_client import InprocDrafterClient
+from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.verifier.target import TargetModel
+from services import weights as W
+
+pytestmark = pytest.mark.skipif(not W.int4_kernel_available(), reason="torch without the int4 CPU kernel")
+V = 128
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    return tiny_gguf_target_dir(tmp_path_factory.mktemp("q4target"))
+
+
+@pytest.fixture(scope="module")
+def q4_target(gguf_dir):
+    return TargetModel.from_pretrained(gguf_dir, [0, 1], weights="q4")
+
+
+def test_parse_q4_1_matches_ggufs_dequantizer():
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    raw = quantize(w, gguf.GGMLQuantizationType.Q4_1)
+    b = W.parse_q4_1(raw)
+    assert b.q.shape == (48, 96) and b.d.shape == (48, 3) and int(b.q.min()) >= 0 and int(b.q.max()) <= 15
+    ref = dequantize(raw, gguf.GGMLQuantizationType.Q4_1).reshape(48, 96)
+    assert torch.equal(b.dequantize(), torch.from_numpy(ref))
+    with pytest.raises(ValueError, match="blocks"):
+        W.parse_q4_1(raw[:, :-1])
+
+
+def test_gguf_linears_equal_the_hf_weights_made_from_them(gguf_dir):
+    """q/k rows are stored permuted (llama.cpp); after un-permuting, d*q+m is bit-equal to the HF
+    directory's float32 weights (what transformers' GGUF loader produced for the default target)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(gguf_dir)
+    blocks, skipped = W.read_gguf_linears(gguf_dir / "model.gguf", ref.config)
+    assert not skipped and len(blocks) == 7 * ref.config.num_hidden_layers
+    for name, b in blocks.items():
+        assert torch.equal(b.dequantize(), ref.get_submodule(name).weight), name
+
+
+def test_int4_linear_serves_the_blocks_up_to_bf16_constants(gguf_dir):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(gguf_dir)
+    blocks, _ = W.read_gguf_linears(gguf_dir / "model.gguf", ref.config)
+    b = blocks["model.layers.1.mlp.down_proj"]
+    lin = W.Int4Linear(b, None, torch.bfloat16)
+    exact = b.dequantize()
+    served = lin.dequantized()
+    span = exact.abs().amax(1, keepdim=True)
+    err = ((served - exact).abs() / span).max().item()
+    assert 0 < err <= 2 ** -6  # bf16 rounding of d and m + 8d, nothing more
+    x = torch.randn(5, lin.in_features, dtype=torch.bfloat16)
+    y = lin(x)
+    assert y.shape == (5, lin.out_features) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), x.float() @ served.T, atol=3e-2, rtol=3e-2)
+    rows = torch.cat([lin(x[i:i + 1]) for i in range(5)])  # each row's result ignores the others
+    assert torch.equal(y, rows)
+    with pytest.raises(ValueError, match="out_features % 16"):
+        W.Int4Linear(W.Q4Blocks(b.q[:8], b.d[:8], b.m[:8]))
+
+
+def test_q4_target_replaces_every_linear(q4_target):
+    mods = dict(q4_target.model.named_modules())
+    q4 = [n for n, m in mods.items() if isinstance(m, W.Int4Linear)]
+    assert len(q4) == 14 and q4_target.weights == "q4" and q4_target.dtype == torch.bfloat16
+    assert not any(isinstance(m, torch.nn.Linear) for n, m in mods.items() if ".layers." in n)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_q4_speculative_equals_q4_plain_decoding(q4_target, seed):
+    """T = 0: every method with a random drafter, and an oracle drafter (full accepts, KV compaction),
+    emit exactly the q4 model's own plain decoding (``ar``, same kernels)."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, V - 1) for _ in range(7)]
+    sampling = SamplingParams(max_tokens=30, ignore_eos=True)
+    engine = SpecEngine(q4_target, InprocDrafterClient(tiny_service(q4_target, seed=seed)), max_draft_depth=8)
+
+    def run(eng, method):
+        return [t for o in eng.generate("r", prompt, sampling, SpecParams(method)) for t in o.token_ids]
+
+    ref = run(engine, "ar")
+    for method in METHODS:
+        assert run(engine, method) == ref, method
+    oracle = OracleDrafter({"r": prompt + ref}, depth=4, distractors=2, vocab_size=V, seed=seed)
+    assert run(SpecEngine(q4_target, oracle, max_draft_depth=4), "dartree-pruned") == ref
+
+
+def test_q4_batched_equals_solo(q4_target):
+    rng = random.Random(7)
+    service = tiny_service(q4_target, seed=5)
+    reqs = [(f"r{i}", [rng.randrange(3, V - 1) for _ in range(rng.randrange(3, 20))], METHODS[i % len(METHODS)])
+            for i in range(6)]
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def solo(prompt, method):
+        eng = SpecEngine(q4_target, InprocDrafterClient(service), EngineConfig(max_running=1), max_draft_depth=8)
+        return [t for o in eng.generate("s", prompt, sampling, SpecParams(method)) for t in o.token_ids]
+
+    eng = SpecEngine(q4_target, InprocDrafterClient(service), EngineConfig(max_running=8), max_draft_depth=8)
+    got = {rid: [] for rid, _, _ in reqs}
+    for rid, prompt, method in reqs:
+        eng.add_request(rid, prompt, sampling, SpecParams(method))
+    active = [rid for rid, _, _ in reqs]
+    for _ in range(200):
+        if not active:
+            break
+        for rid, out in eng.step_batch(list(active)).items():
+            assert not isinstance(out, BaseException), out
+            if out is not None:
+                got[rid] += out.token_ids
+                if out.finish_reason is not None:
+                    active.remove(rid)
+    assert not active
+    for rid, prompt, method in reqs:
+        assert got[rid] == solo(prompt, method), (rid, method)
+
+
+def test_q4_needs_a_gguf_and_a_cpu(tmp_path):
+    from services.testing import tiny_causal_lm
+
+    plain = tmp_path / "plain"
+    tiny_causal_lm("llama", hidden_size=64, intermediate_size=128).save_pretrained(plain)
+    assert W.available_formats(plain) == ["float32", "bfloat16"]
+    with pytest.raises(ValueError, match="GGUF"):
+        W.choose_weights("q4", plain)
+    with pytest.raises(ValueError, match="GGUF"):
+        W.load_causal_lm(plain, "q4")
+    with pytest.raises(ValueError, match="CPU only"):
+        W.choose_weights("q4", plain, device="cuda")
+    with pytest.raises(ValueError, match="not supported"):
+        W.choose_weights("int3", plain)
+    assert W.choose_weights("bfloat16", plain) == "bfloat16"
+    assert W.compute_dtype("q4") == torch.bfloat16 and W.compute_dtype("float32") == torch.float32
+
+
+def test_auto_measures_once_then_uses_the_cache(gguf_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    calls = []
+    fake = {"float32": 5.0, "bfloat16": 3.0, "q4": 2.0}
+
+    def timed(model, **kw):
+        fmt = "q4" if any(isinstance(m, W.Int4Linear) for m in model.modules()) else \
+            str(next(model.parameters()).dtype).removeprefix("torch.")
+        calls.append(fmt)
+        return {1: fake[fmt], 9: 2 * fake[fmt]}
+
+    monkeypatch.setattr(W, "time_steps", timed)
+    assert W.choose_weights("auto", gguf_dir) == "q4"
+    assert sorted(calls) == ["bfloat16", "float32", "q4"]
+    saved = json.loads((tmp_path / "cache" / "weights_choice.json").read_text())
+    (entry,) = saved.values()
+    assert entry["choice"] == "q4" and entry["ms"]["float32"]["9-row"] == 10.0
+    fake["float32"] = 0.1  # a second start reads the cache: no new measurement
+    assert W.choose_weights("auto", gguf_dir) == "q4" and len(calls) == 3
+    assert W.choose_weights("auto", gguf_dir, cache=False) == "float32" and len(calls) == 6
+
+
+def test_real_time_steps_runs_on_a_tiny_model(gguf_dir):
+    model = W.load_causal_lm(gguf_dir, "q4")
+    ms = W.time_steps(model, context=8, rows=(1, 3), repeats=2)
+    assert set(ms) == {1, 3} and all(v > 0 for v in ms.values())
+
+
+def test_cli_q4_without_gguf_is_one_line(tmp_path):
+    from services.testing import tiny_causal_lm
+
+    plain = tmp_path / "plain"
+    tiny_causal_lm("llama", hidden_size=64, intermediate_size=128).save_pretrained(plain)
+    r = subprocess.run([sys.executable, "-m", "services.cli", "generate", "hi", "--target", str(plain),
+                        "--weights", "q4", "--max-tokens", "2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("dartree: error: weights 'q4' need")
