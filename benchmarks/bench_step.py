@@ -63,21 +63,6 @@ def engine_stats(engine, ids: list[int], tokens: int, method: str, budget: int |
             "forward_ms": {r: 1000 * _median(v) for r, v in fwd.items()}, "steps": len(walls), "emitted": emitted}
 
 
-def bare_loop_ms(model, ids: list[int], n: int, cache_kw: str) -> float:
-    """ms per token of a minimal HF prefill + argmax loop over a DynamicCache."""
-    from services.hf_compat import new_dynamic_cache
-
-    with torch.inference_mode():
-        cache = new_dynamic_cache(model.config)
-        out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-        tok = out.logits[0, -1].argmax()
-        t0 = time.perf_counter()
-        for _ in range(n - 1):
-            out = model(input_ids=tok.view(1, 1), use_cache=True, **{cache_kw: cache})
-            tok = out.logits[0, -1].argmax()
-        return 1000 * (time.perf_counter() - t0) / (n - 1)
-
-
 def llama_cpp_ms(gguf: Path, ids: list[int], n: int, threads: int) -> dict | None:
     """llama.cpp greedy decode of up to ``n`` tokens after the prompt ``ids`` (ms per token, prompt
     excluded; :func:`benchmarks.bench_llama.llama_turn`, EOS ignored); None when ``llama-cpp-python``
@@ -124,8 +109,10 @@ def measure_format(fmt: str, ids_prompt: str, a, compile: bool = False) -> dict:
     def rows(k: str, r: int) -> float:
         return _median([x["forward_ms"][r] for x in runs[k] if r in x["forward_ms"]])
 
-    bare = _median([bare_loop_ms(engine.target.model, ids, a.tokens, engine.target._cache_kw)
-                    for _ in range(a.repeats)])
+    from benchmarks.bench_ar import bare_loop
+
+    bare = 1000 * _median([bare_loop(engine.target.model, ids, a.tokens, engine.target._cache_kw)
+                           for _ in range(a.repeats)])
     return {"weights": fmt + (" compiled" if compile else ""), "load_s": round(load_s, 1), "ar_ms": round(ar_ms, 2), "ar_tok_s": round(1000 / ar_ms, 1),
             "ar_step_ms": round(step, 2), "ar_forward_ms": round(fwd1, 2),
             "overhead_pct": round(100 * (1 - fwd1 / step), 1),

@@ -128,6 +128,14 @@ def tiny_target(arch: str = "llama", target_layer_ids: list[int] | None = None, 
     return TargetModel(model, target_layer_ids if target_layer_ids is not None else sorted({0, n - 1}))
 
 
+def _randomize(module, std: float) -> None:
+    """Every parameter but the norms' scales ~ N(0, std), in place (tiny random drafters)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.normal_(0.0, std)
+
+
 def tiny_drafter_config(target, *, projector_type: str | None = "domino", block_size: int = 8,
                         shift_label: bool | None = None, num_layers: int = 1, mask_token_id: int | None = None,
                         gru_hidden_dim: int = 16, emb_dim: int = 8):
@@ -158,10 +166,7 @@ def tiny_drafter(target, seed: int = 1, std: float = 0.2, **kw):
 
     torch.manual_seed(seed)
     d = DFlashDrafter(tiny_drafter_config(target, **kw))
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0.0, std)
+    _randomize(d, std)
     return d.to(target.dtype).eval()
 
 
@@ -179,10 +184,7 @@ def tiny_dspark(target, seed: int = 1, std: float = 0.2, rank: int = 8, block_si
                               enable_confidence_head=confidence)
     torch.manual_seed(seed)
     d = DFlashDrafter(cfg)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0.0, std)
+    _randomize(d, std)
     d.copy_target_io(target.embed_tokens().weight.detach().float(), target.lm_head().weight.detach().float())
     return d.to(target.dtype).eval()
 
@@ -204,10 +206,7 @@ def tiny_eagle3(target, seed: int = 1, std: float = 0.2, draft_vocab_size: int |
                      target_layer_ids=list(target.target_layer_ids), depth=depth, top_k=top_k)
     torch.manual_seed(seed)
     d = Eagle3Drafter(c)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.normal_(0.0, std)
+    _randomize(d, std)
     g = torch.Generator().manual_seed(seed)
     d.set_draft_vocab(torch.randperm(target.vocab_size, generator=g)[:n])
     return d.to(target.dtype).eval()

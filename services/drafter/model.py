@@ -147,13 +147,7 @@ class DrafterConfig:
             raise ValueError(f"markov_head_type {kind!r} is not supported (only the released 'vanilla' head)")
         n_layers = cfg.get("num_target_layers", 36)
         return cls(
-            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg["num_key_value_heads"],
-            head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
-            vocab_size=cfg["vocab_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 40960), block_size=cfg.get("block_size", 7),
+            **_backbone_fields(cfg), block_size=cfg.get("block_size", 7),
             num_target_layers=n_layers, target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
             mask_token_id=cfg["mask_token_id"],
             target_layer_ids=list(cfg.get("target_layer_ids") or default_target_layer_ids(n_layers)),
@@ -175,14 +169,7 @@ class DrafterConfig:
         n_layers = cfg.get("num_target_layers", 36)
         layer_ids = dc.get("target_layer_ids") or default_target_layer_ids(n_layers)
         return cls(
-            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
-            num_key_value_heads=cfg["num_key_value_heads"],
-            head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
-            vocab_size=cfg["vocab_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 40960),
-            block_size=cfg.get("block_size", 16), num_target_layers=n_layers,
+            **_backbone_fields(cfg), block_size=cfg.get("block_size", 16), num_target_layers=n_layers,
             target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
             mask_token_id=dc.get("mask_token_id", cfg.get("mask_token_id", 0)), target_layer_ids=list(layer_ids),
             projector_type=proj, shift_label=bool(dc.get("shift_label", False)),
@@ -190,6 +177,18 @@ class DrafterConfig:
             gru_hidden_dim=int(dc.get("gru_hidden_dim", cfg.get("gru_hidden_dim", emb_dim))), emb_dim=int(emb_dim),
             draft_vocab_size=cfg.get("draft_vocab_size"),
         )
+
+
+def _backbone_fields(cfg: dict) -> dict:
+    """The Qwen3-style backbone fields every released drafter config.json spells the same way."""
+    return dict(
+        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
+        vocab_size=cfg["vocab_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 40960))
 
 
 class RMSNorm(nn.Module):
