@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.drafter.service import METHODS
+from services.protocol import DFLASH_METHODS as METHODS  # the methods a DFlash + Domino drafter serves
 from services.testing import REPO, OracleDrafter, tiny_gguf_target_dir, tiny_service
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
