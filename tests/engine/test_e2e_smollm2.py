@@ -47,10 +47,10 @@ NEAR_TIE_FP32 = 0.25
 NEAR_TIE_BF16_ULPS = 4
 
 
-def _build(dtype):
+def _build(dtype, weights=None):
     from services.generate import build_inprocess, encode
 
-    engine, tok, note = build_inprocess(None, None, dtype)
+    engine, tok, note = build_inprocess(None, None, dtype, weights=weights)
     log.info("%s", note)
     return engine, [encode(tok, p, chat=True) for p in PROMPTS]
 
@@ -119,9 +119,12 @@ def _bf16_ulp(x: float) -> float:
     return 2.0 ** (torch.frexp(torch.tensor(abs(x))).exponent.item() - 1 - 7)
 
 
-def test_bf16_divergences_are_near_ties(fp32, record_property):
+@pytest.mark.parametrize("weights", ["bfloat16", "q4"])
+def test_bf16_divergences_are_near_ties(fp32, record_property, weights):
+    """Dense bfloat16 and the GGUF's 4-bit blocks (bf16 activations): every place where
+    dartree-pruned and ar part is a near-tie of the AR run (and of the float32 model)."""
     engine32, _ = fp32
-    engine, prompts = _build(torch.bfloat16)
+    engine, prompts = _build(torch.bfloat16, weights)
     report = []
     for i, ids in enumerate(prompts):
         ar, _ = _generate(engine, f"ar{i}", ids, "ar", BF16_TOKENS)
