@@ -478,21 +478,15 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
         check_drafter_dir(args.drafter)
 
 
-def _resolve_weights(args: argparse.Namespace, target: str) -> str:
-    """The target's concrete weight format, chosen once here so that both workers agree (``auto``
-    measures on this machine, cached; an explicit non-default ``--dtype`` pins it, as before
-    ``--weights`` existed). Raises ValueError (one line) for a format that cannot run here."""
-    from services.weights import choose_weights
+def _resolve_weights(args: argparse.Namespace, target: str) -> tuple[str, str]:
+    """``(format, activation dtype name)`` of the target, chosen once here so that both workers agree
+    (:func:`services.weights.resolve_cli_weights`: ``auto`` measures on this machine, cached; a
+    non-default ``--dtype`` pins it). Raises ValueError (one line) for a format that cannot run here."""
+    from services.weights import resolve_cli_weights
 
-    weights = args.weights
-    if weights == "auto" and args.dtype != "float32":
-        weights = args.dtype
-    return choose_weights(weights, target, args.device)
-
-
-def _dtype_of(fmt: str) -> str:
-    """Activation dtype name of a weight format: the drafter runs in it too."""
-    return "float32" if fmt == "float32" else "bfloat16"
+    fmt, dtype = resolve_cli_weights(args.weights, args.dtype if args.dtype != "float32" else None, target,
+                                     args.device)
+    return fmt, str(dtype).removeprefix("torch.")
 
 
 def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, VerifierWorkerConfig,
@@ -515,7 +509,7 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
     config_from_args(DrafterWorkerConfig, args)  # its tree knobs are checked even when no drafter runs
     preflight(args, use_drafter)
     target = str(resolve_target(args.target))
-    fmt = _resolve_weights(args, target)
+    fmt, act_dtype = _resolve_weights(args, target)
     if not use_drafter and sup.drafter != "none":
         log.warning("no trained drafter found (pass --drafter DIR); serving with plain decoding (method 'ar')")
     rt = None
@@ -528,11 +522,11 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
         gateway = config_from_args(GatewayConfig, args, target=target,
                                    verifier_endpoint=endpoints["verifier_endpoint"],
                                    served_model_name=args.served_model_name or Path(args.target).name)
-        vover = {"target": target, "weights": fmt, "dtype": _dtype_of(fmt), **endpoints}
+        vover = {"target": target, "weights": fmt, "dtype": act_dtype, **endpoints}
         if not use_drafter:
             vover["default_method"] = "ar"
         verifier = config_from_args(VerifierWorkerConfig, args, **vover)
-        drafter = config_from_args(DrafterWorkerConfig, args, target=target, drafter=sup.drafter, dtype=_dtype_of(fmt),
+        drafter = config_from_args(DrafterWorkerConfig, args, target=target, drafter=sup.drafter, dtype=act_dtype,
                                    drafter_endpoint=endpoints["drafter_endpoint"]) if use_drafter else None
     except BaseException:
         if rt is not None:

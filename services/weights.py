@@ -270,15 +270,10 @@ def load_causal_lm(target_dir: str | Path, fmt: str, device: str = "cpu"):
     check_format(fmt, allow_auto=False)
     src = None
     if fmt == "q4":
-        if torch.device(device).type != "cpu":
-            raise ValueError("weights 'q4' run on CPU only (torch's int4 CPU kernel); use bfloat16 on "
-                             f"{device}")
-        if not int4_kernel_available():
-            raise ValueError("weights 'q4' need torch's int4 CPU kernel, missing in this torch build")
+        why = q4_unavailable(target_dir, device)
+        if why:
+            raise ValueError(why)
         src = gguf_source(target_dir)
-        if src is None:
-            raise ValueError(f"weights 'q4' need the target's GGUF file (a *.gguf in {target_dir}, or the "
-                             "default target); use float32 or bfloat16")
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=compute_dtype(fmt),
                                                  attn_implementation="sdpa").to(device).eval()
     if src is not None:
@@ -291,14 +286,22 @@ def load_causal_lm(target_dir: str | Path, fmt: str, device: str = "cpu"):
 
 # ------------------------------------------------------------------------------------ auto choice
 
-def available_formats(target_dir: str | Path, device: str = "cpu") -> list[str]:
-    """Formats that can run here for this target (``q4``: CPU, int4 kernel, a GGUF source)."""
+def q4_unavailable(target_dir: str | Path, device: str = "cpu") -> str | None:
+    """Why ``q4`` cannot run here for this target (one line), or None when it can: it needs a CPU,
+    torch's int4 CPU kernel and the target's GGUF source."""
     if torch.device(device).type != "cpu":
-        return ["float32", "bfloat16"]
-    fmts = ["float32", "bfloat16"]
-    if int4_kernel_available() and gguf_source(target_dir) is not None:
-        fmts.append("q4")
-    return fmts
+        return f"weights 'q4' run on CPU only (torch's int4 CPU kernel); use bfloat16 on {device}"
+    if not int4_kernel_available():
+        return "weights 'q4' need torch's int4 CPU kernel, missing in this torch build"
+    if gguf_source(target_dir) is None:
+        return (f"weights 'q4' need the target's GGUF file (a *.gguf in {target_dir}, or the default target); "
+                "use float32 or bfloat16")
+    return None
+
+
+def available_formats(target_dir: str | Path, device: str = "cpu") -> list[str]:
+    """Formats that can run here for this target (``q4``: see :func:`q4_unavailable`)."""
+    return ["float32", "bfloat16"] + ([] if q4_unavailable(target_dir, device) else ["q4"])
 
 
 def _machine_key(target_dir: Path, threads: int) -> str:
@@ -365,12 +368,9 @@ def choose_weights(requested: str, target_dir: str | Path, device: str = "cpu", 
     check_format(requested)
     target_dir = Path(target_dir)
     if requested != "auto":
-        if requested == "q4":
-            if torch.device(device).type != "cpu":
-                raise ValueError(f"weights 'q4' run on CPU only; use bfloat16 on {device}")
-            if "q4" not in available_formats(target_dir, device):
-                raise ValueError(f"weights 'q4' need the target's GGUF file and torch's int4 CPU kernel "
-                                 f"({target_dir} has no GGUF source); use float32 or bfloat16")
+        why = q4_unavailable(target_dir, device) if requested == "q4" else None
+        if why:
+            raise ValueError(why)
         return requested
     if torch.device(device).type != "cpu":
         return "bfloat16"

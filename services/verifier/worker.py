@@ -548,12 +548,12 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     from services.verifier.engine import EngineConfig, SpecEngine
     from services.verifier.target import TargetModel
 
-    from services.weights import choose_weights
+    from services.weights import resolve_cli_weights
 
     target_dir = resolve_target(config.target)
     layer_ids = list(drafter.target_layer_ids) if drafter and drafter.target_layer_ids else None
-    weights = config.weights if config.weights != "auto" or config.dtype == "float32" else config.dtype
-    weights = choose_weights(weights, target_dir, config.device)  # the supervisor passes a concrete one
+    weights, _ = resolve_cli_weights(config.weights, config.dtype if config.dtype != "float32" else None,
+                                     target_dir, config.device)  # the supervisor passes a concrete one
     target = TargetModel.from_pretrained(target_dir, layer_ids, dtype=getattr(torch, config.dtype),
                                          device=config.device, weights=weights)
     if drafter is not None and drafter.feature_dim and drafter.feature_dim != target.feature_dim:

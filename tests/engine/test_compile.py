@@ -14,6 +14,7 @@ import torch
 from services.testing import tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from tests.engine.test_batched import _run_batched
 
 pytestmark = pytest.mark.slow
 V = 128
@@ -37,19 +38,10 @@ def test_compiled_steps_equal_eager_steps():
     for (i, m), want in ref.items():
         assert _tokens(compiled, f"c{i}{m}", prompts[i], m) == want, (i, m)
     # batched steps through the compiled graphs: three requests at once equal each alone
-    for i, p in enumerate(prompts):
-        compiled.add_request(f"b{i}", p, SamplingParams(max_tokens=16, ignore_eos=True), SpecParams("dartree-pruned"))
-    got = {f"b{i}": [] for i in range(3)}
-    active = list(got)
-    for _ in range(100):
-        if not active:
-            break
-        for rid, out in compiled.step_batch(list(active)).items():
-            assert not isinstance(out, BaseException), out
-            if out is not None:
-                got[rid] += out.token_ids
-                if out.finish_reason is not None:
-                    active.remove(rid)
+    sampling = SamplingParams(max_tokens=16, ignore_eos=True)
+    got, sizes = _run_batched(compiled, {0: [(f"b{i}", p, sampling, SpecParams("dartree-pruned"))
+                                             for i, p in enumerate(prompts)]})
+    assert max(sizes) == 3
     assert [got[f"b{i}"] for i in range(3)] == [ref[(i, "dartree-pruned")] for i in range(3)]
     # the reference (HF) paths of the target stay eager and still work after compiled steps
     assert torch.isfinite(target.teacher_forced(prompts[0])[1]).all()

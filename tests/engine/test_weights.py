@@ -23,6 +23,7 @@ from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
 from services.verifier.target import TargetModel
 from services import weights as W
+from tests.engine.test_batched import _run_batched
 
 pytestmark = pytest.mark.skipif(not W.int4_kernel_available(), reason="torch without the int4 CPU kernel")
 V = 128
@@ -124,20 +125,8 @@ def test_q4_batched_equals_solo(q4_target):
         return [t for o in eng.generate("s", prompt, sampling, SpecParams(method)) for t in o.token_ids]
 
     eng = SpecEngine(q4_target, InprocDrafterClient(service), EngineConfig(max_running=8), max_draft_depth=8)
-    got = {rid: [] for rid, _, _ in reqs}
-    for rid, prompt, method in reqs:
-        eng.add_request(rid, prompt, sampling, SpecParams(method))
-    active = [rid for rid, _, _ in reqs]
-    for _ in range(200):
-        if not active:
-            break
-        for rid, out in eng.step_batch(list(active)).items():
-            assert not isinstance(out, BaseException), out
-            if out is not None:
-                got[rid] += out.token_ids
-                if out.finish_reason is not None:
-                    active.remove(rid)
-    assert not active
+    got, sizes = _run_batched(eng, {0: [(rid, prompt, sampling, SpecParams(method)) for rid, prompt, method in reqs]})
+    assert max(sizes) == len(reqs)  # all six shared a step
     for rid, prompt, method in reqs:
         assert got[rid] == solo(prompt, method), (rid, method)
 
