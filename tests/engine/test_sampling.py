@@ -18,6 +18,18 @@ PROMPT = [1, 5, 3]
 Z_999 = 3.090232  # standard normal quantile at 1 - 0.001
 
 
+def assert_target_distribution(counts, model) -> float:
+    """``counts`` (first tokens, pairs) match the target's exact T = 1 joint (chi-square, >= 30 df) and
+    reject two plausible wrong ones by a wide margin (the test's power). Returns the statistic."""
+    stat, df = chi2_stat(counts, exact_joint(model))
+    assert df >= 30
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > critical {chi2_critical(df):.1f} (df {df})"
+    for wrong in (exact_joint(model, parent_row_bug=True), exact_joint(model, temperature=0.8)):
+        stat_w, df_w = chi2_stat(counts, wrong)
+        assert stat_w > 2 * chi2_critical(df_w), f"wrong distribution not rejected: {stat_w:.1f} (df {df_w})"
+    return stat
+
+
 def chi2_critical(df: int) -> float:
     """Chi-square critical value at p = 0.001 (Wilson-Hilferty: within 2% of the exact value for df >= 4,
     slightly above it for small df, i.e. conservative)."""
@@ -87,13 +99,7 @@ def test_first_three_tokens_match_plain_sampling(target, drafter):
     counts = sample_counts(engine, n, 3, temperature=1.0)
     if drafter == "full-tree":
         assert all(c.tree.num_nodes == V + V * V for c in client.calls)
-    stat, df = chi2_stat(counts, exact_joint(target.model))
-    assert df >= 30
-    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > critical {chi2_critical(df):.1f} (df {df})"
-    # Power: the same samples reject plausible wrong distributions by a wide margin.
-    for wrong in (exact_joint(target.model, parent_row_bug=True), exact_joint(target.model, temperature=0.8)):
-        stat_w, df_w = chi2_stat(counts, wrong)
-        assert stat_w > 2 * chi2_critical(df_w), f"wrong distribution not rejected: {stat_w:.1f} (df {df_w})"
+    assert_target_distribution(counts, target.model)
     assert engine.num_active() == 0 and client.num_contexts() == 0
 
 
