@@ -1,8 +1,16 @@
 """Self-distillation data: the target's own greedy and sampled continuations of training prompts.
 
-Batched generation (left padding, bf16 on CPU), written in shards under ``out_dir`` and resumable:
-a shard that exists is skipped. Each shard is a list of ``{"uid", "prompt_ids", "response_ids",
-"sampled"}`` (response cut after the first EOS, EOS kept).
+Two backends, written in shards under ``out_dir`` and resumable (a shard that exists is skipped):
+
+- ``--backend engine`` (default): our batched engine (:class:`~services.verifier.engine.SpecEngine`,
+  method ``ar``) with continuous batching across shards: ``--batch-size`` requests in flight, a finished
+  request's slot goes to the next prompt at once, a shard is written when its last request ends.
+  ``--weights`` picks the target format (:mod:`services.weights`; ``q4`` is what ``auto`` serves on
+  this CPU, so the data is on-policy for the served model).
+- ``--backend hf``: ``transformers`` ``generate`` per shard (left padding, ``--dtype``).
+
+Each shard is a list of ``{"uid", "prompt_ids", "response_ids", "sampled", "backend"}`` (response cut
+after the first EOS, EOS kept; ``backend`` e.g. ``engine:q4`` or ``hf:bfloat16``).
 """
 
 from __future__ import annotations
@@ -49,8 +57,62 @@ def generate_shard(model, tok, batch: list[tuple[str, list[int]]], max_new_token
         resp = out[i, width:].tolist()
         if tok.eos_token_id in resp:
             resp = resp[:resp.index(tok.eos_token_id) + 1]
-        rows.append({"uid": uid, "prompt_ids": p, "response_ids": resp, "sampled": sampled})
+        rows.append({"uid": uid, "prompt_ids": p, "response_ids": resp, "sampled": sampled,
+                     "backend": f"hf:{str(model.dtype).removeprefix('torch.')}"})
     return rows
+
+
+def generate_engine(engine, shards: dict[int, list[tuple[str, list[int]]]], max_new_tokens: int,
+                    sampled_every: int, in_flight: int, on_shard) -> None:
+    """Continuous batching over many shards with :class:`SpecEngine` (method ``ar``).
+
+    Args:
+        engine: a ``SpecEngine`` with at least ``in_flight`` KV slots (no drafter needed).
+        shards: shard index -> its (uid, prompt_ids) batch, in the order to generate.
+        sampled_every: shard ``b`` is sampled at T = 1 (seed ``b * 1000 + i``) when ``b % sampled_every
+            == 0``, else greedy; the same rule as the ``hf`` backend.
+        on_shard: called ``on_shard(b, rows)`` as soon as shard ``b``'s last request finishes; rows
+            in the shard's prompt order.
+    Raises:
+        whatever a step raised for a request (the run stops; finished shards are already written).
+    """
+    from services.verifier.engine import SamplingParams, SpecParams
+
+    eos = engine.eos_token_ids[0] if engine.eos_token_ids else None
+    queue = [(b, i) for b in shards for i in range(len(shards[b]))]
+    queue.reverse()  # pop() from the end = shard order
+    pending = {b: [None] * len(batch) for b, batch in shards.items()}
+    live: dict[str, tuple[int, int, list[int]]] = {}
+    backend = f"engine:{engine.target.weights}"
+    n = 0
+    while queue or live:
+        while queue and len(live) < in_flight:
+            b, i = queue.pop()
+            uid, p = shards[b][i]
+            sampled = b % sampled_every == 0
+            rid = f"{b}-{i}-{n}"
+            n += 1
+            engine.add_request(rid, p, SamplingParams(max_tokens=max_new_tokens, temperature=1.0 if sampled else 0.0,
+                                                      seed=b * 1000 + i),
+                               SpecParams("ar"))
+            live[rid] = (b, i, [])
+        for rid, out in engine.step_batch(list(live)).items():
+            if isinstance(out, BaseException):
+                raise out
+            if out is None:
+                continue
+            b, i, toks = live[rid]
+            toks += out.token_ids
+            if out.finish_reason is None:
+                continue
+            del live[rid]
+            if out.finish_reason == "stop" and eos is not None:
+                toks.append(eos)
+            uid, p = shards[b][i]
+            pending[b][i] = {"uid": uid, "prompt_ids": p, "response_ids": toks,
+                             "sampled": b % sampled_every == 0, "backend": backend}
+            if all(r is not None for r in pending[b]):
+                on_shard(b, pending.pop(b))
 
 
 LAYOUT_KEYS = ("num_prompts", "batch_size", "max_prompt_tokens", "max_new_tokens", "sampled_every")
@@ -84,46 +146,70 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
     ap.add_argument("--sampled-every", type=int, default=5, help="every k-th batch is sampled at T=1")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--backend", choices=("engine", "hf"), default="engine",
+                    help="engine: our batched engine, continuous batching (default); hf: transformers generate")
+    ap.add_argument("--in-flight", type=int, default=0,
+                    help="engine backend: requests decoding at once (default: --batch-size; not part of the layout)")
+    ap.add_argument("--weights", default="float32",
+                    help="engine backend: the target's weight format (float32, bfloat16, q4, auto)")
+    ap.add_argument("--dtype", default="bfloat16", help="hf backend: the model's dtype")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: 0 = torch's)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from services.models.registry import resolve_target
 
     path = resolve_target(a.target)
     tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, a.dtype)).eval()
     prompts = load_train(a.num_prompts)
     enc = [(p.uid, encode_prompt(tok, p, a.max_prompt_tokens)) for p in prompts]
     enc.sort(key=lambda x: len(x[1]))  # batch similar lengths together: less padding
     batches = [enc[i:i + a.batch_size] for i in range(0, len(enc), a.batch_size)]
-    order = list(range(len(batches)))
-    torch.Generator().manual_seed(0)
-    order = [order[i] for i in torch.randperm(len(order), generator=torch.Generator().manual_seed(0)).tolist()]
+    order = [int(i) for i in torch.randperm(len(batches), generator=torch.Generator().manual_seed(0)).tolist()]
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     check_layout(out, a)
+    todo = [b for b in order if not (out / f"shard_{b:05d}.pt").exists()]
+    print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}, {len(todo)} to generate "
+          f"({a.backend} backend)", flush=True)
     t0, new_tokens = time.time(), 0
-    todo = sum(not (out / f"shard_{b:05d}.pt").exists() for b in order)
-    print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}, {todo} to generate", flush=True)
-    bar = tqdm(order, desc="datagen", mininterval=60)
-    for b in bar:
+    bar = tqdm(total=len(todo), desc="datagen", mininterval=60)
+
+    def save(b: int, rows: list[dict]) -> None:
+        nonlocal new_tokens
         shard = out / f"shard_{b:05d}.pt"
-        if shard.exists():
-            continue
-        rows = generate_shard(model, tok, batches[b], a.max_new_tokens, sampled=(b % a.sampled_every == 0), seed=b)
         tmp = shard.with_suffix(".tmp")
         torch.save(rows, tmp)
         tmp.rename(shard)
         n_new = sum(len(r["response_ids"]) for r in rows)
         new_tokens += n_new
         rate = new_tokens / (time.time() - t0)
-        print(f"[datagen] {time.strftime('%H:%M:%S')} shard {b} ({'T=1' if b % a.sampled_every == 0 else 'greedy'}): "
-              f"{n_new} new tokens; this run {new_tokens} tokens, {rate:.1f} tok/s", flush=True)
+        print(f"[datagen] {time.strftime('%H:%M:%S')} shard {b} ({'T=1' if rows[0]['sampled'] else 'greedy'}, "
+              f"{rows[0]['backend']}): {n_new} new tokens; this run {new_tokens} tokens, {rate:.1f} tok/s", flush=True)
+        bar.update(1)
         bar.set_postfix(tok_s=f"{rate:.0f}", new_tokens=new_tokens)
+
+    if a.backend == "engine":
+        from services.verifier.engine import EngineConfig, SpecEngine
+        from services.verifier.target import TargetModel
+        from services.weights import choose_weights
+
+        weights = choose_weights(a.weights, path)
+        target = TargetModel.from_pretrained(path, weights=weights)
+        in_flight = a.in_flight or a.batch_size
+        target.pack_for_steps(1, 1, in_flight)
+        engine = SpecEngine(target, None, EngineConfig(max_running=in_flight,
+                                                       max_context=a.max_prompt_tokens + a.max_new_tokens),
+                            max_draft_depth=1)
+        generate_engine(engine, {b: batches[b] for b in todo}, a.max_new_tokens, a.sampled_every, in_flight, save)
+        return
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, a.dtype)).eval()
+    for b in todo:
+        save(b, generate_shard(model, tok, batches[b], a.max_new_tokens, sampled=(b % a.sampled_every == 0), seed=b))
 
 
 if __name__ == "__main__":
