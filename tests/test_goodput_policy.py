@@ -14,9 +14,11 @@ from services.testing import random_tree
 from services.tree import DraftTree
 from services.tree.draft_tree import tree_from_parents
 from services.verifier.calibration import AcceptanceCalibrator, accepted_labels, prefix_gains
-from services.verifier.cost_model import StepCostModel, calibration_sweep, load_cached, save_cached
+from services.verifier.cost_model import (StepCostModel, cache_key, calibration_sweep, load_cached, plausible,
+                                          save_cached)
 from services.verifier.engine import StepStats
-from services.verifier.policy import Drafted, FixedPolicy, GoodputPolicy, RoundInfo, make_policy, truncate_tree
+from services.verifier.policy import (Drafted, FixedPolicy, GoodputPolicy, RoundInfo, goodput_with_sweep, make_policy,
+                                      truncate_tree)
 
 
 # --------------------------------------------------------------------------------------- cost model
@@ -83,6 +85,56 @@ def test_calibration_sweep_and_cache(tmp_path):
     m = StepCostModel()
     m.seed(samples)
     assert m.coefficients() == (pytest.approx(0.005), pytest.approx(0.001))
+
+
+def test_plausible_rejects_a_sweep_taken_under_load():
+    good = [(1, 0.028), (4, 0.035), (9, 0.05), (17, 0.08), (33, 0.15)]
+    assert plausible(good)
+    # the cache this repo once wrote for q4: 9 and 17 rows 3 s (another process had the core)
+    assert not plausible([(1, 0.213), (4, 0.227), (9, 3.008), (17, 3.289), (33, 0.711)])
+    assert not plausible([(1, 0.05), (9, 0.01)])          # more rows far cheaper than fewer
+    assert not plausible([(1, 0.0), (9, 0.01)])
+
+
+def test_isotonic_table_is_not_lifted_by_one_slow_row_count():
+    m = StepCostModel()
+    m.seed([(1, 0.03), (9, 0.30), (17, 0.08), (33, 0.40)])  # one slow sample at 9 rows
+    ys = [m.forward_seconds(r) for r in (1, 9, 17, 33, 40)]
+    assert ys == sorted(ys)                                # non-decreasing
+    assert m.forward_seconds(9) == pytest.approx(0.19)     # pooled with 17 (a running max: 0.30)
+    assert m.forward_seconds(17) == pytest.approx(0.19) and m.forward_seconds(33) == pytest.approx(0.40)
+    m.observe_forward(9, 0.05)                             # the table is refitted after a sample
+    assert m.forward_seconds(9) < 0.19
+
+
+def test_poisoned_or_stale_cache_is_swept_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path))
+    true = {r: 0.02 + 0.004 * r for r in (1, 4, 9, 17, 33)}
+    calls = []
+
+    def run(rows):
+        calls.append(rows)
+        return true[rows]
+
+    save_cached("k", [(1, 0.213), (4, 0.227), (9, 3.0), (17, 3.3), (33, 0.71)])  # implausible
+    pol = goodput_with_sweep(run, "k")
+    assert pol.cost.forward_seconds(9) == pytest.approx(true[9])
+    assert load_cached("k") == [(r, pytest.approx(t)) for r, t in sorted(true.items())]
+    save_cached("k", [(r, 2 * t) for r, t in true.items()])  # plausible but 2x slower than now
+    calls.clear()
+    pol = goodput_with_sweep(run, "k")
+    assert set(calls) == set(true)                         # re-timed, then swept again
+    assert pol.cost.forward_seconds(17) == pytest.approx(true[17])
+    calls.clear()
+    goodput_with_sweep(run, "k")                           # a valid cache: only the two checks
+    assert set(calls) == {1, 33}
+
+
+def test_implausible_sweep_is_retaken_and_never_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path))
+    goodput_with_sweep(lambda rows: 0.5 if rows == 9 else 0.01, "busy")
+    assert load_cached("busy") is None
+    assert "threads 2" in cache_key("m", "q4", "cpu", 2) and cache_key("m", "q4", "cpu", 1) != cache_key("m", "q4", "cpu", 2)
 
 
 # --------------------------------------------------------------------------------------- calibration

@@ -100,6 +100,7 @@ class AcceptanceCalibrator:
     _acc: dict = field(default_factory=dict)   # regime -> [Dd, Q] weighted accepted counts
     _tot: dict = field(default_factory=dict)   # regime -> [Dd, Q] weighted observations
     _req: dict = field(default_factory=dict)   # request id -> _RequestScale
+    _cell_cache: dict = field(default_factory=dict, repr=False)  # id(tree) -> (tree, d, s): forecasts reuse a tree
 
     def __post_init__(self) -> None:
         if self.max_depth_bucket < 1 or self.prior_weight <= 0:
@@ -112,9 +113,15 @@ class AcceptanceCalibrator:
 
     # ------------------------------------------------------------------ cells
     def _cells(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        hit = self._cell_cache.get(id(tree))
+        if hit is not None and hit[0] is tree:  # the policy re-reads a request's last tree every step
+            return hit[1], hit[2]
         d = (tree.depths.clamp(min=1, max=self.max_depth_bucket) - 1).long()
         q = torch.exp(tree.scores.double().clamp(max=0.0)).tolist()
         s = torch.tensor([bisect.bisect_left(Q_EDGES, v) for v in q], dtype=torch.long)
+        if len(self._cell_cache) >= 1024:
+            self._cell_cache.clear()
+        self._cell_cache[id(tree)] = (tree, d, s)
         return d, s
 
     def _table(self, regime: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,8 @@ Pure (no torch, no models). A step costs
     + overhead = o * (requests)      (walk, commit, emit per request)
 
 ``table`` holds a moving average of the measured seconds per row count and interpolates
-piecewise-linearly between the row counts it has seen (made non-decreasing in R): on a CPU the
+piecewise-linearly between the row counts it has seen (made non-decreasing in R by isotonic
+regression, so one slow sample lifts its neighbours' average instead of every larger row count): on a CPU the
 first extra row is expensive (one row runs a GEMV, more rows a GEMM; pre-packed GEMM weights for
 some row counts) and the next dozens nearly free, which no straight line captures. Beyond the
 largest row count seen, and while fewer than two row counts are known, the line ``a + b * R``
@@ -23,6 +24,7 @@ step time" with a linear batch-time model).
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -59,6 +61,7 @@ class StepCostModel:
     samples: int = 0
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w x, w y, w x^2, w x y
     _table: dict = field(default_factory=dict)                   # rows -> moving average of seconds
+    _hull: tuple | None = field(default=None, repr=False)        # (xs, ys, a, b) until the next sample
 
     def __post_init__(self) -> None:
         if not 0 < self.forget <= 1 or not 0 < self.ema <= 1:
@@ -81,6 +84,7 @@ class StepCostModel:
         self.samples += 1
         old = self._table.get(rows)
         self._table[rows] = y if old is None else (1 - self.table_ema) * old + self.table_ema * y
+        self._hull = None
 
     def observe_draft(self, seconds_per_request: float) -> None:
         """Add one measured drafter time (draft + tree build) of one drafting request."""
@@ -109,21 +113,32 @@ class StepCostModel:
         return max(my - b * mx, 0.0), b
 
     # ------------------------------------------------------------ prediction
+    def _fit(self) -> tuple[list[int], list[float], float, float]:
+        """``(xs, ys, a, b)``: the table's row counts with their isotonic (non-decreasing, pool
+        adjacent violators) seconds, and the line; cached until the next sample."""
+        if self._hull is None:
+            xs = sorted(self._table)
+            blocks: list[list[float]] = []  # [sum, count]
+            for x in xs:
+                blocks.append([self._table[x], 1.0])
+                while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                    s, n = blocks.pop()
+                    blocks[-1][0] += s
+                    blocks[-1][1] += n
+            ys = [s / n for s, n in blocks for _ in range(int(n))]
+            self._hull = (xs, ys, *self.coefficients())
+        return self._hull
+
     def forward_seconds(self, rows: int) -> float:
         """Predicted forward seconds for ``rows`` rows (table interpolation, else the line)."""
-        a, b = self.coefficients()
-        if len(self._table) < 2:
+        xs, ys, a, b = self._fit()
+        if len(xs) < 2:
             return a + b * max(rows, 0)
-        xs = sorted(self._table)
-        ys, top = [], 0.0
-        for x in xs:  # non-decreasing in rows
-            top = max(top, self._table[x])
-            ys.append(top)
         if rows <= xs[0]:
             return ys[0]
         if rows >= xs[-1]:
             return ys[-1] + b * (rows - xs[-1])
-        i = next(k for k, x in enumerate(xs) if x >= rows)
+        i = bisect.bisect_left(xs, rows)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
 
@@ -169,9 +184,37 @@ def calibration_sweep(run_rows: Callable[[int], float], rows: Iterable[int] = SW
     return out
 
 
-def cache_key(model: str, dtype: str, device: str) -> str:
-    """Key of a cached sweep: machine (host, CPU count, processor) / model / dtype / device."""
-    return f"{platform.node()}|{os.cpu_count()}|{platform.processor() or platform.machine()}|{model}|{dtype}|{device}"
+def plausible(samples: list[tuple[int, float]], slack: float = 1.5) -> bool:
+    """Whether a sweep looks like one machine's steady speed: more rows never take less than 2/3 of
+    fewer rows' time, nor more than ``slack`` x (the fewer rows' time scaled by the row ratio): R rows
+    in one forward cost at most R separate forwards. A sweep taken while another process stole the
+    core, or a first-call compile, breaks one of the two."""
+    pts = sorted(samples)
+    for (r0, t0), (r1, t1) in zip(pts, pts[1:]):
+        if t0 <= 0 or t1 < t0 / slack or t1 > slack * t0 * r1 / r0:
+            return False
+    return all(t > 0 for _, t in pts)
+
+
+def still_valid(samples: list[tuple[int, float]], run_rows: Callable[[int], float], tol: float = 0.35,
+                repeats: int = 3) -> bool:
+    """Re-time the smallest and the largest row count of a cached sweep (a warm-up and ``repeats``
+    calls each, median): False when either is off by more than ``tol`` (relative), e.g. the cache was
+    taken under load or the machine changed speed."""
+    pts = sorted(samples)
+    for r, t in (pts[0], pts[-1]):
+        run_rows(r)
+        times = sorted(run_rows(r) for _ in range(max(repeats, 1)))
+        if abs(times[len(times) // 2] - t) > tol * t:
+            return False
+    return True
+
+
+def cache_key(model: str, dtype: str, device: str, threads: int | None = None) -> str:
+    """Key of a cached sweep: machine (host, CPU count, processor) / model / dtype / device / intra-op
+    threads (a sweep at 2 threads says nothing about 1)."""
+    key = f"{platform.node()}|{os.cpu_count()}|{platform.processor() or platform.machine()}|{model}|{dtype}|{device}"
+    return key if threads is None else f"{key}|threads {threads}"
 
 
 def default_cache_path() -> Path:

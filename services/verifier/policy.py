@@ -389,18 +389,30 @@ def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sw
     seconds), taken from the per-machine cache under ``key`` when one is there (issue 13, item 1).
 
     The sweep takes a few seconds (5 row counts, a warm-up and 3 timed forwards each) and is logged.
+    A cached sweep is used only while it is :func:`~services.verifier.cost_model.plausible` and
+    :func:`~services.verifier.cost_model.still_valid` (two row counts re-timed, ~0.5 s); a fresh
+    sweep that is not plausible is retaken (3 tries) and then used but not cached.
     """
-    from services.verifier.cost_model import calibration_sweep, load_cached, save_cached
+    from services.verifier.cost_model import calibration_sweep, load_cached, plausible, save_cached, still_valid
 
     policy = GoodputPolicy(max_budget=max_budget, **kw)
     if not sweep:
         return policy
     samples = load_cached(key)
     source = "cache"
+    if samples is not None and not (plausible(samples) and still_valid(samples, time_forward)):
+        log.info("cached step-cost sweep no longer matches this machine's speed: sweeping again")
+        samples = None
     if samples is None:
-        samples = calibration_sweep(time_forward)
-        save_cached(key, samples)
         source = "sweep"
+        for _ in range(3):  # a sweep disturbed by another process is retaken, and never cached
+            samples = calibration_sweep(time_forward)
+            if plausible(samples):
+                save_cached(key, samples)
+                break
+        else:
+            source = "sweep, implausible (machine busy?): not cached; online samples will correct it"
+            log.warning("step-cost sweep stayed implausible after 3 tries: %s", samples)
     policy.cost.seed(samples)
     a, b = policy.cost.coefficients()
     log.info("step cost model (%s): forward = %.2f ms + %.3f ms/row (%s)", source, a * 1e3, b * 1e3,
@@ -419,7 +431,8 @@ def attach_policy(engine, name: str, model: str, dtype: str, device: str = "cpu"
     from services.verifier.cost_model import cache_key
 
     if name == "goodput":
-        engine.policy = goodput_with_sweep(engine.time_forward, cache_key(model, dtype, device), max_budget, sweep)
+        key = cache_key(model, dtype, device, torch.get_num_threads())
+        engine.policy = goodput_with_sweep(engine.time_forward, key, max_budget, sweep)
     else:
         engine.policy = make_policy(name)
     log.info("speculation policy: %s", engine.policy.name)
