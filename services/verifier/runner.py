@@ -7,6 +7,8 @@ alike); only attention is ours, registered with transformers' ``AttentionInterfa
 (:func:`services.hf_compat.register_slot_attention`): it writes the step's K/V rows into their
 slots, reads each request's slot up to the step's (bucketed) KV length, and runs
 ``F.scaled_dot_product_attention`` on a padded ``[n, Hq, R_max, Dh]`` view with per-request masks.
+A step of one request skips the row gather and scatter: SDPA on the HF query as is (same KV
+length and mask, so the same sums as the padded path).
 Attention work therefore scales with the longest context *in the step* (rounded up to
 ``kv_bucket``), never with the configured capacity. A forward without step metadata (the HF
 reference paths of :class:`TargetModel`) falls through to transformers' SDPA.
@@ -64,8 +66,14 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
     step = getattr(_ACTIVE, "step", None)
     if step is None:
         return hf_compat.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
-    cache, p = step
+    cache, p, single = step
     cache.write(layer, p.write_slot, p.write_pos, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    if single is not None:  # one request: its rows in order, no gather / scatter
+        length, mask = single
+        k, v = cache.read(layer, p.slots, length)  # [1, Hkv, L, Dh]
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=kwargs.get("scaling"),
+                                             enable_gqa=k.shape[1] != query.shape[1])
+        return out.transpose(1, 2), None
     k, v = cache.read(layer, p.slots, p.kv_length)  # [n, Hkv, L, Dh]
     safe = p.row_index.clamp(min=0)
     q = query[0].transpose(0, 1)[safe].transpose(1, 2)  # [n, Hq, Rm, Dh]
@@ -148,8 +156,11 @@ class ModelRunner:
         p = PackedRows(**{f: (getattr(p, f).to(dev) if isinstance(getattr(p, f), Tensor) else getattr(p, f))
                           for f in PackedRows.__dataclass_fields__})
         keep = logit_rows.to(dev) if logit_rows is not None else torch.arange(p.input_ids.numel(), device=dev)
+        # one segment (a lone request): no gather / scatter of rows. Same KV length and mask as the
+        # padded path (an exact length would change SDPA's bf16 sums: plain rounds vs verify rows)
+        single = (p.kv_length, p.attn_mask) if p.row_index.shape[0] == 1 else None
         t0 = time.perf_counter()
-        _ACTIVE.step = (self.cache, p)
+        _ACTIVE.step = (self.cache, p, single)
         try:
             out = self._forward(input_ids=p.input_ids[None], position_ids=p.positions[None],
                                 attention_mask=None, use_cache=False, logits_to_keep=keep)
