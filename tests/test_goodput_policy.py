@@ -287,6 +287,42 @@ def test_expensive_drafter_is_never_called_after_exploring():
     assert budgets.count(-1) == 40, budgets
 
 
+def _drive_timed(pol, rounds, draft_s, step_s=0.02, rid="t"):
+    """Like :func:`_drive` with a useless drafter, reporting measured times: a drafting step waits
+    ``draft_s`` for the drafter. Returns (rounds that called the drafter, total wall seconds)."""
+    called, wall = [], 0.0
+    tree = _tree()
+    for k in range(rounds):
+        info = RoundInfo(rid, "dartree-pruned", 0.0, can_draft=True)
+        pol.begin_step([info])
+        drafted = pol.draft_spec(rid, _Spec(), None) is not None
+        sel = pol.select([Drafted(info, tree if drafted else DraftTree.empty(), drafted)])[rid]
+        pol.observe_round(rid, [99] * (tree.max_depth + 1))
+        w = step_s + (draft_s if drafted else 0.0)
+        wall += w
+        pol.observe_step(StepStats(1, 1 + sel.budget, 0, step_s, draft_s if drafted else 0.0,
+                                   draft_s if drafted else 0.0, decoding=1, drafting=int(drafted), wall_seconds=w))
+        if drafted:
+            called.append(k)
+    return called, wall
+
+
+def test_exploration_time_is_capped_at_a_fraction_of_the_wall_time():
+    # a drafter whose calls (context catch-up included) cost 5 steps and never pay
+    pol = _policy(draft_s=0.1)
+    pol.explore_fraction = 0.01
+    called, wall = _drive_timed(pol, 3000, draft_s=0.1)
+    assert called[0] == 0 and len(called) >= 2                 # the first draft, then explorations go on ...
+    assert len(called) * 0.1 <= 0.01 * wall + 0.1 + 1e-9, (called, wall)  # ... within 1 % of the time (+ one call)
+    # without the cap, the doubling interval alone explores every 64 rounds: 5 steps' time each
+    free = _policy(draft_s=0.1)
+    free.explore_fraction = 1.0
+    called_free, wall_free = _drive_timed(free, 3000, draft_s=0.1)
+    assert len(called_free) * 0.1 > 0.02 * wall_free, (called_free, wall_free)
+    with pytest.raises(ValueError):
+        GoodputPolicy(explore_fraction=1.5)
+
+
 def test_batch_selection_prefers_likely_nodes_and_respects_explicit_budgets():
     pol = _policy(draft_s=0.0)
     good, bad = _tree(seed=1), _tree(seed=2)

@@ -21,7 +21,8 @@ Two policies (``--spec-policy``):
   :class:`StepCostModel` (forward ``a + b * rows``, a drafter call per drafting request, a
   per-request overhead). Before drafting it predicts each request's gain from its last tree and
   lets only requests whose draft pays for itself call the drafter (plus an exploration draft every
-  ``explore_every`` rounds, so a recovering drafter is noticed); after drafting it adds nodes in
+  ``explore_every`` rounds, backing off while they do not pay and capped at ``explore_fraction`` of
+  the wall time, so a recovering drafter is noticed at a bounded cost); after drafting it adds nodes in
   descending calibrated P while a node's P per marginal row second beats the step's current
   tokens per second (the ratio rises exactly while that holds). Requests that set
   ``speculative.budget`` keep their whole tree (explicit values win).
@@ -162,6 +163,11 @@ class GoodputPolicy:
             from its regime's current one, so a drafter that does not pay at this load is not
             re-explored by every arriving request.
         explore_max: the longest exploration interval.
+        explore_fraction: drafter calls made regardless of the forecast (explorations, and a
+            regime's first draft) may take at most this fraction of the wall time the policy has
+            seen (their measured drafter wait, catch-up of the context included); a due exploration
+            beyond it waits. So a drafter that never pays costs at most ~this fraction of plain
+            decoding's speed, whatever the load and the length of the contexts it must catch up.
         optimism: the forecast before drafting uses calibrated P plus this many posterior standard
             deviations (an upper confidence bound), so a map made pessimistic by a few unlucky rounds
             is retried instead of trusted; the cut after drafting uses the plain posterior mean.
@@ -173,16 +179,22 @@ class GoodputPolicy:
 
     def __init__(self, cost: StepCostModel | None = None, calibrator: AcceptanceCalibrator | None = None,
                  max_budget: int | None = None, explore_every: int = 16, explore_max: int = 128,
-                 optimism: float = 0.5):
+                 optimism: float = 0.5, explore_fraction: float = 0.01):
         if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
             raise ValueError(f"max_budget must be in [1, {MAX_BUDGET}] (got {max_budget})")
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1 (got {explore_every})")
+        if not 0 <= explore_fraction <= 1:
+            raise ValueError(f"explore_fraction must be in [0, 1] (got {explore_fraction})")
         self.cost = cost or StepCostModel()
         self.cal = calibrator or AcceptanceCalibrator()
         self.max_budget, self.explore_every = max_budget, explore_every
         self.explore_max = max(explore_max, explore_every)
         self.optimism = optimism
+        self.explore_fraction = explore_fraction
+        self._wall = 0.0          # seconds of steps seen
+        self._explore_s = 0.0     # drafter seconds of calls made regardless of the forecast
+        self._unforecast = 0      # such calls in the current step
         self._regime_tree: dict[str, DraftTree] = {}  # the last tree of each method / regime (new requests' forecast)
         self._regime_interval: dict[str, int] = {}  # the exploration interval of each method / regime
         self._req: dict[str, _ReqState] = {}
@@ -230,7 +242,7 @@ class GoodputPolicy:
             rounds: the step's decoding requests; extra_rows: other rows of the step (prompt chunks).
         """
         c = self.cost
-        forced = 0
+        forced = self._unforecast = 0
         curves: list[tuple[float, str, list[float]]] = []
         for r in rounds:
             st = self._state(r.rid)
@@ -241,8 +253,12 @@ class GoodputPolicy:
             if not r.can_draft:
                 continue
             forecast = st.last_tree if st.last_tree is not None else self._regime_tree.get(st.regime)
-            if r.explicit_budget or forecast is None or st.since_draft + 1 >= st.interval:
+            explore = forecast is not None and st.since_draft + 1 >= st.interval
+            if explore and self._explore_s > self.explore_fraction * self._wall:
+                explore = False                          # over the exploration time budget: decide on the forecast
+            if r.explicit_budget or forecast is None or explore:
                 forced += 1                              # draft regardless (explicit / no forecast / explore)
+                self._unforecast += not r.explicit_budget
                 continue
             p_sorted, _ = self._sorted_p(forecast, st.regime, r.rid, self.optimism)
             curve = p_sorted[:self._cap()].tolist()
@@ -359,8 +375,12 @@ class GoodputPolicy:
         """A step's measured forward (rows, seconds), drafter seconds and wall time (``StepStats``)."""
         if not stats.requests:
             return
-        self.cost.observe_forward(stats.rows, stats.forward_seconds)
+        self._wall += getattr(stats, "wall_seconds", 0.0) or stats.forward_seconds + stats.draft_wait_seconds
         drafting = getattr(stats, "drafting", 0)
+        if self._unforecast and drafting:  # the exploration budget's spending
+            self._explore_s += stats.draft_wait_seconds * min(self._unforecast, drafting) / drafting
+        self._unforecast = 0
+        self.cost.observe_forward(stats.rows, stats.forward_seconds)
         if drafting:
             self.cost.observe_draft(stats.draft_wait_seconds / drafting)
         wall = getattr(stats, "wall_seconds", 0.0)
