@@ -108,6 +108,27 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def markdown(res: dict) -> str:
+    """The README's table of a run: per dataset, each setting's tokens/s at every c, the goodput
+    policy's share of rounds without a drafter call, goodput / max(ar, best fixed), and a summary line."""
+    levels = res["levels"]
+    settings = [k for k, v in levels[0].items() if isinstance(v, dict)]
+    out = ["| dataset | c | " + " | ".join(f"{s} tok/s" for s in settings)
+           + " | goodput: rounds without a draft | goodput / max(ar, best fixed) |",
+           "|" + "---|" * (len(settings) + 4)]
+    for ds in dict.fromkeys(lv["dataset"] for lv in levels):
+        ls = [lv for lv in levels if lv["dataset"] == ds]
+        cells = [" / ".join(f"{lv[s]['tokens_per_s']:.1f}" for lv in ls) for s in settings]
+        plain = " / ".join(f"{100 * lv['goodput']['plain_round_fraction']:.0f} %" for lv in ls)
+        ratio = " / ".join(f"{lv['goodput_vs_best']:.2f}" for lv in ls)
+        cs = " / ".join(str(lv["c"]) for lv in ls)
+        out.append(f"| {ds} | {cs} | " + " | ".join(cells) + f" | {plain} | {ratio} |")
+    ratios = [lv["goodput_vs_best"] for lv in levels]
+    out.append(f"\ngoodput / max(ar, best fixed): mean {sum(ratios) / len(ratios):.3f}, min {min(ratios):.3f}, "
+               f"{sum(r >= 0.97 for r in ratios)} of {len(ratios)} points >= 0.97")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--datasets", nargs="+", default=["gsm8k"])
@@ -183,6 +204,7 @@ def main(argv=None) -> int:
                 out.mkdir(parents=True, exist_ok=True)
                 name = "results-weak.json" if a.weak_drafter else "results.json"
                 (out / name).write_text(json.dumps(res, indent=1))
+                (out / name.replace(".json", ".md")).write_text(markdown(res))
     if a.out and res["levels"]:
         plot(res, Path(a.out) / ("goodput-weak.png" if a.weak_drafter else "goodput.png"))
     return 0
