@@ -68,6 +68,40 @@ def test_cost_model_single_row_count_keeps_the_prior_slope_and_ignores_junk():
         StepCostModel(forget=0)
 
 
+def test_draft_cost_learns_the_catch_up_of_owed_context():
+    m = StepCostModel()
+    rng = random.Random(0)
+    for _ in range(60):  # steps of 1-3 drafting requests owing 1-200 context tokens: 4 ms + 0.5 ms/token
+        n = rng.randint(1, 3)
+        owed = [rng.choice([1, 2, 8, rng.randint(20, 200)]) for _ in range(n)]
+        total = sum(0.004 + 0.0005 * k for k in owed)
+        m.observe_draft(total / n, n, sum(owed))
+    d, e = m.draft_coefficients()
+    assert d == pytest.approx(0.004, rel=1e-6) and e == pytest.approx(0.0005, rel=1e-6)
+    assert m.draft_cost(150) == pytest.approx(0.079) and m.draft_cost(1) == pytest.approx(0.0045)
+    assert 0.0045 < m.draft_cost() < 0.079        # no owed count: the moving average
+    one = StepCostModel()
+    one.observe_draft(0.01, 1, 5)                 # one owed count seen: cannot separate d and e yet
+    assert one.draft_coefficients() is None and one.draft_cost(500) == pytest.approx(0.01)
+
+
+def test_a_long_catch_up_keeps_a_request_plain():
+    """Before drafting, a request that owes its drafter a long context pays that catch-up: with the
+    same forecast, the request owing 2 tokens drafts and the one owing 400 does not."""
+    pol = _policy(draft_s=0.0)
+    for _ in range(20):
+        pol.cost.observe_draft(0.002 + 0.0002 * 2, 1, 2)
+        pol.cost.observe_draft(0.002 + 0.0002 * 300, 1, 300)
+    tree = _tree()
+    for rid in ("near", "far"):
+        st = pol._state(rid)
+        st.last_tree, st.fresh, st.interval = tree, False, 10 ** 6
+    pol.begin_step([RoundInfo("near", "dartree-pruned", 0.0, True, owed=2),
+                    RoundInfo("far", "dartree-pruned", 0.0, True, owed=400)])
+    assert pol.draft_spec("near", _Spec(), None) is not None
+    assert pol.draft_spec("far", _Spec(), None) is None
+
+
 def test_calibration_sweep_and_cache(tmp_path):
     calls = []
 

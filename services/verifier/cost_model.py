@@ -3,7 +3,9 @@
 Pure (no torch, no models). A step costs
 
     forward(R) = table(R)            seconds, R = rows of the step's one target forward
-    + draft    = d * (drafting requests)   (the drafter's draft + tree build, run before the forward)
+    + draft    = sum over drafting requests of (d + e * owed_r)   (the drafter's draft + tree build;
+                 owed_r = context tokens the drafter has not seen yet: a request that decoded plainly
+                 for a while pays its catch-up in its next draft)
     + overhead = o * (requests)      (walk, commit, emit per request)
 
 ``table`` holds a moving average of the measured seconds per row count and interpolates
@@ -14,7 +16,9 @@ some row counts) and the next dozens nearly free, which no straight line capture
 largest row count seen, and while fewer than two row counts are known, the line ``a + b * R``
 applies, fitted by least squares with exponential forgetting (each new sample multiplies the
 weight of the old ones by ``forget``), so the model follows a machine whose speed changes.
-``d`` and ``o`` are exponential moving averages of measured seconds. A start-up sweep (:func:`calibration_sweep`) times a few forwards at row counts
+``o`` is an exponential moving average of measured seconds; ``d`` and ``e`` a two-coefficient least-squares fit
+(with forgetting) of each step's drafter wait on its drafting requests and their owed tokens (``d`` alone,
+the moving average, until the owed tokens vary enough to separate the two). A start-up sweep (:func:`calibration_sweep`) times a few forwards at row counts
 ``{1, 4, 9, 17, 33}`` so the first steps already have a model; :func:`load_cached` /
 :func:`save_cached` keep its result per machine / model / dtype.
 
@@ -56,7 +60,8 @@ class StepCostModel:
     prior_a: float = 0.02
     prior_b: float = 0.002
     table_ema: float = 0.2
-    draft_seconds: float | None = None     # per drafting request
+    draft_seconds: float | None = None     # per drafting request (moving average)
+    _d: list = field(default_factory=lambda: [0.0] * 5)  # sum n^2, n k, k^2, n y, k y (n drafts, k owed, y s)
     overhead_seconds: float = 0.0          # per request in the step
     samples: int = 0
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w x, w y, w x^2, w x y
@@ -86,12 +91,36 @@ class StepCostModel:
         self._table[rows] = y if old is None else (1 - self.table_ema) * old + self.table_ema * y
         self._hull = None
 
-    def observe_draft(self, seconds_per_request: float) -> None:
-        """Add one measured drafter time (draft + tree build) of one drafting request."""
+    def observe_draft(self, seconds_per_request: float, drafting: int = 1, owed_tokens: int | None = None) -> None:
+        """Add one step's measured drafter time: ``seconds_per_request`` per drafting request, for
+        ``drafting`` requests that owed ``owed_tokens`` context tokens in all (None: unknown)."""
         if seconds_per_request < 0:
             return
         d = self.draft_seconds
         self.draft_seconds = seconds_per_request if d is None else (1 - self.ema) * d + self.ema * seconds_per_request
+        if owed_tokens is None or drafting < 1:
+            return
+        n, k, y = float(drafting), float(owed_tokens), seconds_per_request * drafting
+        s = self._d
+        for i in range(5):
+            s[i] *= self.forget
+        s[0] += n * n
+        s[1] += n * k
+        s[2] += k * k
+        s[3] += n * y
+        s[4] += k * y
+
+    def draft_coefficients(self) -> tuple[float, float] | None:
+        """``(d, e)``: a draft costs ``d + e * owed`` seconds; None while the owed tokens have not varied
+        enough to separate the two (or a fit would be negative)."""
+        nn, nk, kk, ny, ky = self._d
+        det = nn * kk - nk * nk
+        if nn <= 0 or det <= 1e-9 * max(nn * kk, 1e-30):
+            return None
+        d, e = (kk * ny - nk * ky) / det, (nn * ky - nk * ny) / det
+        if d < 0 or e < 0:
+            return None
+        return d, e
 
     def observe_overhead(self, seconds_per_request: float) -> None:
         """Add one measured per-request overhead (step wall time - forward - draft, per request)."""
@@ -146,8 +175,12 @@ class StepCostModel:
         """Marginal seconds of one more row of the line (``b``)."""
         return self.coefficients()[1]
 
-    def draft_cost(self) -> float:
-        """Predicted drafter seconds of one drafting request (0 before any measurement)."""
+    def draft_cost(self, owed: int | None = None) -> float:
+        """Predicted drafter seconds of one drafting request that owes ``owed`` context tokens (None:
+        an average request); 0 before any measurement."""
+        fit = self.draft_coefficients() if owed is not None else None
+        if fit is not None:
+            return fit[0] + fit[1] * owed
         return self.draft_seconds or 0.0
 
     def step_seconds(self, rows: int, drafting: int, requests: int) -> float:

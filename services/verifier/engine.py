@@ -148,7 +148,8 @@ class _Request:
     start: int = 0                     # committed length (the root sits at this position)
     root: int = -1
     ctx_ids: list[int] = field(default_factory=list)   # committed since the last draft (for the drafter)
-    ctx_feats: torch.Tensor | None = None              # [len(ctx_ids), F]
+    ctx_feats: torch.Tensor | None = None              # [len(ctx_ids) - owed rows, F]
+    owed_feats: list[torch.Tensor] = field(default_factory=list)  # rows of plain rounds, concatenated at the next draft
     chunk_feats: list[torch.Tensor] = field(default_factory=list)
     pending: object = None             # a submitted draft for the next round (overlap), or None
     skip_round: bool = False           # the policy chose a plain round (decided before the batched draft)
@@ -205,7 +206,8 @@ class StepStats:
         decoding: requests running a decode round (not a prompt chunk); drafting: those that called
         the drafter; speculating: those that verified >= 1 draft node; wall_seconds: the whole step
         (draft, forward, walk, commit); predicted_seconds: the policy's prediction of wall_seconds
-        (None for the fixed policy).
+        (None for the fixed policy); draft_owed: context tokens the drafting requests' drafters had
+        not seen before this step's drafts (their catch-up).
     """
 
     requests: int = 0
@@ -219,6 +221,7 @@ class StepStats:
     speculating: int = 0
     wall_seconds: float = 0.0
     predicted_seconds: float | None = None
+    draft_owed: int = 0
 
 
 @dataclass
@@ -379,7 +382,8 @@ class SpecEngine:
         results: dict[str, RoundOutput | BaseException | None] = {}
         infos = {rid: RoundInfo(rid, req.spec.method, req.sampling.temperature,
                                 can_draft=req.spec.method != "ar" and self.drafter is not None
-                                and self.draft_depth(req.start) > 0, explicit_budget=req.spec.budget is not None)
+                                and self.draft_depth(req.start) > 0, explicit_budget=req.spec.budget is not None,
+                                owed=len(req.ctx_ids))
                  for rid, req in reqs if req.decoding}
         chunks = sum(min(self.config.prefill_chunk, len(req.prompt_ids) - req.prefilled)
                      for _, req in reqs if not req.decoding)
@@ -443,6 +447,7 @@ class SpecEngine:
                                    plan[0].timings["verify"], draft_s, wait_s,
                                    decoding=sum(1 for p in plan if p.buffers is not None),
                                    drafting=sum(1 for p in plan if p.drafted),
+                                   draft_owed=sum(infos[p.rid].owed for p in plan if p.drafted),
                                    speculating=sum(1 for p in plan if p.tree is not None and p.tree.num_nodes),
                                    wall_seconds=time.perf_counter() - t_step,
                                    predicted_seconds=self.policy.predicted_step_seconds())
@@ -524,7 +529,7 @@ class SpecEngine:
             if spec is None:
                 skipped = True
             else:
-                tree, dt = self.drafter.draft(rid, req.ctx_ids, req.ctx_feats, req.root, req.start, spec,
+                tree, dt = self.drafter.draft(rid, req.ctx_ids, self._ctx_feats(req), req.root, req.start, spec,
                                               max_depth=depth)
                 timings.update(dt)
                 drafted = True
@@ -542,7 +547,16 @@ class SpecEngine:
         spec = self.policy.draft_spec(rid, req.spec, tree_knobs)  # None: the policy chose a plain round
         if spec is None:
             return None
-        return DraftJob(rid, list(req.ctx_ids), req.ctx_feats, req.root, req.start, spec, depth)
+        return DraftJob(rid, list(req.ctx_ids), self._ctx_feats(req), req.root, req.start, spec, depth)
+
+    @staticmethod
+    def _ctx_feats(req: _Request) -> torch.Tensor | None:
+        """The request's context features for a draft, with the rows of plain rounds since the last
+        draft appended (once, here: a per-round ``torch.cat`` would copy the whole context every round)."""
+        if req.owed_feats:
+            req.ctx_feats = torch.cat([req.ctx_feats, *req.owed_feats])
+            req.owed_feats = []
+        return req.ctx_feats
 
     def _submit(self, pairs: list[tuple[_Request, DraftJob]]) -> None:
         """Start the drafts of ``pairs`` as ONE batched drafter call (clients with ``submit_many``);
@@ -578,10 +592,10 @@ class SpecEngine:
         ids, finish = self._emit(req, accepted + [res.bonus_token])
         new_ids, new_feats = buffers.input_ids[rows].tolist(), feats[rows.to(feats.device)]
         if item.skipped and req.ctx_feats is not None:  # no drafter call: its context still owes these
-            req.ctx_ids = req.ctx_ids + new_ids
-            req.ctx_feats = torch.cat([req.ctx_feats, new_feats])
+            req.ctx_ids.extend(new_ids)
+            req.owed_feats.append(new_feats)
         else:
-            req.ctx_ids, req.ctx_feats = new_ids, new_feats
+            req.ctx_ids, req.ctx_feats, req.owed_feats = new_ids, new_feats, []
         req.start += rows.numel()
         self.policy.observe_round(item.rid, accepted + [res.bonus_token])
         req.root = res.bonus_token

@@ -79,7 +79,8 @@ class RoundInfo:
     Attributes:
         rid: request id; method: its speculative method; temperature: its sampling temperature;
         can_draft: the method drafts and the context has room for a draft token;
-        explicit_budget: the request set ``speculative.budget`` itself.
+        explicit_budget: the request set ``speculative.budget`` itself;
+        owed: context tokens its drafter has not seen (its next draft catches them up first).
     """
 
     rid: str
@@ -87,6 +88,7 @@ class RoundInfo:
     temperature: float
     can_draft: bool
     explicit_budget: bool = False
+    owed: int = 0
 
 
 @dataclass
@@ -242,8 +244,8 @@ class GoodputPolicy:
             rounds: the step's decoding requests; extra_rows: other rows of the step (prompt chunks).
         """
         c = self.cost
-        forced = self._unforecast = 0
-        curves: list[tuple[float, str, list[float]]] = []
+        forced_s, self._unforecast = 0.0, 0
+        curves: list[tuple[float, str, list[float], float]] = []
         for r in rounds:
             st = self._state(r.rid)
             st.regime = f"{r.method}:{regime_of(r.temperature)}"  # one calibration table per method and regime
@@ -257,25 +259,27 @@ class GoodputPolicy:
             if explore and self._explore_s > self.explore_fraction * self._wall:
                 explore = False                          # over the exploration time budget: decide on the forecast
             if r.explicit_budget or forecast is None or explore:
-                forced += 1                              # draft regardless (explicit / no forecast / explore)
+                forced_s += c.draft_cost(r.owed)         # draft regardless (explicit / no forecast / explore)
                 self._unforecast += not r.explicit_budget
                 continue
             p_sorted, _ = self._sorted_p(forecast, st.regime, r.rid, self.optimism)
             curve = p_sorted[:self._cap()].tolist()
-            curves.append((sum(curve), r.rid, curve))
+            curves.append((sum(curve), r.rid, curve, c.draft_cost(r.owed)))
         curves.sort(key=lambda x: -x[0])
         n, rows0 = len(rounds), len(rounds) + extra_rows
         per_req = c.overhead_seconds * n
         best_m, best_ratio = 0, -1.0
         pool: list[float] = []
+        draft_s = forced_s
         for m in range(len(curves) + 1):
             if m:
                 pool = sorted(pool + curves[m - 1][2], reverse=True)
-            _, g, t = self._best_prefix(float(n), rows0, pool, c.draft_cost() * (forced + m) + per_req)
+                draft_s += curves[m - 1][3]
+            _, g, t = self._best_prefix(float(n), rows0, pool, draft_s + per_req)
             if t > 0 and g / t > best_ratio + 1e-12:
                 best_m, best_ratio = m, g / t
-        drafting = {rid for _, rid, _ in curves[:best_m]}
-        self._skip = {rid for _, rid, _ in curves if rid not in drafting}
+        drafting = {rid for _, rid, _, _ in curves[:best_m]}
+        self._skip = {rid for _, rid, _, _ in curves if rid not in drafting}
 
     def draft_spec(self, rid: str, spec, tree_knobs: tuple[int, int] | None):
         """``None`` (plain round, no drafter call) for a request :meth:`begin_step` left out; else the
@@ -301,7 +305,6 @@ class GoodputPolicy:
         but they set the bar). Explicit budgets keep the whole tree.
         """
         c = self.cost
-        n_draft = sum(1 for d in items if d.drafted)
         gain0, rows0 = float(len(items)), len(items)
         cands: list[tuple[float, int, str]] = []
         orders: dict[str, torch.Tensor] = {}
@@ -325,7 +328,7 @@ class GoodputPolicy:
             for i, p in enumerate(p_sorted[:self._cap()].tolist()):
                 cands.append((p, i, rid))
         cands.sort(key=lambda x: (-x[0], x[1]))  # a request's own nodes stay in its order (P sorted, ties by i)
-        fixed_s = c.draft_cost() * n_draft + c.overhead_seconds * len(items)
+        fixed_s = sum(c.draft_cost(d.info.owed) for d in items if d.drafted) + c.overhead_seconds * len(items)
         k, _, seconds = self._best_prefix(gain0, rows0, [p for p, _, _ in cands], fixed_s)
         chosen = {rid: (probs[rid].numel() if rid in explicit else 0) for rid in orders}
         for _, _, rid in cands[:k]:
@@ -338,7 +341,7 @@ class GoodputPolicy:
                 st = self._state(rid)
                 b = chosen.get(rid, 0)
                 g = float(probs[rid][:b].sum()) if b else 0.0
-                t = c.draft_cost() + c.forward_seconds(rows) - c.forward_seconds(rows - b)
+                t = c.draft_cost(d.info.owed) + c.forward_seconds(rows) - c.forward_seconds(rows - b)
                 paid = b > 0 and (t <= 0 or g / t >= (total_gain - g) / max(seconds - t, 1e-9))
                 st.interval = self.explore_every if paid else min(2 * st.interval, self.explore_max)
                 self._regime_interval[st.regime] = st.interval
@@ -382,7 +385,7 @@ class GoodputPolicy:
         self._unforecast = 0
         self.cost.observe_forward(stats.rows, stats.forward_seconds)
         if drafting:
-            self.cost.observe_draft(stats.draft_wait_seconds / drafting)
+            self.cost.observe_draft(stats.draft_wait_seconds / drafting, drafting, getattr(stats, "draft_owed", None))
         wall = getattr(stats, "wall_seconds", 0.0)
         if wall > 0:
             rest = wall - stats.forward_seconds - stats.draft_wait_seconds
