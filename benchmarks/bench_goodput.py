@@ -141,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--weights", default=None, help="target weight format (services/weights.py; default: "
                     "$DARTREE_WEIGHTS or auto, measured on this machine)")
+    ap.add_argument("--optimism", type=float, default=None,
+                    help="the goodput policy's forecast optimism (posterior standard deviations; default: the policy's)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -172,6 +174,8 @@ def main(argv=None) -> int:
     fixed = FixedPolicy()
     attach_policy(engine, "goodput", "smollm2-135m-instruct", weights)
     goodput = engine.policy
+    if a.optimism is not None:
+        goodput.optimism = a.optimism
     settings = [("ar", "ar", None, fixed)] + [(f"fixed B={b}", a.method, b, fixed) for b in a.fixed_budgets] + [
         ("goodput", a.method, None, goodput)]
     res = {"note": note, "machine": "shared 2-core CPU (another benchmark may have been running)",

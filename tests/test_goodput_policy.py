@@ -141,6 +141,20 @@ def test_isotonic_table_is_not_lifted_by_one_slow_row_count():
     assert m.forward_seconds(9) < 0.19
 
 
+def test_sweep_gives_marginal_rows_real_steps_give_the_level():
+    """The sweep runs in an empty slot; real steps of 4 requests with long contexts cost 25 ms more.
+    More rows must still cost the sweep's marginal seconds on top (pooling a sweep entry with the
+    slower real one would make extra verify rows look free)."""
+    m = StepCostModel()
+    m.seed([(1, 0.028), (4, 0.035), (9, 0.050), (17, 0.080), (33, 0.150)])
+    for _ in range(20):
+        m.observe_forward(4, 0.060)
+    assert m.forward_seconds(4) == pytest.approx(0.060)
+    assert m.forward_seconds(9) == pytest.approx(0.075)     # 0.050 + the 25 ms the contexts add
+    assert m.forward_seconds(12) - m.forward_seconds(4) == pytest.approx((0.050 - 0.035) + 3 / 8 * 0.030)
+    assert m.forward_seconds(33) == pytest.approx(0.175)
+
+
 def test_poisoned_or_stale_cache_is_swept_again(tmp_path, monkeypatch):
     monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path))
     true = {r: 0.02 + 0.004 * r for r in (1, 4, 9, 17, 33)}

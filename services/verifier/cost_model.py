@@ -67,6 +67,7 @@ class StepCostModel:
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w x, w y, w x^2, w x y
     _table: dict = field(default_factory=dict)                   # rows -> moving average of seconds
     _hull: tuple | None = field(default=None, repr=False)        # (xs, ys, a, b) until the next sample
+    _seed: dict = field(default_factory=dict)                    # rows -> seconds of the start-up sweep
 
     def __post_init__(self) -> None:
         if not 0 < self.forget <= 1 or not 0 < self.ema <= 1:
@@ -142,14 +143,42 @@ class StepCostModel:
         return max(my - b * mx, 0.0), b
 
     # ------------------------------------------------------------ prediction
+    def _seed_at(self, rows: int) -> float:
+        """The start-up sweep interpolated at ``rows`` (its end values outside its range)."""
+        xs = sorted(self._seed)
+        if rows <= xs[0]:
+            return self._seed[xs[0]]
+        if rows >= xs[-1]:
+            return self._seed[xs[-1]]
+        i = bisect.bisect_left(xs, rows)
+        x0, x1 = xs[i - 1], xs[i]
+        return self._seed[x0] + (self._seed[x1] - self._seed[x0]) * (rows - x0) / (x1 - x0)
+
+    def _points(self) -> dict:
+        """Row count -> seconds: every row count measured in real steps, plus the sweep's other row
+        counts shifted by how far real steps sit from the sweep (mean over the real row counts inside
+        the sweep's range). The sweep runs in an empty KV slot; real steps read contexts, which adds
+        about the same seconds to every row count of a step, so the sweep still gives the *marginal*
+        cost of more rows, and the real steps give the level."""
+        pts = dict(self._table)
+        if self._seed:
+            lo, hi = min(self._seed), max(self._seed)
+            offs = [y - self._seed_at(r) for r, y in self._table.items() if lo <= r <= hi]
+            off = sum(offs) / len(offs) if offs else 0.0
+            for x, y in self._seed.items():
+                if x not in pts:
+                    pts[x] = max(y + off, 1e-9)
+        return pts
+
     def _fit(self) -> tuple[list[int], list[float], float, float]:
         """``(xs, ys, a, b)``: the table's row counts with their isotonic (non-decreasing, pool
         adjacent violators) seconds, and the line; cached until the next sample."""
         if self._hull is None:
-            xs = sorted(self._table)
+            pts = self._points()
+            xs = sorted(pts)
             blocks: list[list[float]] = []  # [sum, count]
             for x in xs:
-                blocks.append([self._table[x], 1.0])
+                blocks.append([pts[x], 1.0])
                 while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
                     s, n = blocks.pop()
                     blocks[-1][0] += s
@@ -190,13 +219,19 @@ class StepCostModel:
     def state(self) -> dict:
         """JSON-able fitted state (for the cache)."""
         a, b = self.coefficients()
-        return {"a": a, "b": b, "table": {str(k): v for k, v in sorted(self._table.items())},
+        return {"a": a, "b": b, "table": {str(k): v for k, v in sorted(self._points().items())},
                 "draft_seconds": self.draft_seconds, "overhead_seconds": self.overhead_seconds}
 
     def seed(self, samples: Iterable[tuple[int, float]]) -> None:
-        """Add start-up samples ``(rows, seconds)`` (same as :meth:`observe_forward` each)."""
+        """Add start-up samples ``(rows, seconds)``: they seed the line like real samples, and the
+        table as the sweep (shifted to the level of real steps once there are some, :meth:`_points`)."""
+        table = dict(self._table)
         for rows, seconds in samples:
             self.observe_forward(rows, seconds)
+            if rows >= 1 and seconds > 0:
+                self._seed[rows] = float(seconds)
+        self._table = table
+        self._hull = None
 
 
 def calibration_sweep(run_rows: Callable[[int], float], rows: Iterable[int] = SWEEP_ROWS, repeats: int = 3
