@@ -155,6 +155,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16", help="hf backend: the model's dtype")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: 0 = torch's)")
     a = ap.parse_args(argv)
+    from services.weights import check_format
+
+    try:  # bad flags: one line, before anything is loaded or written
+        if a.num_prompts < 0 or a.batch_size < 1 or a.in_flight < 0 or a.max_new_tokens < 1:
+            raise ValueError("--num-prompts must be >= 0, --batch-size and --max-new-tokens >= 1, --in-flight >= 0")
+        if a.backend == "engine":
+            check_format(a.weights)
+        elif not isinstance(getattr(torch, a.dtype, None), torch.dtype):
+            raise ValueError(f"--dtype {a.dtype!r} is not a torch dtype")
+    except ValueError as exc:
+        ap.exit(2, f"datagen: error: {exc}\n")
     if a.threads:
         torch.set_num_threads(a.threads)
     from transformers import AutoTokenizer
@@ -174,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     todo = [b for b in order if not (out / f"shard_{b:05d}.pt").exists()]
     print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}, {len(todo)} to generate "
           f"({a.backend} backend)", flush=True)
+    if not todo:
+        return
     t0, new_tokens = time.time(), 0
     bar = tqdm(total=len(todo), desc="datagen", mininterval=60)
 

@@ -20,3 +20,17 @@ def test_layout_recorded_then_enforced(tmp_path):
         check_layout(tmp_path, _a(num_prompts=200))
     with pytest.raises(ValueError, match="batch_size"):
         check_layout(tmp_path, _a(batch_size=16))
+
+
+@pytest.mark.parametrize("flags, msg", [(["--weights", "nosuch"], "weights 'nosuch' is not supported"),
+                                        (["--num-prompts", "-1"], "--num-prompts must be >= 0"),
+                                        (["--backend", "hf", "--dtype", "nosuch"], "not a torch dtype")])
+def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, capsys, flags, msg):
+    from services.training.datagen import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(flags + ["--out-dir", str(tmp_path / "gen")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "gen").exists()
