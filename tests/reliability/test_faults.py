@@ -165,7 +165,8 @@ def _stream_until_error(server, body: dict, freeze, timeout: float = 30.0) -> tu
 def test_hung_worker_is_detected_by_a_deadline_and_recovers(hang_server, victim, code):
     proc = hang_server.child(victim)
     pid = proc.pid
-    body = {"prompt": "x", "max_tokens": 240, "stream": True, "speculative": {"method": "dflash"}}
+    body = {"prompt": "x", "max_tokens": 240, "stream": True,
+            "speculative": {"method": "dflash", "budget": 8}}  # explicit budget: drafts every round
     try:
         rest, waited = _stream_until_error(hang_server, body, lambda: proc.send_signal(signal.SIGSTOP))
         assert rest[-1] == "data: [DONE]", rest[-3:]
@@ -214,7 +215,8 @@ def test_kill_9_during_a_non_streaming_request_is_a_503(hang_server, victim):
 
     def request():
         box["r"] = httpx.post(hang_server.base + "/v1/completions", timeout=60, json={
-            "prompt": "x", "max_tokens": 240, "speculative": {"method": "dflash"}})
+            "prompt": "x", "max_tokens": 240,
+            "speculative": {"method": "dflash", "budget": 8}})  # explicit budget: drafts every round
 
     t = threading.Thread(target=request)
     t.start()

@@ -44,10 +44,10 @@ def test_readiness_is_503_soon_after_a_worker_hangs_with_a_stream_in_flight(read
     box: dict = {}
     started = threading.Event()
 
-    def stream() -> None:
+    def stream() -> None:  # an explicit budget drafts every round (the goodput policy may decode plainly)
         with httpx.Client(base_url=ready_server.base, timeout=60) as c:
             with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 240, "stream": True,
-                                                           "speculative": {"method": "dflash"}}) as r:
+                                                           "speculative": {"method": "dflash", "budget": 8}}) as r:
                 lines = []
                 for line in r.iter_lines():
                     if line.startswith("data: "):

@@ -119,12 +119,13 @@ def test_drain_timeout_ends_open_requests_cleanly_and_promptly(tmp_path, drain_s
         results: dict = {}
 
         def plain() -> None:
-            results["plain"] = httpx.post(srv.base + "/v1/completions", json={"prompt": "x", "max_tokens": 200},
-                                          timeout=60)
+            results["plain"] = httpx.post(srv.base + "/v1/completions", timeout=60, json={
+                "prompt": "x", "max_tokens": 200, "speculative": {"budget": 8}})  # explicit budget: drafts every round
 
         with httpx.Client(base_url=srv.base, timeout=60) as c:
             with c.stream("POST", "/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "stream": True}) as r:
+                    "messages": [{"role": "user", "content": "x"}], "max_tokens": 200, "stream": True,
+                    "speculative": {"budget": 8}}) as r:
                 lines = r.iter_lines()
                 for line in lines:
                     if line.startswith("data: {"):
