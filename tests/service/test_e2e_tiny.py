@@ -250,8 +250,10 @@ def test_concurrent_different_requests_share_steps_and_equal_plain_decoding(serv
 def test_kill_9_of_a_worker_mid_stream_gives_a_clean_error_and_recovers(server, victim):
     server.wait_ready(timeout=180)  # a previous kill's restart can still flip readiness for a heartbeat or two
     old = server.child(victim)
+    body = {"prompt": "x", "max_tokens": 240, "stream": True,
+            "speculative": {"budget": 8}}  # explicit budget: drafts every round, so it needs the drafter
     with httpx.Client(base_url=server.base, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 240, "stream": True}) as r:
+        with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             for line in lines:
