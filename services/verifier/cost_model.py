@@ -146,13 +146,7 @@ class StepCostModel:
     def _seed_at(self, rows: int) -> float:
         """The start-up sweep interpolated at ``rows`` (its end values outside its range)."""
         xs = sorted(self._seed)
-        if rows <= xs[0]:
-            return self._seed[xs[0]]
-        if rows >= xs[-1]:
-            return self._seed[xs[-1]]
-        i = bisect.bisect_left(xs, rows)
-        x0, x1 = xs[i - 1], xs[i]
-        return self._seed[x0] + (self._seed[x1] - self._seed[x0]) * (rows - x0) / (x1 - x0)
+        return _interpolate(xs, [self._seed[x] for x in xs], rows)
 
     def _points(self) -> dict:
         """Row count -> seconds: every row count measured in real steps, plus the sweep's other row
@@ -196,9 +190,7 @@ class StepCostModel:
             return ys[0]
         if rows >= xs[-1]:
             return ys[-1] + b * (rows - xs[-1])
-        i = bisect.bisect_left(xs, rows)
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+        return _interpolate(xs, ys, rows)
 
     def per_row_seconds(self) -> float:
         """Marginal seconds of one more row of the line (``b``)."""
@@ -250,6 +242,17 @@ def calibration_sweep(run_rows: Callable[[int], float], rows: Iterable[int] = SW
         times = sorted(run_rows(r) for _ in range(max(repeats, 1)))
         out.append((int(r), times[len(times) // 2]))
     return out
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear ``y(x)`` through ascending ``xs``; the end values outside their range."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_left(xs, x)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def plausible(samples: list[tuple[int, float]], slack: float = 1.5) -> bool:
