@@ -220,16 +220,24 @@ class GoodputPolicy:
         return self.max_budget or MAX_BUDGET
 
     # ----------------------------------------------------------- before drafting
-    def _best_prefix(self, gain0: float, rows0: int, probs: list[float], fixed_s: float) -> tuple[int, float, float]:
-        """Best ``k`` of ``(gain0 + sum probs[:k]) / (forward(rows0 + k) + fixed_s)`` (``probs``
-        descending): ``(k, gain, seconds)``. Exact: every row costs the same whoever it belongs to,
-        so the best set of k nodes is the k most likely."""
+    def _best_prefix(self, gain0: float, rows0: int, probs: list[float], fixed_s: float,
+                     extra_rows: int = 0) -> tuple[int, float, float]:
+        """Best ``k`` of ``(gain0 + sum probs[:k]) / seconds(k)`` (``probs`` descending):
+        ``(k, gain, seconds)``, where ``seconds(k) = forward(rows0) + fixed_s`` plus the marginal
+        cost of ``k`` more rows in a step that also carries ``extra_rows`` prompt-chunk rows. The
+        prompt chunk's own time is left out: it emits no token this step, and counting it would
+        make any draft look cheap next to it (a 2 s prefill step "hides" a 50 ms drafter call).
+        Exact: every row costs the same whoever it belongs to, so the best set of k nodes is the k
+        most likely."""
         c = self.cost
-        best = (0, gain0, c.forward_seconds(rows0) + fixed_s)
+        base = c.forward_seconds(rows0) + fixed_s
+        full0 = c.forward_seconds(rows0 + extra_rows) if extra_rows else None
+        best = (0, gain0, base)
         g = gain0
         for k, p in enumerate(probs, start=1):
             g += p
-            t = c.forward_seconds(rows0 + k) + fixed_s
+            t = base + (c.forward_seconds(rows0 + extra_rows + k) - full0 if extra_rows
+                        else c.forward_seconds(rows0 + k) - c.forward_seconds(rows0))
             if t > 0 and g / t > best[1] / best[2] + 1e-12:
                 best = (k, g, t)
         return best
@@ -244,7 +252,7 @@ class GoodputPolicy:
             rounds: the step's decoding requests; extra_rows: other rows of the step (prompt chunks).
         """
         c = self.cost
-        forced_s, self._unforecast = 0.0, 0
+        forced_s, planned, self._unforecast = 0.0, 0.0, 0
         curves: list[tuple[float, str, list[float], float]] = []
         for r in rounds:
             st = self._state(r.rid)
@@ -256,17 +264,19 @@ class GoodputPolicy:
                 continue
             forecast = st.last_tree if st.last_tree is not None else self._regime_tree.get(st.regime)
             explore = forecast is not None and st.since_draft + 1 >= st.interval
-            if explore and self._explore_s > self.explore_fraction * self._wall:
-                explore = False                          # over the exploration time budget: decide on the forecast
+            if explore and self._explore_s + planned > self.explore_fraction * self._wall:
+                explore = False       # over the exploration time budget (this step's planned ones included)
             if r.explicit_budget or forecast is None or explore:
-                forced_s += c.draft_cost(r.owed)         # draft regardless (explicit / no forecast / explore)
+                cost = c.draft_cost(r.owed)
+                forced_s += cost                         # draft regardless (explicit / no forecast / explore)
                 self._unforecast += not r.explicit_budget
+                planned += 0.0 if r.explicit_budget else cost
                 continue
             p_sorted, _ = self._sorted_p(forecast, st.regime, r.rid, self.optimism)
             curve = p_sorted[:self._cap()].tolist()
             curves.append((sum(curve), r.rid, curve, c.draft_cost(r.owed)))
         curves.sort(key=lambda x: -x[0])
-        n, rows0 = len(rounds), len(rounds) + extra_rows
+        n = rows0 = len(rounds)
         per_req = c.overhead_seconds * n
         best_m, best_ratio = 0, -1.0
         pool: list[float] = []
@@ -275,7 +285,7 @@ class GoodputPolicy:
             if m:
                 pool = sorted(pool + curves[m - 1][2], reverse=True)
                 draft_s += curves[m - 1][3]
-            _, g, t = self._best_prefix(float(n), rows0, pool, draft_s + per_req)
+            _, g, t = self._best_prefix(float(n), rows0, pool, draft_s + per_req, extra_rows)
             if t > 0 and g / t > best_ratio + 1e-12:
                 best_m, best_ratio = m, g / t
         drafting = {rid for _, rid, _, _ in curves[:best_m]}
