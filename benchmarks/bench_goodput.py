@@ -116,16 +116,21 @@ def markdown(res: dict) -> str:
     policy's share of rounds without a drafter call, goodput / max(ar, best fixed), and a summary line."""
     levels = res["levels"]
     settings = [k for k, v in levels[0].items() if isinstance(v, dict)]
+    cal = [s for s in settings if s.startswith("calibration")]
     out = ["| dataset | c | " + " | ".join(f"{s} tok/s" for s in settings)
-           + " | goodput: rounds without a draft | goodput / max(ar, best fixed) |",
-           "|" + "---|" * (len(settings) + 4)]
+           + " | goodput: rounds without a draft | goodput / max(ar, best fixed) |"
+           + "".join(f" {s}: per-request \\|mean predicted − mean realised τ\\| |" for s in cal),
+           "|" + "---|" * (len(settings) + 4 + len(cal))]
     for ds in dict.fromkeys(lv["dataset"] for lv in levels):
         ls = [lv for lv in levels if lv["dataset"] == ds]
         cells = [" / ".join(f"{lv[s]['tokens_per_s']:.1f}" for lv in ls) for s in settings]
-        plain = " / ".join(f"{100 * lv['goodput']['plain_round_fraction']:.0f} %" for lv in ls)
+        plain = " / ".join(f"{100 * lv['goodput']['plain_round_fraction']:.1f} %" for lv in ls)
         ratio = " / ".join(f"{lv['goodput_vs_best']:.2f}" for lv in ls)
         cs = " / ".join(str(lv["c"]) for lv in ls)
-        out.append(f"| {ds} | {cs} | " + " | ".join(cells) + f" | {plain} | {ratio} |")
+        calib = "".join(" " + " / ".join("–" if lv[s]["calib_tau_error_per_request"] is None
+                                          else f"{lv[s]['calib_tau_error_per_request']:.3f}" for lv in ls) + " |"
+                        for s in cal)
+        out.append(f"| {ds} | {cs} | " + " | ".join(cells) + f" | {plain} | {ratio} |" + calib)
     ratios = [lv["goodput_vs_best"] for lv in levels]
     reps = res.get("args", {}).get("repeats", 1)
     if reps > 1:
@@ -152,6 +157,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run ar and goodput this many times each, interleaved, and report the median run "
                          "(single runs of 8 prompts vary by ~2 %%)")
+    ap.add_argument("--calibration-budget", type=int, default=None,
+                    help="also run the goodput policy with this explicit budget (every round drafts and "
+                         "verifies B nodes), to measure its calibration where it would not draft by itself")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.repeats < 1:
@@ -189,6 +197,12 @@ def main(argv=None) -> int:
         goodput.optimism = a.optimism
     settings = [("ar", "ar", None, fixed)] + [(f"fixed B={b}", a.method, b, fixed) for b in a.fixed_budgets] + [
         ("goodput", a.method, None, goodput)]
+    if a.calibration_budget:  # the goodput policy's own predictions on every round (an explicit budget drafts always)
+        import copy  # its own policy object: its rounds must not teach the measured goodput policy
+
+        from services.verifier.policy import GoodputPolicy
+        settings.append((f"calibration B={a.calibration_budget}", a.method, a.calibration_budget,
+                         GoodputPolicy(cost=copy.deepcopy(goodput.cost), max_budget=goodput.max_budget)))
     res = {"note": note, "machine": "shared 2-core CPU (another benchmark may have been running)",
            "args": vars(a), "levels": []}
     for ds in a.datasets:
@@ -200,7 +214,7 @@ def main(argv=None) -> int:
             runs: dict[str, list[dict]] = {}
             for rep in range(a.repeats):  # ar and goodput interleaved; fixed budgets once (never close here)
                 for label, method, budget, pol in settings:
-                    if rep and label.startswith("fixed"):
+                    if rep and label.startswith(("fixed", "calibration")):
                         continue
                     engine.policy = pol
                     r = run_level(engine, prompts, c, method, budget, a.max_tokens)
@@ -220,7 +234,8 @@ def main(argv=None) -> int:
                 r = dict(rs[(len(rs) - 1) // 2])
                 r["tokens_per_s_runs"] = [x["tokens_per_s"] for x in runs[label]]
                 row[label] = r
-            best = max(row[lbl]["tokens_per_s"] for lbl, *_ in settings if lbl != "goodput")
+            best = max(row[lbl]["tokens_per_s"] for lbl, *_ in settings
+                       if lbl != "goodput" and not lbl.startswith("calibration"))
             row["goodput_vs_best"] = row["goodput"]["tokens_per_s"] / best
             print(f"{ds} c={c} goodput / max(ar, best fixed) = {row['goodput_vs_best']:.3f}", flush=True)
             res["levels"].append(row)
