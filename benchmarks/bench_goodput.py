@@ -164,6 +164,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if a.calibration_budget is not None and a.calibration_budget < 1:
+        ap.error("--calibration-budget must be >= 1")
 
     import torch
 
@@ -197,7 +199,7 @@ def main(argv=None) -> int:
         goodput.optimism = a.optimism
     settings = [("ar", "ar", None, fixed)] + [(f"fixed B={b}", a.method, b, fixed) for b in a.fixed_budgets] + [
         ("goodput", a.method, None, goodput)]
-    if a.calibration_budget:  # the goodput policy's own predictions on every round (an explicit budget drafts always)
+    if a.calibration_budget is not None:  # the goodput policy's own predictions on every round (an explicit budget drafts always)
         import copy  # its own policy object: its rounds must not teach the measured goodput policy
 
         from services.verifier.policy import GoodputPolicy

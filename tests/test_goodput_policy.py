@@ -377,13 +377,11 @@ def test_a_prompt_chunk_in_the_step_does_not_make_a_draft_look_cheap():
     30 % gain (measured: new requests' prefill steps drafted on HumanEval at c = 4). The decision
     must be the same with and without the chunk."""
     pol = _policy(draft_s=0.03)                # a drafter call costs 1.4 one-row forwards
-    tree = _tree()
-    pol.cal.prior_weight = 1.0
+    st = pol._state("r")
+    st.last_tree, st.fresh, st.interval = _tree(), False, 10 ** 6
+    pol._sorted_p = lambda *a, **k: (torch.full((8,), 0.04, dtype=torch.float64), torch.arange(8))
     decisions = []
     for extra in (0, 500):
-        st = pol._state("r")
-        st.last_tree, st.fresh, st.interval, st.since_draft = tree, False, 10 ** 6, 0
-        pol._sorted_p = lambda *a, **k: (torch.full((8,), 0.04, dtype=torch.float64), torch.arange(8))
         pol.begin_step([RoundInfo("r", "dartree-pruned", 0.0, True, owed=1)], extra_rows=extra)
         decisions.append(pol.draft_spec("r", _Spec(), None) is not None)
     assert decisions == [False, False], decisions

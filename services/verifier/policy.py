@@ -231,13 +231,12 @@ class GoodputPolicy:
         most likely."""
         c = self.cost
         base = c.forward_seconds(rows0) + fixed_s
-        full0 = c.forward_seconds(rows0 + extra_rows) if extra_rows else None
+        full0 = c.forward_seconds(rows0 + extra_rows)
         best = (0, gain0, base)
         g = gain0
         for k, p in enumerate(probs, start=1):
             g += p
-            t = base + (c.forward_seconds(rows0 + extra_rows + k) - full0 if extra_rows
-                        else c.forward_seconds(rows0 + k) - c.forward_seconds(rows0))
+            t = base + c.forward_seconds(rows0 + extra_rows + k) - full0
             if t > 0 and g / t > best[1] / best[2] + 1e-12:
                 best = (k, g, t)
         return best
@@ -276,7 +275,7 @@ class GoodputPolicy:
             curve = p_sorted[:self._cap()].tolist()
             curves.append((sum(curve), r.rid, curve, c.draft_cost(r.owed)))
         curves.sort(key=lambda x: -x[0])
-        n = rows0 = len(rounds)
+        n = len(rounds)
         per_req = c.overhead_seconds * n
         best_m, best_ratio = 0, -1.0
         pool: list[float] = []
@@ -285,7 +284,7 @@ class GoodputPolicy:
             if m:
                 pool = sorted(pool + curves[m - 1][2], reverse=True)
                 draft_s += curves[m - 1][3]
-            _, g, t = self._best_prefix(float(n), rows0, pool, draft_s + per_req, extra_rows)
+            _, g, t = self._best_prefix(float(n), n, pool, draft_s + per_req, extra_rows)
             if t > 0 and g / t > best_ratio + 1e-12:
                 best_m, best_ratio = m, g / t
         drafting = {rid for _, rid, _, _ in curves[:best_m]}

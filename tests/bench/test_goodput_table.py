@@ -1,6 +1,8 @@
 """bench_goodput's README table is computed from the measured levels (numbers and the summary line)."""
 
-from benchmarks.bench_goodput import markdown
+import pytest
+
+from benchmarks.bench_goodput import main, markdown
 
 
 def _lv(ds, c, ar, gp, plain):
@@ -26,3 +28,10 @@ def test_markdown_calibration_column():
     assert md[0].endswith("| calibration B=8: per-request \\|mean predicted − mean realised τ\\| |")
     assert md[2].endswith("| 0.95 / 1.00 | 0.012 / – |")
     assert md[2].count("|") == md[0].count("|") - 2  # the header's escaped pipes are not columns
+
+
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--calibration-budget", "0"], ["--calibration-budget", "-2"]])
+def test_bad_counts_are_argparse_errors_before_loading(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
