@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PackedLinear", "pack_linears", "packing_available", "packed_bytes"]
+__all__ = ["PackedLinear", "pack_linears", "packing_available", "packed_bytes", "OneDNNLinear", "pack_linears_bf16",
+           "onednn_bf16_available", "rows_are_independent", "ONEDNN_MAX_ROWS"]
 
 
 def packing_available() -> bool:
@@ -150,3 +151,137 @@ def packed_bytes(module: nn.Module) -> int:
             seen.add(id(m))
             total += len(m._packs) * _pack_bytes(m.weight)
     return total
+
+
+# ---------------------------------------------------------------------------- bfloat16 (oneDNN)
+#
+# Why: a bfloat16 ``F.linear`` on CPU goes to oneDNN, which reorders the whole weight into its
+# blocked (AMX / avx512_bf16) layout on *every* call. Reordered once, the same kernel costs about
+# half: on our 2-core Sapphire Rapids machine (1 thread, 2026-12-01, /tmp probe) a 1536 x 576 linear
+# 130 -> 64 us at 1 row, 145 -> 71 us at 9 rows, 156 -> 85 us at 17 rows (AMX makes 9 rows cost
+# ~1.1x one row; torch's int4 kernel, 64 us at 1 row, costs 273 us at 9), and the 49152 x 576 lm_head
+# 4.1 -> 3.0 ms. These are the ops torch.compile's CPU freezing pass emits
+# (``mkldnn._reorder_linear_weight`` / ``mkldnn._linear_pointwise``).
+#
+# Exactness: packed for a batch-size hint of 1, the kernel gave every row bitwise the result of that
+# row alone for every row count 1..128 and every SmolLM2 linear shape, at 1 and 2 threads; beyond
+# ~130 rows oneDNN switched blocking for the 576 x 1536 down projection and rows changed in their
+# last bits. So a call is cut into pieces of at most ``ONEDNN_MAX_ROWS`` rows: batched == solo and
+# a tree verify == each path alone stay exact (tests/engine/test_cpu_gemm.py checks this on the
+# machine that runs the tests; :func:`pack_linears_bf16` re-checks the model's own shapes at load).
+# Results equal ``F.linear`` on the same bf16 weight (the same kernel, without the per-call reorder).
+
+ONEDNN_MAX_ROWS = 128
+
+
+def onednn_bf16_available() -> bool:
+    """True when this torch build can run oneDNN's pre-packed bfloat16 linear on this CPU."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and torch.ops.mkldnn._is_mkldnn_bf16_supported() \
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class OneDNNLinear(nn.Linear):
+    """A bfloat16 ``nn.Linear`` whose weight is also held in oneDNN's packed layout (see above).
+
+    Not constructed directly: :func:`pack_linears_bf16` converts existing modules in place (same
+    parameters, same state-dict keys, tied weights stay tied). ``forward``: ``[..., in_features] ->
+    [..., out_features]``; CPU bfloat16 inputs outside autograd use the pack, in pieces of at most
+    ``max_rows`` rows; anything else (also a forward traced by ``torch.compile``, whose CPU freezing
+    pass packs linears itself), and a weight changed in place since packing, runs ``F.linear``.
+    """
+
+    _onednn_pack: Tensor | None
+    _packed_version: int
+    max_rows: int
+
+    def repack(self) -> int:
+        """(Re)build the pack from the current weight; returns its bytes."""
+        w = self.weight.detach()
+        self._onednn_pack = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+        self._packed_version = self.weight._version
+        return w.numel() * w.element_size()
+
+    def forward(self, x: Tensor) -> Tensor:
+        pack = self._onednn_pack
+        if pack is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
+                and self.weight.dtype == torch.bfloat16 and not torch.compiler.is_compiling() \
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            if self._packed_version != self.weight._version:  # weight changed in place: the pack is stale
+                self._onednn_pack = None
+            else:
+                k = x.shape[-1]
+                x2 = x.reshape(-1, k)
+                if not x2.is_contiguous():
+                    x2 = x2.contiguous()
+                m, cap = x2.shape[0], self.max_rows
+                if m <= cap:
+                    y = torch.ops.mkldnn._linear_pointwise(x2, pack, self.bias, "none", [], "")
+                else:
+                    y = torch.cat([torch.ops.mkldnn._linear_pointwise(x2[i:i + cap], pack, self.bias, "none", [], "")
+                                   for i in range(0, m, cap)])
+                return y.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+
+def rows_are_independent(lin: OneDNNLinear, rows: Iterable[int] = (2, 9, 17, 33, 64, ONEDNN_MAX_ROWS),
+                         probe: int = 4, seed: int = 0) -> bool:
+    """Whether ``lin`` gives rows bitwise the results of those rows alone, for a call of each row
+    count ``m`` in ``rows`` (checked on the first ``probe`` rows and row ``m - 1``; oneDNN picks
+    kernels per shape and CPU, see the section doc)."""
+    rows = sorted(set(int(m) for m in rows))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(max(rows), lin.in_features, generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        solo = {i: lin(x[i:i + 1])[0] for i in set(range(min(probe, max(rows)))) | {m - 1 for m in rows}}
+        for m in rows:
+            y = lin(x[:m])
+            if not all(torch.equal(y[i], solo[i]) for i in solo if i < m):
+                return False
+    return True
+
+
+def pack_linears_bf16(module: nn.Module, max_rows: int = ONEDNN_MAX_ROWS, check: bool = True) -> int:
+    """Convert every bfloat16 CPU ``nn.Linear`` under ``module`` (itself included) to
+    :class:`OneDNNLinear`; a module met twice (shared) is packed once.
+
+    Args:
+        module: a model (changed in place; parameters and state-dict keys untouched).
+        max_rows: the largest row count one kernel call gets (larger calls are cut into pieces).
+        check: test each distinct weight shape with :func:`rows_are_independent`; a shape that fails
+            is left on ``F.linear`` (logged), so exactness never depends on the pack.
+    Returns:
+        Bytes of packed weights added (0 when oneDNN bf16 is unavailable or nothing qualified).
+    Raises:
+        ValueError: ``max_rows < 1``.
+    """
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    if not onednn_bf16_available():
+        return 0
+    added, seen, verdict = 0, set(), {}
+    for m in module.modules():
+        if not isinstance(m, nn.Linear) or id(m) in seen:
+            continue
+        seen.add(id(m))
+        if m.weight.device.type != "cpu" or m.weight.dtype != torch.bfloat16 or type(m) not in (nn.Linear, OneDNNLinear):
+            continue
+        if isinstance(m, OneDNNLinear) and m._onednn_pack is not None and m._packed_version == m.weight._version:
+            continue  # already packed (a borrowed module, e.g. the target's lm_head in the drafter)
+        m.__class__ = OneDNNLinear
+        m.max_rows = max_rows
+        size = m.repack()
+        shape = tuple(m.weight.shape)
+        if check and shape not in verdict:
+            verdict[shape] = rows_are_independent(m, rows=sorted({2, 9, 17, 33, 64, max_rows} & set(range(1, max_rows + 1))))
+            if not verdict[shape]:
+                log.warning("oneDNN bf16 linear %s: rows depend on the row count here; left on F.linear", list(shape))
+        if check and not verdict[shape]:
+            m._onednn_pack = None
+            continue
+        added += size
+    if added:
+        log.info("packed bfloat16 GEMM weights (oneDNN, <= %d rows per call): %.0f MB", max_rows, added / 2**20)
+    return added

@@ -16,6 +16,10 @@ from the float32 weights by bfloat16 rounding of the block constants (largest re
 2^-8 of a block's range); the lossless guarantee is relative to the weights served: ``ar`` and every
 speculative method run the same kernels (tests/engine/test_weights.py).
 
+Dense bfloat16 linears (all of them under ``bfloat16``, the lm_head under ``q4``) are pre-packed for
+oneDNN on CPU (:func:`services.cpu_gemm.pack_linears_bf16`): same results as ``F.linear``, without
+re-laying-out the weight on every call; each row independent of the step's row count.
+
 The default is chosen on the machine that serves (``--weights auto``): :func:`choose_weights` times
 a one-token step and a 9-row step of each available format (seconds, logged) and caches the winner
 per machine + torch + threads + model in ``<cache root>/weights_choice.json``: bfloat16 is 1.7x
@@ -44,6 +48,9 @@ log = logging.getLogger(__name__)
 
 from services.runtime import WEIGHT_CHOICES as CHOICES, WEIGHT_FORMATS as FORMATS, default_weights  # noqa: F401
 Q4_GROUP = 32  # elements per Q4_1 block (ggml QK4_1)
+# bumped when a format's kernels change (a cached ``auto`` choice is then measured again);
+# 2: bf16 linears pre-packed for oneDNN (services.cpu_gemm.pack_linears_bf16)
+KERNELS_VERSION = 2
 _Q4_1_BYTES = 20  # fp16 d + fp16 m + 16 bytes of nibbles
 # HF linear name inside a decoder layer -> GGUF tensor name inside ``blk.N``
 _GGUF_LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -281,6 +288,10 @@ def load_causal_lm(target_dir: str | Path, fmt: str, device: str = "cpu"):
         log.info("weights q4: %d linears 4-bit from %s (%.1f MB, dense bf16 %.1f MB), %d left dense; "
                  "served-vs-float32 block error <= %.4f of the block range", stats["replaced"], src.name,
                  stats["bytes"] / 1e6, stats["dense_bytes"] / 1e6, stats["skipped"], stats["max_rel_err"])
+    if model.dtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        from services.cpu_gemm import pack_linears_bf16
+
+        pack_linears_bf16(model)  # the dense bf16 linears (all of them, or q4's lm_head) pre-packed for oneDNN
     return model
 
 
@@ -318,6 +329,7 @@ def _machine_key(target_dir: Path, threads: int) -> str:
         pass
     cfg = (target_dir / "config.json").read_bytes() if (target_dir / "config.json").exists() else b""
     return (f"{cpu}|{hashlib.sha1(flags.encode()).hexdigest()[:8]}|torch {torch.__version__}|threads {threads}|"
+            f"kernels {KERNELS_VERSION}|"
             f"{target_dir.name}:{hashlib.sha1(cfg).hexdigest()[:10]}")
 
 

@@ -50,9 +50,10 @@ class Eagle3Service:
         self.description = description
         self.dtype = next(drafter.parameters()).dtype
         if packed_gemm:
-            from services.cpu_gemm import pack_linears
+            from services.cpu_gemm import pack_linears, pack_linears_bf16
 
             pack_linears(drafter, sorted({max(2, self.cfg.top_k)}))
+            pack_linears_bf16(drafter)  # bfloat16 drafters: oneDNN's pre-packed kernel (no-op in float32)
         self._k: dict[str, Tensor] = {}
         self._v: dict[str, Tensor] = {}
         self._len: dict[str, int] = {}

@@ -108,10 +108,12 @@ class DrafterService:
             lm_head = head
         self.lm_head = lm_head
         if packed_gemm:
-            from services.cpu_gemm import pack_linears
+            from services.cpu_gemm import pack_linears, pack_linears_bf16
 
             pack_linears(drafter, [self.cfg.block_size])
             pack_linears(lm_head, [self.cfg.num_draft_slots])
+            pack_linears_bf16(drafter)  # bfloat16 drafters: oneDNN's pre-packed kernel (no-op in float32)
+            pack_linears_bf16(lm_head)
         self.defaults = defaults
         self.description = description
         self._ctx: dict[str, list[tuple[Tensor, Tensor]]] = {}

@@ -155,3 +155,115 @@ def test_pack_for_steps_ladder_covers_every_batched_step_size():
     for m in range(3, 8 * 9 + 1):
         r = lin._rows_for(m)
         assert r is not None and m <= r < 2 * m, m
+
+
+# ------------------------------------------------------------------- bfloat16, oneDNN pre-packed
+
+needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_bf16_available(), reason="no oneDNN bf16 on this CPU/build")
+
+
+def _bf16_linear(k=64, n=96, bias=True, seed=0):
+    return _linear(k, n, bias, seed).to(torch.bfloat16)
+
+
+@needs_onednn
+@pytest.mark.parametrize("m", [1, 9, 17, 40])
+def test_onednn_packed_equals_f_linear(m):
+    lin, ref = _bf16_linear(), _bf16_linear()
+    assert cpu_gemm.pack_linears_bf16(lin) > 0 and isinstance(lin, cpu_gemm.OneDNNLinear)
+    x = torch.randn(2, m, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        y = lin(x)
+    assert y.shape == (2, m, 96) and y.dtype == torch.bfloat16
+    assert torch.equal(y, F.linear(x, ref.weight, ref.bias))
+
+
+@needs_onednn
+@pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (1536, 576), (576, 1536)])
+def test_onednn_rows_equal_the_row_alone_for_every_row_count(n, k):
+    """Batched == solo at the kernel: on SmolLM2's linear shapes every row of a call of 1..130 rows
+    (and of 300, cut into pieces of ONEDNN_MAX_ROWS) is bitwise the result of that row alone."""
+    lin = _bf16_linear(k, n, bias=False, seed=1)
+    cpu_gemm.pack_linears_bf16(lin, check=False)
+    x = torch.randn(300, k).to(torch.bfloat16)
+    with torch.inference_mode():
+        solo = torch.cat([lin(x[i:i + 1]) for i in range(300)])
+        for m in list(range(2, 131)) + [300]:
+            assert torch.equal(lin(x[:m]), solo[:m]), m
+
+
+@needs_onednn
+def test_onednn_calls_past_max_rows_are_cut_into_pieces():
+    lin = _bf16_linear()
+    cpu_gemm.pack_linears_bf16(lin, max_rows=8)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    x = torch.randn(20, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = torch.cat([lin(x[i:i + 8]) for i in range(0, 20, 8)])
+        orig = cpu_gemm.torch.ops.mkldnn
+        try:
+            class Spy:
+                def __getattr__(self, name):
+                    return getattr(orig, name)
+
+                def _linear_pointwise(self, a, *rest):
+                    calls.append(a.shape[0])
+                    return real(a, *rest)
+            cpu_gemm.torch.ops.mkldnn = Spy()
+            y = lin(x)
+        finally:
+            cpu_gemm.torch.ops.mkldnn = orig
+    assert calls == [8, 8, 4] and torch.equal(y, want)
+
+
+@needs_onednn
+def test_onednn_autograd_stale_weight_and_fallbacks_use_f_linear():
+    lin = _bf16_linear()
+    cpu_gemm.pack_linears_bf16(lin)
+    lin._onednn_pack = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(lin.weight.detach()), 1)  # poison
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), lin.bias.detach().expand(4, 96))  # the (poisoned) pack is what runs
+    xg = x.clone().requires_grad_(True)
+    y = lin(xg)  # autograd: the real weight
+    assert torch.equal(y.detach(), F.linear(x, lin.weight, lin.bias).detach())
+    y.float().sum().backward()
+    assert xg.grad is not None
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # in place: the pack is stale and dropped
+    with torch.inference_mode():
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    assert lin._onednn_pack is None
+
+
+@needs_onednn
+def test_onednn_state_dict_tied_weights_and_float32_untouched():
+    emb = nn.Embedding(40, 64).to(torch.bfloat16)
+    model = nn.ModuleDict({"emb": emb, "head": nn.Linear(64, 40, bias=False).to(torch.bfloat16),
+                           "fp32": nn.Linear(64, 8)})
+    model["head"].weight = emb.weight  # tied, like SmolLM2's lm_head
+    keys = list(model.state_dict())
+    assert cpu_gemm.pack_linears_bf16(model) == 40 * 64 * 2
+    assert model["head"].weight is emb.weight and list(model.state_dict()) == keys
+    assert type(model["fp32"]) is nn.Linear
+    assert cpu_gemm.pack_linears_bf16(model) == 0  # already packed: nothing added
+    with pytest.raises(ValueError, match="max_rows"):
+        cpu_gemm.pack_linears_bf16(model, max_rows=0)
+
+
+@needs_onednn
+def test_a_shape_whose_rows_depend_on_the_row_count_stays_on_f_linear(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "rows_are_independent", lambda lin, rows: False)
+    lin = _bf16_linear()
+    assert cpu_gemm.pack_linears_bf16(lin) == 0 and lin._onednn_pack is None
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_no_onednn_means_no_change(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "onednn_bf16_available", lambda: False)
+    lin = _bf16_linear()
+    assert cpu_gemm.pack_linears_bf16(lin) == 0 and type(lin) is nn.Linear

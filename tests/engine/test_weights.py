@@ -39,6 +39,27 @@ def q4_target(gguf_dir):
     return TargetModel.from_pretrained(gguf_dir, [0, 1], weights="q4")
 
 
+@pytest.fixture(scope="module")
+def bf16_target(gguf_dir):
+    return TargetModel.from_pretrained(gguf_dir, [0, 1], weights="bfloat16")
+
+
+def test_bf16_formats_serve_dense_linears_through_onednn_packs(q4_target, bf16_target):
+    """Under ``bfloat16`` every linear, under ``q4`` the dense lm_head, is oneDNN-packed where the CPU
+    has bf16 support (services.cpu_gemm); the packed call equals plain ``F.linear`` on the weight."""
+    from services.cpu_gemm import OneDNNLinear, onednn_bf16_available
+
+    if not onednn_bf16_available():
+        pytest.skip("no oneDNN bf16 on this CPU/build")
+    dense = [m for m in bf16_target.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert dense and all(isinstance(m, OneDNNLinear) and m._onednn_pack is not None for m in dense)
+    head = q4_target.lm_head()
+    assert isinstance(head, OneDNNLinear) and head._onednn_pack is not None
+    x = torch.randn(9, head.in_features).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
+
+
 def test_parse_q4_1_matches_ggufs_dequantizer():
     import gguf
     from gguf.quants import dequantize, quantize
@@ -94,14 +115,17 @@ def test_q4_target_replaces_every_linear(q4_target):
     assert not any(isinstance(m, torch.nn.Linear) for n, m in mods.items() if ".layers." in n)
 
 
+@pytest.mark.parametrize("fmt", ["q4", "bfloat16"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_q4_speculative_equals_q4_plain_decoding(q4_target, seed):
+def test_speculative_equals_plain_decoding_per_format(request, fmt, seed):
     """T = 0: every method with a random drafter, and an oracle drafter (full accepts, KV compaction),
-    emit exactly the q4 model's own plain decoding (``ar``, same kernels)."""
+    emit exactly the q4 model's own plain decoding (``ar``, same kernels); likewise the bfloat16
+    model with its oneDNN-packed linears."""
+    target = request.getfixturevalue({"q4": "q4_target", "bfloat16": "bf16_target"}[fmt])
     rng = random.Random(seed)
     prompt = [rng.randrange(3, V - 1) for _ in range(7)]
     sampling = SamplingParams(max_tokens=30, ignore_eos=True)
-    engine = SpecEngine(q4_target, InprocDrafterClient(tiny_service(q4_target, seed=seed)), max_draft_depth=8)
+    engine = SpecEngine(target, InprocDrafterClient(tiny_service(target, seed=seed)), max_draft_depth=8)
 
     def run(eng, method):
         return [t for o in eng.generate("r", prompt, sampling, SpecParams(method)) for t in o.token_ids]
@@ -110,21 +134,23 @@ def test_q4_speculative_equals_q4_plain_decoding(q4_target, seed):
     for method in METHODS:
         assert run(engine, method) == ref, method
     oracle = OracleDrafter({"r": prompt + ref}, depth=4, distractors=2, vocab_size=V, seed=seed)
-    assert run(SpecEngine(q4_target, oracle, max_draft_depth=4), "dartree-pruned") == ref
+    assert run(SpecEngine(target, oracle, max_draft_depth=4), "dartree-pruned") == ref
 
 
-def test_q4_batched_equals_solo(q4_target):
+@pytest.mark.parametrize("fmt", ["q4", "bfloat16"])
+def test_batched_equals_solo_per_format(request, fmt):
+    target = request.getfixturevalue({"q4": "q4_target", "bfloat16": "bf16_target"}[fmt])
     rng = random.Random(7)
-    service = tiny_service(q4_target, seed=5)
+    service = tiny_service(target, seed=5)
     reqs = [(f"r{i}", [rng.randrange(3, V - 1) for _ in range(rng.randrange(3, 20))], METHODS[i % len(METHODS)])
             for i in range(6)]
     sampling = SamplingParams(max_tokens=12, ignore_eos=True)
 
     def solo(prompt, method):
-        eng = SpecEngine(q4_target, InprocDrafterClient(service), EngineConfig(max_running=1), max_draft_depth=8)
+        eng = SpecEngine(target, InprocDrafterClient(service), EngineConfig(max_running=1), max_draft_depth=8)
         return [t for o in eng.generate("s", prompt, sampling, SpecParams(method)) for t in o.token_ids]
 
-    eng = SpecEngine(q4_target, InprocDrafterClient(service), EngineConfig(max_running=8), max_draft_depth=8)
+    eng = SpecEngine(target, InprocDrafterClient(service), EngineConfig(max_running=8), max_draft_depth=8)
     got, sizes = _run_batched(eng, {0: [(rid, prompt, sampling, SpecParams(method)) for rid, prompt, method in reqs]})
     assert max(sizes) == len(reqs)  # all six shared a step
     for rid, prompt, method in reqs:
