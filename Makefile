@@ -42,8 +42,12 @@ bench: setup
 
 # Optional: llama.cpp as a `dartree bench` peer (builds llama-cpp-python from source, ~20 min on one
 # core; cmake and a C++ compiler needed). Not part of setup/test: CI never builds it.
+# llama.cpp's native build compiles its AMX kernels where the CPU lists AMX; on our 2-core VMs
+# (2026-12-01) they died with SIGILL at the first `tileloadd` (the process never asked the kernel for
+# the AMX tile state), so on x86_64 they are compiled out. Override with LLAMA_CMAKE_ARGS=... .
+LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64,$(shell uname -m)),-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16')
 bench-deps: setup
-	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} $(PIP) install -r requirements-bench.txt
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} $(PIP) install -r requirements-bench.txt
 
 # On a machine with a CUDA GPU: the gpu-marked tests + a round-time breakdown on random weights
 # (< 8 min), one JSON + one PNG under OUT. `make gpu-check ARGS=--smoke` runs a tiny CPU version.

@@ -20,8 +20,12 @@ bench reports the agreement separately from the lossless check.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -92,6 +96,7 @@ def load_llama(path: Path, n_ctx: int, threads: int):
         PeerUnavailableError: not installed, or the file does not load.
     """
     check_installed()
+    probe_decode(str(path), threads)
     import llama_cpp
 
     try:
@@ -99,6 +104,38 @@ def load_llama(path: Path, n_ctx: int, threads: int):
                                n_gpu_layers=0, logits_all=False, verbose=False, seed=0)
     except (ValueError, RuntimeError, OSError) as e:
         raise PeerUnavailableError(f"llama.cpp could not load {path}: {e}") from None
+
+
+def _probe_argv(path: str, threads: int) -> list[str]:
+    """The probe process of :func:`probe_decode`: load ``path`` and evaluate three tokens."""
+    code = ("import llama_cpp; m = llama_cpp.Llama(model_path=%r, n_ctx=64, n_threads=%d, n_gpu_layers=0, "
+            "verbose=False); m.eval([1, 2, 3])" % (path, threads))
+    return [sys.executable, "-c", code]
+
+
+@functools.lru_cache(maxsize=None)
+def probe_decode(path: str, threads: int, timeout_s: float = 180.0) -> None:
+    """Evaluate a few tokens with llama.cpp in a child process first (once per process and file), so a
+    build whose kernels this CPU or VM cannot run (a llama.cpp compiled with AMX on a VM that never
+    grants the AMX tile state died with SIGILL here) is a one-line :class:`PeerUnavailableError`
+    instead of killing the benchmark. A probe that fails to load the file for another reason is left
+    to the in-process load, which reports it.
+
+    Raises:
+        PeerUnavailableError: the probe was killed by a signal or timed out.
+    """
+    try:
+        r = subprocess.run(_probe_argv(path, threads), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise PeerUnavailableError(f"llama.cpp did not evaluate 3 tokens of {path} in {timeout_s:.0f} s (probe)") from None
+    if r.returncode < 0:
+        try:
+            name = signal.Signals(-r.returncode).name
+        except ValueError:
+            name = f"signal {-r.returncode}"
+        raise PeerUnavailableError(f"llama.cpp crashed ({name}) decoding {path} in a probe process; a build with "
+                                   "kernels this CPU/VM cannot run? rebuild it: make bench-deps (AMX is compiled "
+                                   "out there)")
 
 
 def llama_turn(llm, prompt_ids: list[int], max_tokens: int, eos_ids: tuple[int, ...]) -> dict:

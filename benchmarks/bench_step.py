@@ -9,8 +9,9 @@ from the engine's own per-step stats (:class:`services.verifier.engine.StepStats
 - ``verify9_x`` / ``verify17_x``: median forward of a 9-/17-row verify over the median 1-row forward;
 - ``bare_ms``: a bare HF prefill + argmax loop over the same model (no engine), for reference;
 - ``llama_cpp_ms``: llama.cpp (``llama-cpp-python``, optional) decoding the very GGUF file the target
-  comes from, greedy, same prompt token ids and thread count; ``vs_llama_cpp`` = its ms / our ``ar_ms``
-  (the goal is >= 0.6).
+  comes from, greedy, same prompt token ids and thread count, one run after each of our ``ar`` runs
+  (interleaved: a shared machine's speed drifts by tens of percent over minutes);
+  ``vs_llama_cpp`` = its ms / our ``ar_ms`` (the goal is >= 0.6).
 
 Usage: ``python -m benchmarks.bench_step [--weights float32 bfloat16 q4] [--threads 2] [--tokens 64]
 [--repeats 3] [--out DIR]``. Prints a table; the last stdout line is one JSON object (also written
@@ -63,23 +64,34 @@ def engine_stats(engine, ids: list[int], tokens: int, method: str, budget: int |
             "forward_ms": {r: 1000 * _median(v) for r, v in fwd.items()}, "steps": len(walls), "emitted": emitted}
 
 
-def llama_cpp_ms(gguf: Path, ids: list[int], n: int, threads: int) -> dict | None:
-    """llama.cpp greedy decode of up to ``n`` tokens after the prompt ``ids`` (ms per token, prompt
-    excluded; :func:`benchmarks.bench_llama.llama_turn`, EOS ignored); None when ``llama-cpp-python``
-    is not installed (``make bench-deps``)."""
-    from benchmarks.bench_llama import PeerUnavailableError, llama_turn, load_llama
+def llama_cpp_peer(gguf: Path, n_ctx: int, threads: int):
+    """A loaded llama.cpp model over ``gguf`` (``threads`` threads), or None when ``llama-cpp-python``
+    is not installed or the file does not load (``make bench-deps``; printed, one line)."""
+    from benchmarks.bench_llama import PeerUnavailableError, load_llama
 
     try:
-        llm = load_llama(gguf, max(512, len(ids) + n + 8), threads)
+        return load_llama(gguf, n_ctx, threads)
     except PeerUnavailableError as e:
         print(f"llama-cpp: unavailable ({e})", flush=True)
         return None
+
+
+def llama_cpp_ms(llm, ids: list[int], n: int) -> dict:
+    """llama.cpp greedy decode of ``n`` tokens after the prompt ``ids`` (ms per token, prompt excluded;
+    :func:`benchmarks.bench_llama.llama_turn`, EOS ignored)."""
+    from benchmarks.bench_llama import llama_turn
+
     rec = llama_turn(llm, ids, n, eos_ids=())
     return {"ms_per_token": 1000 * rec["decode_s"] / max(rec["rounds"], 1), "prefill_ms": 1000 * rec["ttft_s"]}
 
 
-def measure_format(fmt: str, ids_prompt: str, a, compile: bool = False) -> dict:
-    """All engine-side numbers of one weight format (``compile``: steps through torch.compile)."""
+def measure_format(fmt: str, ids_prompt: str, a, compile: bool = False, peer=None) -> dict:
+    """All engine-side numbers of one weight format (``compile``: steps through torch.compile).
+
+    ``peer``: a loaded llama.cpp model (:func:`llama_cpp_peer`) or None; when given, one llama.cpp run
+    follows each of our ``ar`` runs (interleaved, so both see the same machine state), and the row
+    gets ``llama_cpp_ms`` (median of those runs) and ``vs_llama_cpp`` = ``llama_cpp_ms / ar_ms``.
+    """
     from services.generate import build_inprocess, encode
     from services.models.registry import resolve_target
     from services.weights import choose_weights, compute_dtype
@@ -91,6 +103,8 @@ def measure_format(fmt: str, ids_prompt: str, a, compile: bool = False) -> dict:
     if compile:
         from services.verifier.engine import EngineConfig, SpecEngine
 
+        torch._dynamo.reset()  # a fresh recompile budget per model (the HF forward frame is shared)
+
         engine = SpecEngine(engine.target, engine.drafter, EngineConfig(compile=True),
                             max_draft_depth=engine.max_draft_depth)
         engine.runner.warm_up((1, 9, 17))
@@ -98,8 +112,11 @@ def measure_format(fmt: str, ids_prompt: str, a, compile: bool = False) -> dict:
     ids = encode(tok, ids_prompt, chat=True)
     engine_stats(engine, ids, 8, "ar")  # warm-up
     runs = {"ar": [], "b8": [], "b16": []}
+    peer_runs = []
     for _ in range(a.repeats):
         runs["ar"].append(engine_stats(engine, ids, a.tokens, "ar"))
+        if peer is not None:
+            peer_runs.append(llama_cpp_ms(peer, ids, a.tokens))
         runs["b8"].append(engine_stats(engine, ids, a.tokens, "dartree-pruned", 8))
         runs["b16"].append(engine_stats(engine, ids, a.tokens, "dartree-pruned", 16))
     ar_ms = _median([r["ms_per_token"] for r in runs["ar"]])
@@ -118,7 +135,11 @@ def measure_format(fmt: str, ids_prompt: str, a, compile: bool = False) -> dict:
             "overhead_pct": round(100 * (1 - fwd1 / step), 1),
             "verify9_ms": round(rows("b8", 9), 2), "verify9_x": round(rows("b8", 9) / fwd1, 2),
             "verify17_ms": round(rows("b16", 17), 2), "verify17_x": round(rows("b16", 17) / fwd1, 2),
-            "bare_ms": round(bare, 2), "prompt_tokens": len(ids)}, ids
+            "bare_ms": round(bare, 2), "prompt_tokens": len(ids),
+            **({"llama_cpp_ms": round(_median([r["ms_per_token"] for r in peer_runs]), 2),
+                "llama_cpp_prefill_ms": round(_median([r["prefill_ms"] for r in peer_runs]), 1),
+                "vs_llama_cpp": round(_median([r["ms_per_token"] for r in peer_runs]) / ar_ms, 2)}
+               if peer_runs else {})}, ids
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,21 +161,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
     threads = torch.get_num_threads()
     rows, ids = [], None
+    llm = llama_cpp_peer(_gguf_dir() / GGUF_FILE, 4096, threads) if a.llama_cpp else None
     for fmt in a.weights:
         for comp in (False, True) if a.compile else (False,):
-            row, ids = measure_format(fmt, PROMPT, a, comp)
+            row, ids = measure_format(fmt, PROMPT, a, comp, peer=llm)
             rows.append(row)
             print(json.dumps(row), flush=True)
     peer = None
-    if a.llama_cpp and ids is not None:
-        first = llama_cpp_ms(_gguf_dir() / GGUF_FILE, ids, a.tokens, threads)
-        runs = [first] + [llama_cpp_ms(_gguf_dir() / GGUF_FILE, ids, a.tokens, threads)
-                          for _ in range(a.repeats - 1)] if first is not None else [None]
-        if runs[0] is not None:
-            peer = {"ms_per_token": round(_median([r["ms_per_token"] for r in runs]), 2),
-                    "prefill_ms": round(_median([r["prefill_ms"] for r in runs]), 1), "gguf": GGUF_FILE}
-            for r in rows:
-                r["vs_llama_cpp"] = round(peer["ms_per_token"] / r["ar_ms"], 2)
+    if llm is not None:
+        ms = [r["llama_cpp_ms"] for r in rows]
+        peer = {"ms_per_token": round(_median(ms), 2), "ms_per_token_by_row": ms,
+                "prefill_ms": round(_median([r["llama_cpp_prefill_ms"] for r in rows]), 1), "gguf": GGUF_FILE}
     head = f"{'weights':18} {'ar ms/tok':>9} {'tok/s':>6} {'overhead':>8} {'9-row x':>8} {'17-row x':>9} " \
            f"{'bare HF ms':>10} {'vs llama.cpp':>12}"
     print(head)
@@ -171,12 +188,14 @@ def main(argv: list[str] | None = None) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "step_cost.json").write_text(json.dumps(result, indent=1))
         md = ["| weights | ar ms/token | tok/s | overhead outside forward | 9-row verify / ar forward | "
-              "17-row / ar | bare HF loop ms | llama.cpp ms / ours |", "|---|---|---|---|---|---|---|---|"]
+              "17-row / ar | bare HF loop ms | llama.cpp ms (interleaved) | llama.cpp ms / ours |",
+              "|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {r['weights']} | {r['ar_ms']} | {r['ar_tok_s']} | {r['overhead_pct']} % | {r['verify9_x']} | "
-               f"{r['verify17_x']} | {r['bare_ms']} | {r.get('vs_llama_cpp', 'n/a')} |" for r in rows]
+               f"{r['verify17_x']} | {r['bare_ms']} | {r.get('llama_cpp_ms', 'n/a')} | {r.get('vs_llama_cpp', 'n/a')} |"
+               for r in rows]
         if peer:
-            md.append(f"| llama.cpp ({GGUF_FILE}) | {peer['ms_per_token']} | {round(1000 / peer['ms_per_token'], 1)} "
-                      "| | | | | 1.00 |")
+            md.append(f"| llama.cpp ({GGUF_FILE}), median of all runs | {peer['ms_per_token']} | "
+                      f"{round(1000 / peer['ms_per_token'], 1)} | | | | | | 1.00 |")
         (out / "step_cost.md").write_text("\n".join(md) + "\n")
     print(json.dumps(result))
 

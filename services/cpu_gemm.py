@@ -25,6 +25,7 @@ module touches those private torch ops.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Iterable
 
 import torch
@@ -189,8 +190,9 @@ class OneDNNLinear(nn.Linear):
     Not constructed directly: :func:`pack_linears_bf16` converts existing modules in place (same
     parameters, same state-dict keys, tied weights stay tied). ``forward``: ``[..., in_features] ->
     [..., out_features]``; CPU bfloat16 inputs outside autograd use the pack, in pieces of at most
-    ``max_rows`` rows; anything else (also a forward traced by ``torch.compile``, whose CPU freezing
-    pass packs linears itself), and a weight changed in place since packing, runs ``F.linear``.
+    ``max_rows`` rows (under ``torch.compile`` as the opaque op ``dartree::onednn_linear``: inductor
+    cannot lower an eager pack); anything else, and a weight changed in place since packing, runs
+    ``F.linear``.
     """
 
     _onednn_pack: Tensor | None
@@ -202,28 +204,56 @@ class OneDNNLinear(nn.Linear):
         w = self.weight.detach()
         self._onednn_pack = torch.ops.mkldnn._reorder_linear_weight(w, 1)
         self._packed_version = self.weight._version
+        _PACKED[id(self.weight)] = self
         return w.numel() * w.element_size()
 
     def forward(self, x: Tensor) -> Tensor:
         pack = self._onednn_pack
         if pack is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
-                and self.weight.dtype == torch.bfloat16 and not torch.compiler.is_compiling() \
+                and self.weight.dtype == torch.bfloat16 \
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            if torch.compiler.is_compiling():  # traced: one opaque op (inductor cannot lower the pack itself)
+                y = torch.ops.dartree.onednn_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+                return y.reshape(*x.shape[:-1], self.out_features)
             if self._packed_version != self.weight._version:  # weight changed in place: the pack is stale
                 self._onednn_pack = None
             else:
-                k = x.shape[-1]
-                x2 = x.reshape(-1, k)
-                if not x2.is_contiguous():
-                    x2 = x2.contiguous()
-                m, cap = x2.shape[0], self.max_rows
-                if m <= cap:
-                    y = torch.ops.mkldnn._linear_pointwise(x2, pack, self.bias, "none", [], "")
-                else:
-                    y = torch.cat([torch.ops.mkldnn._linear_pointwise(x2[i:i + cap], pack, self.bias, "none", [], "")
-                                   for i in range(0, m, cap)])
-                return y.reshape(*x.shape[:-1], self.out_features)
+                return self._packed(x)
         return F.linear(x, self.weight, self.bias)
+
+    def _packed(self, x: Tensor) -> Tensor:
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        m, cap, pack = x2.shape[0], self.max_rows, self._onednn_pack
+        if m <= cap:
+            y = torch.ops.mkldnn._linear_pointwise(x2, pack, self.bias, "none", [], "")
+        else:
+            y = torch.cat([torch.ops.mkldnn._linear_pointwise(x2[i:i + cap], pack, self.bias, "none", [], "")
+                           for i in range(0, m, cap)])
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+# weight tensor id -> its packed module, for the opaque op of compiled steps (weak: a module that is
+# gone drops out; a weight object keeps its id while its module lives)
+_PACKED: "weakref.WeakValueDictionary[int, OneDNNLinear]" = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("dartree::onednn_linear", mutates_args=())
+def _onednn_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``[M, K] -> [M, N]``: :class:`OneDNNLinear`'s packed call for the module owning ``weight``, as one
+    opaque op in a ``torch.compile``'d step (eager body; ``F.linear`` when the pack is gone or stale)."""
+    mod = _PACKED.get(id(weight))
+    if mod is None or mod.weight is not weight or mod._onednn_pack is None \
+            or mod._packed_version != weight._version:
+        return F.linear(x, weight, bias)
+    return mod._packed(x)
+
+
+@_onednn_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def rows_are_independent(lin: OneDNNLinear, rows: Iterable[int] = (2, 9, 17, 33, 64, ONEDNN_MAX_ROWS),

@@ -188,3 +188,20 @@ def test_serving_row_when_unavailable_says_why():
     add_llama_serving(serving, SimpleNamespace(llama=missing), SimpleNamespace())
     (row,) = [v for k, v in serving["table"].items() if k.startswith("llama-cpp")]
     assert row == {"error": "unavailable: llama-cpp-python is not installed: x"}
+
+
+def test_a_peer_that_crashes_is_unavailable_not_fatal(monkeypatch):
+    """A llama.cpp build that dies on this CPU (SIGILL from AMX kernels on our VMs) is found by the probe
+    child process and reported as one line; the benchmark process survives."""
+    import sys as _sys
+
+    from benchmarks import bench_llama as bl
+
+    bl.probe_decode.cache_clear()
+    monkeypatch.setattr(bl, "_probe_argv", lambda path, threads: [
+        _sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"])
+    with pytest.raises(PeerUnavailableError, match="crashed \\(SIGILL\\).*make bench-deps"):
+        bl.probe_decode("/nowhere.gguf", 1)
+    monkeypatch.setattr(bl, "_probe_argv", lambda path, threads: [_sys.executable, "-c", "raise SystemExit(3)"])
+    bl.probe_decode("/other.gguf", 1)  # an ordinary failure is left to the in-process load
+    bl.probe_decode.cache_clear()

@@ -45,3 +45,25 @@ def test_compiled_steps_equal_eager_steps():
     assert [got[f"b{i}"] for i in range(3)] == [ref[(i, "dartree-pruned")] for i in range(3)]
     # the reference (HF) paths of the target stay eager and still work after compiled steps
     assert torch.isfinite(target.teacher_forced(prompts[0])[1]).all()
+
+
+def test_compiled_packed_bf16_linear_runs_the_pack_as_one_opaque_op(monkeypatch):
+    """Under torch.compile a oneDNN-packed bf16 linear (services.cpu_gemm) is the opaque op
+    ``dartree::onednn_linear``, whose eager body runs the pack: same values as eager, pack used."""
+    from torch import nn
+
+    from services import cpu_gemm
+
+    if not cpu_gemm.onednn_bf16_available():
+        pytest.skip("no oneDNN bf16 on this CPU/build")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Linear(48, 16, bias=False)).to(torch.bfloat16)
+    assert cpu_gemm.pack_linears_bf16(model) > 0
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    with torch.inference_mode():
+        want = model(x)
+        calls = []
+        real = cpu_gemm.OneDNNLinear._packed
+        monkeypatch.setattr(cpu_gemm.OneDNNLinear, "_packed", lambda self, a: calls.append(a.shape) or real(self, a))
+        got = torch.compile(model, dynamic=True)(x)
+    assert torch.equal(got, want) and len(calls) == 2
