@@ -86,21 +86,32 @@ class PackedLinear(nn.Linear):
         packs = self._packs
         if packs and x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32 \
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            if torch.compiler.is_compiling():  # traced: one opaque op (inductor cannot lower an eager pack)
+                _PACKED[id(self.weight)] = self
+                y = torch.ops.dartree.packed_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+                return y.reshape(*x.shape[:-1], self.out_features)
             if self._packed_version != self.weight._version:  # weight changed in place: packs are stale
                 packs.clear()
             else:
-                k = x.shape[-1]
-                m = x.numel() // k if k else 0
-                r = self._rows_for(m) if m > 1 else None
-                if r is not None:
-                    x2 = x.reshape(m, k)
-                    if r > m:
-                        x2 = torch.cat([x2, x2.new_zeros(r - m, k)])
-                    elif not x2.is_contiguous():
-                        x2 = x2.contiguous()
-                    y = torch.ops.mkl._mkl_linear(x2, packs[r], self.weight, self.bias, r)
-                    return y[:m].reshape(*x.shape[:-1], self.out_features)
+                return self._packed(x)
         return F.linear(x, self.weight, self.bias)
+
+    def _packed(self, x: Tensor) -> Tensor:
+        k = x.shape[-1]
+        m = x.numel() // k if k else 0
+        r = self._rows_for(m) if m > 1 else None
+        if r is None:
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(m, k)
+        if r > m:
+            x2 = torch.cat([x2, x2.new_zeros(r - m, k)])
+        elif not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y = torch.ops.mkl._mkl_linear(x2, self._packs[r], self.weight, self.bias, r)
+        return y[:m].reshape(*x.shape[:-1], self.out_features)
+
+    def _pack_valid(self) -> bool:
+        return bool(self._packs) and self._packed_version == self.weight._version
 
 
 def _pack_bytes(w: Tensor) -> int:
@@ -190,7 +201,7 @@ class OneDNNLinear(nn.Linear):
     Not constructed directly: :func:`pack_linears_bf16` converts existing modules in place (same
     parameters, same state-dict keys, tied weights stay tied). ``forward``: ``[..., in_features] ->
     [..., out_features]``; CPU bfloat16 inputs outside autograd use the pack, in pieces of at most
-    ``max_rows`` rows (under ``torch.compile`` as the opaque op ``dartree::onednn_linear``: inductor
+    ``max_rows`` rows (under ``torch.compile`` as the opaque op ``dartree::packed_linear``: inductor
     cannot lower an eager pack); anything else, and a weight changed in place since packing, runs
     ``F.linear``.
     """
@@ -204,16 +215,19 @@ class OneDNNLinear(nn.Linear):
         w = self.weight.detach()
         self._onednn_pack = torch.ops.mkldnn._reorder_linear_weight(w, 1)
         self._packed_version = self.weight._version
-        _PACKED[id(self.weight)] = self
         return w.numel() * w.element_size()
+
+    def _pack_valid(self) -> bool:
+        return self._onednn_pack is not None and self._packed_version == self.weight._version
 
     def forward(self, x: Tensor) -> Tensor:
         pack = self._onednn_pack
         if pack is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
                 and self.weight.dtype == torch.bfloat16 \
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
-            if torch.compiler.is_compiling():  # traced: one opaque op (inductor cannot lower the pack itself)
-                y = torch.ops.dartree.onednn_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+            if torch.compiler.is_compiling():  # traced: one opaque op (inductor cannot lower an eager pack)
+                _PACKED[id(self.weight)] = self
+                y = torch.ops.dartree.packed_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
                 return y.reshape(*x.shape[:-1], self.out_features)
             if self._packed_version != self.weight._version:  # weight changed in place: the pack is stale
                 self._onednn_pack = None
@@ -235,23 +249,23 @@ class OneDNNLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-# weight tensor id -> its packed module, for the opaque op of compiled steps (weak: a module that is
-# gone drops out; a weight object keeps its id while its module lives)
-_PACKED: "weakref.WeakValueDictionary[int, OneDNNLinear]" = weakref.WeakValueDictionary()
+# weight tensor id -> its packed module (PackedLinear / OneDNNLinear), for the opaque op of compiled
+# steps; registered while tracing, weak (a module that is gone drops out)
+_PACKED: "weakref.WeakValueDictionary[int, nn.Linear]" = weakref.WeakValueDictionary()
 
 
-@torch.library.custom_op("dartree::onednn_linear", mutates_args=())
-def _onednn_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``[M, K] -> [M, N]``: :class:`OneDNNLinear`'s packed call for the module owning ``weight``, as one
-    opaque op in a ``torch.compile``'d step (eager body; ``F.linear`` when the pack is gone or stale)."""
+@torch.library.custom_op("dartree::packed_linear", mutates_args=())
+def _packed_linear_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``[M, K] -> [M, N]``: the pre-packed call (:class:`PackedLinear` / :class:`OneDNNLinear`) of the
+    module owning ``weight``, as one opaque op inside a ``torch.compile``'d step; eager body, plain
+    ``F.linear`` when that module's packs are gone or stale."""
     mod = _PACKED.get(id(weight))
-    if mod is None or mod.weight is not weight or mod._onednn_pack is None \
-            or mod._packed_version != weight._version:
+    if mod is None or mod.weight is not weight or not mod._pack_valid():
         return F.linear(x, weight, bias)
     return mod._packed(x)
 
 
-@_onednn_linear_op.register_fake
+@_packed_linear_op.register_fake
 def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
 

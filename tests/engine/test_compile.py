@@ -47,23 +47,33 @@ def test_compiled_steps_equal_eager_steps():
     assert torch.isfinite(target.teacher_forced(prompts[0])[1]).all()
 
 
-def test_compiled_packed_bf16_linear_runs_the_pack_as_one_opaque_op(monkeypatch):
-    """Under torch.compile a oneDNN-packed bf16 linear (services.cpu_gemm) is the opaque op
-    ``dartree::onednn_linear``, whose eager body runs the pack: same values as eager, pack used."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_packed_linears_run_the_pack_as_one_opaque_op(monkeypatch, dtype):
+    """Under torch.compile a pre-packed linear (services.cpu_gemm: oneDNN bf16, MKL float32) is the
+    opaque op ``dartree::packed_linear``, whose eager body runs the pack: same values as eager, pack
+    used (inductor cannot lower either pack; the float32 one used to fail to compile)."""
     from torch import nn
 
     from services import cpu_gemm
 
-    if not cpu_gemm.onednn_bf16_available():
-        pytest.skip("no oneDNN bf16 on this CPU/build")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Linear(48, 16, bias=False)).to(torch.bfloat16)
-    assert cpu_gemm.pack_linears_bf16(model) > 0
-    x = torch.randn(5, 32).to(torch.bfloat16)
+    model = nn.Sequential(nn.Linear(32, 48), nn.SiLU(), nn.Linear(48, 16, bias=False)).to(dtype)
+    if dtype == torch.bfloat16:
+        if not cpu_gemm.onednn_bf16_available():
+            pytest.skip("no oneDNN bf16 on this CPU/build")
+        assert cpu_gemm.pack_linears_bf16(model) > 0
+        cls = cpu_gemm.OneDNNLinear
+    else:
+        if not cpu_gemm.packing_available():
+            pytest.skip("no MKL packed sgemm")
+        assert cpu_gemm.pack_linears(model, [8]) > 0
+        cls = cpu_gemm.PackedLinear
+    x = torch.randn(5, 32).to(dtype)
     with torch.inference_mode():
         want = model(x)
         calls = []
-        real = cpu_gemm.OneDNNLinear._packed
-        monkeypatch.setattr(cpu_gemm.OneDNNLinear, "_packed", lambda self, a: calls.append(a.shape) or real(self, a))
+        real = cls._packed
+        monkeypatch.setattr(cls, "_packed", lambda self, a: calls.append(a.shape) or real(self, a))
+        torch._dynamo.reset()
         got = torch.compile(model, dynamic=True)(x)
     assert torch.equal(got, want) and len(calls) == 2
