@@ -74,6 +74,7 @@ class PackedLinear(nn.Linear):
                 self._packs[r] = torch.ops.mkl._mkl_reorder_linear_weight(w, r)
                 added += _pack_bytes(w)
         self._packed_version = self.weight._version
+        _PACKED[id(self.weight)] = self
         return added
 
     def _rows_for(self, m: int) -> int | None:
@@ -87,7 +88,6 @@ class PackedLinear(nn.Linear):
         if packs and x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32 \
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             if torch.compiler.is_compiling():  # traced: one opaque op (inductor cannot lower an eager pack)
-                _PACKED[id(self.weight)] = self
                 y = torch.ops.dartree.packed_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
                 return y.reshape(*x.shape[:-1], self.out_features)
             if self._packed_version != self.weight._version:  # weight changed in place: packs are stale
@@ -215,6 +215,7 @@ class OneDNNLinear(nn.Linear):
         w = self.weight.detach()
         self._onednn_pack = torch.ops.mkldnn._reorder_linear_weight(w, 1)
         self._packed_version = self.weight._version
+        _PACKED[id(self.weight)] = self
         return w.numel() * w.element_size()
 
     def _pack_valid(self) -> bool:
@@ -226,7 +227,6 @@ class OneDNNLinear(nn.Linear):
                 and self.weight.dtype == torch.bfloat16 \
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             if torch.compiler.is_compiling():  # traced: one opaque op (inductor cannot lower an eager pack)
-                _PACKED[id(self.weight)] = self
                 y = torch.ops.dartree.packed_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
                 return y.reshape(*x.shape[:-1], self.out_features)
             if self._packed_version != self.weight._version:  # weight changed in place: the pack is stale
@@ -250,7 +250,9 @@ class OneDNNLinear(nn.Linear):
 
 
 # weight tensor id -> its packed module (PackedLinear / OneDNNLinear), for the opaque op of compiled
-# steps; registered while tracing, weak (a module that is gone drops out)
+# steps; registered when packing (never inside a traced forward: a dict write there is a graph break
+# per linear, and the resumed frames then recompile per layer until dynamo gives up), weak (a
+# module that is gone drops out)
 _PACKED: "weakref.WeakValueDictionary[int, nn.Linear]" = weakref.WeakValueDictionary()
 
 

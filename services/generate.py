@@ -136,6 +136,7 @@ def run_generate(a) -> int:
         print(json.dumps(result))
     else:
         print(flush=True)  # the streamed text ends with a newline
-        print(f"[dartree] {a.method}: tau {tau:.2f} over {rounds} rounds, {result['tokens_per_s']} tok/s, "
+        rate = "n/a" if result["tokens_per_s"] is None else result["tokens_per_s"]  # < 2 tokens: no decode rate
+        print(f"[dartree] {a.method}: tau {tau:.2f} over {rounds} rounds, {rate} tok/s, "
               f"finish {finish}", file=sys.stderr)
     return 0

@@ -368,8 +368,8 @@ def choose_weights(requested: str, target_dir: str | Path, device: str = "cpu", 
 
     ``auto`` on CUDA is bfloat16. On CPU each available format (:func:`available_formats`) is loaded
     and timed (:func:`time_steps`: a one-token step and a 9-row step, the CPU default tree's verify);
-    the lowest sum wins (float32 with its 9-row GEMMs pre-packed, as the engine runs them). A few
-    seconds, logged, and cached per machine / torch / threads / model in
+    the lowest sum wins (float32 with its 9-row GEMMs pre-packed, as the engine runs them). About
+    25 s on an idle 2-core machine (minutes when the cores are busy), logged, and cached per machine / torch / threads / model in
     ``<cache root>/weights_choice.json`` (delete the file to measure again).
 
     Raises:
@@ -411,7 +411,8 @@ def choose_weights(requested: str, target_dir: str | Path, device: str = "cpu", 
         del model
     choice = min(results, key=lambda f: sum(results[f].values()))
     ms = {f: {f"{r}-row": round(v, 2) for r, v in res.items()} for f, res in results.items()}
-    log.info("weights auto: measured %s in %.1f s at %d threads -> %s", ms, time.perf_counter() - t0, threads, choice)
+    log.info("weights auto: measured ms per forward %s in %.1f s at %d threads -> %s", ms, time.perf_counter() - t0,
+             threads, choice)
     if cache:
         saved[key] = {"choice": choice, "ms": ms, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
         try:
