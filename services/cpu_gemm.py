@@ -314,19 +314,20 @@ def pack_linears_bf16(module: nn.Module, max_rows: int = ONEDNN_MAX_ROWS, check:
         seen.add(id(m))
         if m.weight.device.type != "cpu" or m.weight.dtype != torch.bfloat16 or type(m) not in (nn.Linear, OneDNNLinear):
             continue
-        if isinstance(m, OneDNNLinear) and m._onednn_pack is not None and m._packed_version == m.weight._version:
+        if isinstance(m, OneDNNLinear) and m._pack_valid():
             continue  # already packed (a borrowed module, e.g. the target's lm_head in the drafter)
         m.__class__ = OneDNNLinear
         m.max_rows = max_rows
         size = m.repack()
         shape = tuple(m.weight.shape)
-        if check and shape not in verdict:
-            verdict[shape] = rows_are_independent(m, rows=sorted({2, 9, 17, 33, 64, max_rows} & set(range(1, max_rows + 1))))
+        if check:
+            if shape not in verdict:
+                verdict[shape] = rows_are_independent(m, rows=[r for r in (2, 9, 17, 33, 64, max_rows) if r <= max_rows])
+                if not verdict[shape]:
+                    log.warning("oneDNN bf16 linear %s: rows depend on the row count here; left on F.linear", list(shape))
             if not verdict[shape]:
-                log.warning("oneDNN bf16 linear %s: rows depend on the row count here; left on F.linear", list(shape))
-        if check and not verdict[shape]:
-            m._onednn_pack = None
-            continue
+                m._onednn_pack = None
+                continue
         added += size
     if added:
         log.info("packed bfloat16 GEMM weights (oneDNN, <= %d rows per call): %.0f MB", max_rows, added / 2**20)

@@ -369,8 +369,8 @@ def choose_weights(requested: str, target_dir: str | Path, device: str = "cpu", 
     ``auto`` on CUDA is bfloat16. On CPU each available format (:func:`available_formats`) is loaded
     and timed (:func:`time_steps`: a one-token step and a 9-row step, the CPU default tree's verify);
     the lowest sum wins (float32 with its 9-row GEMMs pre-packed, as the engine runs them). About
-    25 s on an idle 2-core machine (minutes when the cores are busy), logged, and cached per machine / torch / threads / model in
-    ``<cache root>/weights_choice.json`` (delete the file to measure again).
+    25 s on an idle 2-core machine (2026-11-30), 116 s with another job on the cores (2026-12-01),
+    logged, and cached per machine / torch / threads / model in ``<cache root>/weights_choice.json`` (delete the file to measure again).
 
     Raises:
         ValueError: an unknown format, or one that cannot run here (one line).
