@@ -104,3 +104,28 @@ def set_attention_implementation(model, name: str) -> None:
         model.set_attn_implementation(name)
     else:  # older 4.x
         model.config._attn_implementation = name
+
+
+def decoder_layers(model) -> list:
+    """The decoder layers of a loaded causal LM (``model.model.layers`` for llama / qwen2 / qwen3)."""
+    return list(model.model.layers)
+
+
+def mark_layers_as_compile_regions(model) -> int:
+    """Make each decoder layer's ``forward`` a ``torch.compiler.nested_compile_region`` (per instance;
+    the class is untouched), so a ``torch.compile`` of the whole model traces and compiles one layer
+    and stamps it out for the others instead of tracing all of them (hierarchical compilation). In
+    eager mode the region is a no-op. Layers of one class share one region. Returns the layer count.
+
+    A region is reused only when its inputs match: per-layer Python constants read inside it
+    (e.g. ``layer_idx``) must reach the compiled code as tensors (:mod:`services.verifier.runner`)."""
+    import types
+
+    regions: dict = {}
+    layers = decoder_layers(model)
+    for layer in layers:
+        fn = type(layer).forward
+        if fn not in regions:
+            regions[fn] = torch.compiler.nested_compile_region(fn)
+        layer.forward = types.MethodType(regions[fn], layer)
+    return len(layers)

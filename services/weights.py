@@ -166,6 +166,20 @@ def read_gguf_linears(path: str | Path, config) -> tuple[dict[str, Q4Blocks], li
 
 # ------------------------------------------------------------------------------------ the module
 
+@torch.library.custom_op("dartree::int4_linear", mutates_args=())
+def _int4_linear_op(x: Tensor, packed: Tensor, scale_zeros: Tensor) -> Tensor:
+    """``[M, K] -> [M, N]``: torch's int4 CPU kernel on Q4_1 blocks of :data:`Q4_GROUP` (``packed`` from
+    ``_convert_weight_to_int4pack_for_cpu``, ``scale_zeros [K/32, N, 2]``), as one op that
+    ``torch.compile`` keeps opaque: inductor's own lowering of the kernel passes the group size as a
+    tensor, which the kernel rejects inside a nested compile region (the compiled runner's layers)."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, Q4_GROUP, scale_zeros)
+
+
+@_int4_linear_op.register_fake
+def _(x, packed, scale_zeros):
+    return x.new_empty(x.shape[0], scale_zeros.shape[1])
+
+
 class Int4Linear(nn.Module):
     """A linear layer whose weight stays 4-bit (Q4_1 blocks), multiplied by torch's int4 CPU kernel.
 
@@ -194,8 +208,11 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(self.scale_zeros.dtype),
-                                                       self.packed, Q4_GROUP, self.scale_zeros)
+        x2 = x.reshape(-1, self.in_features).to(self.scale_zeros.dtype)
+        if torch.compiler.is_compiling():  # opaque op (see _int4_linear_op); eager: the kernel itself
+            y = torch.ops.dartree.int4_linear(x2, self.packed, self.scale_zeros)
+        else:  # (a custom op's dispatch costs ~5 us a call: ~1 ms a step over 210 linears)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, Q4_GROUP, self.scale_zeros)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features)

@@ -56,7 +56,7 @@ def _slot_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
     pure ``[1, Hq, R, Dh] x 3 -> [1, R, Hq, Dh]`` op and the slot writes stay out of its graph."""
     if torch.compiler.is_compiling():
         scaling = kwargs.get("scaling")
-        return torch.ops.dartree.slot_attention(query, key, value, int(module.layer_idx),
+        return torch.ops.dartree.slot_attention(query, key, value, module.dartree_layer,
                                                 float(scaling if scaling is not None else module.scaling)), None
     return _slot_attention_eager(module.layer_idx, query, key, value, attention_mask, module, **kwargs)
 
@@ -84,11 +84,13 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
 
 
 @torch.library.custom_op("dartree::slot_attention", mutates_args=())
-def _slot_attention_op(query: Tensor, key: Tensor, value: Tensor, layer: int, scaling: float) -> Tensor:
+def _slot_attention_op(query: Tensor, key: Tensor, value: Tensor, layer: Tensor, scaling: float) -> Tensor:
     """The slot attention of the active step as one opaque op (for compiled steps; writes the step's
     K/V into the slot cache as a side effect the compiler does not see: each call's output is used,
-    so it runs exactly once per layer, in order)."""
-    return _slot_attention_eager(layer, query, key, value, None, scaling=scaling)[0].contiguous()
+    so it runs exactly once per layer, in order). ``layer``: the layer index as a 0-d int64 tensor
+    (the attention module's ``dartree_layer`` buffer), an input of the compiled layer rather than a
+    constant baked into it, so one compiled layer serves every layer."""
+    return _slot_attention_eager(int(layer), query, key, value, None, scaling=scaling)[0].contiguous()
 
 
 @_slot_attention_op.register_fake
@@ -104,11 +106,13 @@ class ModelRunner:
             outside a step, so :meth:`TargetModel.verify` / ``prefill`` keep working).
         num_slots: KV slots (concurrent requests); capacity: columns per slot.
         kv_bucket: the KV length a step reads is rounded up to a multiple of this.
-        compile: run steps through ``torch.compile(model, dynamic=True)`` (inductor; CPU or CUDA):
-            one graph for one-row steps and one for every other row count / KV length (dynamic
-            shapes), the slot attention an opaque custom op. Call :meth:`warm_up` at start: the first
-            compile takes minutes on a small CPU (inductor caches its kernels on disk, so later
-            starts are faster). The reference paths of :class:`TargetModel` stay eager.
+        compile: run steps through ``torch.compile`` (inductor; CPU or CUDA) with each decoder
+            layer a nested compile region (:func:`services.hf_compat.mark_layers_as_compile_regions`:
+            one layer is traced and compiled, the others reuse it): a static graph for one-row steps,
+            one with a dynamic row count for every other step (rows marked dynamic, KV length inside
+            the opaque slot-attention op), and one more when only some rows need logits. Call
+            :meth:`warm_up` at start (tens of seconds on a 2-core CPU; inductor caches its kernels on
+            disk, so later starts are faster). The reference paths of :class:`TargetModel` stay eager.
     Raises:
         MemoryError: the cache does not fit (one line, with its size).
     """
@@ -120,11 +124,19 @@ class ModelRunner:
         name = hf_compat.register_slot_attention(_slot_attention)
         hf_compat.set_attention_implementation(target.model, name)
         self.compiled = bool(compile)
-        self._forward = torch.compile(target.model, dynamic=True) if compile else target.model
+        self._forward = target.model
+        if compile:
+            for i, layer in enumerate(hf_compat.decoder_layers(target.model)):
+                attn = layer.self_attn
+                if "dartree_layer" not in attn._buffers:
+                    attn.register_buffer("dartree_layer", torch.tensor(int(attn.layer_idx)), persistent=False)
+            hf_compat.mark_layers_as_compile_regions(target.model)
+            self._forward = torch.compile(target.model)
 
     @torch.inference_mode()
     def warm_up(self, rows: tuple[int, ...] = (1, 9)) -> float:
-        """Run one step of each row count on a scratch slot (compiles the graphs when compiled).
+        """Run one step of each row count on a scratch slot, with logits for every row and, for more
+        than one row, for the last row only (a prompt chunk): compiles every graph when compiled.
 
         Returns seconds taken. Raises RuntimeError (:meth:`SlotKVCache.alloc`) when no slot is free
         (call it before serving).
@@ -134,6 +146,8 @@ class ModelRunner:
         try:
             for n in rows:
                 self.execute([causal_segment([1] * n, 0, slot)])
+                if n > 1:
+                    self.execute([causal_segment([1] * n, 0, slot)], torch.tensor([n - 1]))
         finally:
             self.cache.free(slot)
         return time.perf_counter() - t0
@@ -156,14 +170,20 @@ class ModelRunner:
         p = PackedRows(**{f: (getattr(p, f).to(dev) if isinstance(getattr(p, f), Tensor) else getattr(p, f))
                           for f in PackedRows.__dataclass_fields__})
         keep = logit_rows.to(dev) if logit_rows is not None else torch.arange(p.input_ids.numel(), device=dev)
+        if self.compiled and not keep.is_inference():  # its dispatch keys would fail a guard: recompile
+            keep = keep.clone()
         # one segment (a lone request): no gather / scatter of rows. Same KV length and mask as the
         # padded path (an exact length would change SDPA's bf16 sums: plain rounds vs verify rows)
         single = (p.kv_length, p.attn_mask) if p.row_index.shape[0] == 1 else None
+        ids, pos = p.input_ids[None], p.positions[None]
+        if self.compiled and ids.shape[1] > 1:  # one graph for every row count > 1 (1 row: its own)
+            for t, dim in ((ids, 1), (pos, 1), (keep, 0)):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
         t0 = time.perf_counter()
         _ACTIVE.step = (self.cache, p, single)
         try:
-            out = self._forward(input_ids=p.input_ids[None], position_ids=p.positions[None],
-                                attention_mask=None, use_cache=False, logits_to_keep=keep)
+            out = self._forward(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
+                                logits_to_keep=keep)
         finally:
             _ACTIVE.step = None
         feats = self.target._features()
