@@ -107,7 +107,7 @@ def measure_format(fmt: str, ids_prompt: str, a, compile: bool = False, peer=Non
 
         engine = SpecEngine(engine.target, engine.drafter, EngineConfig(compile=True),
                             max_draft_depth=engine.max_draft_depth)
-        engine.runner.warm_up((1, 9, 17))
+        warm_s = engine.runner.warm_up((1, 9, 17))
     load_s = time.perf_counter() - t0
     ids = encode(tok, ids_prompt, chat=True)
     engine_stats(engine, ids, 8, "ar")  # warm-up
@@ -130,7 +130,8 @@ def measure_format(fmt: str, ids_prompt: str, a, compile: bool = False, peer=Non
 
     bare = 1000 * _median([bare_loop(engine.target.model, ids, a.tokens, engine.target._cache_kw)
                            for _ in range(a.repeats)])
-    return {"weights": fmt + (" compiled" if compile else ""), "load_s": round(load_s, 1), "ar_ms": round(ar_ms, 2), "ar_tok_s": round(1000 / ar_ms, 1),
+    return {"weights": fmt + (" compiled" if compile else ""), "load_s": round(load_s, 1),
+            **({"compile_warm_up_s": round(warm_s, 1)} if compile else {}), "ar_ms": round(ar_ms, 2), "ar_tok_s": round(1000 / ar_ms, 1),
             "ar_step_ms": round(step, 2), "ar_forward_ms": round(fwd1, 2),
             "overhead_pct": round(100 * (1 - fwd1 / step), 1),
             "verify9_ms": round(rows("b8", 9), 2), "verify9_x": round(rows("b8", 9) / fwd1, 2),
