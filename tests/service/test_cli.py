@@ -55,3 +55,17 @@ def test_generate_with_a_drafter_dir_without_config_is_a_one_line_error(tmp_path
                        capture_output=True, text=True, timeout=300, env={**os.environ, **ENV_KEYS})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == f"dartree: error: drafter directory {str(tmp_path)!r} has no config.json"
+
+
+def test_generate_with_a_method_the_drafter_does_not_serve_prints_no_text(tmp_path):
+    """The method is checked against the drafter before the prompt runs: no first token on stdout,
+    one error line naming what the drafter serves (the prefill's token used to be printed first)."""
+    import os
+
+    target_dir, drafter_dir = make_tiny_models(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "services.cli", "generate", "hi", "--max-tokens", "4", "--method",
+                        "eagle3", "--target", str(target_dir), "--drafter", str(drafter_dir)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, **ENV_KEYS})
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("dartree: error: method 'eagle3' is not served by this drafter") and "dartree-pruned" in last
