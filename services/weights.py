@@ -166,20 +166,6 @@ def read_gguf_linears(path: str | Path, config) -> tuple[dict[str, Q4Blocks], li
 
 # ------------------------------------------------------------------------------------ the module
 
-@torch.library.custom_op("dartree::int4_linear", mutates_args=())
-def _int4_linear_op(x: Tensor, packed: Tensor, scale_zeros: Tensor) -> Tensor:
-    """``[M, K] -> [M, N]``: torch's int4 CPU kernel on Q4_1 blocks of :data:`Q4_GROUP` (``packed`` from
-    ``_convert_weight_to_int4pack_for_cpu``, ``scale_zeros [K/32, N, 2]``), as one op that
-    ``torch.compile`` keeps opaque: inductor's own lowering of the kernel passes the group size as a
-    tensor, which the kernel rejects inside a nested compile region (the compiled runner's layers)."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, Q4_GROUP, scale_zeros)
-
-
-@_int4_linear_op.register_fake
-def _(x, packed, scale_zeros):
-    return x.new_empty(x.shape[0], scale_zeros.shape[1])
-
-
 class Int4Linear(nn.Module):
     """A linear layer whose weight stays 4-bit (Q4_1 blocks), multiplied by torch's int4 CPU kernel.
 
@@ -204,14 +190,19 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.contiguous(), 2))
         sz = torch.stack([blocks.d.T, (blocks.m + 8 * blocks.d).T], dim=-1)  # [K/32, N, 2]
         self.register_buffer("scale_zeros", sz.to(dtype).contiguous())
+        self.register_buffer("group_size", torch.tensor(Q4_GROUP), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.scale_zeros.dtype)
-        if torch.compiler.is_compiling():  # opaque op (see _int4_linear_op); eager: the kernel itself
-            y = torch.ops.dartree.int4_linear(x2, self.packed, self.scale_zeros)
-        else:  # (a custom op's dispatch costs ~5 us a call: ~1 ms a step over 210 linears)
+        if torch.compiler.is_compiling():
+            # the same kernel through the overload inductor itself emits for it, with the group size
+            # as this module's tensor: inductor's own lowering of the call below makes that tensor a
+            # constant, which inside a nested compile region (the compiled runner's layers) reaches
+            # the kernel as a non-scalar ("group size must be a scalar")
+            y = torch.ops.quantized.int4mm_packed_weight_cpu(x2, self.packed, self.group_size, self.scale_zeros)
+        else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, Q4_GROUP, self.scale_zeros)
         if self.bias is not None:
             y = y + self.bias

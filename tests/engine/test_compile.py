@@ -100,3 +100,35 @@ def test_compiled_layers_are_traced_once_and_reused():
     ops when every layer is traced). Three graphs: one row, many rows, many rows with one logit row."""
     two = _traced_ops(2)
     assert _traced_ops(6) - two < 0.25 * two
+
+
+@pytest.mark.parametrize("fmt", ["q4", "bfloat16"])
+def test_compiled_steps_are_lossless_per_weight_format(tmp_path, fmt):
+    """The 4-bit and oneDNN-bf16 linears inside compiled layer regions (the int4 kernel through
+    ``quantized::int4mm_packed_weight_cpu`` with the group size as a tensor, the bf16 pack as an
+    opaque op). Compiled bf16 arithmetic is not bitwise eager's (inductor keeps fused intermediates
+    in float32), so the reference is the compiled model's own plain decoding: every method, and
+    three requests batched, emit exactly the compiled ``ar`` tokens (the one-row graph and the
+    many-row graph agree)."""
+    from services import cpu_gemm, weights as W
+    from services.testing import tiny_gguf_target_dir
+    from services.verifier.target import TargetModel
+
+    if fmt == "q4" and not W.int4_kernel_available() or fmt == "bfloat16" and not cpu_gemm.onednn_bf16_available():
+        pytest.skip(f"no {fmt} kernels in this torch build / CPU")
+    target = TargetModel.from_pretrained(tiny_gguf_target_dir(tmp_path), [0, 1], weights=fmt)
+    vocab = target.config.vocab_size
+    service = tiny_service(target, tiny_drafter(target, seed=3, block_size=6))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, vocab - 1) for _ in range(rng.randrange(3, 12))] for _ in range(3)]
+    torch._dynamo.reset()
+    compiled = SpecEngine(target, InprocDrafterClient(service), EngineConfig(max_running=4, compile=True),
+                          max_draft_depth=5)
+    compiled.runner.warm_up((1, 7))
+    ref = {i: _tokens(compiled, f"a{i}", p, "ar") for i, p in enumerate(prompts)}
+    for i, p in enumerate(prompts):
+        for m in ("dflash", "ddtree", "dartree-pruned"):
+            assert _tokens(compiled, f"c{i}{m}", p, m) == ref[i], (i, m)
+    got, sizes = _run_batched(compiled, {0: [(f"b{i}", p, SamplingParams(max_tokens=16, ignore_eos=True),
+                                              SpecParams("dartree-pruned")) for i, p in enumerate(prompts)]})
+    assert max(sizes) == 3 and [got[f"b{i}"] for i in range(3)] == [ref[i] for i in range(3)]

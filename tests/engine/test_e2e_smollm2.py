@@ -47,10 +47,10 @@ NEAR_TIE_FP32 = 0.25
 NEAR_TIE_BF16_ULPS = 4
 
 
-def _build(dtype, weights=None):
+def _build(dtype, weights=None, compile=False):
     from services.generate import build_inprocess, encode
 
-    engine, tok, note = build_inprocess(None, None, dtype, weights=weights)
+    engine, tok, note = build_inprocess(None, None, dtype, weights=weights, compile=compile)
     log.info("%s", note)
     return engine, [encode(tok, p, chat=True) for p in PROMPTS]
 
@@ -100,7 +100,8 @@ def _ar_logits(engine, prompt, tokens):
     from services.verifier.runner import ModelRunner
 
     assert len(prompt) <= engine.config.prefill_chunk  # one chunk, as in the engine
-    runner = ModelRunner(engine.target, 1, engine.runner.cache.capacity, engine.config.kv_bucket)
+    runner = ModelRunner(engine.target, 1, engine.runner.cache.capacity, engine.config.kv_bucket,
+                         compile=engine.runner.compiled)  # compiled: the engine's graphs (same model)
     slot = runner.cache.alloc()
     logits = runner.execute([causal_segment(prompt, 0, slot)], torch.tensor([len(prompt) - 1])).logits[0]
     runner.cache.extend(slot, len(prompt))
@@ -119,12 +120,16 @@ def _bf16_ulp(x: float) -> float:
     return 2.0 ** (torch.frexp(torch.tensor(abs(x))).exponent.item() - 1 - 7)
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "q4"])
-def test_bf16_divergences_are_near_ties(fp32, record_property, weights):
-    """Dense bfloat16 and the GGUF's 4-bit blocks (bf16 activations): every place where
-    dartree-pruned and ar part is a near-tie of the AR run (and of the float32 model)."""
+@pytest.mark.parametrize("weights,compile", [("bfloat16", False), ("q4", False),
+                                             pytest.param("q4", True, marks=pytest.mark.slow)])
+def test_bf16_divergences_are_near_ties(fp32, record_property, weights, compile):
+    """Dense bfloat16 and the GGUF's 4-bit blocks (bf16 activations), eager and with compiled steps
+    (``slow``: a minute of warm-up): every place where dartree-pruned and ar part is a near-tie of
+    the AR run (and of the float32 model)."""
     engine32, _ = fp32
-    engine, prompts = _build(torch.bfloat16, weights)
+    if compile:
+        torch._dynamo.reset()
+    engine, prompts = _build(torch.bfloat16, weights, compile)
     report = []
     for i, ids in enumerate(prompts):
         ar, _ = _generate(engine, f"ar{i}", ids, "ar", BF16_TOKENS)
