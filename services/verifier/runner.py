@@ -124,6 +124,7 @@ class ModelRunner:
         name = hf_compat.register_slot_attention(_slot_attention)
         hf_compat.set_attention_implementation(target.model, name)
         self.compiled = bool(compile)
+        self.warm_up_seconds = 0.0  # all :meth:`warm_up` calls so far (the compile time when compiled)
         self._forward = target.model
         if compile:
             for i, layer in enumerate(hf_compat.decoder_layers(target.model)):
@@ -150,7 +151,9 @@ class ModelRunner:
                     self.execute([causal_segment([1] * n, 0, slot)], torch.tensor([n - 1]))
         finally:
             self.cache.free(slot)
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.warm_up_seconds += took
+        return took
 
     @torch.inference_mode()
     def execute(self, segments: list[Segment], logit_rows: Tensor | None = None) -> StepOutput:

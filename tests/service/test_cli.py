@@ -69,3 +69,19 @@ def test_generate_with_a_method_the_drafter_does_not_serve_prints_no_text(tmp_pa
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("dartree: error: method 'eagle3' is not served by this drafter") and "dartree-pruned" in last
+
+
+@pytest.mark.slow
+def test_generate_with_compile_reports_its_warm_up(tmp_path):
+    """``--compile``: the warm-up time is printed (stderr) and in the --json result."""
+    import os
+
+    target_dir, drafter_dir = make_tiny_models(tmp_path)
+    base = [sys.executable, "-m", "services.cli", "generate", "hi", "--max-tokens", "4", "--compile", "--target",
+            str(target_dir), "--drafter", str(drafter_dir)]
+    env = {**os.environ, **ENV_KEYS}
+    r = subprocess.run(base + ["--json"], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["compile_warm_up_s"] > 0
+    r = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0 and "[dartree] compiled steps ready in " in r.stderr
