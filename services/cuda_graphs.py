@@ -28,7 +28,7 @@ Wiring into :class:`services.verifier.runner.ModelRunner` (a sketch; the runner 
 key a step by ``(num_slots_padded, rows_bucket, max_rows_per_request, kv_length)``; pad the
 :class:`~services.tree.batch.PackedRows` tensors to the key (dummy rows write to a scratch slot
 and are masked out); ``make_fn(key)`` returns ``fn(input_ids, positions, write_slot, write_pos,
-slots, row_index, attn_mask, keep)`` that sets ``_ACTIVE.step = (cache, PackedRows(...from the
+slots, row_index, padded_pos, attn_mask, keep)`` that sets ``_ACTIVE.step = (cache, PackedRows(...from the
 args..., kv_length=key[3]), None)`` (None: the padded path, fixed shapes), runs
 ``target.model(..., logits_to_keep=keep)`` and returns
 ``(logits, features)``; ``execute`` then calls ``buckets.run(key, *padded)`` and slices the real

@@ -75,6 +75,9 @@ class PackedRows:
         cu_rows: ``[n + 1]`` long, segment ``i`` owns flattened rows ``cu_rows[i]:cu_rows[i+1]``.
         slots: ``[n]`` long slot of each segment; starts: ``[n]`` long committed lengths.
         row_index: ``[n, Rm]`` long flattened row of each padded row, ``-1`` for padding.
+        padded_pos: ``[R]`` long, where each flattened row sits in the ``[n * Rm]`` padded layout
+            (the inverse of ``row_index``: an index gather back to flattened rows needs no
+            data-dependent shape, hence no host sync on CUDA and nothing a CUDA graph cannot capture).
         write_slot, write_pos: ``[R]`` long, where each row's K/V is written (slot, column).
         attn_mask: ``[n, 1, Rm, L]`` bool, True = attend (see the module docstring).
         kv_length: ``L``, the columns attention reads (a multiple of ``kv_bucket``).
@@ -86,6 +89,7 @@ class PackedRows:
     slots: Tensor
     starts: Tensor
     row_index: Tensor
+    padded_pos: Tensor
     write_slot: Tensor
     write_pos: Tensor
     attn_mask: Tensor
@@ -137,6 +141,7 @@ def pack_segments(segments: list[Segment], kv_bucket: int = 1, kv_capacity: int 
         input_ids=torch.cat([s.input_ids for s in segments]).long(),
         positions=torch.cat([s.start + s.position_offsets for s in segments]).long(),
         cu_rows=cu, slots=torch.tensor(slots, dtype=torch.long), starts=starts, row_index=row_index,
+        padded_pos=seg_of_row * rm + offsets,
         write_slot=torch.tensor(slots, dtype=torch.long)[seg_of_row], write_pos=starts[seg_of_row] + offsets,
         attn_mask=mask, kv_length=length)
 

@@ -79,7 +79,7 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
     q = query[0].transpose(0, 1)[safe].transpose(1, 2)  # [n, Hq, Rm, Dh]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.attn_mask, scale=kwargs.get("scaling"),
                                          enable_gqa=k.shape[1] != q.shape[1])
-    out = out.transpose(1, 2)[p.row_index >= 0]  # [R, Hq, Dh], flattened row order
+    out = out.transpose(1, 2).flatten(0, 1)[p.padded_pos]  # [R, Hq, Dh], flattened row order
     return out[None], None
 
 

@@ -241,6 +241,8 @@ def test_pack_segments_worked_example():
     assert pk.positions.tolist() == [3, 4, 4, 0, 1]
     assert pk.cu_rows.tolist() == [0, 3, 5]
     assert pk.row_index.tolist() == [[0, 1, 2], [3, 4, -1]]
+    assert pk.padded_pos.tolist() == [0, 1, 2, 3, 4]  # row_index flattened: [0, 1, 2, 3, 4, -1]
+    assert pack_segments([seg1, seg0]).padded_pos.tolist() == [0, 1, 3, 4, 5]  # [[p, q, -], [r, a, b]]
     assert pk.kv_length == 6
     assert pk.write_slot.tolist() == [2, 2, 2, 0, 0] and pk.write_pos.tolist() == [3, 4, 5, 0, 1]
     assert pk.attn_mask[0, 0].int().tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 1]]
