@@ -138,7 +138,7 @@ class ModelRunner:
         self.warm_up_seconds = 0.0  # all :meth:`warm_up` calls so far (the compile time when compiled)
         self._forward = target.model
         if compile:
-            for i, layer in enumerate(hf_compat.decoder_layers(target.model)):
+            for layer in hf_compat.decoder_layers(target.model):
                 attn = layer.self_attn
                 if "dartree_layer" not in attn._buffers:
                     attn.register_buffer("dartree_layer", torch.tensor(int(attn.layer_idx)), persistent=False)
