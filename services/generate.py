@@ -93,10 +93,9 @@ def run_generate(a) -> int:
     weights, dtype = resolve_cli_weights(getattr(a, "weights", None), a.dtype, resolve_target(a.target))
     engine, tok, note = build_inprocess(a.target, a.drafter, dtype, packed_gemm=packed, weights=weights,
                                         compile=getattr(a, "compile", False))
-    served = engine.drafter.info().get("methods", []) if engine.drafter is not None else []
-    if a.method != "ar" and a.method not in served:  # before any text is printed
-        raise ValueError(f"method {a.method!r} is not served by this drafter ({note}); it serves "
-                         f"{', '.join(['ar', *[m for m in served if m != 'ar']])}")
+    served = engine.drafter.info()["methods"]  # services.protocol.served_methods of its kind, "ar" included
+    if a.method not in served:  # before any text is printed
+        raise ValueError(f"method {a.method!r} is not served by this drafter ({note}); it serves {', '.join(served)}")
     if packed and a.budget and a.method not in ("ar", "dflash", "domino"):
         engine.target.pack_gemm([a.budget + 1])  # this run's verify rows
     policy = getattr(a, "spec_policy", "fixed")
