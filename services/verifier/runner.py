@@ -103,7 +103,7 @@ def _step_guards(entries) -> list[bool]:
     model's parameters and module attributes. The model is frozen once the runner exists (packs are
     made before it, or added inside modules whose opaque op picks them at run time), so those guards
     can only pass, and checking them cost 1.7 ms of a ~25 ms q4 step (0.2 ms without them; ad-hoc
-    profile, 2026-12-01, one thread). Guards on the inputs (row counts, the graphs' 0/1
+    torch.profiler run, 2026-12-01, one thread, data generation and training running on the other core). Guards on the inputs (row counts, the graphs' 0/1
     specialisations) and on global state stay."""
     return [not ((e.guard_type == "TENSOR_MATCH" and isinstance(e.value, torch.nn.Parameter))
                  or e.orig_guard.source.is_unspecialized_nn_module()) for e in entries]
