@@ -10,7 +10,10 @@ only the timings mean anything. Rounds run through the engine itself
 times are its :class:`~services.verifier.engine.RoundOutput` ``timings``, with a device
 synchronisation added around the target forward and the drafter block (instrumentation only) so
 GPU time lands in the phase that queued it. The graph probe times one no-KV forward of B + 1 rows
-eagerly and replayed from a :class:`services.cuda_graphs.GraphedStep`.
+eagerly and replayed from a :class:`services.cuda_graphs.GraphedStep`. With ``--graphs`` (the
+default) ``ar`` and ``dartree-pruned`` also run on an engine whose runner captures its padded steps
+in CUDA graphs (``EngineConfig(cuda_graphs=True)``; cells marked ``"graphs": true``, bars "+graphs";
+on the CPU smoke run the same padded steps run eagerly).
 
 Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.png``; prints a table and, last, one JSON
 line. Stays under ``--time-limit`` seconds (default 420: < 8 min with start-up); cells past it are
@@ -38,6 +41,7 @@ import torch
 
 PHASES = ("draft", "tree_build", "verify", "commit", "round")
 METHODS = ("ar", "dflash", "domino", "ddtree", "dartree-pruned")
+GRAPH_METHODS = ("ar", "dartree-pruned")  # also measured on the CUDA-graph runner (--graphs)
 BUDGET_METHODS = ("ddtree", "dartree-pruned", "domino-ddtree", "seqheap", "dartree-fixed")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,8 +64,9 @@ def shapes(smoke: bool) -> dict[str, dict]:
             "qwen3-4b": {"arch": "qwen3", "target": qwen3_4b, "drafter": dict(num_hidden_layers=5, block_size=16)}}
 
 
-def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int):
-    """A :class:`SpecEngine` over a random target and a random DFlash + Domino drafter of ``spec``'s shape."""
+def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, graphs: bool = False):
+    """A :class:`SpecEngine` over a random target and a random DFlash + Domino drafter of ``spec``'s
+    shape; ``graphs``: its runner pads every step to a bucket and replays CUDA graphs."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from services.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
@@ -93,7 +98,8 @@ def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int):
         drafter = DFlashDrafter(dcfg).to(dtype).eval()
     service = DrafterService(drafter, target.embed_tokens(), target.lm_head(), default_tree_knobs(device),
                              description="random weights (gpu_check)", packed_gemm=False)
-    engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(max_running=1, max_context=max_context),
+    engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(max_running=1, max_context=max_context,
+                                                                       cuda_graphs=graphs),
                         max_draft_depth=dcfg.num_draft_slots)
     if device.startswith("cuda"):
         synchronize_phases(engine, service)
@@ -210,32 +216,37 @@ def breakdown(a, device: str, dtype: torch.dtype, deadline: float) -> tuple[list
     """Every (shape, method, B) cell and the graph probe; cells past ``deadline`` are skipped."""
     cells, probes = [], []
     gen = torch.Generator().manual_seed(0)
-    for name, spec in shapes(a.smoke).items():
+    runs = [(name, spec, graphs) for name, spec in shapes(a.smoke).items()
+            for graphs in ((False, True) if a.graphs else (False,))]
+    for name, spec, graphs in runs:
         if time.perf_counter() > deadline:
-            cells.append({"shape": name, "status": "skipped", "error": "time limit"})
+            cells.append({"shape": name, "graphs": graphs, "status": "skipped", "error": "time limit"})
             continue
         t0 = time.perf_counter()
         try:
-            engine = build_engine(spec, device, dtype, a.context + a.rounds + 64)
+            engine = build_engine(spec, device, dtype, a.context + a.rounds + 64, graphs=graphs)
         except Exception as e:  # noqa: BLE001 (reported per shape; the check goes on)
-            cells.append({"shape": name, "status": "error", "error": f"build: {type(e).__name__}: {e}"[:500]})
+            cells.append({"shape": name, "graphs": graphs, "status": "error",
+                          "error": f"build: {type(e).__name__}: {e}"[:500]})
             continue
         build_s = time.perf_counter() - t0
         vocab = spec["target"]["vocab_size"]
         prompt = torch.randint(100, vocab - 100, (a.context,), generator=gen).tolist()
-        for m in a.methods:
+        for m in (a.methods if not graphs else [m for m in a.methods if m in GRAPH_METHODS]):
             for b in (a.budgets if m in BUDGET_METHODS else [None]):
-                cell = {"shape": name, "method": m, "budget": b, "build_s": build_s}
+                cell = {"shape": name, "method": m, "budget": b, "build_s": build_s, "graphs": graphs}
                 if time.perf_counter() > deadline:
                     cells.append({**cell, "status": "skipped", "error": "time limit"})
                     continue
                 try:
                     measure(engine, m, b, prompt, 2, f"warm-{name}-{m}-{b}")  # untimed warm-up
                     cell.update(measure(engine, m, b, prompt, a.rounds, f"{name}-{m}-{b}"), status="ok")
+                    if graphs:
+                        cell["graphs_captured"] = engine.runner.graphs.num_captured()
                 except Exception as e:  # noqa: BLE001
                     cell.update(status="error", error=f"{type(e).__name__}: {e}"[:500])
                 cells.append(cell)
-        for b in a.budgets:
+        for b in ([] if graphs else a.budgets):
             if time.perf_counter() > deadline:
                 break
             try:
@@ -261,7 +272,8 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
               "other": "tab:gray"}
     for ax, name in zip(axes[0], names):
         ok = [c for c in cells if c["shape"] == name and c.get("status") == "ok"]
-        labels = [c["method"] + (f"\nB={c['budget']}" if c["budget"] else "") for c in ok]
+        labels = [c["method"] + ("+graphs" if c.get("graphs") else "") + (f"\nB={c['budget']}" if c["budget"] else "")
+                  for c in ok]
         bottom = [0.0] * len(ok)
         for p in ("draft", "tree_build", "verify", "commit", "other"):
             vals = [c["phase_ms"]["round"] - sum(c["phase_ms"][q] for q in PHASES[:4]) if p == "other"
@@ -277,6 +289,10 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _label(cell: dict) -> str:
+    return cell.get("method", "-") + ("+graphs" if cell.get("graphs") else "")
 
 
 def env_info(device: str) -> dict:
@@ -307,6 +323,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--probe-reps", type=int, default=None, help="graph-probe repetitions (default 20; smoke 2)")
     p.add_argument("--time-limit", type=float, default=420.0, help="seconds for the whole check")
     p.add_argument("--no-tests", dest="tests", action="store_false", help="skip the gpu-marked tests")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false",
+                   help="skip the CUDA-graph runner cells (ar and dartree-pruned on padded, captured steps)")
     a = p.parse_args(argv)
     a.budgets = a.budgets or ([4, 8] if a.smoke else [16, 32, 64])
     a.rounds = a.rounds or (3 if a.smoke else 16)
@@ -349,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"schema": 1, "mode": "smoke" if a.smoke else "full",
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "env": env_info(a.device),
            "config": {"methods": a.methods, "budgets": a.budgets, "rounds": a.rounds, "context": a.context,
+                      "graphs": a.graphs,
                       "dtype": str(dtype).removeprefix("torch."), "time_limit_s": a.time_limit,
                       "weights": "random (configs in code, no downloads)"},
            "tests": tests, "breakdown": cells, "graph_probe": probes, "json": "gpu_check.json",
@@ -357,14 +376,14 @@ def main(argv: list[str] | None = None) -> int:
                                        f"{res['config']['dtype']}, random weights, context {a.context}")
     res["elapsed_s"] = time.perf_counter() - t_start
     (out / "gpu_check.json").write_text(json.dumps(res, indent=1))
-    print(f"{'shape':<14}{'method':<16}{'B':>4}{'draft':>8}{'build':>8}{'verify':>8}{'commit':>8}{'round':>8}")
+    print(f"{'shape':<14}{'method':<23}{'B':>4}{'draft':>8}{'build':>8}{'verify':>8}{'commit':>8}{'round':>8}")
     for c in cells:
         if c.get("status") != "ok":
-            print(f"{c['shape']:<14}{c.get('method', '-'):<16}{c.get('budget') or '-':>4}  {c['status']}: "
+            print(f"{c['shape']:<14}{_label(c):<23}{c.get('budget') or '-':>4}  {c['status']}: "
                   f"{c.get('error', '')}")
             continue
         ph = c["phase_ms"]
-        print(f"{c['shape']:<14}{c['method']:<16}{c['budget'] or '-':>4}"
+        print(f"{c['shape']:<14}{_label(c):<23}{c['budget'] or '-':>4}"
               + "".join(f"{ph[p]:8.2f}" for p in PHASES))
     for p in probes:
         print(f"graph probe {p['shape']} rows={p['rows']}: eager {p.get('eager_ms', float('nan')):.2f} ms, "

@@ -24,15 +24,13 @@ Rules a captured callable must follow (PyTorch's, restated):
 Off CUDA (CPU tensors, or ``enabled=False`` / ``DARTREE_CUDA_GRAPHS=0``) every class here calls the
 callable eagerly with the same signature, so callers have one code path and a switch back (R19).
 
-Wiring into :class:`services.verifier.runner.ModelRunner` (a sketch; the runner owns the padding):
-key a step by ``(num_slots_padded, rows_bucket, max_rows_per_request, kv_length)``; pad the
-:class:`~services.tree.batch.PackedRows` tensors to the key (dummy rows write to a scratch slot
-and are masked out); ``make_fn(key)`` returns ``fn(input_ids, positions, write_slot, write_pos,
-slots, row_index, padded_pos, attn_mask, keep)`` that sets ``_ACTIVE.step = (cache, PackedRows(...from the
-args..., kv_length=key[3]), None)`` (None: the padded path, fixed shapes), runs
-``target.model(..., logits_to_keep=keep)`` and returns
-``(logits, features)``; ``execute`` then calls ``buckets.run(key, *padded)`` and slices the real
-rows. The drafter block (fixed ``block_size`` rows, context length bucketed) is keyed the same way.
+Used by :class:`services.verifier.runner.ModelRunner` (``cuda_graphs``; on by ``compile`` on a CUDA
+target): a step is keyed by its :class:`~services.tree.batch.StepBucket` (segments, rows per segment,
+rows, KV length, logit rows; powers of two), its :class:`~services.tree.batch.PackedRows` padded to
+the key (:func:`~services.tree.batch.pad_packed`: padding rows write to a scratch slot), the key's
+callable runs the target's eager forward with the padded step metadata as tensor inputs, and the
+runner slices the real rows out of the static outputs. The drafter block (fixed ``block_size``
+rows, context length bucketed) could be keyed the same way; it is not captured yet.
 """
 
 from __future__ import annotations
@@ -150,14 +148,20 @@ class GraphBuckets:
         make_fn: ``make_fn(key) -> fn`` the callable of a bucket (e.g. the runner's forward with the
             bucket's static step metadata bound), called once per key.
         enabled: False (or no CUDA) runs every bucket eagerly through the same interface.
-        warmup: see :class:`GraphedStep`; max_graphs: captures kept at most (a further key raises).
+        warmup: see :class:`GraphedStep`; max_graphs: captures kept at most.
+        overflow: what a new key beyond ``max_graphs`` does: ``"raise"`` (ValueError) or ``"eager"``
+            (its callable runs eagerly, uncaptured, every time: slower, same results).
     Raises (from :meth:`run`):
-        ValueError: a new key beyond ``max_graphs``, or inputs not matching the key's first call.
+        ValueError: a new key beyond ``max_graphs`` with ``overflow="raise"``, or inputs not matching
+            the key's first call.
     """
 
     def __init__(self, make_fn: Callable[[Hashable], Callable[..., Outputs]], enabled: bool = True,
-                 warmup: int = 2, max_graphs: int = 64):
-        self.make_fn, self.warmup, self.max_graphs = make_fn, warmup, max_graphs
+                 warmup: int = 2, max_graphs: int = 64, overflow: str = "raise"):
+        if overflow not in ("raise", "eager"):
+            raise ValueError(f"overflow must be 'raise' or 'eager' (got {overflow!r})")
+        self.make_fn, self.warmup, self.max_graphs, self.overflow = make_fn, warmup, max_graphs, overflow
+        self.num_eager_overflow = 0  # calls run eagerly because every graph place was taken
         self.enabled = enabled and graphs_enabled()
         self.steps: dict[Hashable, GraphedStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
@@ -167,6 +171,9 @@ class GraphBuckets:
         step = self.steps.get(key)
         if step is None:
             if len(self.steps) >= self.max_graphs:
+                if self.overflow == "eager":
+                    self.num_eager_overflow += 1
+                    return self.make_fn(key)(*inputs)
                 raise ValueError(f"more than {self.max_graphs} graph buckets requested (key {key!r}); "
                                  "coarsen the buckets")
             step = GraphedStep(self.make_fn(key), inputs, self.warmup, self.pool,

@@ -5,6 +5,8 @@ Tested with transformers 5.24 (CPU) ; the cache helpers also handle the 4.x ``ke
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -74,6 +76,7 @@ def quiet_progress_bars() -> None:
 
 
 SLOT_ATTENTION = "dartree_slots"
+SLOT_ATTENTION_NO_MASK = "dartree_slots_no_mask"
 
 
 def register_slot_attention(fn) -> str:
@@ -87,8 +90,25 @@ def register_slot_attention(fn) -> str:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     AttentionInterface.register(SLOT_ATTENTION, fn)
+    AttentionInterface.register(SLOT_ATTENTION_NO_MASK, fn)  # no mask builder: see attention_without_mask
     ALL_MASK_ATTENTION_FUNCTIONS.register(SLOT_ATTENTION, sdpa_mask)
     return SLOT_ATTENTION
+
+
+@contextlib.contextmanager
+def attention_without_mask(model):
+    """Within the block, ``model`` (switched to :data:`SLOT_ATTENTION` first) runs the same attention
+    function under a name with no mask builder, so transformers builds no causal mask for its
+    forward: no ``[R, R]`` mask per step, and none of its host-synchronising checks of the position
+    ids (``find_packed_sequence_indices``), which a CUDA graph cannot hold. For steps whose attention
+    takes its masks from the step metadata (the runner's padded / CUDA-graph path)."""
+    config = model.config
+    old = config._attn_implementation
+    config._attn_implementation = SLOT_ATTENTION_NO_MASK
+    try:
+        yield
+    finally:
+        config._attn_implementation = old
 
 
 def sdpa_attention(module, query, key, value, attention_mask, **kwargs):

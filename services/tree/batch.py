@@ -150,3 +150,98 @@ def split_rows(x: Tensor, cu_rows: Tensor) -> list[Tensor]:
     """Split a ``[R, ...]`` per-row tensor into one ``[R_i, ...]`` view per segment."""
     bounds = cu_rows.tolist()
     return [x[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclass(frozen=True)
+class StepBucket:
+    """The fixed shape a padded step runs at (the key of a captured CUDA graph).
+
+    Attributes:
+        segments: ``n'`` segments (real ones, then padding segments on the scratch slot).
+        rows_per_segment: ``Rm'``, the padded attention layout's row count per segment.
+        rows: ``R'`` flattened rows (``<= n' * Rm'``); kv_length: ``L'`` columns read.
+        logit_rows: ``K'`` rows whose logits are computed.
+    """
+
+    segments: int
+    rows_per_segment: int
+    rows: int
+    kv_length: int
+    logit_rows: int
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def step_bucket(p: PackedRows, logit_rows: int, max_segments: int, kv_bucket: int, kv_capacity: int) -> StepBucket:
+    """The bucket a step is padded to: segment count, rows per segment, flattened rows and logit rows
+    rounded up to powers of two, the KV length to ``kv_bucket`` times a power of two (all capped:
+    segments at ``max_segments``, flattened rows at ``n' * Rm'``, logit rows at ``R'``, KV length at
+    ``kv_capacity``). Powers of two keep the graphs a server captures to a few dozen at most
+    (vLLM / SGLang pad their decode batches the same way).
+
+    Raises:
+        ValueError: ``p`` has more segments than ``max_segments`` or a KV length past ``kv_capacity``.
+    """
+    n, rm = p.row_index.shape
+    if n > max_segments:
+        raise ValueError(f"a step of {n} segments exceeds the {max_segments} a bucket holds")
+    if p.kv_length > kv_capacity:
+        raise ValueError(f"a step reads {p.kv_length} KV columns, the cache holds {kv_capacity}")
+    segs = min(_pow2_at_least(n), max_segments)
+    per_seg = _pow2_at_least(rm)
+    rows = min(_pow2_at_least(p.input_ids.numel()), segs * per_seg)
+    keep = min(_pow2_at_least(logit_rows), rows)
+    length = min(kv_bucket * _pow2_at_least(-(-p.kv_length // kv_bucket)), kv_capacity)
+    return StepBucket(segs, per_seg, rows, length, keep)
+
+
+def pad_packed(p: PackedRows, bucket: StepBucket, scratch_slot: int) -> PackedRows:
+    """``p`` padded to ``bucket``'s fixed shapes; the first ``R`` flattened rows (and the first ``n``
+    segments) are ``p``'s, unchanged in every value their outputs depend on.
+
+    Padding never touches a real request's KV: padding flattened rows write their K/V at column 0
+    of ``scratch_slot`` (a slot no request holds; the caller zero-fills its columns up to
+    ``bucket.kv_length``), padding segments read that slot, and every padding row of the attention
+    layout attends to exactly one column (no empty softmax row, hence no NaN). Padding flattened rows
+    fill the layout's free places in row-major order (``row_index`` / ``padded_pos`` stay inverse);
+    their outputs are garbage and never read. ``cu_rows`` and ``starts`` cover the real segments only.
+
+    Raises:
+        ValueError: ``p`` does not fit ``bucket``, or ``scratch_slot`` is one of ``p``'s slots.
+    """
+    n, rm = p.row_index.shape
+    r = p.input_ids.numel()
+    b = bucket
+    if n > b.segments or rm > b.rows_per_segment or r > b.rows or p.kv_length > b.kv_length \
+            or b.rows > b.segments * b.rows_per_segment:
+        raise ValueError(f"a step of {n} segments x {rm} rows ({r} rows, {p.kv_length} KV columns) does not fit "
+                         f"{b}")
+    if bool((p.slots == scratch_slot).any()):
+        raise ValueError(f"the scratch slot {scratch_slot} is held by a request of the step")
+    dev = p.input_ids.device
+    ns, rms, length = b.segments, b.rows_per_segment, b.kv_length
+    row_index = torch.full((ns, rms), -1, dtype=torch.long, device=dev)
+    row_index[:n, :rm] = p.row_index
+    free = (row_index.flatten() < 0).nonzero().flatten()[:b.rows - r]  # places of the padding rows
+    row_index.view(-1)[free] = torch.arange(r, b.rows, device=dev)
+    padded_pos = torch.empty(b.rows, dtype=torch.long, device=dev)
+    seg, col = p.padded_pos // rm, p.padded_pos % rm
+    padded_pos[:r] = seg * rms + col
+    padded_pos[r:] = free
+    mask = torch.zeros(ns, 1, rms, length, dtype=torch.bool, device=dev)
+    mask[:n, :, :rm, :p.kv_length] = p.attn_mask
+    # new padding rows of real segments: column `start` only, like pack_segments' padding rows
+    mask[torch.arange(n, device=dev)[:, None], 0, torch.arange(rm, rms, device=dev)[None, :],
+         p.starts.to(dev)[:, None]] = True
+    mask[n:, 0, :, 0] = True  # padding segments: column 0 of the scratch slot
+    slots = torch.cat([p.slots, torch.full((ns - n,), scratch_slot, dtype=torch.long, device=dev)])
+    pad = b.rows - r
+    return PackedRows(
+        input_ids=torch.cat([p.input_ids, torch.zeros(pad, dtype=torch.long, device=dev)]),
+        positions=torch.cat([p.positions, torch.zeros(pad, dtype=torch.long, device=dev)]),
+        cu_rows=p.cu_rows, slots=slots, starts=p.starts, row_index=row_index, padded_pos=padded_pos,
+        write_slot=torch.cat([p.write_slot, torch.full((pad,), scratch_slot, dtype=torch.long, device=dev)]),
+        write_pos=torch.cat([p.write_pos, torch.zeros(pad, dtype=torch.long, device=dev)]),
+        attn_mask=mask, kv_length=length)

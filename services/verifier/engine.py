@@ -177,7 +177,11 @@ class EngineConfig:
             ``submit`` / ``collect``), so the drafter drafts while the target verifies other
             requests; the caller alternates groups of requests between steps (the verifier worker
             does). Tokens are unchanged: the same draft is computed, only earlier.
-        compile: run the runner's steps through ``torch.compile`` (:class:`ModelRunner`).
+        compile: run the runner's steps through ``torch.compile`` (:class:`ModelRunner`; on a CUDA
+            target: CUDA graphs of padded steps).
+        cuda_graphs: pad every step to a bucket and run it through CUDA graphs (:class:`ModelRunner`'s
+            ``cuda_graphs``; None = on with ``compile`` on CUDA; True off CUDA runs the padded steps
+            eagerly, the CPU test of the padding).
     """
 
     max_context: int | None = None
@@ -187,6 +191,7 @@ class EngineConfig:
     kv_bucket: int = 64
     overlap: bool = False
     compile: bool = False
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_chunk", "max_step_tokens", "kv_bucket"):
@@ -273,7 +278,7 @@ class SpecEngine:
         # verify rows sit past the committed length: room for the widest tree a request may ask for
         self.row_headroom = max(MAX_BUDGET + 1, config.prefill_chunk)
         self.runner = ModelRunner(target, config.max_running, self.max_context + self.row_headroom, config.kv_bucket,
-                                  compile=config.compile)
+                                  compile=config.compile, cuda_graphs=config.cuda_graphs)
         self._reqs: dict[str, _Request] = {}
         self.last_step = StepStats()
 

@@ -88,6 +88,16 @@ class SlotKVCache:
         self._lengths[slot] = 0
         return slot
 
+    def reserve(self, slot: int) -> None:
+        """Take ``slot`` out of the free list for good (a runner's scratch slot for padding rows).
+
+        Raises:
+            ValueError: ``slot`` is not free.
+        """
+        if slot not in self._free:
+            raise ValueError(f"slot {slot} is not free")
+        self._free.remove(slot)
+
     def free(self, slot: int) -> None:
         """Return a slot (idempotent)."""
         if slot not in self._free:
@@ -119,9 +129,12 @@ class SlotKVCache:
         self.keys[layer][slot_idx, :, pos_idx] = keys
         self.values[layer][slot_idx, :, pos_idx] = values
 
-    def read(self, layer: int, slots: Tensor, length: int) -> tuple[Tensor, Tensor]:
-        """``keys, values [n, H_kv, length, Dh]`` of ``slots`` (a view when they are consecutive)."""
+    def read(self, layer: int, slots: Tensor, length: int, gather: bool = False) -> tuple[Tensor, Tensor]:
+        """``keys, values [n, H_kv, length, Dh]`` of ``slots`` (a view when they are consecutive;
+        ``gather=True`` always gathers: no look at the slot values, hence no host sync on CUDA)."""
         k, v = self.keys[layer], self.values[layer]
+        if gather:
+            return k[slots, :, :length], v[slots, :, :length]
         first = int(slots[0])
         if slots.numel() == 1 or bool((slots[1:] - slots[:-1] == 1).all()):
             return k[first:first + slots.numel(), :, :length], v[first:first + slots.numel(), :, :length]

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services import hf_compat
-from services.tree.batch import PackedRows, Segment, causal_segment, pack_segments
+from services.cuda_graphs import GraphBuckets, graphs_enabled
+from services.tree.batch import PackedRows, Segment, StepBucket, causal_segment, pack_segments, pad_packed, step_bucket
 from services.verifier.kv_cache import SlotKVCache
 
 _ACTIVE = threading.local()  # the step being run by this thread's forward (None outside a step)
@@ -66,7 +67,7 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
     step = getattr(_ACTIVE, "step", None)
     if step is None:
         return hf_compat.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
-    cache, p, single = step
+    cache, p, single, fixed = step
     cache.write(layer, p.write_slot, p.write_pos, key[0].transpose(0, 1), value[0].transpose(0, 1))
     if single is not None:  # one request: its rows in order, no gather / scatter
         length, mask = single
@@ -74,7 +75,7 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
         out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=kwargs.get("scaling"),
                                              enable_gqa=k.shape[1] != query.shape[1])
         return out.transpose(1, 2), None
-    k, v = cache.read(layer, p.slots, p.kv_length)  # [n, Hkv, L, Dh]
+    k, v = cache.read(layer, p.slots, p.kv_length, gather=fixed)  # [n, Hkv, L, Dh]
     safe = p.row_index.clamp(min=0)
     q = query[0].transpose(0, 1)[safe].transpose(1, 2)  # [n, Hq, Rm, Dh]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.attn_mask, scale=kwargs.get("scaling"),
@@ -124,20 +125,40 @@ class ModelRunner:
             the opaque slot-attention op), and one more when only some rows need logits. Call
             :meth:`warm_up` at start (tens of seconds on a 2-core CPU; inductor caches its kernels on
             disk, so later starts are faster). The reference paths of :class:`TargetModel` stay eager.
+            On a CUDA target ``compile`` means CUDA graphs instead (``cuda_graphs`` below).
+        cuda_graphs: run every step *padded to a bucket* (:func:`~services.tree.batch.step_bucket`:
+            segments, rows per segment, rows, logit rows and KV length rounded up to powers of two)
+            through :class:`services.cuda_graphs.GraphBuckets`: on CUDA each bucket's eager forward
+            is captured once in a CUDA graph and replayed (no host sync inside a step: attention
+            gathers the slots, masks are built before the call); off CUDA (or with
+            ``DARTREE_CUDA_GRAPHS=0``) the same padded step runs eagerly, which is how the padding
+            is tested on CPU. Padding rows write to a scratch slot the cache holds in addition to
+            ``num_slots`` (:func:`~services.tree.batch.pad_packed`). None: on when ``compile`` and
+            the target is on CUDA.
     Raises:
         MemoryError: the cache does not fit (one line, with its size).
     """
 
-    def __init__(self, target, num_slots: int, capacity: int, kv_bucket: int = 64, compile: bool = False):
+    def __init__(self, target, num_slots: int, capacity: int, kv_bucket: int = 64, compile: bool = False,
+                 cuda_graphs: bool | None = None):
         self.target = target
-        self.cache = SlotKVCache.for_model(target.config, num_slots, capacity, target.dtype, target.device)
+        on_cuda = torch.device(target.device).type == "cuda"
+        self.graphed = bool(compile and on_cuda) if cuda_graphs is None else bool(cuda_graphs)
+        self.cache = SlotKVCache.for_model(target.config, num_slots + int(self.graphed), capacity, target.dtype,
+                                           target.device)
         self.kv_bucket = kv_bucket
         name = hf_compat.register_slot_attention(_slot_attention)
         hf_compat.set_attention_implementation(target.model, name)
-        self.compiled = bool(compile)
+        self.compiled = bool(compile) and not self.graphed
         self.warm_up_seconds = 0.0  # all :meth:`warm_up` calls so far (the compile time when compiled)
         self._forward = target.model
-        if compile:
+        self.graphs: GraphBuckets | None = None
+        if self.graphed:
+            self.num_slots, self.scratch_slot = num_slots, num_slots
+            self.cache.reserve(self.scratch_slot)
+            self.graphs = GraphBuckets(self._make_step, enabled=on_cuda and graphs_enabled(), max_graphs=96,
+                                       overflow="eager")
+        if self.compiled:
             for layer in hf_compat.decoder_layers(target.model):
                 attn = layer.self_attn
                 if "dartree_layer" not in attn._buffers:
@@ -179,10 +200,11 @@ class ModelRunner:
             ValueError: from :func:`pack_segments` (bad segments, rows past the capacity).
         """
         p = pack_segments(segments, self.kv_bucket, self.cache.capacity)
+        if self.graphed:
+            return self._execute_padded(p, logit_rows)
         self.cache.prepare(p.slots.tolist(), p.kv_length)
         dev = self.target.device
-        p = PackedRows(**{f: (getattr(p, f).to(dev) if isinstance(getattr(p, f), Tensor) else getattr(p, f))
-                          for f in PackedRows.__dataclass_fields__})
+        p = _to(p, dev)
         keep = logit_rows.to(dev) if logit_rows is not None else torch.arange(p.input_ids.numel(), device=dev)
         if self.compiled and not keep.is_inference():  # its dispatch keys would fail a guard: recompile
             keep = keep.clone()
@@ -194,7 +216,7 @@ class ModelRunner:
             for t, dim in ((ids, 1), (pos, 1), (keep, 0)):
                 torch._dynamo.maybe_mark_dynamic(t, dim)
         t0 = time.perf_counter()
-        _ACTIVE.step = (self.cache, p, single)
+        _ACTIVE.step = (self.cache, p, single, False)
         try:
             out = self._forward(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
                                 logits_to_keep=keep)
@@ -202,3 +224,47 @@ class ModelRunner:
             _ACTIVE.step = None
         feats = self.target._features()
         return StepOutput(out.logits[0].float(), feats, p, time.perf_counter() - t0)
+
+    def _execute_padded(self, p: PackedRows, logit_rows: Tensor | None) -> StepOutput:
+        """:meth:`execute` at the step's bucket: pad, run (replay) the bucket's step, slice the real rows."""
+        r = p.input_ids.numel()
+        k = r if logit_rows is None else int(logit_rows.numel())
+        bucket = step_bucket(p, k, self.num_slots, self.kv_bucket, self.cache.capacity)
+        padded = pad_packed(p, bucket, self.scratch_slot)
+        self.cache.prepare(sorted(set(padded.slots.tolist())), bucket.kv_length)
+        keep = torch.zeros(bucket.logit_rows, dtype=torch.long)
+        keep[:k] = torch.arange(k) if logit_rows is None else logit_rows.long().cpu()
+        dev = self.target.device
+        padded = _to(padded, dev)
+        t0 = time.perf_counter()
+        logits, feats = self.graphs.run(bucket, *(t.to(dev) for t in (
+            padded.input_ids[None], padded.positions[None], padded.write_slot, padded.write_pos, padded.slots,
+            padded.row_index, padded.padded_pos, padded.attn_mask, keep)))
+        # a replay's outputs are the graph's static buffers: the next replay overwrites them
+        return StepOutput(logits[:k].clone(), feats[:r].clone(), _to(p, dev), time.perf_counter() - t0)
+
+    def _make_step(self, bucket: StepBucket):
+        """The callable of one bucket (captured by :class:`GraphBuckets`): tensors in, ``(logits [K', V]
+        float32, features [R', F])`` out; every shape fixed by ``bucket``, no host sync inside."""
+
+        def step(ids, pos, write_slot, write_pos, slots, row_index, padded_pos, attn_mask, keep):
+            none = ids.new_zeros(0)
+            p = PackedRows(input_ids=ids[0], positions=pos[0], cu_rows=none, slots=slots, starts=none,
+                           row_index=row_index, padded_pos=padded_pos, write_slot=write_slot, write_pos=write_pos,
+                           attn_mask=attn_mask, kv_length=bucket.kv_length)
+            _ACTIVE.step = (self.cache, p, None, True)
+            try:
+                with hf_compat.attention_without_mask(self.target.model):
+                    out = self.target.model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
+                                            logits_to_keep=keep)
+            finally:
+                _ACTIVE.step = None
+            return out.logits[0].float(), self.target._features()
+
+        return step
+
+
+def _to(p: PackedRows, dev) -> PackedRows:
+    """``p`` with its tensors on ``dev``."""
+    return PackedRows(**{f: (getattr(p, f).to(dev) if isinstance(getattr(p, f), Tensor) else getattr(p, f))
+                         for f in PackedRows.__dataclass_fields__})

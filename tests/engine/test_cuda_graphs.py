@@ -73,6 +73,17 @@ def test_buckets_make_one_step_per_key_and_switch_off(monkeypatch):
     assert not graphs_enabled()
 
 
+def test_buckets_overflow_can_run_eagerly():
+    """``overflow="eager"``: a key past ``max_graphs`` runs its callable uncaptured (same result, counted)."""
+    b = GraphBuckets(lambda key: _mlp(seed=key), max_graphs=1, overflow="eager")
+    x = torch.randn(3, 16)
+    assert torch.equal(b.run(1, x)[0], _mlp(seed=1)(x)[0])
+    assert torch.equal(b.run(2, x)[0], _mlp(seed=2)(x)[0])
+    assert list(b.steps) == [1] and b.num_eager_overflow == 1
+    with pytest.raises(ValueError, match="overflow"):
+        GraphBuckets(lambda key: _mlp(), overflow="drop")
+
+
 # ---------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_replay_equals_eager_for_new_inputs():

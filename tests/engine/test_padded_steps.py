@@ -1,0 +1,205 @@
+"""Padded fixed-shape steps (the runner's CUDA-graph path, issue 16 item 4), tested on CPU.
+
+On a GPU each :class:`~services.tree.batch.StepBucket` is captured once in a CUDA graph; on CPU the
+same padded step runs eagerly, so the padding itself is checked here against the unpadded runner:
+padding rows and padding segments must change no real row's logits, features or KV, write only to the scratch slot, and the step must hold no host synchronisation (which a
+CUDA graph cannot capture). The capture is checked by the ``gpu`` test at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+
+from services.testing import random_tree, tiny_drafter, tiny_service
+from services.tree import derive_buffers
+from services.tree.batch import Segment, StepBucket, causal_segment, pack_segments, pad_packed, step_bucket
+from services.verifier.runner import ModelRunner
+from tests.engine.conftest import TARGET_KW, V
+from tests.engine.test_batched import _engine, _mixed_requests, _run_batched, _solo
+
+
+def _segments(rng, slots, lengths):
+    """Per slot: a random tree at its committed length, a prompt chunk, or a lone ar row."""
+    segs = []
+    for i, (slot, start) in enumerate(zip(slots, lengths)):
+        kind = i % 3
+        if kind == 0:
+            b = derive_buffers(random_tree(rng, V, rng.randrange(2, 10), 4), 6)
+            segs.append(Segment(b.input_ids, b.position_offsets, b.tree_mask, start, slot))
+        elif kind == 1:
+            segs.append(causal_segment([rng.randrange(3, V) for _ in range(rng.randrange(2, 12))], start, slot))
+        else:
+            segs.append(causal_segment([rng.randrange(3, V)], start, slot))
+    return segs
+
+
+def test_step_bucket_rounds_up_and_caps():
+    p = pack_segments([causal_segment([1] * 5, 40, 0), causal_segment([2] * 3, 0, 1),
+                       causal_segment([3], 7, 2)], kv_bucket=16)
+    assert (p.row_index.shape, p.input_ids.numel(), p.kv_length) == ((3, 5), 9, 48)
+    b = step_bucket(p, logit_rows=3, max_segments=8, kv_bucket=16, kv_capacity=300)
+    assert b == StepBucket(segments=4, rows_per_segment=8, rows=16, kv_length=64, logit_rows=4)
+    b = step_bucket(p, logit_rows=9, max_segments=3, kv_bucket=16, kv_capacity=50)
+    assert b == StepBucket(segments=3, rows_per_segment=8, rows=16, kv_length=50, logit_rows=16)
+    with pytest.raises(ValueError, match="segments exceeds"):
+        step_bucket(p, 1, max_segments=2, kv_bucket=16, kv_capacity=300)
+
+
+def test_pad_packed_keeps_real_rows_and_sends_padding_to_the_scratch_slot():
+    rng = random.Random(1)
+    segs = _segments(rng, [0, 2, 1], [5, 0, 9])
+    p = pack_segments(segs, kv_bucket=8)
+    r, (n, rm) = p.input_ids.numel(), p.row_index.shape
+    b = step_bucket(p, r, max_segments=4, kv_bucket=8, kv_capacity=100)
+    q = pad_packed(p, b, scratch_slot=4)
+    assert q.input_ids.shape == (b.rows,) and q.row_index.shape == (b.segments, b.rows_per_segment)
+    assert q.attn_mask.shape == (b.segments, 1, b.rows_per_segment, b.kv_length)
+    for f in ("input_ids", "positions", "write_slot", "write_pos"):
+        assert torch.equal(getattr(q, f)[:r], getattr(p, f)), f
+    assert torch.equal(q.slots[:n], p.slots) and bool((q.slots[n:] == 4).all())
+    assert bool((q.write_slot[r:] == 4).all())  # padding rows never write a request's slot
+    # row_index and padded_pos stay inverse, and every real row keeps its segment, column and mask row
+    assert torch.equal(q.row_index.flatten()[q.padded_pos], torch.arange(b.rows))
+    for i in range(n):
+        for j in range(rm):
+            if p.row_index[i, j] >= 0:
+                assert q.row_index[i, j] == p.row_index[i, j]
+            assert torch.equal(q.attn_mask[i, 0, j, :p.kv_length], p.attn_mask[i, 0, j])
+            assert not q.attn_mask[i, 0, j, p.kv_length:].any()
+    assert bool(q.attn_mask.any(-1).all())  # no empty softmax row anywhere (no NaN)
+    with pytest.raises(ValueError, match="scratch slot"):
+        pad_packed(p, b, scratch_slot=2)
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_packed(p, StepBucket(b.segments, rm - 1, b.rows, b.kv_length, b.logit_rows), scratch_slot=4)
+
+
+def _close(a, b):
+    # the bucket's longer KV length changes the attention GEMMs' reduction blocking: float32 ulps
+    # (measured <= 1e-6 here), as between a request's solo and batched steps on the plain runner
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_padded_runner_equals_plain_runner(target):
+    """Prefill chunks, random trees, lone rows, subsets of logit rows, across commits: the padded
+    runner's logits, features and slot KV equal the plain runner's (float32; bitwise where the KV
+    length is the same, within float32 rounding where the bucket reads more columns)."""
+    plain = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8)
+    padded = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8, cuda_graphs=True)
+    assert padded.cache.num_free() == 4 and padded.scratch_slot == 4
+    rng = random.Random(0)
+    slots = [[r.cache.alloc() for _ in range(3)] for r in (plain, padded)]
+    assert slots[0] == slots[1]
+    slots = slots[0]
+    lengths = [0, 0, 0]
+    for step in range(6):
+        segs = _segments(rng, slots[:1 + step % 3], lengths)
+        rows = sum(s.num_rows for s in segs)
+        keep = None if step % 2 == 0 else torch.tensor(sorted(rng.sample(range(rows), rng.randrange(1, rows + 1))))
+        a, b = plain.execute(segs, keep), padded.execute(segs, keep)
+        _close(a.logits, b.logits)
+        _close(a.features, b.features)
+        if step == 0:  # same KV length, one segment on both sides
+            assert torch.equal(a.logits, b.logits) and torch.equal(a.features, b.features)
+        assert torch.equal(a.packed.cu_rows, b.packed.cu_rows)
+        for s in segs:  # commit everything written (trees: a prefix; the KV then must match too)
+            for r in (plain, padded):
+                r.cache.extend(s.slot, s.num_rows)
+            lengths[slots.index(s.slot)] += s.num_rows
+        for layer in range(len(plain.cache.keys)):
+            for s, n in zip(slots, lengths):
+                _close(plain.cache.keys[layer][s, :, :n], padded.cache.keys[layer][s, :, :n])
+                _close(plain.cache.values[layer][s, :, :n], padded.cache.values[layer][s, :, :n])
+    assert len(padded.graphs.steps) >= 3 and padded.graphs.num_captured() == 0  # CPU: eager, no capture
+
+
+@contextlib.contextmanager
+def _fail_on_host_sync():
+    """Raise on every Python-level read of a tensor's value (what synchronises a CUDA stream)."""
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu", "numpy")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def fail(name):
+        def f(self, *a, **k):
+            raise AssertionError(f"host sync inside a padded step: Tensor.{name}")
+        return f
+
+    for n in names:
+        setattr(torch.Tensor, n, fail(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def test_padded_step_holds_no_host_sync(target):
+    """The callable a CUDA graph captures (transformers' forward + our slot attention + the feature
+    taps) never reads a tensor value on the host (transformers' causal-mask builder would: the step
+    runs under an attention name without one). A CPU proxy of "capturable"."""
+    runner = ModelRunner(target, num_slots=3, capacity=100, kv_bucket=8, cuda_graphs=True)
+    make = runner.graphs.make_fn
+
+    def guarded(bucket):
+        fn = make(bucket)
+
+        def run(*inputs):
+            with _fail_on_host_sync():
+                return fn(*inputs)
+        return run
+
+    runner.graphs.make_fn = guarded
+    rng = random.Random(2)
+    slots = [runner.cache.alloc() for _ in range(3)]
+    runner.execute(_segments(rng, slots, [0, 0, 0]))
+    runner.execute(_segments(rng, slots[:1], [0]), torch.tensor([0]))
+    with pytest.raises(AssertionError, match="host sync"):  # the guard itself works
+        with _fail_on_host_sync():
+            torch.ones(2).tolist()
+
+
+@pytest.mark.parametrize("seed,n", [(1, 3), (2, 8)])
+def test_padded_engine_equals_plain_solo(target, seed, n):
+    """Requests of every method sharing padded steps emit exactly what each emits alone on the plain
+    runner (T = 0, float32)."""
+    service = tiny_service(target, tiny_drafter(target, seed=3, block_size=6))
+    reqs = _mixed_requests(seed, n)
+    arrivals: dict[int, list] = {}
+    for i, r in enumerate(reqs):
+        arrivals.setdefault(2 * (i % 3), []).append(r)
+    engine = _engine(target, service, max_running=8, prefill_chunk=4, max_step_tokens=64, cuda_graphs=True)
+    assert engine.runner.graphed and engine.num_free_slots() == 8
+    got, _ = _run_batched(engine, arrivals)
+    for rid, prompt, sampling, spec in reqs:
+        assert got[rid] == _solo(target, service, prompt, sampling, spec), (rid, spec.method)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_graphed_runner_equals_eager_runner_on_cuda(arch):
+    """On a GPU the padded steps are captured (one graph per bucket) and replay what the eager
+    unpadded runner computes, step after step (same kernels, so equal up to float32 reduction order)."""
+    from services.testing import tiny_target
+
+    target = tiny_target(arch, **TARGET_KW)
+    target.model.to("cuda")
+    target.device = torch.device("cuda")
+    eager = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8)
+    graphed = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8, compile=True)
+    assert graphed.graphed and not graphed.compiled
+    rng = random.Random(0)
+    slots = [[r.cache.alloc() for _ in range(3)] for r in (eager, graphed)][0]
+    lengths = [0, 0, 0]
+    for step in range(8):
+        segs = _segments(rng, slots[:1 + step % 3], lengths)
+        a, b = eager.execute(segs), graphed.execute(segs)
+        torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(b.features, a.features, rtol=1e-4, atol=1e-4)
+        for s in segs:
+            for r in (eager, graphed):
+                r.cache.extend(s.slot, s.num_rows)
+            lengths[slots.index(s.slot)] += s.num_rows
+    assert graphed.graphs.num_captured() >= 2
