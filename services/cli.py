@@ -106,9 +106,17 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=bench_main)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``<prog>: error: <what> (see <prog> --help)``, exit code 2
+    (argparse's own prints the whole usage block first, a screenful for ``generate``)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The full ``dartree`` parser."""
-    ap = argparse.ArgumentParser(prog="dartree", description="DARTree Serve: lossless tree speculative decoding")
+    """The full ``dartree`` parser (its subcommand parsers are :class:`_Parser` too)."""
+    ap = _Parser(prog="dartree", description="DARTree Serve: lossless tree speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
     _add_workers(sub)
     _add_serve_ray(sub)
@@ -120,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    if extra:  # name the subcommand whose options were wrong
+        sub = f"{ap.prog} {args.command}"
+        ap.exit(2, f"{sub}: error: unrecognized arguments: {' '.join(extra)} (see {sub} --help)\n")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 import uuid
@@ -83,7 +84,10 @@ def run_generate(a) -> int:
     from services.verifier.engine import SamplingParams, SpecParams
 
     sampling = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
-    spec = SpecParams(a.method, a.budget, a.width, a.depth_bonus, a.candidates)
+    try:
+        spec = SpecParams(a.method, a.budget, a.width, a.depth_bonus, a.candidates)
+    except ValueError as e:  # the knob checks name the request fields (speculative.budget): name the flags
+        raise ValueError(re.sub(r"speculative\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
     if not a.prompt.strip() and not a.chat:
         raise ValueError("the prompt is empty")
     packed = getattr(a, "packed_gemm", True)

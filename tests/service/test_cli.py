@@ -85,3 +85,34 @@ def test_generate_with_compile_reports_its_warm_up(tmp_path):
     assert json.loads(r.stdout)["compile_warm_up_s"] > 0
     r = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0 and "[dartree] compiled steps ready in " in r.stderr
+
+
+@pytest.mark.parametrize("argv, prog, msg", [
+    (["generate", "hi", "--method", "nope"], "dartree generate", "invalid choice: 'nope'"),
+    (["generate", "hi", "--bogus-flag"], "dartree generate", "unrecognized arguments: --bogus-flag"),
+    (["generate"], "dartree generate", "required: prompt"),
+    (["nope"], "dartree", "invalid choice: 'nope'"),
+])
+def test_argument_errors_are_one_line_naming_the_subcommand(capsys, argv, prog, msg):
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: ") and msg in lines[0], lines
+    assert lines[0].endswith(f"(see {prog} --help)")
+
+
+@pytest.mark.parametrize("flags, msg", [(["--budget", "0"], "--budget must be in [1, "),
+                                        (["--depth-bonus", "1"], "--depth-bonus must be a finite number <= 0"),
+                                        (["--width", "0"], "--width must be in [1, ")])
+def test_generate_knob_errors_name_the_flags(capsys, flags, msg):
+    """A bad tree knob is refused before any model loads, in the CLI's own words (not the HTTP
+    request's ``speculative.budget``)."""
+    from services.cli import main
+
+    assert main(["generate", "hi", "--max-tokens", "2", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and msg in err[0] and "speculative." not in err[0], err
