@@ -40,7 +40,8 @@ class StepOutput:
         logits: ``[K, V]`` float32, one row per entry of the ``logit_rows`` asked for.
         features: ``[R, F]`` tapped target features of every flattened row.
         packed: the step's row layout (``cu_rows`` splits ``features``).
-        seconds: wall time of the forward.
+        seconds: wall time of the forward (on CUDA up to a device synchronisation: the goodput
+            policy's cost model needs the device time, and the caller reads the logits right after).
     """
 
     logits: Tensor
@@ -223,7 +224,7 @@ class ModelRunner:
         finally:
             _ACTIVE.step = None
         feats = self.target._features()
-        return StepOutput(out.logits[0].float(), feats, p, time.perf_counter() - t0)
+        return StepOutput(out.logits[0].float(), feats, p, _elapsed(t0, dev))
 
     def _execute_padded(self, p: PackedRows, logit_rows: Tensor | None) -> StepOutput:
         """:meth:`execute` at the step's bucket: pad, run (replay) the bucket's step, slice the real rows."""
@@ -241,7 +242,8 @@ class ModelRunner:
             padded.input_ids[None], padded.positions[None], padded.write_slot, padded.write_pos, padded.slots,
             padded.row_index, padded.padded_pos, padded.attn_mask, keep)))
         # a replay's outputs are the graph's static buffers: the next replay overwrites them
-        return StepOutput(logits[:k].clone(), feats[:r].clone(), _to(p, dev), time.perf_counter() - t0)
+        logits, feats = logits[:k].clone(), feats[:r].clone()
+        return StepOutput(logits, feats, _to(p, dev), _elapsed(t0, dev))
 
     def _make_step(self, bucket: StepBucket):
         """The callable of one bucket (captured by :class:`GraphBuckets`): tensors in, ``(logits [K', V]
@@ -262,6 +264,13 @@ class ModelRunner:
             return out.logits[0].float(), self.target._features()
 
         return step
+
+
+def _elapsed(t0: float, dev) -> float:
+    """Seconds since ``t0``, after the device's queued work (CUDA: launches are asynchronous)."""
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0
 
 
 def _to(p: PackedRows, dev) -> PackedRows:
