@@ -111,8 +111,9 @@ def run_generate(a) -> int:
         spec = SpecParams(a.method, None, a.width, a.depth_bonus, a.candidates)  # --budget is the policy's B_max
     if not a.json:
         print(f"[dartree] {note}", file=sys.stderr)
-        if engine.runner.compiled:
-            print(f"[dartree] compiled steps ready in {engine.runner.warm_up_seconds:.1f} s", file=sys.stderr)
+        if engine.runner.compiled or engine.runner.graphed:
+            kind = "CUDA-graph" if engine.runner.graphed else "compiled"
+            print(f"[dartree] {kind} steps ready in {engine.runner.warm_up_seconds:.1f} s", file=sys.stderr)
     ids = encode(tok, a.prompt, a.chat)
     tokens, rounds, emitted, phases = [], 0, [], {}
     ttft, finish = 0.0, None
@@ -138,7 +139,7 @@ def run_generate(a) -> int:
               "tokens_per_s": round((len(tokens) - 1) / decode, 2) if decode > 0 and len(tokens) > 1 else None,
               "round_ms": {k: round(1000 * v / max(rounds, 1), 3) for k, v in phases.items()},
               "drafter": note.removeprefix("drafter: "),
-              **({"compile_warm_up_s": round(engine.runner.warm_up_seconds, 1)} if engine.runner.compiled else {})}
+              **({"compile_warm_up_s": round(engine.runner.warm_up_seconds, 1)} if engine.runner.compiled or engine.runner.graphed else {})}
     if not tokens and finish == "stop" and not a.chat:
         print("[dartree] the model ended at once (end-of-sequence as the first token); an instruct/chat model "
               "usually needs --chat", file=sys.stderr)

@@ -236,7 +236,6 @@ class ModelRunner:
         keep = torch.zeros(bucket.logit_rows, dtype=torch.long)
         keep[:k] = torch.arange(k) if logit_rows is None else logit_rows.long().cpu()
         dev = self.target.device
-        padded = _to(padded, dev)
         t0 = time.perf_counter()
         logits, feats = self.graphs.run(bucket, *(t.to(dev) for t in (
             padded.input_ids[None], padded.positions[None], padded.write_slot, padded.write_pos, padded.slots,

@@ -573,7 +573,8 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
         log.info("packed GEMM weights for batched steps: +%.2f GiB", added / 2**30)
     if config.compile:  # after packing (the packs are part of what is compiled), before the cost sweep
         rows = (1, budget + 1 if budget else 2)
-        log.info("compiling the target's steps (torch.compile, rows %s) ...", rows)
+        log.info("compiling the target's steps (%s, rows %s) ...",
+                 "CUDA graphs" if engine.runner.graphed else "torch.compile", rows)
         log.info("compiled steps ready in %.1f s", engine.runner.warm_up(rows))
     from services.verifier.policy import attach_policy  # after packing: the sweep times the packed forwards
 
