@@ -131,6 +131,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="do not pre-pack float32 CPU weights for the rounds' row counts (services/cpu_gemm.py); "
                         "the packs serve every method and the HF peers alike")
     m.add_argument("--device", default="cpu", help="cpu (the in-process engine of bench runs on CPU only for now)")
+    m.add_argument("--compile", action="store_true",
+                   help="the engine's target steps through torch.compile (warm-up at load, not timed; the HF peers "
+                        "stay eager)")
     m.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads, and llama.cpp's threads for the llama-cpp peer (default: torch's)")
     m.add_argument("--llama-gguf", default=None, metavar="FILE",
@@ -225,7 +228,7 @@ def resolve_config(a) -> dict:
             "seed": a.seed, "target": a.target or "smollm2-135m-instruct", "drafter": a.drafter, "dtype": a.dtype,
             "device": a.device, "full": bool(a.full), "max_turns": int(getattr(a, "max_turns", 0) or 0),
             "packed_gemm": bool(getattr(a, "packed_gemm", True)), "weights": getattr(a, "weights", None) or "auto",
-            "spec_policy": getattr(a, "spec_policy", "fixed") or "fixed"}
+            "spec_policy": getattr(a, "spec_policy", "fixed") or "fixed", "compile": bool(getattr(a, "compile", False))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,7 +276,8 @@ class Bench:
             + ([cfg["weights"]] if cfg["weights"] != cfg["dtype"] else [])
             + ([cfg["max_turns"]] if cfg.get("max_turns") else [])
             + ([] if cfg.get("packed_gemm", True) else ["unpacked"])
-            + ([cfg["spec_policy"]] if cfg.get("spec_policy", "fixed") != "fixed" else [])).encode()).hexdigest()[:8]
+            + ([cfg["spec_policy"]] if cfg.get("spec_policy", "fixed") != "fixed" else [])
+            + (["compiled"] if cfg.get("compile") else [])).encode()).hexdigest()[:8]
 
     # -- models ---------------------------------------------------------------------------------
     def ensure_engine(self) -> None:
@@ -291,7 +295,7 @@ class Bench:
         fmt = self.cfg["weights"] if self.cfg["weights"] in ("float32", "bfloat16", "q4") else None
         self.engine, self.tok, self.note = build_inprocess(self.a.target, self.a.drafter, self.engine_dtype,
                                                            packed_gemm=self.cfg.get("packed_gemm", True),
-                                                           weights=fmt, **kw)
+                                                           weights=fmt, compile=self.cfg.get("compile", False), **kw)
         svc = getattr(self.engine.drafter, "service", None)
         d = getattr(svc, "defaults", None)
         self.defaults = {k: getattr(d, k) for k in ("budget", "width", "depth_bonus", "candidates")} if d else {}

@@ -219,3 +219,30 @@ def test_bench_tau_replay_and_max_turns(tiny_models, tmp_path, capsys):
     assert all(v["checked"] == 0 for v in res["lossless"].values())  # nothing verified, nothing claimed
     assert (out / "fig5_acceptance.png").stat().st_size > 1000  # figures cope with cells without timings
     assert "**τ replay**" in (out / "results.md").read_text()
+
+
+def test_bench_compile_flag_reaches_the_engine_and_the_cell_key(tiny_models, tmp_path, monkeypatch):
+    """``--compile`` builds the engine with compiled steps (checked at the call; the compile itself is
+    covered by tests/engine/test_compile.py) and keys its cells apart from eager ones."""
+    import services.generate as gen
+    from benchmarks.bench import bench_main
+
+    seen = []
+    real = gen.build_inprocess
+
+    def spy(*args, **kw):
+        seen.append(kw.get("compile"))
+        return real(*args, **{**kw, "compile": False})  # the tiny target need not compile here
+
+    monkeypatch.setattr(gen, "build_inprocess", spy)
+    tdir, ddir = tiny_models
+    base = ["--target", str(tdir), "--drafter", str(ddir), "--datasets", "gsm8k", "--methods", "ar",
+            "--temperatures", "0", "--prompts-per-dataset", "1", "--max-new-tokens", "2", "--warmup-tokens", "0",
+            "--no-progress", "--no-figures", "--out"]
+    assert bench_main(_args(base + [str(tmp_path / "c"), "--compile"])) == 0
+    assert bench_main(_args(base + [str(tmp_path / "e")])) == 0
+    assert seen == [True, False]
+    res = {k: json.loads((tmp_path / k / "results.json").read_text()) for k in ("c", "e")}
+    assert res["c"]["config"]["compile"] is True and res["e"]["config"]["compile"] is False
+    keys = {k: {p.name for p in (tmp_path / k / "cells").glob("*.json")} for k in ("c", "e")}
+    assert keys["c"] and keys["e"] and not keys["c"] & keys["e"]
