@@ -210,19 +210,30 @@ def table2(rows: list[dict], cells: dict, temperature: float, methods=TABLE2_MET
     return out
 
 
+_KERNELS = {  # what every method and the HF peers share, per --weights (services/weights.py, services/cpu_gemm.py)
+    "float32": "float32 weights pre-packed for the verify / draft row counts (services/cpu_gemm.py; every method "
+               "and the HF peers share them)",
+    "bfloat16": "bfloat16 linears pre-packed for oneDNN (services/cpu_gemm.py; every method and the HF peers share "
+                "them)",
+    "q4": "the GGUF's Q4_1 linears kept 4-bit (torch's int4 CPU kernel), the Q8_0 lm_head as a oneDNN-packed "
+          "bfloat16 linear (services/weights.py; every method and the HF peers share them)",
+}
+
+
 def render_markdown(res: dict) -> str:
     """results.md: header, lossless check, Table 1 per temperature, Table 2, latency, sweeps, serving."""
     cfg, lines = res["config"], []
     lines += [f"# DARTree Serve benchmark: {res['date']}, {res['machine_id']}", "",
               f"Command: `{res['command']}`", "",
-              f"- Target: `{cfg['target']}` ({cfg['dtype']}); {res.get('drafter_note', '')}",
+              f"- Target: `{cfg['target']}` (weights {cfg.get('weights', cfg['dtype'])}"
+              f"{', steps compiled (--compile; HF peers eager)' if cfg.get('compile') else ''}); "
+              f"{res.get('drafter_note', '')}",
               f"- Prompts per dataset: {cfg['prompts']}; max new tokens: {cfg['max_new_tokens']}; "
               f"temperatures: {cfg['temperatures']}; seed {cfg['seed']}",
               f"- Tree knobs: {knob_text(cfg['knobs'])}",
               f"- Machine: {res['machine'].get('platform')}, {res['machine'].get('cpu_count')} CPUs, "
               f"device {res['machine'].get('device')}, torch threads {res['machine'].get('torch_threads')}",
-              "- Kernels: " + ("float32 weights pre-packed for the verify / draft row counts (services/cpu_gemm.py; "
-                               "every method and the HF peers share them)" if cfg.get("packed_gemm", True)
+              "- Kernels: " + (_KERNELS.get(cfg.get("weights"), _KERNELS["float32"]) if cfg.get("packed_gemm", True)
                                else "plain F.linear (--no-packed-gemm)"),
               f"- Versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items())]
     if cfg.get("llama_cpp"):
