@@ -40,8 +40,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--no-packed-gemm", dest="packed_gemm", action="store_false",
                    help="do not pre-pack float32 CPU weights for the round's row counts (services/cpu_gemm.py)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="run the target's steps through torch.compile (a warm-up of minutes the first time on a "
-                        "small CPU; default: off)")
+                   help="run the target's steps (CUDA graphs on a GPU) and the drafter's block forward through "
+                        "torch.compile (a warm-up of about a minute the first time on a small CPU, less once "
+                        "inductor's disk cache is warm; default: off)")
     p.add_argument("--spec-policy", choices=["goodput", "fixed"], default="goodput",
                    help="goodput (default): each round's tree budget (0 = plain decoding) is chosen to maximise "
                         "tokens/s from calibrated acceptance and a measured cost model, --budget is its maximum; "

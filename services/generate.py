@@ -19,7 +19,8 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     ``packed_gemm``: pre-pack float32 CPU weights for the default tree's verify rows (B + 1), a chain
     method's (draft slots + 1) and the drafter's block (:mod:`services.cpu_gemm`).
 
-    ``compile``: the target's steps through ``torch.compile`` (warmed up here, after packing).
+    ``compile``: the target's steps and the drafter's block forward through ``torch.compile`` (both
+    warmed up here, after packing).
     ``weights``: the target's format (:mod:`services.weights`; None = dense ``dtype``); ``dtype`` is
     the drafter's and the activations' precision.
 
@@ -58,7 +59,7 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype, weights=weights)
     defaults = defaults or default_tree_knobs("cpu")
     service = make_service(drafter, target.embed_tokens(), target.lm_head(), defaults, description=note,
-                           packed_gemm=packed_gemm)
+                           packed_gemm=packed_gemm, compile=compile)
     from services.verifier.engine import EngineConfig
 
     engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(compile=compile),
@@ -67,6 +68,8 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
         target.pack_for_rounds(defaults.budget, engine.max_draft_depth)
     if compile:
         engine.runner.warm_up((1, defaults.budget + 1))
+        if getattr(service, "compiled", False):
+            service.warm_up()
     return engine, tok, note
 
 
@@ -114,6 +117,9 @@ def run_generate(a) -> int:
         if engine.runner.compiled or engine.runner.graphed:
             kind = "CUDA-graph" if engine.runner.graphed else "compiled"
             print(f"[dartree] {kind} steps ready in {engine.runner.warm_up_seconds:.1f} s", file=sys.stderr)
+        svc = getattr(engine.drafter, "service", None)
+        if getattr(svc, "compiled", False):
+            print(f"[dartree] compiled drafter block ready in {svc.warm_up_seconds:.1f} s", file=sys.stderr)
     ids = encode(tok, a.prompt, a.chat)
     tokens, rounds, emitted, phases = [], 0, [], {}
     ttft, finish = 0.0, None
@@ -139,7 +145,9 @@ def run_generate(a) -> int:
               "tokens_per_s": round((len(tokens) - 1) / decode, 2) if decode > 0 and len(tokens) > 1 else None,
               "round_ms": {k: round(1000 * v / max(rounds, 1), 3) for k, v in phases.items()},
               "drafter": note.removeprefix("drafter: "),
-              **({"compile_warm_up_s": round(engine.runner.warm_up_seconds, 1)} if engine.runner.compiled or engine.runner.graphed else {})}
+              **({"compile_warm_up_s": round(engine.runner.warm_up_seconds, 1)} if engine.runner.compiled or engine.runner.graphed else {}),
+              **({"drafter_compile_warm_up_s": round(svc.warm_up_seconds, 1)}
+                 if getattr(svc := getattr(engine.drafter, "service", None), "compiled", False) else {})}
     if not tokens and finish == "stop" and not a.chat:
         print("[dartree] the model ended at once (end-of-sequence as the first token); an instruct/chat model "
               "usually needs --chat", file=sys.stderr)

@@ -89,10 +89,16 @@ class DrafterService:
         defaults: server defaults of the tree knobs.
         packed_gemm: on a float32 CPU drafter, pre-pack the drafter's linears for its block rows and
             the lm_head for its draft rows (:mod:`services.cpu_gemm`; numerics unchanged).
+        compile: run the drafter's block forward (its layers over the ``block_size`` rows against the
+            request's context K/V) through ``torch.compile`` with dynamic shapes (context length and
+            batch size vary; one graph for one request, one for a batch); call :meth:`warm_up` at
+            start. Drafts may differ from eager ones in the last bits (never the verified output:
+            the target decides every token). The tree build stays eager (Python and small ops).
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
-                 defaults: TreeDefaults = TreeDefaults(), description: str = "", packed_gemm: bool = True):
+                 defaults: TreeDefaults = TreeDefaults(), description: str = "", packed_gemm: bool = True,
+                 compile: bool = False):
         if drafter.has_markov:  # DSpark carries its own (frozen) copies of the target's embedding and lm_head
             if drafter.needs_target_io:  # saved without them: they ARE the target's, refill from it
                 drafter.copy_target_io(embed.weight.detach().to(self._dtype_of(drafter)),
@@ -120,6 +126,30 @@ class DrafterService:
         self._ctx_len: dict[str, int] = {}
         self.dtype = next(drafter.parameters()).dtype
         self.device = next(drafter.parameters()).device  # ids / positions / masks are built here (CUDA too)
+        self.compiled = bool(compile)
+        self.warm_up_seconds = 0.0
+        self._block_forward = (torch.compile(drafter.block_forward, dynamic=True) if compile
+                               else drafter.block_forward)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Run the block for two scratch contexts of different lengths, alone and batched (compiles
+        every graph when :attr:`compiled`), leaving no context behind. Returns seconds taken."""
+        t0 = time.perf_counter()
+        # lengths no model dimension is likely to equal: dynamo gives equal sizes one symbol at
+        # trace time ("duck sizing"), and a later request whose sizes differ would recompile
+        jobs = [("__warm_up_a__", 0, 37), ("__warm_up_b__", 0, 53)]
+        try:
+            for rid, root, n in jobs:
+                self.block_logits(rid, torch.zeros(n, self.cfg.feature_dim, dtype=self.dtype, device=self.device),
+                                  root, n)
+            self.block_logits_batch(jobs)
+        finally:
+            for rid, *_ in jobs:
+                self.release(rid)
+        took = time.perf_counter() - t0
+        self.warm_up_seconds += took
+        return took
 
     def info(self) -> dict:
         """Handshake fields."""
@@ -159,7 +189,9 @@ class DrafterService:
         pos = torch.arange(start - n, start, device=self.device)
         kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], pos)
         old = self._ctx.get(request_id)
-        self._ctx[request_id] = kv if old is None else [
+        # contiguous from the first append on (later appends concatenate): one memory layout for the
+        # compiled block forward, whose guards check strides
+        self._ctx[request_id] = [(k.contiguous(), v.contiguous()) for k, v in kv] if old is None else [
             (torch.cat([ok, k], 2), torch.cat([ov, v], 2)) for (ok, ov), (k, v) in zip(old, kv)]
         self._ctx_len[request_id] = start
 
@@ -174,7 +206,7 @@ class DrafterService:
         c = self.cfg
         ids = torch.tensor([root_token] + [c.mask_token_id] * (c.block_size - 1), device=self.device)
         pos = torch.arange(start, start + c.block_size, device=self.device)
-        h = self.drafter.block_forward(self.embed(ids).to(self.dtype)[None], pos, self._ctx[request_id])[0]
+        h = self._block_forward(self.embed(ids).to(self.dtype)[None], pos, self._ctx[request_id])[0]
         hd = h if c.shift_label else h[1:]
         return hd, self.lm_head(hd.to(self.lm_head.weight.dtype)).float()
 
@@ -204,7 +236,7 @@ class DrafterService:
                 < torch.tensor(lens, device=dev)[:, None, None]).expand(n, q, cmax)
         ids = torch.tensor([[root] + [c.mask_token_id] * (q - 1) for _, root, _ in jobs], device=dev)
         pos = torch.stack([torch.arange(start, start + q, device=dev) for _, _, start in jobs])
-        h = self.drafter.block_forward(self.embed(ids).to(self.dtype), pos, ctx, mask)  # [n, Q, H]
+        h = self._block_forward(self.embed(ids).to(self.dtype), pos, ctx, mask)  # [n, Q, H]
         hd = h if c.shift_label else h[:, 1:]
         logits = self.lm_head(hd.to(self.lm_head.weight.dtype)).float()
         return [(hd[i], logits[i]) for i in range(n)]
@@ -335,17 +367,19 @@ class DrafterService:
 
 
 def make_service(drafter, embed: torch.nn.Module, lm_head: torch.nn.Module, defaults: TreeDefaults = TreeDefaults(),
-                 description: str = "", packed_gemm: bool = True):
+                 description: str = "", packed_gemm: bool = True, compile: bool = False):
     """The drafter service for any drafter :func:`services.drafter.model.load_drafter` returns:
-    :class:`services.drafter.eagle3_service.Eagle3Service` for EAGLE-3 (it needs only the embedding),
-    :class:`DrafterService` otherwise (DFlash, Domino, DSpark)."""
+    :class:`services.drafter.eagle3_service.Eagle3Service` for EAGLE-3 (it needs only the embedding;
+    never compiled), :class:`DrafterService` otherwise (DFlash, Domino, DSpark; ``compile``: its
+    block forward compiled, see the class)."""
     from services.drafter.eagle3 import Eagle3Drafter
 
     if isinstance(drafter, Eagle3Drafter):
         from services.drafter.eagle3_service import Eagle3Service
 
         return Eagle3Service(drafter, embed, defaults, description=description, packed_gemm=packed_gemm)
-    return DrafterService(drafter, embed, lm_head, defaults, description=description, packed_gemm=packed_gemm)
+    return DrafterService(drafter, embed, lm_head, defaults, description=description, packed_gemm=packed_gemm,
+                          compile=compile)
 
 
 def _path_scores(logits: Tensor, tokens: Tensor) -> Tensor:

@@ -67,6 +67,9 @@ class DrafterWorkerConfig:
         drafter_metrics_port, metrics_host: Prometheus endpoint (port 0 = off).
         max_tensor_bytes: largest tensor frame accepted.
         drain_timeout_s: on SIGTERM, how long the drafter may keep serving the requests in flight.
+        compile: the drafter's block forward through ``torch.compile`` (warm-up at start, logged;
+            :class:`services.drafter.service.DrafterService`); ``dartree serve --compile`` sets it
+            together with the verifier's.
     """
 
     target: str = "smollm2-135m-instruct"
@@ -87,6 +90,7 @@ class DrafterWorkerConfig:
     max_tensor_bytes: int = 1 << 30
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
@@ -273,7 +277,10 @@ def build_drafter_service(config: DrafterWorkerConfig):
              if getattr(config, k) is not None}
     defaults = dataclasses.replace(default_tree_knobs(config.device), **knobs)
     service = make_service(drafter, embed.to(config.device), head.to(config.device), defaults,
-                           description=str(drafter_dir), packed_gemm=config.packed_gemm)
+                           description=str(drafter_dir), packed_gemm=config.packed_gemm, compile=config.compile)
+    if getattr(service, "compiled", False):
+        log.info("compiling the drafter's block forward (torch.compile) ...")
+        log.info("compiled drafter block ready in %.1f s", service.warm_up())
     return service, target_dir
 
 

@@ -133,3 +133,41 @@ def test_compiled_steps_are_lossless_per_weight_format(tmp_path, fmt):
     got, sizes = _run_batched(compiled, {0: [(f"b{i}", p, SamplingParams(max_tokens=16, ignore_eos=True),
                                               SpecParams("dartree-pruned")) for i, p in enumerate(prompts)]})
     assert max(sizes) == 3 and [got[f"b{i}"] for i in range(3)] == [ref[i] for i in range(3)]
+
+
+def test_compiled_drafter_block_matches_eager_and_stays_lossless():
+    """``DrafterService(compile=True)``: after :meth:`warm_up` no further graph is compiled as contexts
+    grow and requests batch; block logits equal eager ones within float32 rounding; an engine
+    drafting with it emits exactly plain decoding's tokens for every method (T = 0)."""
+    import torch._dynamo
+
+    from services.drafter.service import DrafterService
+
+    target = tiny_target("llama", vocab_size=V, hidden_size=32, num_layers=2, max_position_embeddings=256)
+    drafter = tiny_drafter(target, seed=3, block_size=6)
+    eager = DrafterService(drafter, target.embed_tokens(), target.lm_head(), packed_gemm=False)
+    comp = DrafterService(drafter, target.embed_tokens(), target.lm_head(), packed_gemm=False, compile=True)
+    torch._dynamo.reset()
+    assert comp.warm_up() > 0 and comp.num_contexts() == 0
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(0)
+    fdim = drafter.config.feature_dim
+    starts = {"a": 0, "b": 0}
+    for n_a, n_b in ((20, 9), (3, 1), (1, 5)):
+        for rid, n in (("a", n_a), ("b", n_b)):
+            feats = torch.randn(n, fdim, generator=g)
+            starts[rid] += n
+            want = eager.block_logits(rid, feats, 7, starts[rid])
+            got = comp.block_logits(rid, feats, 7, starts[rid])
+            torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+        jobs = [("a", 5, starts["a"]), ("b", 9, starts["b"])]
+        for (_, want), (_, got) in zip(eager.block_logits_batch(jobs), comp.block_logits_batch(jobs)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompiles after warm-up
+    engine = SpecEngine(target, InprocDrafterClient(tiny_service(target, drafter)), EngineConfig(max_running=2),
+                        max_draft_depth=5)
+    comp_engine = SpecEngine(target, InprocDrafterClient(comp), EngineConfig(max_running=2), max_draft_depth=5)
+    prompt = [5, 9, 17, 33, 2, 40]
+    ref = _tokens(engine, "ref", prompt, "ar", n=24)
+    for m in ("ddtree", "dartree-pruned", "dflash"):
+        assert _tokens(comp_engine, f"c-{m}", prompt, m, n=24) == ref, m
