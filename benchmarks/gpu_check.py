@@ -185,7 +185,9 @@ def graph_probe(model, rows: int, device: str, reps: int) -> dict:
         eager = timed(fwd)
         step = GraphedStep(fwd, [ids, pos])
         graphed = timed(step) if step.captured else None
-        equal = bool(torch.allclose(step(ids, pos).float(), fwd(ids, pos).float(), rtol=1e-2, atol=1e-2))
+        # nothing to compare when nothing was captured (off CUDA the "graph" is the eager call itself)
+        equal = (bool(torch.allclose(step(ids, pos).float(), fwd(ids, pos).float(), rtol=1e-2, atol=1e-2))
+                 if step.captured else None)
     return {"rows": rows, "eager_ms": eager, "graph_ms": graphed, "captured": step.captured,
             "graph_equals_eager": equal}
 
@@ -207,7 +209,8 @@ def run_tests(files: list[str], timeout: float) -> dict:
     tail = (r.stdout + r.stderr).strip().splitlines()[-1:] or [""]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", tail[0])}
     ok = r.returncode in (0, 5) and not counts.get("failed") and not counts.get("error") and not counts.get("errors")
-    return {"command": "python " + " ".join(cmd[1:]), "files": files, "status": "ok" if ok else "failed",
+    status = ("ok" if counts.get("passed") else "skipped") if ok else "failed"  # skipped: no test ran (no GPU)
+    return {"command": "python " + " ".join(cmd[1:]), "files": files, "status": status,
             "returncode": r.returncode, "counts": counts, "summary": tail[0], "elapsed_s": time.perf_counter() - t0,
             "output_tail": (r.stdout + r.stderr)[-3000:] if not ok else ""}
 
@@ -393,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     errors = [c for c in cells if c.get("status") != "ok"]
     print(json.dumps({"out": str(out), "elapsed_s": round(res["elapsed_s"], 1), "tests": tests["status"],
                       "cells_ok": len(cells) - len(errors), "cells_not_ok": len(errors)}))
-    return 0 if not errors and tests["status"] in ("ok", "not run") else 1
+    # smoke (CPU): the gpu tests skip by design; a full run on a GPU must have run them
+    return 0 if not errors and tests["status"] in ("ok", "not run", *(("skipped",) if a.smoke else ())) else 1
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from gateway.schemas import (
     validation_error,
 )
 from gateway.text import TemplateError, TextModel
-from services.protocol import Generate, SamplingSpec, SpecSpec
+from services.protocol import METHODS, Generate, SamplingSpec, SpecSpec
 
 
 @dataclass
@@ -166,7 +166,9 @@ class RequestBuilder:
             return SpecSpec()
         info = self.engine.info
         if opts.method is not None and info and info.methods and opts.method not in info.methods:
-            raise ApiError(400, f"unknown speculative method '{opts.method}'; known: {', '.join(info.methods)}",
+            what = ("is not served by this server's drafter" if opts.method in METHODS
+                    else "is not a speculative method")
+            raise ApiError(400, f"method '{opts.method}' {what}; this server serves: {', '.join(info.methods)}",
                            "speculative.method", "invalid_value")
         max_budget = info.limits.max_budget if info and info.limits else 0
         if opts.budget is not None and max_budget and opts.budget > max_budget:

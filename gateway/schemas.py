@@ -12,7 +12,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
@@ -110,6 +110,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        """OpenAI's rule: only an assistant message may omit ``content`` (or send null)."""
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role!r} message needs a content (only assistant messages may omit it)")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):

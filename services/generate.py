@@ -13,14 +13,16 @@ import torch
 
 
 def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torch.dtype, defaults=None,
-                    packed_gemm: bool = True, weights: str | None = None, compile: bool = False):
+                    packed_gemm: bool = True, weights: str | None = None, compile: bool = False,
+                    compile_drafter: bool | None = None):
     """Load target + drafter in one process: ``(engine, tokenizer, drafter_note)``.
 
     ``packed_gemm``: pre-pack float32 CPU weights for the default tree's verify rows (B + 1), a chain
     method's (draft slots + 1) and the drafter's block (:mod:`services.cpu_gemm`).
 
     ``compile``: the target's steps and the drafter's block forward through ``torch.compile`` (both
-    warmed up here, after packing).
+    warmed up here, after packing); ``compile_drafter`` (None = ``compile``) can leave the drafter
+    eager (``ar`` never calls it).
     ``weights``: the target's format (:mod:`services.weights`; None = dense ``dtype``); ``dtype`` is
     the drafter's and the activations' precision.
 
@@ -59,7 +61,7 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype, weights=weights)
     defaults = defaults or default_tree_knobs("cpu")
     service = make_service(drafter, target.embed_tokens(), target.lm_head(), defaults, description=note,
-                           packed_gemm=packed_gemm, compile=compile)
+                           packed_gemm=packed_gemm, compile=compile and compile_drafter is not False)
     from services.verifier.engine import EngineConfig
 
     engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(compile=compile),
@@ -82,6 +84,13 @@ def encode(tok, prompt: str, chat: bool) -> list[int]:
     return tok.encode(prompt)
 
 
+def round_tokens(out) -> int:
+    """Tokens a round produced (τ's numerator, bonus included): ``out.token_ids`` plus the terminator
+    it ended on, which the engine drops from ``token_ids`` (an ``ar`` round that emits only EOS
+    still produced one token). ``out``: a :class:`services.verifier.engine.RoundOutput`."""
+    return len(out.token_ids) + (out.finish_reason == "stop")
+
+
 def run_generate(a) -> int:
     """Entry of ``dartree generate``."""
     from services.verifier.engine import SamplingParams, SpecParams
@@ -99,7 +108,8 @@ def run_generate(a) -> int:
 
     weights, dtype = resolve_cli_weights(getattr(a, "weights", None), a.dtype, resolve_target(a.target))
     engine, tok, note = build_inprocess(a.target, a.drafter, dtype, packed_gemm=packed, weights=weights,
-                                        compile=getattr(a, "compile", False))
+                                        compile=getattr(a, "compile", False),
+                                        compile_drafter=a.method != "ar")  # ar never calls the drafter
     served = engine.drafter.info()["methods"]  # services.protocol.served_methods of its kind, "ar" included
     if a.method not in served:  # before any text is printed
         raise ValueError(f"method {a.method!r} is not served by this drafter ({note}); it serves {', '.join(served)}")
@@ -112,25 +122,27 @@ def run_generate(a) -> int:
 
         attach_policy(engine, policy, resolve_target(a.target).name, engine.target.weights, max_budget=a.budget)
         spec = SpecParams(a.method, None, a.width, a.depth_bonus, a.candidates)  # --budget is the policy's B_max
-    if not a.json:
-        print(f"[dartree] {note}", file=sys.stderr)
-        if engine.runner.compiled or engine.runner.graphed:
-            kind = "CUDA-graph" if engine.runner.graphed else "compiled"
-            print(f"[dartree] {kind} steps ready in {engine.runner.warm_up_seconds:.1f} s", file=sys.stderr)
-        svc = getattr(engine.drafter, "service", None)
-        if getattr(svc, "compiled", False):
-            print(f"[dartree] compiled drafter block ready in {svc.warm_up_seconds:.1f} s", file=sys.stderr)
+    svc = getattr(engine.drafter, "service", None)
+    info = [f"[dartree] {note}"]
+    if engine.runner.compiled or engine.runner.graphed:
+        kind = "CUDA-graph" if engine.runner.graphed else "compiled"
+        info.append(f"[dartree] {kind} steps ready in {engine.runner.warm_up_seconds:.1f} s")
+    if getattr(svc, "compiled", False):
+        info.append(f"[dartree] compiled drafter block ready in {svc.warm_up_seconds:.1f} s")
     ids = encode(tok, a.prompt, a.chat)
     tokens, rounds, emitted, phases = [], 0, [], {}
     ttft, finish = 0.0, None
     t0 = time.perf_counter()
     for out in engine.generate(uuid.uuid4().hex, ids, sampling, spec):
+        if info and not a.json:  # after the request was accepted: a refused one prints its error line alone
+            print("\n".join(info), file=sys.stderr)
+            info = []
         tokens += out.token_ids
         if out.is_prefill:
             ttft = out.prefill_seconds
         else:
             rounds += 1
-            emitted.append(len(out.token_ids))
+            emitted.append(round_tokens(out))
             for k, v in out.timings.items():
                 phases[k] = phases.get(k, 0.0) + v
         finish = out.finish_reason
@@ -146,8 +158,7 @@ def run_generate(a) -> int:
               "round_ms": {k: round(1000 * v / max(rounds, 1), 3) for k, v in phases.items()},
               "drafter": note.removeprefix("drafter: "),
               **({"compile_warm_up_s": round(engine.runner.warm_up_seconds, 1)} if engine.runner.compiled or engine.runner.graphed else {}),
-              **({"drafter_compile_warm_up_s": round(svc.warm_up_seconds, 1)}
-                 if getattr(svc := getattr(engine.drafter, "service", None), "compiled", False) else {})}
+              **({"drafter_compile_warm_up_s": round(svc.warm_up_seconds, 1)} if getattr(svc, "compiled", False) else {})}
     if not tokens and finish == "stop" and not a.chat:
         print("[dartree] the model ended at once (end-of-sequence as the first token); an instruct/chat model "
               "usually needs --chat", file=sys.stderr)

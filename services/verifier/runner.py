@@ -138,12 +138,16 @@ class ModelRunner:
             the target is on CUDA.
     Raises:
         MemoryError: the cache does not fit (one line, with its size).
+        ValueError: ``compile`` and ``cuda_graphs`` both set on a CPU target.
     """
 
     def __init__(self, target, num_slots: int, capacity: int, kv_bucket: int = 64, compile: bool = False,
                  cuda_graphs: bool | None = None):
         self.target = target
         on_cuda = torch.device(target.device).type == "cuda"
+        if compile and cuda_graphs and not on_cuda:
+            raise ValueError("compile and cuda_graphs exclude each other off CUDA (inductor steps, or padded eager "
+                             "steps that test the CUDA-graph path): pick one")
         self.graphed = bool(compile and on_cuda) if cuda_graphs is None else bool(cuda_graphs)
         self.cache = SlotKVCache.for_model(target.config, num_slots + int(self.graphed), capacity, target.dtype,
                                            target.device)

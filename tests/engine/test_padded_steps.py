@@ -83,6 +83,11 @@ def _close(a, b):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+def test_compile_and_padded_steps_on_cpu_are_refused(target):
+    with pytest.raises(ValueError, match="exclude each other"):
+        ModelRunner(target, num_slots=2, capacity=64, compile=True, cuda_graphs=True)
+
+
 def test_padded_runner_equals_plain_runner(target):
     """Prefill chunks, random trees, lone rows, subsets of logit rows, across commits: the padded
     runner's logits, features and slot KV equal the plain runner's (float32; bitwise where the KV

@@ -116,3 +116,29 @@ def test_generate_knob_errors_name_the_flags(capsys, flags, msg):
     assert main(["generate", "hi", "--max-tokens", "2", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and msg in err[0] and "speculative." not in err[0], err
+
+
+def test_round_tokens_counts_the_dropped_terminator():
+    """τ of ``generate``: an ``ar`` round ending on EOS produced one token even though the engine
+    drops the EOS from ``token_ids`` (``ar`` showed τ 0.92 before)."""
+    from services.generate import round_tokens
+    from services.verifier.engine import RoundOutput
+
+    assert round_tokens(RoundOutput([], "stop")) == 1
+    assert round_tokens(RoundOutput([5, 6], "stop")) == 3
+    assert round_tokens(RoundOutput([5, 6], "length")) == 2
+    assert round_tokens(RoundOutput([5, 6, 7], None)) == 3
+
+
+def test_generate_refusal_prints_only_the_error_line(tmp_path):
+    """A request the engine refuses (prompt + max_tokens past the context) prints its one error line
+    and nothing else: no "[dartree] drafter" banner before it."""
+    import os
+
+    target_dir, drafter_dir = make_tiny_models(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "services.cli", "generate", "hi", "--max-tokens", "100000000",
+                        "--target", str(target_dir), "--drafter", str(drafter_dir)], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, **ENV_KEYS})
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dartree: error: ") and "context" in lines[0], lines

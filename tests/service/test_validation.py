@@ -69,6 +69,10 @@ CASES = [
     ("chat-no-messages", CHAT, {"messages": []}, None, 400, "messages"),
     ("chat-missing-messages", CHAT, {}, None, 400, "messages"),
     ("chat-bad-role", CHAT, {"messages": [{"role": "bot", "content": "x"}]}, None, 400, "messages[0].role"),
+    ("chat-user-without-content", CHAT, {"messages": [{"role": "user"}]}, None, 400, "messages[0]"),
+    ("chat-system-null-content", CHAT, {"messages": [{"role": "system", "content": None}, {"role": "user",
+                                                                                         "content": "x"}]},
+     None, 400, "messages[0]"),
     ("chat-image-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      None, 400, "messages[0].content[0].type"),
     ("chat-max-completion-tokens-zero", CHAT, {"messages": MSG, "max_completion_tokens": 0}, None, 400,
@@ -97,6 +101,9 @@ OK_CASES = [
     ("single-prompt-in-a-list", C, {"prompt": ["x"], "max_tokens": 1}),
     ("token-prompt-in-a-list", C, {"prompt": [[5, 6]], "max_tokens": 1}),
     ("chat-minimal", CHAT, {"messages": MSG, "max_tokens": 1}),
+    ("chat-assistant-null-content", CHAT, {"messages": [{"role": "user", "content": "x"},
+                                                        {"role": "assistant", "content": None},
+                                                        {"role": "user", "content": "y"}], "max_tokens": 1}),
     ("top-k-disabled", C, {"prompt": "x", "max_tokens": 1, "top_k": -1}),
     ("logprobs-0", C, {"prompt": "x", "max_tokens": 1, "logprobs": 0}),
     ("logprobs-5", C, {"prompt": "x", "max_tokens": 1, "logprobs": 5}),
@@ -132,3 +139,13 @@ def test_edge_inputs_are_served(vharness, case):
     _, path, body = case
     r = _post(vharness, path, body, None)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("method, says", [("eagle3", "is not served by this server's drafter"),
+                                          ("medusa", "is not a speculative method")])
+def test_method_errors_tell_unserved_from_unknown(vharness, method, says):
+    """A real method this drafter cannot serve is not called "unknown" (the CLI says "not served" too)."""
+    r = _post(vharness, C, {"prompt": "x", "speculative": {"method": method}}, None)
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert says in msg and "this server serves: " in msg, msg
