@@ -276,8 +276,7 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
               "other": "tab:gray"}
     for ax, name in zip(axes[0], names):
         ok = [c for c in cells if c["shape"] == name and c.get("status") == "ok"]
-        labels = [c["method"] + ("+graphs" if c.get("graphs") else "") + (f"\nB={c['budget']}" if c["budget"] else "")
-                  for c in ok]
+        labels = [_label(c) + (f"\nB={c['budget']}" if c["budget"] else "") for c in ok]
         bottom = [0.0] * len(ok)
         for p in ("draft", "tree_build", "verify", "commit", "other"):
             vals = [c["phase_ms"]["round"] - sum(c["phase_ms"][q] for q in PHASES[:4]) if p == "other"

@@ -123,11 +123,13 @@ def run_generate(a) -> int:
         attach_policy(engine, policy, resolve_target(a.target).name, engine.target.weights, max_budget=a.budget)
         spec = SpecParams(a.method, None, a.width, a.depth_bonus, a.candidates)  # --budget is the policy's B_max
     svc = getattr(engine.drafter, "service", None)
+    steps_warmed = engine.runner.compiled or engine.runner.graphed
+    drafter_compiled = getattr(svc, "compiled", False)
     info = [f"[dartree] {note}"]
-    if engine.runner.compiled or engine.runner.graphed:
+    if steps_warmed:
         kind = "CUDA-graph" if engine.runner.graphed else "compiled"
         info.append(f"[dartree] {kind} steps ready in {engine.runner.warm_up_seconds:.1f} s")
-    if getattr(svc, "compiled", False):
+    if drafter_compiled:
         info.append(f"[dartree] compiled drafter block ready in {svc.warm_up_seconds:.1f} s")
     ids = encode(tok, a.prompt, a.chat)
     tokens, rounds, emitted, phases = [], 0, [], {}
@@ -157,8 +159,8 @@ def run_generate(a) -> int:
               "tokens_per_s": round((len(tokens) - 1) / decode, 2) if decode > 0 and len(tokens) > 1 else None,
               "round_ms": {k: round(1000 * v / max(rounds, 1), 3) for k, v in phases.items()},
               "drafter": note.removeprefix("drafter: "),
-              **({"compile_warm_up_s": round(engine.runner.warm_up_seconds, 1)} if engine.runner.compiled or engine.runner.graphed else {}),
-              **({"drafter_compile_warm_up_s": round(svc.warm_up_seconds, 1)} if getattr(svc, "compiled", False) else {})}
+              **({"compile_warm_up_s": round(engine.runner.warm_up_seconds, 1)} if steps_warmed else {}),
+              **({"drafter_compile_warm_up_s": round(svc.warm_up_seconds, 1)} if drafter_compiled else {})}
     if not tokens and finish == "stop" and not a.chat:
         print("[dartree] the model ended at once (end-of-sequence as the first token); an instruct/chat model "
               "usually needs --chat", file=sys.stderr)

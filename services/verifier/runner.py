@@ -159,7 +159,7 @@ class ModelRunner:
         self._forward = target.model
         self.graphs: GraphBuckets | None = None
         if self.graphed:
-            self.num_slots, self.scratch_slot = num_slots, num_slots
+            self.scratch_slot = num_slots  # the cache's last slot; slots 0 .. num_slots - 1 serve requests
             self.cache.reserve(self.scratch_slot)
             self.graphs = GraphBuckets(self._make_step, enabled=on_cuda and graphs_enabled(), max_graphs=96,
                                        overflow="eager")
@@ -234,7 +234,7 @@ class ModelRunner:
         """:meth:`execute` at the step's bucket: pad, run (replay) the bucket's step, slice the real rows."""
         r = p.input_ids.numel()
         k = r if logit_rows is None else int(logit_rows.numel())
-        bucket = step_bucket(p, k, self.num_slots, self.kv_bucket, self.cache.capacity)
+        bucket = step_bucket(p, k, self.scratch_slot, self.kv_bucket, self.cache.capacity)  # = request slots
         padded = pad_packed(p, bucket, self.scratch_slot)
         self.cache.prepare(sorted(set(padded.slots.tolist())), bucket.kv_length)
         keep = torch.zeros(bucket.logit_rows, dtype=torch.long)
