@@ -56,9 +56,15 @@ def main(argv: list[str] | None = None) -> dict:
     target.pack_for_rounds(a.budget, full.config.num_draft_slots)
     saved = torch.load(a.counts)
     counts = saved["counts"]
+    own = full.draft_to_target()  # an already-reduced drafter is measured over its own map only
+    if own is not None and any(n not in (0, own.numel()) for n in a.sizes):
+        raise SystemExit(f"bench_draft_vocab: {ddir} already drafts over {own.numel()} ids; "
+                         f"it cannot be cut to other sizes (use --sizes 0, or a full-vocabulary drafter)")
+    if own is not None:
+        a.sizes = [0]
     engines, maps = {}, {}
     for n in a.sizes:
-        d = full if n in (0, full.config.vocab_size) else reduce_draft_vocab(
+        d = full if n in (0, full.config.vocab_size) or own is not None else reduce_draft_vocab(
             full, top_ids(counts, n, target.eos_token_ids, secondary=saved.get("secondary")))
         maps[n] = d.draft_to_target()
         svc = DrafterService(d, target.embed_tokens(), target.lm_head(), TreeDefaults(budget=a.budget, width=a.width))
@@ -90,9 +96,11 @@ def main(argv: list[str] | None = None) -> dict:
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "drafter": str(ddir), "budget": a.budget,
            "width": a.width, "prompts": len(turns), "max_tokens": a.max_tokens, "threads": a.threads,
            "counted_tokens": int(counts.sum()), "ar_step_ms": round(ar_ms, 2), "sizes": {}}
+    if own is not None:  # share of the counted tokens inside the drafter's own map
+        cov[0] = float(counts[own].sum()) / max(float(counts.sum()), 1.0)
     for n, p in per.items():
         dm, tm = 1e3 * statistics.median(p["draft"]), 1e3 * statistics.median(p["tree_build"])
-        res["sizes"][str(n or full.config.vocab_size)] = {
+        res["sizes"][str(n or (own.numel() if own is not None else full.config.vocab_size))] = {
             "tau": round(p["emitted"] / p["rounds"], 3), "draft_ms": round(dm, 2), "tree_build_ms": round(tm, 2),
             "draft_phase_over_ar": round((dm + tm) / ar_ms, 3), "coverage": round(cov.get(n, 1.0), 4),
             "heldout_coverage": round(heldout_cov(n), 4)}
