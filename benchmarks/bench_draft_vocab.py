@@ -7,7 +7,8 @@ dartree-pruned rounds are replayed at T = 0 against the target's greedy output o
 (:mod:`services.replay`). Reported per N: τ, and the median per-round drafter time (``draft`` = block
 forward + output projection, ``tree_build``), next to the median ``ar`` step of the target measured
 in the same run; ``coverage``: share of the counted tokens inside the map; ``heldout_coverage``:
-share of the held-out greedy reference tokens inside it. Sizes are interleaved prompt by prompt so that background load hits all alike.
+share of the held-out greedy reference tokens inside it. A drafter that already has a reduced map (e.g. the
+shipped v2) is measured over its own map only (``--sizes 0``; other sizes exit with one line). Sizes are interleaved prompt by prompt so that background load hits all alike.
 
     python -m benchmarks.bench_draft_vocab --counts data/vocab_counts.pt --sizes 8192 16384 0 --threads 1
 """
@@ -52,16 +53,16 @@ def main(argv: list[str] | None = None) -> dict:
     tdir = resolve_target(a.target)
     ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
     full = load_drafter(ddir)
-    target = TargetModel.from_pretrained(tdir, full.config.target_layer_ids)
-    target.pack_for_rounds(a.budget, full.config.num_draft_slots)
-    saved = torch.load(a.counts)
-    counts = saved["counts"]
     own = full.draft_to_target()  # an already-reduced drafter is measured over its own map only
     if own is not None and any(n not in (0, own.numel()) for n in a.sizes):
         raise SystemExit(f"bench_draft_vocab: {ddir} already drafts over {own.numel()} ids; "
                          f"it cannot be cut to other sizes (use --sizes 0, or a full-vocabulary drafter)")
     if own is not None:
         a.sizes = [0]
+    target = TargetModel.from_pretrained(tdir, full.config.target_layer_ids)
+    target.pack_for_rounds(a.budget, full.config.num_draft_slots)
+    saved = torch.load(a.counts)
+    counts = saved["counts"]
     engines, maps = {}, {}
     for n in a.sizes:
         d = full if n in (0, full.config.vocab_size) or own is not None else reduce_draft_vocab(
