@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--target", default=None)
     ap.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
     ap.add_argument("--counts", default="data/vocab_counts.pt")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[8192, 16384, 0], help="draft vocabulary sizes; 0 = full")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None,
+                    help="draft vocabulary sizes; 0 = full (default: 8192 16384 0 for a full-vocabulary drafter, "
+                         "0 = its own map for a reduced one)")
     ap.add_argument("--budget", type=int, default=8)
     ap.add_argument("--width", type=int, default=12)
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts (datasets.load_heldout)")
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="cache of the greedy references (e.g. data/train/heldout_turns.pt; reused when it matches)")
     ap.add_argument("--out", default=None, help="write the result JSON here")
     a = ap.parse_args(argv)
+    if not Path(a.counts).is_file():
+        raise SystemExit(f"bench_draft_vocab: no token counts at {a.counts} (python -m services.training.vocab writes them)")
     torch.set_num_threads(a.threads)
     from services.drafter.model import load_drafter, reduce_draft_vocab
     from services.drafter.service import DrafterService, TreeDefaults
@@ -52,8 +56,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     tdir = resolve_target(a.target)
     ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
+    if not (ddir / "config.json").is_file():
+        raise SystemExit(f"bench_draft_vocab: {ddir} is not a drafter directory (no config.json)")
     full = load_drafter(ddir)
     own = full.draft_to_target()  # an already-reduced drafter is measured over its own map only
+    if a.sizes is None:
+        a.sizes = [0] if own is not None else [8192, 16384, 0]
     if own is not None and any(n not in (0, own.numel()) for n in a.sizes):
         raise SystemExit(f"bench_draft_vocab: {ddir} already drafts over {own.numel()} ids; "
                          f"it cannot be cut to other sizes (use --sizes 0, or a full-vocabulary drafter)")
