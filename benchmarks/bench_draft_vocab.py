@@ -56,24 +56,25 @@ def main(argv: list[str] | None = None) -> dict:
 
     tdir = resolve_target(a.target)
     ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
-    if not (ddir / "config.json").is_file():
-        raise SystemExit(f"bench_draft_vocab: {ddir} is not a drafter directory (no config.json)")
-    full = load_drafter(ddir)
+    try:
+        full = load_drafter(ddir)
+    except FileNotFoundError as e:  # load_drafter names the missing config.json / model.safetensors
+        raise SystemExit(f"bench_draft_vocab: {ddir} is not a drafter directory ({e})") from None
     own = full.draft_to_target()  # an already-reduced drafter is measured over its own map only
-    if a.sizes is None:
-        a.sizes = [0] if own is not None else [8192, 16384, 0]
-    if own is not None and any(n not in (0, own.numel()) for n in a.sizes):
-        raise SystemExit(f"bench_draft_vocab: {ddir} already drafts over {own.numel()} ids; "
-                         f"it cannot be cut to other sizes (use --sizes 0, or a full-vocabulary drafter)")
     if own is not None:
+        if a.sizes is not None and any(n not in (0, own.numel()) for n in a.sizes):
+            raise SystemExit(f"bench_draft_vocab: {ddir} already drafts over {own.numel()} ids; "
+                             f"it cannot be cut to other sizes (use --sizes 0, or a full-vocabulary drafter)")
         a.sizes = [0]
+    elif a.sizes is None:
+        a.sizes = [8192, 16384, 0]
     target = TargetModel.from_pretrained(tdir, full.config.target_layer_ids)
     target.pack_for_rounds(a.budget, full.config.num_draft_slots)
     saved = torch.load(a.counts)
     counts = saved["counts"]
     engines, maps = {}, {}
     for n in a.sizes:
-        d = full if n in (0, full.config.vocab_size) or own is not None else reduce_draft_vocab(
+        d = full if n in (0, full.config.vocab_size) else reduce_draft_vocab(
             full, top_ids(counts, n, target.eos_token_ids, secondary=saved.get("secondary")))
         maps[n] = d.draft_to_target()
         svc = DrafterService(d, target.embed_tokens(), target.lm_head(), TreeDefaults(budget=a.budget, width=a.width))
