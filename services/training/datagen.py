@@ -137,6 +137,30 @@ def check_layout(out: Path, a) -> None:
         path.write_text(json.dumps(layout, indent=2))
 
 
+def check_backend(out: Path, backend: str) -> None:
+    """Record the backend and weight format (``engine:bfloat16``, ``hf:float32``, ...) in
+    ``out/datagen.json``; refuse a resume with another one, which would mix policies silently.
+
+    A directory written before the format was recorded takes it from its first shard's rows.
+
+    Raises:
+        ValueError: ``out`` holds shards made with another backend or weight format.
+    """
+    path = out / "datagen.json"
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    have = saved.get("backend")
+    if have is None:
+        shards = sorted(out.glob("shard_*.pt"))
+        if shards:
+            rows = torch.load(shards[0], weights_only=True)
+            have = rows[0].get("backend") if rows else None
+    if have is not None and have != backend:
+        raise ValueError(f"{out} holds shards made with {have!r}, this run would add {backend!r}: resume with "
+                         f"the same --backend / --weights / --dtype or use another --out-dir")
+    if saved.get("backend") != backend:
+        path.write_text(json.dumps({**saved, "backend": backend}, indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="generate self-distillation data for drafter training")
     ap.add_argument("--target", default=None)
@@ -181,7 +205,17 @@ def main(argv: list[str] | None = None) -> None:
     order = [int(i) for i in torch.randperm(len(batches), generator=torch.Generator().manual_seed(0)).tolist()]
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    check_layout(out, a)
+    try:  # a resume with other flags or another policy: one line, nothing generated
+        check_layout(out, a)
+        if a.backend == "engine":
+            from services.weights import choose_weights
+
+            weights = choose_weights(a.weights, path)
+            check_backend(out, f"engine:{weights}")
+        else:
+            check_backend(out, f"hf:{a.dtype}")
+    except ValueError as exc:
+        ap.exit(2, f"datagen: error: {exc}\n")
     todo = [b for b in order if not (out / f"shard_{b:05d}.pt").exists()]
     print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}, {len(todo)} to generate "
           f"({a.backend} backend)", flush=True)
@@ -207,9 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.backend == "engine":
         from services.verifier.engine import EngineConfig, SpecEngine
         from services.verifier.target import TargetModel
-        from services.weights import choose_weights
 
-        weights = choose_weights(a.weights, path)
         target = TargetModel.from_pretrained(path, weights=weights)
         in_flight = a.in_flight or a.batch_size
         target.pack_for_steps(1, 1, in_flight)

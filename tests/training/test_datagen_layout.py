@@ -34,3 +34,47 @@ def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, caps
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "gen").exists()
+
+
+def test_backend_recorded_then_enforced(tmp_path):
+    from services.training.datagen import check_backend
+
+    check_backend(tmp_path, "engine:bfloat16")
+    check_backend(tmp_path, "engine:bfloat16")  # same policy: fine
+    with pytest.raises(ValueError, match="'engine:bfloat16'.*'engine:float32'"):
+        check_backend(tmp_path, "engine:float32")
+
+
+def test_backend_of_an_older_directory_comes_from_its_shards(tmp_path):
+    import json
+
+    import torch
+
+    from services.training.datagen import check_backend, check_layout
+
+    check_layout(tmp_path, _a())  # a datagen.json without "backend", as written before it was recorded
+    torch.save([{"uid": "x", "prompt_ids": [1], "response_ids": [2], "sampled": False, "backend": "hf:bfloat16"}],
+               tmp_path / "shard_00003.pt")
+    with pytest.raises(ValueError, match="hf:bfloat16"):
+        check_backend(tmp_path, "engine:bfloat16")
+    check_backend(tmp_path, "hf:bfloat16")
+    assert json.loads((tmp_path / "datagen.json").read_text())["backend"] == "hf:bfloat16"
+    check_layout(tmp_path, _a())  # the layout check ignores the extra key
+
+
+def test_resume_with_another_weight_format_is_one_line_before_generating(tmp_path, capsys):
+    import json
+
+    from services.training.datagen import main
+
+    out = tmp_path / "gen"
+    out.mkdir()
+    (out / "datagen.json").write_text(json.dumps(dict(num_prompts=4, batch_size=2, max_prompt_tokens=384,
+                                                      max_new_tokens=8, sampled_every=5, backend="engine:q4")))
+    with pytest.raises(SystemExit) as exc:
+        main(["--out-dir", str(out), "--num-prompts", "4", "--batch-size", "2", "--max-new-tokens", "8",
+              "--weights", "float32"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "'engine:q4'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not list(out.glob("shard_*.pt"))
