@@ -476,6 +476,16 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
         check_listen(host, port, what)
     if use_drafter and args.drafter:
         check_drafter_dir(args.drafter)
+    if use_drafter:  # the drafter's kind fixes the methods served: refuse an unserved default before spawning
+        from services.drafter.model import drafter_kind
+        from services.models.registry import DEFAULT_DRAFTER_DIR
+        from services.protocol import served_methods
+
+        ddir = Path(args.drafter) if args.drafter else DEFAULT_DRAFTER_DIR
+        kind = drafter_kind(ddir)
+        if args.default_method not in served_methods(kind):
+            raise ValueError(f"--default-method {args.default_method} is not served by the {kind} drafter in {ddir} "
+                             f"(it serves: {', '.join(served_methods(kind))})")
 
 
 def _resolve_weights(args: argparse.Namespace, target: str) -> tuple[str, str]:

@@ -506,6 +506,24 @@ def save_drafter(model, out_dir: str | Path, extra: dict | None = None, omit_tar
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
+def drafter_kind(path: str | Path) -> str:
+    """The kind of drafter a directory holds, from its ``config.json`` alone (no weights loaded):
+    ``"eagle3"``, ``"dspark"``, ``"domino"`` or ``"dflash"`` (:func:`services.protocol.served_methods`).
+
+    Raises:
+        FileNotFoundError: no config.json. ValueError: a config.json that is not valid JSON.
+    """
+    p = Path(path)
+    try:
+        raw = json.loads((p / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{p / 'config.json'} is not valid JSON ({exc})") from None
+    if "LlamaForCausalLMEagle3" in (raw.get("architectures") or []):
+        return "eagle3"
+    cfg = DrafterConfig.from_hf(raw)
+    return "dspark" if cfg.is_dspark else "domino" if cfg.projector_type == "domino" else "dflash"
+
+
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Load a drafter directory with ``strict=True``: DFlash / Domino / DSpark (:class:`DFlashDrafter`) or
     EAGLE-3 (``architectures`` ``LlamaForCausalLMEagle3``: :class:`services.drafter.eagle3.Eagle3Drafter`).

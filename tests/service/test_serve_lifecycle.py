@@ -72,9 +72,13 @@ def listener():
     ((), {"DARTREE_MAX_RUNNING": "abc"}, "DARTREE_MAX_RUNNING='abc' is not a valid int"),
     ((), {"DARTREE_METRICS_AUTH": "maybe"}, "DARTREE_METRICS_AUTH='maybe' is not a valid boolean"),
     (("--drafter", "{tmp}"), None, "has no config.json"),
+    (("--default-method", "eagle3"), None, "--default-method eagle3 is not served by the domino drafter"),
+    (("--drafter", "{tmp}/notjson"), None, "config.json is not valid JSON"),
 ])
 def test_bad_settings_are_one_line_errors_before_anything_starts(tmp_path, flags, env, fragment):
     flags = tuple(f.replace("{tmp}", str(tmp_path)) for f in flags)
+    (tmp_path / "notjson").mkdir()
+    (tmp_path / "notjson" / "config.json").write_text("not json")
     t0 = time.monotonic()
     r = _serve(*flags, env=env)
     _assert_one_line_error(r, fragment)
@@ -96,13 +100,14 @@ def test_a_flag_overrides_a_bad_env_var():
 
 
 def test_a_worker_that_fails_at_start_stops_the_server_with_its_error_line(tmp_path):
-    target_dir, _ = make_tiny_models(tmp_path)
-    bad = tmp_path / "bad-drafter"
+    target_dir, drafter_dir = make_tiny_models(tmp_path)
+    bad = tmp_path / "bad-drafter"  # a valid config (it passes the start-up checks) without its weights
     bad.mkdir()
-    (bad / "config.json").write_text("not json")
+    (bad / "config.json").write_text((drafter_dir / "config.json").read_text())
     r = _serve(*TINY_FLAGS, "--target", str(target_dir), "--drafter", str(bad), "--drafter-wait-s", "60")
     out = r.stdout + r.stderr
-    _assert_one_line_error(r, "the drafter failed to start: Expecting value")
+    _assert_one_line_error(r, "the drafter failed to start:")
+    assert "model.safetensors" in r.stderr.strip().splitlines()[-1], out[-3000:]
     assert out.count("started drafter") == 1, out[-3000:]  # not restarted
 
 
