@@ -32,6 +32,8 @@ from services.metrics import GatewayMetrics
 
 log = logging.getLogger("gateway")
 REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII, no spaces, <= 128 chars
+# machine-readable ``code`` of the errors Starlette raises itself (unknown route, wrong HTTP method)
+HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
 def create_app(config: GatewayConfig, engine: EngineClient, text: TextModel,
@@ -111,7 +113,8 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-        return shaped(ApiError(err.status_code, str(err.detail), None, None, dict(err.headers or {})))
+        code = HTTP_ERROR_CODES.get(err.status_code, f"http_{err.status_code}")
+        return shaped(ApiError(err.status_code, str(err.detail), None, code, dict(err.headers or {})))
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, err: ClientDisconnect) -> JSONResponse:

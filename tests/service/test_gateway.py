@@ -229,6 +229,13 @@ def test_models_metrics_and_openapi(bl_harness):
 def test_unknown_route_is_openai_shaped_404(bl_harness):
     r = run(bl_harness.client.get("/v1/nope"))
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert r.json()["error"]["code"] == "not_found" and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_wrong_http_method_is_openai_shaped_405(bl_harness):
+    r = run(bl_harness.client.get("/v1/completions"))
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+    assert "POST" in r.headers.get("allow", "")
 
 
 def test_deadline_aborts_the_request(bytelevel_dir):
