@@ -483,9 +483,13 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
 
         ddir = Path(args.drafter) if args.drafter else DEFAULT_DRAFTER_DIR
         kind = drafter_kind(ddir)
-        if args.default_method not in served_methods(kind):
-            raise ValueError(f"--default-method {args.default_method} is not served by the {kind} drafter in {ddir} "
-                             f"(it serves: {', '.join(served_methods(kind))})")
+        served = served_methods(kind)
+        if args.default_method not in served:
+            best = next(m for m in ("dartree-pruned", "dspark-dartree", "eagle3", "ddtree", "ar") if m in served)
+            raise ValueError(f"the default method {args.default_method!r} (--default-method; "
+                             f"{VerifierWorkerConfig.default_method} unless given) is not served by "
+                             f"the {kind} drafter in {ddir} (it serves: {', '.join(served)}); pass e.g. "
+                             f"--default-method {best}")
 
 
 def _resolve_weights(args: argparse.Namespace, target: str) -> tuple[str, str]:

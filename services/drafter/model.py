@@ -511,16 +511,27 @@ def drafter_kind(path: str | Path) -> str:
     ``"eagle3"``, ``"dspark"``, ``"domino"`` or ``"dflash"`` (:func:`services.protocol.served_methods`).
 
     Raises:
-        FileNotFoundError: no config.json. ValueError: a config.json that is not valid JSON.
+        FileNotFoundError: no config.json. ValueError: a config.json that is not valid JSON or not a
+            drafter's (a target model's ``*ForCausalLM`` included).
     """
     p = Path(path)
     try:
         raw = json.loads((p / "config.json").read_text())
-    except json.JSONDecodeError as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{p / 'config.json'} is not valid JSON ({exc})") from None
-    if "LlamaForCausalLMEagle3" in (raw.get("architectures") or []):
+    if not isinstance(raw, dict):
+        raise ValueError(f"{p / 'config.json'} is not a drafter config (not a JSON object)")
+    archs = raw.get("architectures") or []
+    archs = archs if isinstance(archs, list) else [archs]
+    if "LlamaForCausalLMEagle3" in archs:
         return "eagle3"
-    cfg = DrafterConfig.from_hf(raw)
+    plain = [a for a in archs if isinstance(a, str) and a.endswith("ForCausalLM")]
+    if plain:  # e.g. a target model's directory passed as --drafter
+        raise ValueError(f"{p} holds a {plain[0]} model, not a drafter (DFlash / Domino / DSpark / EAGLE-3)")
+    try:
+        cfg = DrafterConfig.from_hf(raw)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{p / 'config.json'} is not a drafter config ({type(exc).__name__}: {exc})") from None
     return "dspark" if cfg.is_dspark else "domino" if cfg.projector_type == "domino" else "dflash"
 
 

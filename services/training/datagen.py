@@ -118,47 +118,87 @@ def generate_engine(engine, shards: dict[int, list[tuple[str, list[int]]]], max_
 LAYOUT_KEYS = ("num_prompts", "batch_size", "max_prompt_tokens", "max_new_tokens", "sampled_every")
 
 
-def check_layout(out: Path, a) -> None:
+def _saved_run(out: Path) -> dict:
+    """``out/datagen.json`` as a dict (``{}`` when absent).
+
+    Raises:
+        ValueError: it cannot be read or is not a JSON object (one line naming the file).
+    """
+    path = out / "datagen.json"
+    if not path.exists():
+        return {}
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} cannot be read ({exc}): fix or delete it, or use another --out-dir") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} is not a JSON object: fix or delete it, or use another --out-dir")
+    return saved
+
+
+def _shard_backend(out: Path) -> str | None:
+    """The ``backend`` of the first row of ``out``'s first shard (None: no shards).
+
+    Raises:
+        ValueError: that shard cannot be read or holds no datagen rows.
+    """
+    shards = sorted(out.glob("shard_*.pt"))
+    if not shards:
+        return None
+    why = None
+    try:
+        rows = torch.load(shards[0], weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable shard is one error line
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    else:
+        if not (isinstance(rows, list) and rows and isinstance(rows[0], dict) and "backend" in rows[0]):
+            why = "no list of datagen rows with a 'backend'"
+    if why:
+        raise ValueError(f"{shards[0]} is not a readable datagen shard ({why}): delete it (it is generated "
+                         "again) or use another --out-dir")
+    return str(rows[0]["backend"])
+
+
+def check_layout(out: Path, a, write: bool = True) -> None:
     """Record the flags that define which prompts a shard holds in ``out/datagen.json``; refuse a resume
     with different ones (a shard that exists is skipped, so other flags would silently mix layouts).
 
+    ``write=False`` only checks (the caller writes once every check passed).
+
     Raises:
-        ValueError: ``out`` holds shards of another layout.
+        ValueError: ``out`` holds shards of another layout, or an unreadable datagen.json.
     """
     layout = {k: getattr(a, k) for k in LAYOUT_KEYS}
-    path = out / "datagen.json"
-    if path.exists():
-        saved = json.loads(path.read_text())
+    saved = _saved_run(out)
+    if saved:
         diff = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v}
         if diff:
             raise ValueError(f"{out} holds shards made with other flags {diff} (saved, given): resume with the "
                              "saved ones or use another --out-dir")
-    else:
-        path.write_text(json.dumps(layout, indent=2))
+    elif write:
+        (out / "datagen.json").write_text(json.dumps(layout, indent=2))
 
 
-def check_backend(out: Path, backend: str) -> None:
+def check_backend(out: Path, backend: str, write: bool = True) -> None:
     """Record the backend and weight format (``engine:bfloat16``, ``hf:float32``, ...) in
     ``out/datagen.json``; refuse a resume with another one, which would mix policies silently.
 
     A directory written before the format was recorded takes it from its first shard's rows.
+    ``write=False`` only checks.
 
     Raises:
-        ValueError: ``out`` holds shards made with another backend or weight format.
+        ValueError: ``out`` was made with another backend or weight format, or its datagen.json / first
+            shard cannot be read.
     """
-    path = out / "datagen.json"
-    saved = json.loads(path.read_text()) if path.exists() else {}
+    saved = _saved_run(out)
     have = saved.get("backend")
     if have is None:
-        shards = sorted(out.glob("shard_*.pt"))
-        if shards:
-            rows = torch.load(shards[0], weights_only=True)
-            have = rows[0].get("backend") if rows else None
+        have = _shard_backend(out)
     if have is not None and have != backend:
-        raise ValueError(f"{out} holds shards made with {have!r}, this run would add {backend!r}: resume with "
-                         f"the same --backend / --weights / --dtype or use another --out-dir")
-    if saved.get("backend") != backend:
-        path.write_text(json.dumps({**saved, "backend": backend}, indent=2))
+        raise ValueError(f"{out} is a datagen directory of {have!r}, this run would add {backend!r}: resume "
+                         f"with the same --backend / --weights / --dtype or use another --out-dir")
+    if write and saved.get("backend") != backend:
+        (out / "datagen.json").write_text(json.dumps({**saved, "backend": backend}, indent=2))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -205,15 +245,18 @@ def main(argv: list[str] | None = None) -> None:
     order = [int(i) for i in torch.randperm(len(batches), generator=torch.Generator().manual_seed(0)).tolist()]
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    try:  # a resume with other flags or another policy: one line, nothing generated
-        check_layout(out, a)
+    try:  # a resume with other flags or another policy: one line, nothing generated or written
         if a.backend == "engine":
             from services.weights import choose_weights
 
             weights = choose_weights(a.weights, path)
-            check_backend(out, f"engine:{weights}")
-        else:
-            check_backend(out, f"hf:{a.dtype}")
+            backend = f"engine:{weights}"
+        else:  # the resolved name, as the rows record it ("half" -> "float16")
+            backend = f"hf:{str(getattr(torch, a.dtype)).removeprefix('torch.')}"
+        check_layout(out, a, write=False)
+        check_backend(out, backend, write=False)
+        check_layout(out, a)
+        check_backend(out, backend)
     except ValueError as exc:
         ap.exit(2, f"datagen: error: {exc}\n")
     todo = [b for b in order if not (out / f"shard_{b:05d}.pt").exists()]

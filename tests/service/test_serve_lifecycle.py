@@ -72,13 +72,21 @@ def listener():
     ((), {"DARTREE_MAX_RUNNING": "abc"}, "DARTREE_MAX_RUNNING='abc' is not a valid int"),
     ((), {"DARTREE_METRICS_AUTH": "maybe"}, "DARTREE_METRICS_AUTH='maybe' is not a valid boolean"),
     (("--drafter", "{tmp}"), None, "has no config.json"),
-    (("--default-method", "eagle3"), None, "--default-method eagle3 is not served by the domino drafter"),
+    (("--default-method", "eagle3"), None,
+     "the default method 'eagle3' (--default-method; dartree-pruned unless given) is not served by the domino"),
     (("--drafter", "{tmp}/notjson"), None, "config.json is not valid JSON"),
+    (("--drafter", "{tmp}/emptyobj"), None, "config.json is not a drafter config (KeyError"),
+    (("--drafter", "{tmp}/list"), None, "config.json is not a drafter config (not a JSON object)"),
+    (("--drafter", "{tmp}/target"), None, "holds a LlamaForCausalLM model, not a drafter"),
+    (("--drafter", "models/smollm2-135m-eagle3-drafter"), None,
+     "the default method 'dartree-pruned' (--default-method; dartree-pruned unless given) is not served by the eagle3"),
 ])
 def test_bad_settings_are_one_line_errors_before_anything_starts(tmp_path, flags, env, fragment):
     flags = tuple(f.replace("{tmp}", str(tmp_path)) for f in flags)
-    (tmp_path / "notjson").mkdir()
-    (tmp_path / "notjson" / "config.json").write_text("not json")
+    for name, text in (("notjson", "not json"), ("emptyobj", "{}"), ("list", "[]"),
+                       ("target", '{"architectures": ["LlamaForCausalLM"], "hidden_size": 8}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
     t0 = time.monotonic()
     r = _serve(*flags, env=env)
     _assert_one_line_error(r, fragment)

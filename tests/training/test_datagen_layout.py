@@ -41,7 +41,7 @@ def test_backend_recorded_then_enforced(tmp_path):
 
     check_backend(tmp_path, "engine:bfloat16")
     check_backend(tmp_path, "engine:bfloat16")  # same policy: fine
-    with pytest.raises(ValueError, match="'engine:bfloat16'.*'engine:float32'"):
+    with pytest.raises(ValueError, match="'engine:bfloat16', this run would add 'engine:float32'"):
         check_backend(tmp_path, "engine:float32")
 
 
@@ -78,3 +78,48 @@ def test_resume_with_another_weight_format_is_one_line_before_generating(tmp_pat
     err = capsys.readouterr().err
     assert "'engine:q4'" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not list(out.glob("shard_*.pt"))
+
+
+@pytest.mark.parametrize("content, msg", [(b"", "cannot be read"), (b"[]", "is not a JSON object"),
+                                          (b"null", "is not a JSON object"), (b"{oops", "cannot be read")])
+def test_a_damaged_datagen_json_is_one_error_naming_it(tmp_path, content, msg):
+    from services.training.datagen import check_backend
+
+    (tmp_path / "datagen.json").write_bytes(content)
+    for check in (lambda: check_layout(tmp_path, _a()), lambda: check_backend(tmp_path, "engine:float32")):
+        with pytest.raises(ValueError, match=msg) as exc:
+            check()
+        assert "datagen.json" in str(exc.value) and "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("content", [b"", b"not a torch file", "tensor"])
+def test_a_damaged_first_shard_is_one_error_naming_it(tmp_path, content):
+    import torch
+
+    from services.training.datagen import check_backend
+
+    shard = tmp_path / "shard_00000.pt"
+    if content == "tensor":
+        torch.save(torch.zeros(3, 3), shard)
+    else:
+        shard.write_bytes(content)
+    with pytest.raises(ValueError, match="shard_00000.pt is not a readable datagen shard") as exc:
+        check_backend(tmp_path, "engine:float32")
+    assert "\n" not in str(exc.value)
+    assert not (tmp_path / "datagen.json").exists()
+
+
+def test_a_refused_resume_writes_nothing(tmp_path, capsys):
+    """A directory with shards but no datagen.json: the refusal must not create one with its own flags."""
+    import torch
+
+    from services.training.datagen import main
+
+    out = tmp_path / "gen"
+    out.mkdir()
+    torch.save([{"uid": "x", "prompt_ids": [1], "response_ids": [2], "sampled": False, "backend": "engine:q4"}],
+               out / "shard_00000.pt")
+    with pytest.raises(SystemExit) as exc:
+        main(["--out-dir", str(out), "--num-prompts", "4", "--batch-size", "2", "--weights", "float32"])
+    assert exc.value.code == 2 and "'engine:q4'" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["shard_00000.pt"]
