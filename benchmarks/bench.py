@@ -11,7 +11,9 @@ compare (HF ``generate``, HF prompt lookup, and llama.cpp on the same GGUF: ``ll
 3. serving (``--serving http://127.0.0.1:PORT``): aggregate tokens/s at concurrency 1-8 (Table 4).
 
 Every (method, dataset, temperature, knobs) cell is cached as JSON under ``<out>/cells/`` and
-skipped when present (delete it, or use another ``--out``, to re-measure). Output:
+skipped when present (delete it, or use another ``--out``, to re-measure). A cell's name carries a
+signature of the target, drafter (file sizes and mtimes), dtype and run settings; ``ar`` and the peers
+leave the drafter out, so runs of several drafters in one ``--out`` share their ``ar`` references. Output:
 ``benchmarks/results/<YYYY-MM-DD>-<machine>/results.json`` (every number, versions, machine,
 config), ``results.md`` (tables) and ``fig*.png``. Prints a table, then (last stdout line) one JSON
 object. Measurement rules: ``benchmarks.bench_run`` and ``benchmarks.bench_stats`` docstrings.
@@ -56,6 +58,7 @@ SWEEP_METHODS = {"width": ["dartree-pruned"], "budget": ["dartree-pruned", "ddtr
                  "depth_bonus": ["dartree-pruned"], "candidates": ["dartree-pruned"]}
 WARMUP_PROMPT = "Warmup"
 ALL_METHODS = list(ENGINE_METHODS) + list(PEERS)
+DRAFTER_FREE = frozenset({"ar"}) | frozenset(PEERS)  # cells keyed without the drafter's fingerprint
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -270,14 +273,20 @@ class Bench:
                                                      else None, self.target_dir, cfg["device"])
         cfg["weights"] = fmt or cfg["dtype"]  # concrete from here on (recorded in results and the cell signature)
         ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
-        self.sig = hashlib.sha1(json.dumps(
-            [_fingerprint(self.target_dir), _fingerprint(ddir) if (ddir / "config.json").exists() else "random",
-             cfg["dtype"], cfg["device"], cfg["max_new_tokens"], cfg["seed"]]
-            + ([cfg["weights"]] if cfg["weights"] != cfg["dtype"] else [])
-            + ([cfg["max_turns"]] if cfg.get("max_turns") else [])
-            + ([] if cfg.get("packed_gemm", True) else ["unpacked"])
-            + ([cfg["spec_policy"]] if cfg.get("spec_policy", "fixed") != "fixed" else [])
-            + (["compiled"] if cfg.get("compile") else [])).encode()).hexdigest()[:8]
+
+        def signature(drafter: str) -> str:
+            return hashlib.sha1(json.dumps(
+                [_fingerprint(self.target_dir), drafter, cfg["dtype"], cfg["device"], cfg["max_new_tokens"],
+                 cfg["seed"]]
+                + ([cfg["weights"]] if cfg["weights"] != cfg["dtype"] else [])
+                + ([cfg["max_turns"]] if cfg.get("max_turns") else [])
+                + ([] if cfg.get("packed_gemm", True) else ["unpacked"])
+                + ([cfg["spec_policy"]] if cfg.get("spec_policy", "fixed") != "fixed" else [])
+                + (["compiled"] if cfg.get("compile") else [])).encode()).hexdigest()[:8]
+
+        self.sig = signature(_fingerprint(ddir) if (ddir / "config.json").exists() else "random")
+        # ar and the peers never call the drafter: their cells are shared by every drafter's run in an --out
+        self.sig_no_drafter = signature("no drafter")
 
     # -- models ---------------------------------------------------------------------------------
     def ensure_engine(self) -> None:
@@ -416,7 +425,8 @@ class Bench:
             return {**base, "status": "n/a", "reason": "the peers run greedy only (T = 0)"}
         replay = self.replays(method, temperature)
         base["replay"] = replay
-        name = cell_name(method + ("~replay" if replay else ""), dataset, temperature, mk, n, self.sig)
+        sig = self.sig_no_drafter if method in DRAFTER_FREE else self.sig
+        name = cell_name(method + ("~replay" if replay else ""), dataset, temperature, mk, n, sig)
         path = self.cells_dir / name
         if path.exists():
             data = json.loads(path.read_text())

@@ -246,3 +246,30 @@ def test_bench_compile_flag_reaches_the_engine_and_the_cell_key(tiny_models, tmp
     assert res["c"]["config"]["compile"] is True and res["e"]["config"]["compile"] is False
     keys = {k: {p.name for p in (tmp_path / k / "cells").glob("*.json")} for k in ("c", "e")}
     assert keys["c"] and keys["e"] and not keys["c"] & keys["e"]
+
+
+def test_ar_cells_are_shared_across_drafters_and_drafting_cells_are_not(tiny_models, tmp_path):
+    """Two drafters benchmarked into one --out: the second run reuses ``ar``'s cell (its greedy
+    references never touch the drafter) and measures its own ``ddtree`` cell."""
+    import os
+
+    from benchmarks.bench import bench_main
+
+    tdir, ddir = tiny_models
+    other = tmp_path / "drafter2"
+    shutil.copytree(ddir, other)
+    for f in other.iterdir():  # another drafter to the cache: other mtimes
+        os.utime(f, (1_000_000_000, 1_000_000_000))
+    out = tmp_path / "results"
+    base = ["--target", str(tdir), "--datasets", "gsm8k", "--methods", "ar", "ddtree", "--temperatures", "0",
+            "--prompts-per-dataset", "1", "--max-new-tokens", "4", "--warmup-tokens", "0", "--tau-replay",
+            "--no-progress", "--no-figures", "--out", str(out)]
+    assert bench_main(_args(base + ["--drafter", str(ddir)])) == 0
+    first = {p.name: p.stat().st_mtime_ns for p in (out / "cells").glob("*.json")}
+    assert bench_main(_args(base + ["--drafter", str(other)])) == 0
+    second = {p.name: p.stat().st_mtime_ns for p in (out / "cells").glob("*.json")}
+    ar = [n for n in first if n.startswith("ar__")]
+    assert len(ar) == 1 and second[ar[0]] == first[ar[0]]  # reused, not re-measured
+    assert [n for n in second if n.startswith("ar__")] == ar  # and no second ar cell
+    dd = sorted(n for n in second if n.startswith("ddtree"))
+    assert len(dd) == 2  # one per drafter
