@@ -59,7 +59,8 @@ class Trainer:
     def batch(self, row: dict, n_anchor: int, rng: random.Random):
         """Sample anchors of one sequence.
 
-        Returns ``(anchors [A], block ids [A, Q], labels [A, Q] (-100 = none), realised [A, Q])``:
+        Returns ``(anchors [A], block ids [A, Q], labels [A, Q] (-100 = none), realised [A, Q])``, or None
+        when the sequence has no anchor or no anchor has a label (a loss of 0 / 0):
         row j of the block anchored at a is labelled with the target's greedy token after
         ``ids[: a + j + 1]`` (shift-label); ``realised`` are the tokens the GRU consumes.
         """
@@ -74,6 +75,8 @@ class Trainer:
         labels = torch.cat([labels_all.long(), pad])[idx]
         if self.label_map is not None:  # target ids -> draft ids (-100: not in the draft vocabulary)
             labels = torch.where(labels >= 0, self.label_map[labels.clamp(min=0)], labels)
+        if not bool((labels >= 0).any()):  # nothing to learn (e.g. every label outside the draft vocabulary):
+            return None                    # the loss would be 0 / 0 = NaN
         realised = torch.cat([ids.long(), pad])[idx]  # realised[:, 0] = anchor token
         block = torch.full_like(idx, self.m.config.mask_token_id)
         block[:, 0] = realised[:, 0]
@@ -194,6 +197,12 @@ class DataStream:
     def state(self) -> dict:
         """Position of the next row (JSON-able)."""
         return {"epoch": self.epoch, "shards": list(self.names), "shard_index": self.si, "row_index": self.ri}
+
+    def last(self) -> str:
+        """Where the row ``next()`` returned last came from: ``"<shard> row <i> (epoch <e>)"``."""
+        if self._rows is None or self.ri == 0:
+            return f"epoch {self.epoch} position {self.si}/{self.ri}"
+        return f"{self.names[self.si]} row {self._row_order[self.ri - 1]} (epoch {self.epoch})"
 
     def next(self) -> dict:
         """The next training row (a featurized sequence dict)."""
@@ -449,6 +458,7 @@ def run(a) -> None:
     if step == 0 and a.eval_every:  # the starting point of the held-out curve (e.g. the --init-from export)
         evaluate(trainer, heldout, work, step, target, turns, a.replay_budgets)
     log = open(work / "train_log.jsonl", "a")
+    skipped = 0
     while step < a.max_steps and not (a.max_minutes and (elapsed_prev + time.time() - t0) / 60 >= a.max_minutes):
         row = stream.next()
         lam, lr = sched.lambda_at(step), sched.lr_at(step)
@@ -459,8 +469,21 @@ def run(a) -> None:
         for g in opt.param_groups:
             g["lr"] = lr * g.get("lr_mult", 1.0)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        bad = "loss" if not torch.isfinite(loss) else None
+        if bad is None:
+            loss.backward()
+            if not torch.isfinite(torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)):
+                bad = "gradient norm"
+        if bad:  # one bad row must not turn every weight into NaN (session 12 lost a run to it): skip it
+            opt.zero_grad(set_to_none=True)
+            skipped += 1
+            print(f"[train] step {step}: non-finite {bad} on {stream.last()}: row skipped ({skipped} so far)",
+                  flush=True)
+            log.write(json.dumps({"step": step, "skipped": stream.last(), "why": f"non-finite {bad}"}) + "\n")
+            if skipped > max(100, step // 100):
+                raise RuntimeError(f"{skipped} rows gave a non-finite {bad} by step {step}: stopping (the last "
+                                   f"checkpoint is the last good state)")
+            continue
         opt.step()
         step += 1
         for k, v in stats.items():
