@@ -444,6 +444,10 @@ def run(a) -> None:
     ema: dict[str, float] = {}
 
     def save(final: bool = False) -> None:
+        bad = [n for n, w in drafter.named_parameters() if not bool(torch.isfinite(w).all())]
+        if bad:  # never overwrite the last good checkpoint and export with a broken model
+            raise RuntimeError(f"non-finite weights at step {step} ({', '.join(bad[:3])}): checkpoint and "
+                               f"export not written (the last good ones are kept in {ckpt} and {a.out})")
         elapsed = elapsed_prev + time.time() - t0  # wall time, including any kill -STOP pause
         cpu = cpu_prev + time.process_time() - cpu0  # CPU time of this process (all threads)
         torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "rng": rng.getstate(),

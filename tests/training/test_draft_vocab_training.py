@@ -126,3 +126,25 @@ def test_a_non_finite_loss_skips_the_row_and_keeps_the_weights_finite(tiny_train
     assert len(skipped) == 1 and skipped[0]["why"] == "non-finite loss" and "gen_0000" in skipped[0]["skipped"]
     assert [e["step"] for e in log if "loss" in e] == [1, 2, 3, 4]  # four real steps still made
     assert _finite_export(tmp_path / "out")
+
+
+def test_non_finite_weights_are_never_saved_over_the_last_checkpoint(tiny_training, tmp_path, monkeypatch):
+    tdir, feats = tiny_training
+    counts_path = tmp_path / "counts.pt"
+    vocab_main(["--gen-dir", str(feats.parent / "gen"), "--out", str(counts_path), "--vocab-size", "64"])
+    run(_vocab_args(tdir, feats, tmp_path, counts_path, "--max-steps", 2, "--schedule-steps", 4))
+    good = (tmp_path / "w" / "ckpt.pt").read_bytes(), (tmp_path / "out" / "model.safetensors").read_bytes()
+    real = torch.nn.utils.clip_grad_norm_
+
+    def clip_then_break_a_weight(params, max_norm):  # a finite loss and norm; the model breaks behind them
+        params = list(params)
+        norm = real(params, max_norm)
+        with torch.no_grad():
+            params[0].fill_(float("nan"))
+        return norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_then_break_a_weight)
+    with pytest.raises(RuntimeError, match="non-finite weights at step 3"):
+        run(_vocab_args(tdir, feats, tmp_path, counts_path, "--max-steps", 3, "--resume"))
+    assert (tmp_path / "w" / "ckpt.pt").read_bytes() == good[0]
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == good[1]
