@@ -46,17 +46,8 @@ def test_train_with_reduced_draft_vocab_resumes_and_exports(tiny_training, tmp_p
     vocab_main(["--gen-dir", str(gen), "--out", str(counts_path), "--vocab-size", "64"])
     counts = torch.load(counts_path)["counts"]
 
-    def args(*extra):
-        ap = argparse.ArgumentParser()
-        build_args(ap)
-        return ap.parse_args(["--target", str(tdir), "--feat-dir", str(feats), "--work-dir", str(tmp_path / "w"),
-                              "--out", str(tmp_path / "out"), "--layers", "1", "--gru-hidden-dim", "8",
-                              "--emb-dim", "8", "--anchors", "4", "--warmup", "2", "--eval-every", "0",
-                              "--threads", "1", "--heldout", "2", "--replay-prompts", "0", "--draft-vocab", "16",
-                              "--vocab-counts", str(counts_path), *map(str, extra)])
-
-    run(args("--max-steps", 2, "--schedule-steps", 4))
-    run(args("--max-steps", 4, "--resume"))
+    run(_vocab_args(tdir, feats, tmp_path, counts_path, "--max-steps", 2, "--schedule-steps", 4))
+    run(_vocab_args(tdir, feats, tmp_path, counts_path, "--max-steps", 4, "--resume"))
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == 16 and cfg["training"]["steps"] == 4
     d = load_drafter(tmp_path / "out")
