@@ -29,7 +29,7 @@ test-deps:
 		>/dev/null) || echo "note: prometheus not installed; its test will be skipped"; }
 
 test: setup test-deps
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15 $(ARGS)
 
 serve: setup
 	$(BIN)/dartree serve $(ARGS)

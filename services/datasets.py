@@ -218,7 +218,10 @@ def load_heldout(n: int, seed: int = 3) -> list[Prompt]:
 def load_train(n: int, seed: int = 1) -> list[Prompt]:
     """Training prompts: a fixed mix of ShareGPT (not the eval pool), GSM8K/MATH train, and code.
 
-    No prompt whose text equals an evaluation prompt's (:func:`eval_prompt_texts`) is returned.
+    No prompt whose text equals an evaluation prompt's (:func:`eval_prompt_texts`) is returned, so up to
+    ``n`` prompts come back: a source's share is drawn from a fixed window of candidates (e.g. 3 ShareGPT
+    conversations per wanted first turn), and over-long, empty or evaluation texts in it are dropped,
+    not replaced (the list for a given ``n`` never changes, so resumed data generation stays valid).
 
     Mix: 40% ShareGPT first turns, 20% GSM8K train, 15% MATH train, 15% stdlib functions in the
     HumanEval chat format, 10% raw stdlib code continuations.

@@ -462,7 +462,12 @@ def check_listen(host: str, port: int, what: str) -> None:
 
 
 def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
-    """Checks that need no model and no child: listening addresses free and distinct, drafter dir."""
+    """Checks that need no model and no child: listening addresses free and distinct, drafter dir, and
+    a default method the drafter (or, without one, AR-only mode) serves.
+
+    Raises:
+        ValueError, FileNotFoundError: the first failed check, in one line.
+    """
     from services.drafter.worker import check_drafter_dir
 
     listeners = [(args.host, args.port, "--port"), (args.metrics_host, args.verifier_metrics_port,
@@ -490,6 +495,11 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
                              f"{VerifierWorkerConfig.default_method} unless given) is not served by "
                              f"the {kind} drafter in {ddir} (it serves: {', '.join(served)}); pass e.g. "
                              f"--default-method {best}")
+    elif args.default_method not in ("ar", VerifierWorkerConfig.default_method):
+        # AR-only mode serves 'ar' alone: a default method given by flag or env would be silently ignored
+        raise ValueError(f"the default method {args.default_method!r} (--default-method) needs a drafter, but "
+                         f"none runs (--drafter none, or no trained drafter found); pass --drafter DIR or "
+                         f"--default-method ar")
 
 
 def _resolve_weights(args: argparse.Namespace, target: str) -> tuple[str, str]:

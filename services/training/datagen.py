@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     path = resolve_target(a.target)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = load_train(a.num_prompts)
+    if len(prompts) < a.num_prompts:  # a small request can find fewer usable items in a source (see load_train)
+        print(f"[datagen] note: {len(prompts)} of the {a.num_prompts} prompts asked for are usable (too long, "
+              f"empty or evaluation texts were dropped)", flush=True)
     enc = [(p.uid, encode_prompt(tok, p, a.max_prompt_tokens)) for p in prompts]
     enc.sort(key=lambda x: len(x[1]))  # batch similar lengths together: less padding
     batches = [enc[i:i + a.batch_size] for i in range(0, len(enc), a.batch_size)]

@@ -80,6 +80,10 @@ def listener():
     (("--drafter", "{tmp}/target"), None, "holds a LlamaForCausalLM model, not a drafter"),
     (("--drafter", "models/smollm2-135m-eagle3-drafter"), None,
      "the default method 'dartree-pruned' (--default-method; dartree-pruned unless given) is not served by the eagle3"),
+    (("--drafter", "none", "--default-method", "ddtree"), None,
+     "the default method 'ddtree' (--default-method) needs a drafter, but none runs"),
+    ((), {"DARTREE_DRAFTER": "none", "DARTREE_DEFAULT_METHOD": "eagle3"},
+     "the default method 'eagle3' (--default-method) needs a drafter, but none runs"),
 ])
 def test_bad_settings_are_one_line_errors_before_anything_starts(tmp_path, flags, env, fragment):
     flags = tuple(f.replace("{tmp}", str(tmp_path)) for f in flags)

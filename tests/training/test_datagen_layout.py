@@ -123,3 +123,21 @@ def test_a_refused_resume_writes_nothing(tmp_path, capsys):
         main(["--out-dir", str(out), "--num-prompts", "4", "--batch-size", "2", "--weights", "float32"])
     assert exc.value.code == 2 and "'engine:q4'" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["shard_00000.pt"]
+
+
+def test_fewer_usable_prompts_than_asked_are_reported(tmp_path, capsys, monkeypatch):
+    """When the train sources yield fewer prompts than --num-prompts, datagen says so (it used to report
+    the smaller count without comment)."""
+    import torch
+
+    from services.datasets import Prompt
+    from services.training import datagen
+
+    monkeypatch.setattr(datagen, "load_train", lambda n: [Prompt(f"train-x/{i}", ["hi"]) for i in range(n - 1)])
+    out = tmp_path / "gen"
+    out.mkdir()
+    torch.save([{"uid": "x", "prompt_ids": [1], "response_ids": [2], "sampled": False, "backend": "engine:q4"}],
+               out / "shard_00000.pt")  # a refused resume: the check runs, nothing is generated
+    with pytest.raises(SystemExit):
+        datagen.main(["--out-dir", str(out), "--num-prompts", "5", "--batch-size", "2", "--weights", "float32"])
+    assert "4 of the 5 prompts asked for are usable" in capsys.readouterr().out
