@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> None:
     try:  # bad flags: one line, before anything is loaded or written
         if a.num_prompts < 0 or a.batch_size < 1 or a.in_flight < 0 or a.max_new_tokens < 1:
             raise ValueError("--num-prompts must be >= 0, --batch-size and --max-new-tokens >= 1, --in-flight >= 0")
+        if a.max_prompt_tokens < 1 or a.sampled_every < 1 or a.threads < 0:
+            raise ValueError("--max-prompt-tokens and --sampled-every must be >= 1, --threads >= 0")
         if a.backend == "engine":
             check_format(a.weights)
         elif not isinstance(getattr(torch, a.dtype, None), torch.dtype):
@@ -234,9 +236,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
     from transformers import AutoTokenizer
 
-    from services.models.registry import resolve_target
+    from services.models.registry import ModelNotFoundError, resolve_target
 
-    path = resolve_target(a.target)
+    try:
+        path = resolve_target(a.target)
+    except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:  # an unknown or missing target: one line
+        ap.exit(2, f"datagen: error: {exc}\n")
     tok = AutoTokenizer.from_pretrained(path)
     prompts = load_train(a.num_prompts)
     if len(prompts) < a.num_prompts:  # a small request can find fewer usable items in a source (see load_train)

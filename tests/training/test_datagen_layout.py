@@ -24,7 +24,12 @@ def test_layout_recorded_then_enforced(tmp_path):
 
 @pytest.mark.parametrize("flags, msg", [(["--weights", "nosuch"], "weights 'nosuch' is not supported"),
                                         (["--num-prompts", "-1"], "--num-prompts must be >= 0"),
-                                        (["--backend", "hf", "--dtype", "nosuch"], "not a torch dtype")])
+                                        (["--backend", "hf", "--dtype", "nosuch"], "not a torch dtype"),
+                                        (["--max-prompt-tokens", "0"], "--max-prompt-tokens and --sampled-every"),
+                                        (["--sampled-every", "0"], "--max-prompt-tokens and --sampled-every"),
+                                        (["--sampled-every", "-1"], "--max-prompt-tokens and --sampled-every"),
+                                        (["--threads", "-2"], "--threads >= 0"),
+                                        (["--target", "/nonexistent/model"], "/nonexistent/model")])
 def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, capsys, flags, msg):
     from services.training.datagen import main
 
