@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         path = resolve_target(a.target)
-    except (ModelNotFoundError, FileNotFoundError, ValueError) as exc:  # an unknown or missing target: one line
+    except ModelNotFoundError as exc:  # what resolve_target raises for an unknown target or a missing package: one line
         ap.exit(2, f"datagen: error: {exc}\n")
     tok = AutoTokenizer.from_pretrained(path)
     prompts = load_train(a.num_prompts)
