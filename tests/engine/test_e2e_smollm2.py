@@ -120,12 +120,14 @@ def _bf16_ulp(x: float) -> float:
     return 2.0 ** (torch.frexp(torch.tensor(abs(x))).exponent.item() - 1 - 7)
 
 
-@pytest.mark.parametrize("weights,compile", [("bfloat16", False), ("q4", False),
+@pytest.mark.parametrize("weights,compile", [pytest.param("bfloat16", False, marks=pytest.mark.slow), ("q4", False),
                                              pytest.param("q4", True, marks=pytest.mark.slow)])
 def test_bf16_divergences_are_near_ties(fp32, record_property, weights, compile):
-    """Dense bfloat16 and the GGUF's 4-bit blocks (bf16 activations), eager and with compiled steps
-    (``slow``: a minute of warm-up): every place where dartree-pruned and ar part is a near-tie of
-    the AR run (and of the float32 model)."""
+    """Dense bfloat16 and the GGUF's 4-bit blocks (bf16 activations), eager and with compiled steps:
+    every place where dartree-pruned and ar part is a near-tie of the AR run (and of the float32
+    model). ``make test`` runs the eager 4-bit case (the format ``--weights auto`` picks on our CPU,
+    bf16 arithmetic all the same); dense bfloat16 (~130 s on 2 cores) and compiled steps (a minute of
+    warm-up) are ``slow`` (``pytest -m slow tests/engine/test_e2e_smollm2.py``)."""
     engine32, _ = fp32
     if compile:
         torch._dynamo.reset()

@@ -1,5 +1,6 @@
-"""The 1-minute load test of issue 7 on the tiny models (``benchmarks/load_test.py``; the full one runs on
-SmolLM2 by the command in the README): concurrent streaming clients with mixed lengths and
+"""The 1-minute load test of issue 7 on the tiny models (``benchmarks/load_test.py``; ``slow``, and
+``make test`` runs the same load for 20 s; the full one runs on SmolLM2 by the command in the
+README): concurrent streaming clients with mixed lengths and
 temperatures, zero errors, every greedy answer equal to its solo answer, RSS growth < 10 % after
 warm-up. ``DARTREE_LOAD_SECONDS`` shortens it for local runs.
 
@@ -21,8 +22,7 @@ from .conftest import API_KEY
 pytestmark = pytest.mark.e2e
 
 
-def test_one_minute_of_concurrent_streams(rel_server, capsys):
-    seconds = float(os.environ.get("DARTREE_LOAD_SECONDS", "60"))
+def _load(rel_server, capsys, seconds: float) -> None:
     code = load_test.main(["--url", rel_server.base, "--server-pid", str(rel_server.proc.pid), "--api-key", API_KEY,
                            "--clients", "8", "--duration", str(seconds), "--warmup", str(seconds / 4),
                            "--prompts", "5", "--max-tokens", "16", "64", "160", "--request-timeout", "30"])
@@ -36,6 +36,16 @@ def test_one_minute_of_concurrent_streams(rel_server, capsys):
     for role, r in summary["rss"].items():
         assert r["growth"] < 0.10, (role, r)
     assert code == 0 and summary["ok"]
+
+
+def test_concurrent_streams(rel_server, capsys):
+    """The same load for 20 s (5 s warm-up) in ``make test``; the full minute is ``slow`` (below)."""
+    _load(rel_server, capsys, float(os.environ.get("DARTREE_LOAD_SECONDS", "20")))
+
+
+@pytest.mark.slow
+def test_one_minute_of_concurrent_streams(rel_server, capsys):
+    _load(rel_server, capsys, float(os.environ.get("DARTREE_LOAD_SECONDS", "60")))
 
 
 def test_identical_greedy_requests_sent_together_get_identical_answers(rel_server):
