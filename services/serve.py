@@ -110,6 +110,24 @@ def _env_default(name: str, default):
     return value
 
 
+class _StoreGiven(argparse.Action):
+    """``store`` that also records the flag as given on the command line (``args._given``), so that a
+    check can tell ``--flag VALUE`` from the same value arriving as the default (see :func:`given_by`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace._given = getattr(namespace, "_given", frozenset()) | {self.dest}
+
+
+def given_by(args: argparse.Namespace, name: str) -> str | None:
+    """Where field ``name``'s value came from: ``"--name"`` (the flag), ``"DARTREE_NAME"`` (the env
+    var) or None (the dataclass default)."""
+    if name in getattr(args, "_given", ()):
+        return "--" + name.replace("_", "-")
+    var = f"DARTREE_{name.upper()}"
+    return var if var in os.environ else None
+
+
 def _checked(convert, type_name: str):
     """An argparse ``type``: ``convert`` with a one-line error that names the env var a bad default came from."""
     def parse(s: str):
@@ -154,7 +172,7 @@ def add_config_args(parser: argparse.ArgumentParser, *classes) -> None:
             else:
                 name = getattr(typing.get_args(tp)[0] if typing.get_args(tp) else tp, "__name__", str(tp))
                 parser.add_argument(flag, dest=f.name, type=_checked(_parser_type(tp), name), default=default,
-                                    choices=CHOICES.get(f.name), help=help_text)
+                                    choices=CHOICES.get(f.name), help=help_text, action=_StoreGiven)
 
 
 def config_from_args(cls, args: argparse.Namespace, **overrides):
@@ -491,13 +509,15 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
         served = served_methods(kind)
         if args.default_method not in served:
             best = next(m for m in ("dartree-pruned", "dspark-dartree", "eagle3", "ddtree", "ar") if m in served)
-            raise ValueError(f"the default method {args.default_method!r} (--default-method; "
+            source = given_by(args, "default_method") or "--default-method"
+            raise ValueError(f"the default method {args.default_method!r} ({source}; "
                              f"{VerifierWorkerConfig.default_method} unless given) is not served by "
                              f"the {kind} drafter in {ddir} (it serves: {', '.join(served)}); pass e.g. "
                              f"--default-method {best}")
-    elif args.default_method not in ("ar", VerifierWorkerConfig.default_method):
-        # AR-only mode serves 'ar' alone: a default method given by flag or env would be silently ignored
-        raise ValueError(f"the default method {args.default_method!r} (--default-method) needs a drafter, but "
+    elif args.default_method != "ar" and (source := given_by(args, "default_method")):
+        # AR-only mode serves 'ar' alone: a default method given by flag or env (even the default value
+        # given explicitly) would be silently ignored; left unset, AR-only mode serves 'ar' as documented
+        raise ValueError(f"the default method {args.default_method!r} ({source}) needs a drafter, but "
                          f"none runs (--drafter none, or no trained drafter found); pass --drafter DIR or "
                          f"--default-method ar")
 
@@ -524,6 +544,8 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
     from services.models.registry import resolve_target
     from services.wire import ipc_endpoint, runtime_dir
 
+    if args.drafter.strip().lower() == "none":  # "none" in any case means no drafter, never a directory
+        args.drafter = "none"
     sup = config_from_args(SupervisorConfig, args)
     use_drafter = bool(sup.drafter != "none" and (sup.drafter or _default_drafter_present()))
     # every config is built once before the target is resolved and the runtime dir exists: a bad value

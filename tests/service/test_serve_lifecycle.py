@@ -83,7 +83,13 @@ def listener():
     (("--drafter", "none", "--default-method", "ddtree"), None,
      "the default method 'ddtree' (--default-method) needs a drafter, but none runs"),
     ((), {"DARTREE_DRAFTER": "none", "DARTREE_DEFAULT_METHOD": "eagle3"},
-     "the default method 'eagle3' (--default-method) needs a drafter, but none runs"),
+     "the default method 'eagle3' (DARTREE_DEFAULT_METHOD) needs a drafter, but none runs"),
+    (("--drafter", "NONE", "--default-method", "dartree-pruned"), None,  # the default value, given explicitly
+     "the default method 'dartree-pruned' (--default-method) needs a drafter, but none runs"),
+    (("--default-method", "eagle3"), {"DARTREE_DEFAULT_METHOD": "ddtree"},  # the flag wins over the env var
+     "the default method 'eagle3' (--default-method; dartree-pruned unless given) is not served by the domino"),
+    ((), {"DARTREE_DEFAULT_METHOD": "eagle3"},
+     "the default method 'eagle3' (DARTREE_DEFAULT_METHOD; dartree-pruned unless given) is not served by the domino"),
 ])
 def test_bad_settings_are_one_line_errors_before_anything_starts(tmp_path, flags, env, fragment):
     flags = tuple(f.replace("{tmp}", str(tmp_path)) for f in flags)
