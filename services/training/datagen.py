@@ -203,13 +203,18 @@ def check_backend(out: Path, backend: str, write: bool = True) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="generate self-distillation data for drafter training")
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--out-dir", default="data/gen")
-    ap.add_argument("--num-prompts", type=int, default=3000)
-    ap.add_argument("--batch-size", type=int, default=24)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--max-prompt-tokens", type=int, default=384)
-    ap.add_argument("--sampled-every", type=int, default=5, help="every k-th batch is sampled at T=1")
+    ap.add_argument("--target", default=None, help="the target model (name or directory; default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--out-dir", default="data/gen",
+                    help="where shard_NNNNN.pt files and datagen.json go; a run resumes the shards not yet there")
+    ap.add_argument("--num-prompts", type=int, default=3000,
+                    help="train-split prompts to draw (services/datasets.py load_train; part of the layout)")
+    ap.add_argument("--batch-size", type=int, default=24, help="prompts per shard (part of the layout)")
+    ap.add_argument("--max-new-tokens", type=int, default=256,
+                    help="response tokens per prompt at most (part of the layout)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=384,
+                    help="prompt tokens kept (the first ones; part of the layout)")
+    ap.add_argument("--sampled-every", type=int, default=5,
+                    help="every k-th shard is sampled at T=1, the others greedy (part of the layout)")
     ap.add_argument("--backend", choices=("engine", "hf"), default="engine",
                     help="engine: our batched engine, continuous batching (default); hf: transformers generate")
     ap.add_argument("--in-flight", type=int, default=0,
@@ -271,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}, {len(todo)} to generate "
           f"({a.backend} backend)", flush=True)
     if not todo:
+        print(f"[datagen] done: all {len(batches)} shards are in {out}", flush=True)
         return
     t0, new_tokens = time.time(), 0
     bar = tqdm(total=len(todo), desc="datagen", mininterval=60)
@@ -300,12 +306,17 @@ def main(argv: list[str] | None = None) -> None:
                                                        max_context=a.max_prompt_tokens + a.max_new_tokens),
                             max_draft_depth=1)
         generate_engine(engine, {b: batches[b] for b in todo}, a.max_new_tokens, a.sampled_every, in_flight, save)
-        return
-    from transformers import AutoModelForCausalLM
+    else:
+        from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, a.dtype)).eval()
-    for b in todo:
-        save(b, generate_shard(model, tok, batches[b], a.max_new_tokens, sampled=(b % a.sampled_every == 0), seed=b))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, a.dtype)).eval()
+        for b in todo:
+            save(b, generate_shard(model, tok, batches[b], a.max_new_tokens, sampled=(b % a.sampled_every == 0),
+                                   seed=b))
+    bar.close()
+    elapsed = time.time() - t0
+    print(f"[datagen] done: {len(todo)} shards, {new_tokens} new tokens in {elapsed / 60:.1f} min "
+          f"({new_tokens / max(elapsed, 1e-9):.1f} tok/s); all {len(batches)} shards are in {out}", flush=True)
 
 
 if __name__ == "__main__":

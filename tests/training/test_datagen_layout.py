@@ -146,3 +146,31 @@ def test_fewer_usable_prompts_than_asked_are_reported(tmp_path, capsys, monkeypa
     with pytest.raises(SystemExit):
         datagen.main(["--out-dir", str(out), "--num-prompts", "5", "--batch-size", "2", "--weights", "float32"])
     assert "4 of the 5 prompts asked for are usable" in capsys.readouterr().out
+
+
+def test_a_whole_run_then_a_resume_on_a_tiny_target(tmp_path, capsys, monkeypatch):
+    """main end to end on a tiny byte-level target: every shard written with its prompts' responses, a
+    closing summary line with the token count; a second run finds nothing to do and says so."""
+    import torch
+
+    from services.datasets import Prompt
+    from services.training import datagen
+    from tests.service.tiny import make_tiny_models
+
+    target_dir, _ = make_tiny_models(tmp_path / "models")
+    monkeypatch.setattr(datagen, "load_train", lambda n: [Prompt(f"train-x/{i}", [f"prompt number {i}"], chat=False)
+                                                          for i in range(n)])
+    out = tmp_path / "gen"
+    flags = ["--target", str(target_dir), "--out-dir", str(out), "--num-prompts", "5", "--batch-size", "2",
+             "--max-new-tokens", "6", "--weights", "float32", "--threads", "1"]
+    datagen.main(flags)
+    shards = sorted(p.name for p in out.glob("shard_*.pt"))
+    assert shards == ["shard_00000.pt", "shard_00001.pt", "shard_00002.pt"]
+    rows = [r for s in shards for r in torch.load(out / s)]
+    assert sorted(r["uid"] for r in rows) == [f"train-x/{i}" for i in range(5)]
+    assert all(1 <= len(r["response_ids"]) <= 6 for r in rows)
+    n_tokens = sum(len(r["response_ids"]) for r in rows)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith(f"[datagen] done: 3 shards, {n_tokens} new tokens in ") and "all 3 shards are in" in last
+    datagen.main(flags)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"[datagen] done: all 3 shards are in {out}"
