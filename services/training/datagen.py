@@ -201,6 +201,17 @@ def check_backend(out: Path, backend: str, write: bool = True) -> None:
         (out / "datagen.json").write_text(json.dumps({**saved, "backend": backend}, indent=2))
 
 
+def _parse_part(text: str) -> tuple[int, int]:
+    """``"K/N"`` -> ``(K, N)``. Raises ValueError (one line) unless 0 <= K < N."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--part must be K/N with integers, e.g. 0/2 (got {text!r})") from None
+    if not 0 <= k < n:
+        raise ValueError(f"--part K/N needs 0 <= K < N (got {text!r})")
+    return k, n
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="generate self-distillation data for drafter training")
     ap.add_argument("--target", default=None, help="the target model (name or directory; default: SmolLM2-135M-Instruct)")
@@ -223,6 +234,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="engine backend: the target's weight format (float32, bfloat16, q4, auto)")
     ap.add_argument("--dtype", default="bfloat16", help="hf backend: the model's dtype")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: 0 = torch's)")
+    ap.add_argument("--part", default="0/1", metavar="K/N",
+                    help="generate only the K-th of N interleaved parts of the shard order (0 <= K < N), so that N "
+                         "processes (e.g. one per core, --threads 1) can fill one --out-dir together "
+                         "(not part of the layout; default: 0/1 = every shard)")
     a = ap.parse_args(argv)
     from services.weights import check_format
 
@@ -231,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError("--num-prompts must be >= 0, --batch-size and --max-new-tokens >= 1, --in-flight >= 0")
         if a.max_prompt_tokens < 1 or a.sampled_every < 1 or a.threads < 0:
             raise ValueError("--max-prompt-tokens and --sampled-every must be >= 1, --threads >= 0")
+        part, parts = _parse_part(a.part)
         if a.backend == "engine":
             check_format(a.weights)
         elif not isinstance(getattr(torch, a.dtype, None), torch.dtype):
@@ -272,11 +288,14 @@ def main(argv: list[str] | None = None) -> None:
         check_backend(out, backend)
     except ValueError as exc:
         ap.exit(2, f"datagen: error: {exc}\n")
-    todo = [b for b in order if not (out / f"shard_{b:05d}.pt").exists()]
-    print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}, {len(todo)} to generate "
+    mine = order[part::parts]
+    todo = [b for b in mine if not (out / f"shard_{b:05d}.pt").exists()]
+    which = f" of part {part}/{parts}" if parts > 1 else ""
+    print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}"
+          f"{f' ({len(mine)} in part {part}/{parts})' if parts > 1 else ''}, {len(todo)} to generate "
           f"({a.backend} backend)", flush=True)
     if not todo:
-        print(f"[datagen] done: all {len(batches)} shards are in {out}", flush=True)
+        print(f"[datagen] done: all {len(mine)} shards{which} are in {out}", flush=True)
         return
     t0, new_tokens = time.time(), 0
     bar = tqdm(total=len(todo), desc="datagen", mininterval=60)
@@ -316,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     bar.close()
     elapsed = time.time() - t0
     print(f"[datagen] done: {len(todo)} shards, {new_tokens} new tokens in {elapsed / 60:.1f} min "
-          f"({new_tokens / max(elapsed, 1e-9):.1f} tok/s); all {len(batches)} shards are in {out}", flush=True)
+          f"({new_tokens / max(elapsed, 1e-9):.1f} tok/s); all {len(mine)} shards{which} are in {out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ def test_layout_recorded_then_enforced(tmp_path):
                                         (["--sampled-every", "0"], "--max-prompt-tokens and --sampled-every"),
                                         (["--sampled-every", "-1"], "--max-prompt-tokens and --sampled-every"),
                                         (["--threads", "-2"], "--threads >= 0"),
+                                        (["--part", "2/2"], "--part K/N needs 0 <= K < N"),
+                                        (["--part", "half"], "--part must be K/N"),
                                         (["--target", "/nonexistent/model"], "/nonexistent/model")])
 def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, capsys, flags, msg):
     from services.training.datagen import main
@@ -149,8 +151,9 @@ def test_fewer_usable_prompts_than_asked_are_reported(tmp_path, capsys, monkeypa
 
 
 def test_a_whole_run_then_a_resume_on_a_tiny_target(tmp_path, capsys, monkeypatch):
-    """main end to end on a tiny byte-level target: every shard written with its prompts' responses, a
-    closing summary line with the token count; a second run finds nothing to do and says so."""
+    """main end to end on a tiny byte-level target: ``--part 1/2`` writes its share of the shards, a run
+    of every part adds the rest and keeps that one; every prompt's response is there once; each run
+    ends with a summary line (shards, new tokens); a run with nothing left to do says so."""
     import torch
 
     from services.datasets import Prompt
@@ -163,14 +166,19 @@ def test_a_whole_run_then_a_resume_on_a_tiny_target(tmp_path, capsys, monkeypatc
     out = tmp_path / "gen"
     flags = ["--target", str(target_dir), "--out-dir", str(out), "--num-prompts", "5", "--batch-size", "2",
              "--max-new-tokens", "6", "--weights", "float32", "--threads", "1"]
-    datagen.main(flags)
+    datagen.main(flags + ["--part", "1/2"])  # the odd positions of the shard order: one of the three
+    [first] = [p.name for p in out.glob("shard_*.pt")]
+    first_bytes = (out / first).read_bytes()
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"all 1 shards of part 1/2 are in {out}")
+    datagen.main(flags)  # the rest: 0/1 = every shard, the one already there is kept
     shards = sorted(p.name for p in out.glob("shard_*.pt"))
     assert shards == ["shard_00000.pt", "shard_00001.pt", "shard_00002.pt"]
     rows = [r for s in shards for r in torch.load(out / s)]
     assert sorted(r["uid"] for r in rows) == [f"train-x/{i}" for i in range(5)]
     assert all(1 <= len(r["response_ids"]) <= 6 for r in rows)
-    n_tokens = sum(len(r["response_ids"]) for r in rows)
+    assert (out / first).read_bytes() == first_bytes
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith(f"[datagen] done: 3 shards, {n_tokens} new tokens in ") and "all 3 shards are in" in last
+    n_rest = sum(len(r["response_ids"]) for s in shards if s != first for r in torch.load(out / s))
+    assert last.startswith(f"[datagen] done: 2 shards, {n_rest} new tokens in ") and "all 3 shards are in" in last
     datagen.main(flags)
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"[datagen] done: all 3 shards are in {out}"
