@@ -153,6 +153,12 @@ CHOICES = {"dtype": DTYPES, "weights": WEIGHT_CHOICES, "default_method": METHODS
                          "critical")}
 
 
+# A few fields whose values need words in --help (the rest are named by their dataclass docstrings).
+FIELD_HELP = {"drafter": "drafter checkpoint directory ('' = the default drafter if it is installed; in 'serve', "
+                         "'none' in any case = no drafter: plain decoding, method 'ar', only)",
+              "default_method": "the method of requests that name none; without a drafter only 'ar'"}
+
+
 def add_config_args(parser: argparse.ArgumentParser, *classes) -> None:
     """One ``--field-name`` flag per dataclass field (shared names once); env vars give defaults."""
     seen: dict[str, object] = {}
@@ -165,7 +171,8 @@ def add_config_args(parser: argparse.ArgumentParser, *classes) -> None:
             tp = hints[f.name]
             default = _env_default(f.name, f.default)
             flag = "--" + f.name.replace("_", "-")
-            help_text = f"(env DARTREE_{f.name.upper()}; default: {str(default) if isinstance(default, _EnvValue) else default!r})"
+            help_text = (FIELD_HELP.get(f.name, "") + f" (env DARTREE_{f.name.upper()}; default: "
+                         f"{str(default) if isinstance(default, _EnvValue) else default!r})").lstrip()
             if tp is bool:
                 parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                     type=_checked(_to_bool, "boolean"), help=help_text)
@@ -509,9 +516,8 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
         served = served_methods(kind)
         if args.default_method not in served:
             best = next(m for m in ("dartree-pruned", "dspark-dartree", "eagle3", "ddtree", "ar") if m in served)
-            source = given_by(args, "default_method") or "--default-method"
-            raise ValueError(f"the default method {args.default_method!r} ({source}; "
-                             f"{VerifierWorkerConfig.default_method} unless given) is not served by "
+            source = given_by(args, "default_method") or "the default; change it with --default-method"
+            raise ValueError(f"the default method {args.default_method!r} ({source}) is not served by "
                              f"the {kind} drafter in {ddir} (it serves: {', '.join(served)}); pass e.g. "
                              f"--default-method {best}")
     elif args.default_method != "ar" and (source := given_by(args, "default_method")):

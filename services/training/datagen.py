@@ -201,6 +201,10 @@ def check_backend(out: Path, backend: str, write: bool = True) -> None:
         (out / "datagen.json").write_text(json.dumps({**saved, "backend": backend}, indent=2))
 
 
+def _shards(n: int) -> str:
+    return f"{n} shard" if n == 1 else f"{n} shards"
+
+
 def _parse_part(text: str) -> tuple[int, int]:
     """``"K/N"`` -> ``(K, N)``. Raises ValueError (one line) unless 0 <= K < N."""
     try:
@@ -242,10 +246,12 @@ def main(argv: list[str] | None = None) -> None:
     from services.weights import check_format
 
     try:  # bad flags: one line, before anything is loaded or written
-        if a.num_prompts < 0 or a.batch_size < 1 or a.in_flight < 0 or a.max_new_tokens < 1:
-            raise ValueError("--num-prompts must be >= 0, --batch-size and --max-new-tokens >= 1, --in-flight >= 0")
-        if a.max_prompt_tokens < 1 or a.sampled_every < 1 or a.threads < 0:
-            raise ValueError("--max-prompt-tokens and --sampled-every must be >= 1, --threads >= 0")
+        for flag, value, least in (("--num-prompts", a.num_prompts, 1), ("--batch-size", a.batch_size, 1),
+                                   ("--max-new-tokens", a.max_new_tokens, 1), ("--in-flight", a.in_flight, 0),
+                                   ("--max-prompt-tokens", a.max_prompt_tokens, 1),
+                                   ("--sampled-every", a.sampled_every, 1), ("--threads", a.threads, 0)):
+            if value < least:
+                raise ValueError(f"{flag} must be >= {least} (got {value})")
         part, parts = _parse_part(a.part)
         if a.backend == "engine":
             check_format(a.weights)
@@ -290,12 +296,12 @@ def main(argv: list[str] | None = None) -> None:
         ap.exit(2, f"datagen: error: {exc}\n")
     mine = order[part::parts]
     todo = [b for b in mine if not (out / f"shard_{b:05d}.pt").exists()]
-    which = f" of part {part}/{parts}" if parts > 1 else ""
+    which = f" in part {part}/{parts}" if parts > 1 else ""
     print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}"
           f"{f' ({len(mine)} in part {part}/{parts})' if parts > 1 else ''}, {len(todo)} to generate "
           f"({a.backend} backend)", flush=True)
     if not todo:
-        print(f"[datagen] done: all {len(mine)} shards{which} are in {out}", flush=True)
+        print(f"[datagen] done: nothing left to generate{which}: {_shards(len(mine))} in {out}", flush=True)
         return
     t0, new_tokens = time.time(), 0
     bar = tqdm(total=len(todo), desc="datagen", mininterval=60)
@@ -334,8 +340,9 @@ def main(argv: list[str] | None = None) -> None:
                                    seed=b))
     bar.close()
     elapsed = time.time() - t0
-    print(f"[datagen] done: {len(todo)} shards, {new_tokens} new tokens in {elapsed / 60:.1f} min "
-          f"({new_tokens / max(elapsed, 1e-9):.1f} tok/s); all {len(mine)} shards{which} are in {out}", flush=True)
+    print(f"[datagen] done: {_shards(len(todo))}, {new_tokens} new tokens in {elapsed / 60:.1f} min "
+          f"({new_tokens / max(elapsed, 1e-9):.1f} tok/s); nothing left to generate{which}: {_shards(len(mine))} in {out}",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -86,13 +86,17 @@ def featurize_gen_dir(target, gen_dir: Path, out_dir: Path) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, ended but not yet reaped by its parent, has ended)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # Linux: the state is the field after the parenthesized command name
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,8 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16",
                     help="target precision; float32 gives the labels the fp32 engine's greedy decoding emits")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: 0 = torch's)")
-    ap.add_argument("--watch-pid", type=int, default=0,
-                    help="keep featurizing new datagen shards while this process (the datagen job) lives")
+    ap.add_argument("--watch-pid", type=int, nargs="+", default=[], metavar="PID",
+                    help="keep featurizing new datagen shards while any of these processes (the datagen jobs, "
+                         "e.g. one per --part) lives")
     ap.add_argument("--poll-s", type=float, default=60.0, help="seconds between scans with --watch-pid")
     a = ap.parse_args(argv)
     if a.threads:
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     target = TargetModel.from_pretrained(path, dtype=getattr(torch, a.dtype))
     gen_dir, out_dir = Path(a.gen_dir), Path(a.out_dir)
     featurize_gen_dir(target, gen_dir, out_dir)
-    while a.watch_pid and _alive(a.watch_pid):
+    while any(_alive(pid) for pid in a.watch_pid):
         time.sleep(a.poll_s)
         featurize_gen_dir(target, gen_dir, out_dir)
     featurize_gen_dir(target, gen_dir, out_dir)  # whatever the generator finished last

@@ -73,13 +73,13 @@ def listener():
     ((), {"DARTREE_METRICS_AUTH": "maybe"}, "DARTREE_METRICS_AUTH='maybe' is not a valid boolean"),
     (("--drafter", "{tmp}"), None, "has no config.json"),
     (("--default-method", "eagle3"), None,
-     "the default method 'eagle3' (--default-method; dartree-pruned unless given) is not served by the domino"),
+     "the default method 'eagle3' (--default-method) is not served by the domino"),
     (("--drafter", "{tmp}/notjson"), None, "config.json is not valid JSON"),
     (("--drafter", "{tmp}/emptyobj"), None, "config.json is not a drafter config (KeyError"),
     (("--drafter", "{tmp}/list"), None, "config.json is not a drafter config (not a JSON object)"),
     (("--drafter", "{tmp}/target"), None, "holds a LlamaForCausalLM model, not a drafter"),
     (("--drafter", "models/smollm2-135m-eagle3-drafter"), None,
-     "the default method 'dartree-pruned' (--default-method; dartree-pruned unless given) is not served by the eagle3"),
+     "the default method 'dartree-pruned' (the default; change it with --default-method) is not served by the eagle3"),
     (("--drafter", "none", "--default-method", "ddtree"), None,
      "the default method 'ddtree' (--default-method) needs a drafter, but none runs"),
     ((), {"DARTREE_DRAFTER": "none", "DARTREE_DEFAULT_METHOD": "eagle3"},
@@ -87,9 +87,9 @@ def listener():
     (("--drafter", "NONE", "--default-method", "dartree-pruned"), None,  # the default value, given explicitly
      "the default method 'dartree-pruned' (--default-method) needs a drafter, but none runs"),
     (("--default-method", "eagle3"), {"DARTREE_DEFAULT_METHOD": "ddtree"},  # the flag wins over the env var
-     "the default method 'eagle3' (--default-method; dartree-pruned unless given) is not served by the domino"),
+     "the default method 'eagle3' (--default-method) is not served by the domino"),
     ((), {"DARTREE_DEFAULT_METHOD": "eagle3"},
-     "the default method 'eagle3' (DARTREE_DEFAULT_METHOD; dartree-pruned unless given) is not served by the domino"),
+     "the default method 'eagle3' (DARTREE_DEFAULT_METHOD) is not served by the domino"),
 ])
 def test_bad_settings_are_one_line_errors_before_anything_starts(tmp_path, flags, env, fragment):
     flags = tuple(f.replace("{tmp}", str(tmp_path)) for f in flags)

@@ -23,12 +23,14 @@ def test_layout_recorded_then_enforced(tmp_path):
 
 
 @pytest.mark.parametrize("flags, msg", [(["--weights", "nosuch"], "weights 'nosuch' is not supported"),
-                                        (["--num-prompts", "-1"], "--num-prompts must be >= 0"),
+                                        (["--num-prompts", "0"], "--num-prompts must be >= 1 (got 0)"),
                                         (["--backend", "hf", "--dtype", "nosuch"], "not a torch dtype"),
-                                        (["--max-prompt-tokens", "0"], "--max-prompt-tokens and --sampled-every"),
-                                        (["--sampled-every", "0"], "--max-prompt-tokens and --sampled-every"),
-                                        (["--sampled-every", "-1"], "--max-prompt-tokens and --sampled-every"),
-                                        (["--threads", "-2"], "--threads >= 0"),
+                                        (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1"),
+                                        (["--sampled-every", "0"], "--sampled-every must be >= 1"),
+                                        (["--sampled-every", "-1"], "--sampled-every must be >= 1 (got -1)"),
+                                        (["--threads", "-2"], "--threads must be >= 0"),
+                                        (["--batch-size", "0"], "--batch-size must be >= 1"),
+                                        (["--in-flight", "-1"], "--in-flight must be >= 0"),
                                         (["--part", "2/2"], "--part K/N needs 0 <= K < N"),
                                         (["--part", "half"], "--part must be K/N"),
                                         (["--target", "/nonexistent/model"], "/nonexistent/model")])
@@ -169,7 +171,7 @@ def test_a_whole_run_then_a_resume_on_a_tiny_target(tmp_path, capsys, monkeypatc
     datagen.main(flags + ["--part", "1/2"])  # the odd positions of the shard order: one of the three
     [first] = [p.name for p in out.glob("shard_*.pt")]
     first_bytes = (out / first).read_bytes()
-    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"all 1 shards of part 1/2 are in {out}")
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(f"nothing left to generate in part 1/2: 1 shard in {out}")
     datagen.main(flags)  # the rest: 0/1 = every shard, the one already there is kept
     shards = sorted(p.name for p in out.glob("shard_*.pt"))
     assert shards == ["shard_00000.pt", "shard_00001.pt", "shard_00002.pt"]
@@ -179,6 +181,6 @@ def test_a_whole_run_then_a_resume_on_a_tiny_target(tmp_path, capsys, monkeypatc
     assert (out / first).read_bytes() == first_bytes
     last = capsys.readouterr().out.strip().splitlines()[-1]
     n_rest = sum(len(r["response_ids"]) for s in shards if s != first for r in torch.load(out / s))
-    assert last.startswith(f"[datagen] done: 2 shards, {n_rest} new tokens in ") and "all 3 shards are in" in last
+    assert last.startswith(f"[datagen] done: 2 shards, {n_rest} new tokens in ") and last.endswith(f"nothing left to generate: 3 shards in {out}")
     datagen.main(flags)
-    assert capsys.readouterr().out.strip().splitlines()[-1] == f"[datagen] done: all 3 shards are in {out}"
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"[datagen] done: nothing left to generate: 3 shards in {out}"
