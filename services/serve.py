@@ -101,12 +101,17 @@ class _EnvValue(str):
     var: str
 
 
+def _env_var(name: str) -> str:
+    """The environment variable that gives field ``name``'s default: ``DARTREE_<NAME>``."""
+    return f"DARTREE_{name.upper()}"
+
+
 def _env_default(name: str, default):
-    raw = os.environ.get(f"DARTREE_{name.upper()}")
+    raw = os.environ.get(_env_var(name))
     if raw is None:
         return default
     value = _EnvValue(raw)
-    value.var = f"DARTREE_{name.upper()}"
+    value.var = _env_var(name)
     return value
 
 
@@ -124,8 +129,7 @@ def given_by(args: argparse.Namespace, name: str) -> str | None:
     var) or None (the dataclass default)."""
     if name in getattr(args, "_given", ()):
         return "--" + name.replace("_", "-")
-    var = f"DARTREE_{name.upper()}"
-    return var if var in os.environ else None
+    return _env_var(name) if _env_var(name) in os.environ else None
 
 
 def _checked(convert, type_name: str):
@@ -171,7 +175,7 @@ def add_config_args(parser: argparse.ArgumentParser, *classes) -> None:
             tp = hints[f.name]
             default = _env_default(f.name, f.default)
             flag = "--" + f.name.replace("_", "-")
-            help_text = (FIELD_HELP.get(f.name, "") + f" (env DARTREE_{f.name.upper()}; default: "
+            help_text = (FIELD_HELP.get(f.name, "") + f" (env {_env_var(f.name)}; default: "
                          f"{str(default) if isinstance(default, _EnvValue) else default!r})").lstrip()
             if tp is bool:
                 parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,

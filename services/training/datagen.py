@@ -218,7 +218,8 @@ def _parse_part(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="generate self-distillation data for drafter training")
-    ap.add_argument("--target", default=None, help="the target model (name or directory; default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--target", default=None,
+                    help="the target model (name or directory; default: SmolLM2-135M-Instruct)")
     ap.add_argument("--out-dir", default="data/gen",
                     help="where shard_NNNNN.pt files and datagen.json go; a run resumes the shards not yet there")
     ap.add_argument("--num-prompts", type=int, default=3000,
@@ -298,8 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     todo = [b for b in mine if not (out / f"shard_{b:05d}.pt").exists()]
     which = f" in part {part}/{parts}" if parts > 1 else ""
     print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}"
-          f"{f' ({len(mine)} in part {part}/{parts})' if parts > 1 else ''}, {len(todo)} to generate "
-          f"({a.backend} backend)", flush=True)
+          f"{f' ({len(mine)}{which})' if which else ''}, {len(todo)} to generate ({a.backend} backend)", flush=True)
     if not todo:
         print(f"[datagen] done: nothing left to generate{which}: {_shards(len(mine))} in {out}", flush=True)
         return
@@ -341,8 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     bar.close()
     elapsed = time.time() - t0
     print(f"[datagen] done: {_shards(len(todo))}, {new_tokens} new tokens in {elapsed / 60:.1f} min "
-          f"({new_tokens / max(elapsed, 1e-9):.1f} tok/s); nothing left to generate{which}: {_shards(len(mine))} in {out}",
-          flush=True)
+          f"({new_tokens / max(elapsed, 1e-9):.1f} tok/s); nothing left to generate{which}: "
+          f"{_shards(len(mine))} in {out}", flush=True)
 
 
 if __name__ == "__main__":
