@@ -11,6 +11,10 @@ share of the held-out greedy reference tokens inside it. A drafter that already 
 shipped v2) is measured over its own map only (``--sizes 0``; other sizes exit with one line). Sizes are interleaved prompt by prompt so that background load hits all alike.
 
     python -m benchmarks.bench_draft_vocab --counts data/vocab_counts.pt --sizes 8192 16384 0 --threads 1
+
+``--weights`` picks the target's weight format (default float32); the drafter then runs in that
+format's activation dtype, as ``dartree serve --weights`` runs it (q4 / bfloat16: a bfloat16 drafter),
+so the ratio is the one a served round pays.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts (datasets.load_heldout)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--weights", default="float32", choices=["float32", "bfloat16", "q4"],
+                    help="the target's weight format; the drafter runs in its activation dtype, as `dartree serve "
+                         "--weights FMT` runs it (q4 and bfloat16: a bfloat16 drafter)")
     ap.add_argument("--turns-cache", default=None,
                     help="cache of the greedy references (e.g. data/train/heldout_turns.pt; reused when it matches)")
     ap.add_argument("--out", default=None, help="write the result JSON here")
@@ -53,11 +60,12 @@ def main(argv: list[str] | None = None) -> dict:
     from services.verifier.drafter_client import InprocDrafterClient
     from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
     from services.verifier.target import TargetModel
+    from services.weights import compute_dtype
 
     tdir = resolve_target(a.target)
     ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
     try:
-        full = load_drafter(ddir)
+        full = load_drafter(ddir, dtype=compute_dtype(a.weights))
     except FileNotFoundError as e:  # load_drafter names the missing config.json / model.safetensors
         raise SystemExit(f"bench_draft_vocab: {ddir} is not a drafter directory ({e})") from None
     own = full.draft_to_target()  # an already-reduced drafter is measured over its own map only
@@ -68,7 +76,10 @@ def main(argv: list[str] | None = None) -> dict:
         a.sizes = [0]
     elif a.sizes is None:
         a.sizes = [8192, 16384, 0]
-    target = TargetModel.from_pretrained(tdir, full.config.target_layer_ids)
+    try:
+        target = TargetModel.from_pretrained(tdir, full.config.target_layer_ids, weights=a.weights)
+    except ValueError as e:  # a format this machine cannot run (one line)
+        raise SystemExit(f"bench_draft_vocab: {e}") from None
     target.pack_for_rounds(a.budget, full.config.num_draft_slots)
     saved = torch.load(a.counts)
     counts = saved["counts"]
@@ -105,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         return 1.0 if m is None else float(torch.isin(ref_toks, m).double().mean())
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "drafter": str(ddir), "budget": a.budget,
            "width": a.width, "prompts": len(turns), "max_tokens": a.max_tokens, "threads": a.threads,
+           "weights": a.weights, "drafter_dtype": str(compute_dtype(a.weights)).removeprefix("torch."),
            "counted_tokens": int(counts.sum()), "ar_step_ms": round(ar_ms, 2), "sizes": {}}
     if own is not None:  # share of the counted tokens inside the drafter's own map
         cov[0] = float(counts[own].sum()) / max(float(counts.sum()), 1.0)

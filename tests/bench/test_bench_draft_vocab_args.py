@@ -32,3 +32,15 @@ def test_missing_drafter_and_counts_are_one_line_errors(dirs, tmp_path):
         bench_draft_vocab.main(["--drafter", str(tmp_path / "none"), "--counts", str(counts)])
     with pytest.raises(SystemExit, match="no token counts"):
         bench_draft_vocab.main(["--drafter", str(ddir), "--counts", str(tmp_path / "none.pt")])
+
+
+def test_q4_on_a_target_without_gguf_is_one_line(dirs, tmp_path):
+    """``--weights q4`` needs the target's GGUF: a tiny HF target without one exits in one line."""
+    from services.testing import tiny_causal_lm
+
+    ddir, counts = dirs
+    tdir = tmp_path / "target"
+    tiny_causal_lm("llama", vocab_size=64, hidden_size=32, num_layers=3, max_position_embeddings=128).save_pretrained(tdir)
+    with pytest.raises(SystemExit, match="^bench_draft_vocab: weights 'q4' need the target's GGUF"):
+        bench_draft_vocab.main(["--drafter", str(ddir), "--counts", str(counts), "--target", str(tdir),
+                                "--weights", "q4"])
