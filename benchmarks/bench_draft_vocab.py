@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
     try:
         full = load_drafter(ddir, dtype=compute_dtype(a.weights))
-    except FileNotFoundError as e:  # load_drafter names the missing config.json / model.safetensors
+    except (FileNotFoundError, ValueError) as e:  # load_drafter names the missing / damaged file
         raise SystemExit(f"bench_draft_vocab: {ddir} is not a drafter directory ({e})") from None
     own = full.draft_to_target()  # an already-reduced drafter is measured over its own map only
     if own is not None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from services.drafter.model import MLP, RMSNorm, rope
+from services.drafter.model import MLP, RMSNorm, read_model_safetensors, rope
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -234,15 +234,14 @@ def load_eagle3(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     """Load an EAGLE-3 directory (``config.json`` + ``model.safetensors``) with ``strict=True``.
 
     Raises:
-        FileNotFoundError: missing files. ValueError: not an EAGLE-3 config. RuntimeError: key/shape mismatch.
+        FileNotFoundError: missing files. ValueError: not an EAGLE-3 config, or a damaged
+            model.safetensors. RuntimeError: key/shape mismatch.
     """
-    from safetensors.torch import load_file
-
     p = Path(path)
     cfg = Eagle3Config.from_hf(json.loads((p / "config.json").read_text()))
     with torch.device("meta"):
         model = Eagle3Drafter(cfg)
-    sd = load_file(str(p / "model.safetensors"), device=device)
+    sd = read_model_safetensors(p, device)
     model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()},
                           strict=True, assign=True)
     return model.eval()

@@ -90,6 +90,12 @@ class DrafterConfig:
         """A DSpark drafter: own embedding / lm_head copies and a vanilla Markov head (algorithms.md §3)."""
         return self.projector_type == "markov"
 
+    @property
+    def kind(self) -> str:
+        """``"dspark"``, ``"domino"`` or ``"dflash"``: which methods it serves
+        (:func:`services.protocol.served_methods`)."""
+        return "dspark" if self.is_dspark else "domino" if self.projector_type == "domino" else "dflash"
+
     def to_hf(self) -> dict:
         """The released config.json layout (algorithms.md §1.1; DSpark's ``Qwen3DSparkModel`` layout, §3)."""
         if self.is_dspark:
@@ -532,7 +538,22 @@ def drafter_kind(path: str | Path) -> str:
         cfg = DrafterConfig.from_hf(raw)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"{p / 'config.json'} is not a drafter config ({type(exc).__name__}: {exc})") from None
-    return "dspark" if cfg.is_dspark else "domino" if cfg.projector_type == "domino" else "dflash"
+    return cfg.kind
+
+
+def read_model_safetensors(p: Path, device: str) -> dict[str, Tensor]:
+    """``p/model.safetensors`` as a state dict; a missing file is FileNotFoundError, a damaged one
+    (truncated, not safetensors) ValueError, each one line naming the file."""
+    from safetensors.torch import load_file
+
+    f = p / "model.safetensors"
+    if not f.is_file():
+        raise FileNotFoundError(f"drafter directory {str(p)!r} has no model.safetensors")
+    try:
+        return load_file(str(f), device=device)
+    except Exception as exc:  # safetensors raises its own SafetensorError (and OSError) for a damaged file
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{f} is not a readable safetensors file ({msg})") from None
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -545,10 +566,9 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: s
 
     Raises:
         FileNotFoundError: missing config.json / model.safetensors.
+        ValueError: a damaged model.safetensors (one line naming it).
         RuntimeError: key or shape mismatch (strict load).
     """
-    from safetensors.torch import load_file
-
     p = Path(path)
     raw = json.loads((p / "config.json").read_text())
     if "LlamaForCausalLMEagle3" in (raw.get("architectures") or []):
@@ -558,8 +578,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: s
     cfg = DrafterConfig.from_hf(raw)
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
-    sd = {k: v.to(dtype) if v.is_floating_point() else v
-          for k, v in load_file(str(p / "model.safetensors"), device=device).items()}
+    sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in read_model_safetensors(p, device).items()}
     omitted = bool(raw.get(OMIT_FLAG)) and cfg.is_dspark
     if omitted:
         for k in DSPARK_TARGET_COPIES:

@@ -168,7 +168,7 @@ class DrafterService:
     @property
     def kind(self) -> str:
         """``"dspark"``, ``"domino"`` or ``"dflash"`` (see :func:`services.protocol.served_methods`)."""
-        return "dspark" if self.drafter.has_markov else "domino" if self.drafter.has_head else "dflash"
+        return self.cfg.kind
 
     def num_contexts(self) -> int:
         """Requests holding a drafter context (a gauge: returns to 0 when all are released)."""

@@ -154,6 +154,31 @@ def test_load_is_strict(tmp_path):
 def test_missing_files_raise(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_drafter(tmp_path)
+    save_drafter(tiny_drafter(tiny_target("llama", vocab_size=64, num_layers=2)), tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="has no model.safetensors"):
+        load_drafter(tmp_path)
+
+
+@pytest.mark.parametrize("junk", [b"", b"junk", b"\xff" * 64], ids=["empty", "text", "binary"])
+def test_damaged_weights_file_is_one_line_naming_it(tmp_path, junk):
+    """A truncated / foreign model.safetensors is a ValueError naming the file (the CLI prints it in
+    one line), not safetensors' own SafetensorError traceback."""
+    save_drafter(tiny_drafter(tiny_target("llama", vocab_size=64, num_layers=2)), tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(junk)
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a readable safetensors file") as e:
+        load_drafter(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_generate_with_a_damaged_drafter_is_one_line(tmp_path, capsys):
+    from services import cli
+
+    save_drafter(tiny_drafter(tiny_target("llama", vocab_size=64, num_layers=2)), tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"junk")
+    assert cli.main(["generate", "hi", "--drafter", str(tmp_path), "--weights", "float32"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a readable safetensors file" in err[0], err
 
 
 @pytest.mark.parametrize("tied", [True, False])
