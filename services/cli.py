@@ -62,7 +62,17 @@ def _add_train(sub) -> None:
 
     p = sub.add_parser("train-drafter", help="train a DFlash + Domino (with --dspark: DSpark) drafter for a target")
     build_args(p)
-    p.set_defaults(func=lambda a: __import__("services.training.train", fromlist=["run"]).run(a) or 0)
+    p.set_defaults(func=_train)
+
+
+def _train(a) -> int:
+    from services.training.train import run
+
+    try:
+        run(a)
+    except OSError as e:  # a path the up-front checks cannot foresee (permissions, a full disk): one line
+        raise RuntimeError(str(e) or type(e).__name__) from None
+    return 0
 
 
 def _add_workers(sub) -> None:

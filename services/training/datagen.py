@@ -201,6 +201,27 @@ def check_backend(out: Path, backend: str, write: bool = True) -> None:
         (out / "datagen.json").write_text(json.dumps({**saved, "backend": backend}, indent=2))
 
 
+HF_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_causal_lm(path: Path) -> None:
+    """Refuse a target directory whose config.json is not a causal LM's (e.g. a drafter's: ``architectures``
+    ``["DFlashDraftModel"]``), before anything is loaded.
+
+    Raises:
+        ValueError: one line naming the directory.
+    """
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{Path(path) / 'config.json'} cannot be read ({exc})".splitlines()[0]) from None
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    drafter = isinstance(cfg, dict) and any(k in cfg for k in ("dflash_config", "eagle_config", "markov_rank"))
+    if drafter or not isinstance(cfg, dict) or (archs and not any(str(x).endswith("ForCausalLM") for x in archs)):
+        raise ValueError(f"target {path} is not a causal LM (config.json architectures {archs}; a drafter "
+                         "directory is not a target)")
+
+
 def _shards(n: int) -> str:
     return f"{n} shard" if n == 1 else f"{n} shards"
 
@@ -237,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="engine backend: requests decoding at once (default: --batch-size; not part of the layout)")
     ap.add_argument("--weights", default="float32",
                     help="engine backend: the target's weight format (float32, bfloat16, q4, auto)")
-    ap.add_argument("--dtype", default="bfloat16", help="hf backend: the model's dtype")
+    ap.add_argument("--dtype", default="bfloat16", help="hf backend: the model's dtype (float32, bfloat16, float16)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: 0 = torch's)")
     ap.add_argument("--part", default="0/1", metavar="K/N",
                     help="generate only the K-th of N interleaved parts of the shard order (0 <= K < N), so that N "
@@ -258,6 +279,10 @@ def main(argv: list[str] | None = None) -> None:
             check_format(a.weights)
         elif not isinstance(getattr(torch, a.dtype, None), torch.dtype):
             raise ValueError(f"--dtype {a.dtype!r} is not a torch dtype")
+        elif getattr(torch, a.dtype) not in HF_DTYPES:
+            raise ValueError(f"--dtype {a.dtype!r}: the hf backend generates in float32, bfloat16 or float16")
+        if Path(a.out_dir).exists() and not Path(a.out_dir).is_dir():
+            raise ValueError(f"--out-dir {a.out_dir} is a file, not a directory")
     except ValueError as exc:
         ap.exit(2, f"datagen: error: {exc}\n")
     if a.threads:
@@ -268,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         path = resolve_target(a.target)
-    except ModelNotFoundError as exc:  # what resolve_target raises for an unknown target or a missing package: one line
+        check_causal_lm(path)
+    except (ModelNotFoundError, ValueError) as exc:  # an unknown target or a missing package, a drafter: one line
         ap.exit(2, f"datagen: error: {exc}\n")
     tok = AutoTokenizer.from_pretrained(path)
     prompts = load_train(a.num_prompts)
@@ -298,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     mine = order[part::parts]
     todo = [b for b in mine if not (out / f"shard_{b:05d}.pt").exists()]
     which = f" in part {part}/{parts}" if parts > 1 else ""
-    print(f"[datagen] {len(enc)} prompts, {len(batches)} shards of {a.batch_size}"
+    print(f"[datagen] {len(enc)} prompts, {_shards(len(batches))} of {min(a.batch_size, len(enc))}"
           f"{f' ({len(mine)}{which})' if which else ''}, {len(todo)} to generate ({a.backend} backend)", flush=True)
     if not todo:
         print(f"[datagen] done: nothing left to generate{which}: {_shards(len(mine))} in {out}", flush=True)

@@ -99,6 +99,33 @@ def _alive(pid: int) -> bool:
         return True
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check(a) -> None:
+    """The flags and paths of ``main``, checked before the target is loaded or a directory created.
+
+    Raises:
+        ValueError: one line saying what is wrong.
+    """
+    for flag, value, least in (("--threads", a.threads, 0), ("--shard-size", a.shard_size, 1),
+                               ("--num-pairs", a.num_pairs, 0), *(("--watch-pid", pid, 1) for pid in a.watch_pid)):
+        if value < least:  # (pid 0 / -N would signal a process group: the watch would never end)
+            raise ValueError(f"{flag} must be >= {least} (got {value})")
+    if a.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)} (got {a.dtype!r})")
+    if not a.poll_s > 0:
+        raise ValueError(f"--poll-s must be > 0 (got {a.poll_s})")
+    gen, out = Path(a.gen_dir), Path(a.out_dir)
+    if gen.exists() and not gen.is_dir():
+        raise ValueError(f"--gen-dir {gen} is a file, not a directory")
+    if not gen.exists() and not a.watch_pid:  # with --watch-pid the running datagen job may not have made it yet
+        raise ValueError(f"--gen-dir {gen} does not exist (datagen's --out-dir; with --watch-pid PID, featurize "
+                         "waits for a running datagen job to make it)")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out-dir {out} is a file, not a directory")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="featurize drafter training data (resumable)")
     ap.add_argument("--target", default=None)
@@ -107,21 +134,29 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-pairs", type=int, default=6000)
     ap.add_argument("--shard-size", type=int, default=64)
     ap.add_argument("--dtype", default="bfloat16",
-                    help="target precision; float32 gives the labels the fp32 engine's greedy decoding emits")
+                    help="target precision: float32, bfloat16 or float16; float32 gives the labels the fp32 "
+                         "engine's greedy decoding emits")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: 0 = torch's)")
     ap.add_argument("--watch-pid", type=int, nargs="+", default=[], metavar="PID",
                     help="keep featurizing new datagen shards while any of these processes (the datagen jobs, "
                          "e.g. one per --part) lives")
     ap.add_argument("--poll-s", type=float, default=60.0, help="seconds between scans with --watch-pid")
     a = ap.parse_args(argv)
+    try:  # bad flags: one line, before anything is loaded or written
+        _check(a)
+    except ValueError as exc:
+        ap.exit(2, f"featurize: error: {exc}\n")
     if a.threads:
         torch.set_num_threads(a.threads)
     from transformers import AutoTokenizer
 
-    from services.models.registry import resolve_target
+    from services.models.registry import ModelNotFoundError, resolve_target
     from services.verifier.target import TargetModel
 
-    path = resolve_target(a.target)
+    try:
+        path = resolve_target(a.target)
+    except ModelNotFoundError as exc:  # an unknown target: one line
+        ap.exit(2, f"featurize: error: {exc}\n")
     tok = AutoTokenizer.from_pretrained(path)
     target = TargetModel.from_pretrained(path, dtype=getattr(torch, a.dtype))
     gen_dir, out_dir = Path(a.gen_dir), Path(a.out_dir)

@@ -228,7 +228,8 @@ def build_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--target", default=None, help="target model (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--feat-dir", default="data/feats", help="featurized training shards (featurize output)")
     ap.add_argument("--work-dir", default="data/train", help="checkpoints, feature cache, logs")
-    ap.add_argument("--out", default="models/smollm2-135m-dartree-drafter", help="exported drafter directory")
+    ap.add_argument("--out", default=None,
+                    help="exported drafter directory (default: <work-dir>/export; copy it into models/ by hand)")
     ap.add_argument("--init-from", default=None,
                     help="warm-start from an exported drafter directory unless resuming (no --resume, or no "
                          "<work-dir>/ckpt.pt): weights only, a fresh optimiser and schedule; its config replaces "
@@ -245,7 +246,9 @@ def build_args(ap: argparse.ArgumentParser) -> None:
                          "algorithms.md §3) instead of DFlash + Domino; with --init-from, the DFlash backbone is "
                          "warm-started and the Markov head starts at zero")
     ap.add_argument("--block-size", type=int, default=None,
-                    help="block rows (default: 16; 7 with --dspark, the released DSpark block)")
+                    help="block rows, >= 2 (default: 16; 7 with --dspark, the released DSpark block); a --resume "
+                         "keeps the checkpoint's block and a DFlash --init-from the export's (another value is "
+                         "refused)")
     ap.add_argument("--markov-rank", type=int, default=64, help="rank r of the DSpark Markov head (default: 64)")
     ap.add_argument("--markov-lr-mult", type=float, default=10.0,
                     help="learning-rate multiplier of the DSpark Markov head (it starts at zero; default: 10)")
@@ -291,7 +294,12 @@ def build_args(ap: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="dartree train-drafter", description=__doc__.splitlines()[0])
     build_args(ap)
-    run(ap.parse_args(argv))
+    a = ap.parse_args(argv)
+    try:
+        run(a)
+    except (ValueError, RuntimeError, OSError) as exc:  # bad input: one line, not a traceback
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        ap.exit(2, f"train-drafter: error: {msg}\n")
 
 
 def new_drafter_config(tcfg, target_layer_ids: list[int], a) -> DrafterConfig:
@@ -305,7 +313,8 @@ def new_drafter_config(tcfg, target_layer_ids: list[int], a) -> DrafterConfig:
                          max_position_embeddings=tcfg.max_position_embeddings,
                          num_target_layers=tcfg.num_hidden_layers, target_hidden_size=tcfg.hidden_size,
                          mask_token_id=16 if tcfg.vocab_size == 49152 else tcfg.vocab_size - 1,
-                         target_layer_ids=list(target_layer_ids), gru_hidden_dim=a.gru_hidden_dim, emb_dim=a.emb_dim)
+                         target_layer_ids=list(target_layer_ids), gru_hidden_dim=a.gru_hidden_dim, emb_dim=a.emb_dim,
+                         block_size=a.block_size or DrafterConfig.block_size)
 
 
 def _dspark_from(src: DFlashDrafter, a) -> DFlashDrafter:
@@ -347,10 +356,139 @@ def _with_draft_vocab(drafter: DFlashDrafter, a, always: tuple[int, ...]) -> DFl
         if have != a.draft_vocab:
             raise ValueError(f"--draft-vocab {a.draft_vocab} but the initial drafter drafts over {have} ids")
         return drafter
-    saved = torch.load(a.vocab_counts)
+    saved = _load_counts(a.vocab_counts)
     ids = top_ids(saved["counts"], a.draft_vocab, always=tuple(always), secondary=saved.get("secondary"))
     print(f"[train] draft vocabulary: the {a.draft_vocab} most frequent ids of {a.vocab_counts}", flush=True)
     return reduce_draft_vocab(drafter, ids)
+
+
+def _load_counts(path) -> dict:
+    """``--vocab-counts``: the ``{"counts": [V] tensor, ...}`` dict ``python -m services.training.vocab`` saves.
+
+    Raises:
+        ValueError: missing, unreadable or not such a dict (one line naming the file).
+    """
+    if not Path(path).is_file():
+        raise ValueError(f"--vocab-counts {path} is not a file (python -m services.training.vocab writes it)")
+    try:
+        saved = torch.load(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is one error line
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        raise ValueError(f"{path} is not a readable token counts file ({why})") from None
+    if not (isinstance(saved, dict) and isinstance(saved.get("counts"), torch.Tensor) and saved["counts"].dim() == 1):
+        raise ValueError(f"{path} is not a token counts file (no 'counts' vector; python -m services.training.vocab "
+                         "writes one)")
+    return saved
+
+
+def _read_ckpt(path: Path) -> dict:
+    """``<work-dir>/ckpt.pt`` as a dict. Raises ValueError (one line naming it) when it cannot be read."""
+    try:
+        st = torch.load(path, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - an empty or damaged file is one error line
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        raise ValueError(f"{path} is not a readable checkpoint ({why}): delete it to start over, or use another "
+                         "--work-dir") from None
+    if not (isinstance(st, dict) and {"model", "opt", "step"} <= st.keys()):
+        raise ValueError(f"{path} is not a train-drafter checkpoint (no model / opt / step): delete it to start "
+                         "over, or use another --work-dir")
+    return st
+
+
+def _read_init_config(path: Path) -> dict:
+    """``--init-from``'s config.json (checked to be an exported DFlash / DSpark drafter directory).
+
+    Raises:
+        ValueError: not a directory, no readable config.json or model.safetensors, or an EAGLE-3 drafter.
+    """
+    if not path.is_dir():
+        raise ValueError(f"--init-from {path} is not a directory (an exported drafter directory, e.g. "
+                         "models/smollm2-135m-dartree-drafter)")
+    for name in ("config.json", "model.safetensors"):
+        if not (path / name).is_file():
+            raise ValueError(f"--init-from {path} has no {name} (not an exported drafter directory)")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not a JSON object")
+        DrafterConfig.from_hf(raw)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path / 'config.json'} is not a drafter config ({type(exc).__name__}: {exc})"
+                         .splitlines()[0]) from None
+    if "LlamaForCausalLMEagle3" in (raw.get("architectures") or []):
+        raise ValueError(f"--init-from {path} is an EAGLE-3 drafter (python -m services.training.train_eagle3 "
+                         "trains those)")
+    return raw
+
+
+def _preflight(a) -> dict | None:
+    """Every check of the flags, paths and files that needs no model, before anything is loaded or
+    written; fills in the default ``--out`` (``<work-dir>/export``).
+
+    Returns the checkpoint to resume (``--resume`` with ``<work-dir>/ckpt.pt``), else None.
+
+    Raises:
+        ValueError: one line saying what is wrong (a ``ckpt.pt`` without ``--resume`` is refused:
+            starting over would overwrite it).
+    """
+    for flag, value, least in (("--max-steps", a.max_steps, 0), ("--schedule-steps", a.schedule_steps, 1),
+                               ("--max-minutes", a.max_minutes, 0), ("--eval-every", a.eval_every, 0),
+                               ("--anchors", a.anchors, 1), ("--threads", a.threads, 0), ("--warmup", a.warmup, 0),
+                               ("--block-size", a.block_size, 2), ("--layers", a.layers, 1),
+                               ("--gru-hidden-dim", a.gru_hidden_dim, 1), ("--emb-dim", a.emb_dim, 1),
+                               ("--markov-rank", a.markov_rank, 1), ("--draft-vocab", a.draft_vocab, 0),
+                               ("--heldout", a.heldout, 0), ("--replay-prompts", a.replay_prompts, 0),
+                               ("--replay-max-tokens", a.replay_max_tokens, 1), ("--log-every", a.log_every, 0),
+                               ("--save-every-min", a.save_every_min, 0),
+                               *(("--replay-budgets", b, 1) for b in a.replay_budgets)):
+        if value is not None and not value >= least:  # (not >=: NaN too)
+            raise ValueError(f"{flag} must be >= {least} (got {value})")
+    for flag, value in (("--lr", a.lr), ("--row-decay", a.row_decay), ("--markov-lr-mult", a.markov_lr_mult)):
+        if not value > 0:
+            raise ValueError(f"{flag} must be > 0 (got {value})")
+    work = Path(a.work_dir)
+    if a.out is None:
+        a.out = str(work / "export")
+    for flag, path in (("--work-dir", work), ("--out", Path(a.out))):
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{flag} {path} is a file, not a directory")
+    feat = Path(a.feat_dir)
+    if not feat.is_dir() or not shard_paths(feat):
+        raise FileNotFoundError(f"no training shards in {feat} (run featurize first)")
+    if a.replay_prompt_file:
+        from services.training.heldout import load_prompt_file
+
+        try:
+            prompts = load_prompt_file(Path(a.replay_prompt_file))
+        except (OSError, UnicodeDecodeError, ValueError, TypeError) as exc:
+            raise ValueError(f"--replay-prompt-file {a.replay_prompt_file} is not a JSON list of token-id lists "
+                             f"({type(exc).__name__}: {exc})".splitlines()[0]) from None
+        if not all(ids for _, ids in prompts):
+            raise ValueError(f"--replay-prompt-file {a.replay_prompt_file} holds an empty prompt")
+    ckpt = work / "ckpt.pt"
+    st = _read_ckpt(ckpt) if ckpt.exists() else None
+    if st is not None and not a.resume:
+        raise ValueError(f"{ckpt} exists (step {st['step']}): pass --resume to continue it, or use another "
+                         "--work-dir")
+    if st is not None:
+        saved = st.get("schedule")
+        if saved and a.schedule_steps is not None and a.schedule_steps != saved["steps"]:
+            raise ValueError(f"--schedule-steps {a.schedule_steps} differs from the checkpoint's {saved['steps']}: "
+                             "a resume continues the saved schedule (omit the flag, or start a new --work-dir)")
+        have = (st.get("drafter_config") or {}).get("block_size")
+        if a.block_size and have is not None and have != a.block_size:
+            raise ValueError(f"--block-size {a.block_size} but {ckpt} trains block {have}: a resume keeps it "
+                             "(omit the flag, or start a new --work-dir)")
+        return st
+    init = _read_init_config(Path(a.init_from)) if a.init_from else None
+    if init is not None and not a.dspark and a.block_size:
+        have = DrafterConfig.from_hf(init).block_size
+        if have != a.block_size:
+            raise ValueError(f"--block-size {a.block_size} but --init-from {a.init_from} has block {have} (a "
+                             "warm start keeps the export's architecture; omit the flag)")
+    if a.draft_vocab and (init is None or DrafterConfig.from_hf(init).draft_vocab_size is None):
+        _load_counts(a.vocab_counts)
+    return None
 
 
 def run(a) -> None:
@@ -359,22 +497,22 @@ def run(a) -> None:
     Start: ``--resume`` with ``<work-dir>/ckpt.pt`` continues it exactly (weights, optimiser, step,
     schedule, data position, RNG); otherwise ``--init-from DIR`` loads an exported drafter's
     weights; otherwise a fresh drafter. Raises ``ValueError`` when ``--schedule-steps`` contradicts
-    the checkpoint's schedule, ``FileNotFoundError`` when there is no training shard.
+    the checkpoint's schedule or any flag, path or file is bad (:func:`_preflight`: checked before
+    anything is loaded or written), ``FileNotFoundError`` when there is no training shard.
     """
     from services.drafter.model import load_drafter
     from services.models.registry import resolve_target
     from services.verifier.target import TargetModel
 
+    st = _preflight(a)
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
     work = Path(a.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
     tpath = resolve_target(a.target)
     target = TargetModel.from_pretrained(tpath, dtype=torch.float32)
     ckpt = work / "ckpt.pt"
-    st = torch.load(ckpt, weights_only=False) if a.resume and ckpt.exists() else None
     origin: dict = {}
     if st is not None:
         cfg = DrafterConfig.from_hf(st["drafter_config"]) if "drafter_config" in st else \
@@ -422,13 +560,10 @@ def run(a) -> None:
         if "torch_rng" in st:
             torch.set_rng_state(st["torch_rng"])
         data_state = st.get("data")
-        if "schedule" in st:
-            saved = Schedule(**st["schedule"])
-            if a.schedule_steps is not None and a.schedule_steps != saved.steps:
-                raise ValueError(f"--schedule-steps {a.schedule_steps} differs from the checkpoint's {saved.steps}: a "
-                                 "resume continues the saved schedule (omit the flag, or start a new --work-dir)")
-            sched = saved
+        if "schedule" in st:  # (a different --schedule-steps was refused by _preflight)
+            sched = Schedule(**st["schedule"])
         print(f"[train] resumed at step {step} ({elapsed_prev / 60:.1f} min trained); schedule {sched}", flush=True)
+    work.mkdir(parents=True, exist_ok=True)  # the first write: every check has passed
     args_log = {k: v for k, v in vars(a).items() if not callable(v)}  # the CLI adds its handler function
     (work / "config.json").write_text(json.dumps({"args": args_log, "schedule": dataclasses.asdict(sched),
                                                   "origin": origin, "drafter": cfg.to_hf()}, indent=2))

@@ -19,14 +19,22 @@ def count_tokens(gen_dir: Path, vocab_size: int) -> tuple[torch.Tensor, int]:
 
     Raises:
         FileNotFoundError: no ``shard_*.pt`` in ``gen_dir``.
-        ValueError: a token id outside ``[0, vocab_size)``.
+        ValueError: a token id outside ``[0, vocab_size)``, or a shard that is not a readable list of
+            datagen rows (one line naming it).
     """
     paths = sorted(Path(gen_dir).glob("shard_*.pt"))
     if not paths:
         raise FileNotFoundError(f"no datagen shards (shard_*.pt) in {gen_dir}")
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for p in paths:
-        for r in torch.load(p):
+        try:
+            rows = torch.load(p)
+        except Exception as exc:  # noqa: BLE001 - any unreadable shard is one error line
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            raise ValueError(f"{p} is not a readable datagen shard ({why})") from None
+        if not (isinstance(rows, list) and all(isinstance(r, dict) and "response_ids" in r for r in rows)):
+            raise ValueError(f"{p} is not a datagen shard (no list of rows with 'response_ids')")
+        for r in rows:
             ids = torch.as_tensor(r["response_ids"], dtype=torch.long)
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
                 raise ValueError(f"{p}: token id outside [0, {vocab_size})")
@@ -87,15 +95,36 @@ def main(argv: list[str] | None = None) -> None:
                          "tie-break ranking of ids the generated data has not shown (default: 0 = off)")
     ap.add_argument("--target", default=None, help="target whose tokenizer encodes the reference responses")
     a = ap.parse_args(argv)
-    counts, n = count_tokens(Path(a.gen_dir), a.vocab_size)
-    out = {"counts": counts, "shards": n, "gen_dir": str(a.gen_dir)}
+    try:
+        _run(a)
+    except (ValueError, RuntimeError, OSError) as exc:  # bad input: one line, not a traceback
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        ap.exit(2, f"vocab: error: {msg}\n")
+
+
+def _run(a) -> None:
+    """Check the flags and paths (before counting anything), count, save, print the coverage."""
+    for flag, value, least in (("--vocab-size", a.vocab_size, 1), ("--ref-pairs", a.ref_pairs, 0)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least} (got {value})")
+    gen, out_path = Path(a.gen_dir), Path(a.out)
+    if not gen.is_dir():
+        raise ValueError(f"--gen-dir {gen} is not a directory (datagen's --out-dir)")
+    if out_path.is_dir():
+        raise ValueError(f"--out {out_path} is a directory (give a file name, e.g. data/vocab_counts.pt)")
+    if not out_path.parent.is_dir():
+        raise ValueError(f"--out {out_path}: directory {out_path.parent} does not exist")
+    tok = None
     if a.ref_pairs:
         from transformers import AutoTokenizer
 
         from services.models.registry import resolve_target
 
-        out["secondary"] = reference_counts(AutoTokenizer.from_pretrained(str(resolve_target(a.target))),
-                                            a.ref_pairs, a.vocab_size)
+        tok = AutoTokenizer.from_pretrained(str(resolve_target(a.target)))
+    counts, n = count_tokens(gen, a.vocab_size)
+    out = {"counts": counts, "shards": n, "gen_dir": str(a.gen_dir)}
+    if tok is not None:
+        out["secondary"] = reference_counts(tok, a.ref_pairs, a.vocab_size)
         print(f"[vocab] secondary ranking: {int(out['secondary'].sum())} reference-response tokens of "
               f"{a.ref_pairs} train pairs", flush=True)
     torch.save(out, a.out)

@@ -25,6 +25,8 @@ def test_layout_recorded_then_enforced(tmp_path):
 @pytest.mark.parametrize("flags, msg", [(["--weights", "nosuch"], "weights 'nosuch' is not supported"),
                                         (["--num-prompts", "0"], "--num-prompts must be >= 1 (got 0)"),
                                         (["--backend", "hf", "--dtype", "nosuch"], "not a torch dtype"),
+                                        (["--backend", "hf", "--dtype", "bool"],
+                                         "--dtype 'bool': the hf backend generates in float32, bfloat16 or float16"),
                                         (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1"),
                                         (["--sampled-every", "0"], "--sampled-every must be >= 1"),
                                         (["--sampled-every", "-1"], "--sampled-every must be >= 1 (got -1)"),
@@ -43,6 +45,36 @@ def test_bad_flags_are_one_line_errors_before_anything_is_written(tmp_path, caps
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "gen").exists()
+
+
+def test_an_out_dir_that_is_a_file_is_one_line_before_loading(tmp_path, capsys):
+    from services.training.datagen import main
+
+    out = tmp_path / "gen"
+    out.write_text("x")
+    with pytest.raises(SystemExit) as exc:  # (an unknown target: the check must come first)
+        main(["--out-dir", str(out), "--target", str(tmp_path / "no-target")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--out-dir {out} is a file" in err and len(err.strip().splitlines()) == 1
+    assert out.read_text() == "x"
+
+
+def test_a_drafter_directory_as_target_is_one_line_before_loading(tmp_path, capsys):
+    import json
+
+    from services.training.datagen import main
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()  # a DFlash drafter's config.json (no tokenizer, no causal LM)
+    (drafter / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+                                                     "block_size": 16, "dflash_config": {}}))
+    with pytest.raises(SystemExit) as exc:
+        main(["--out-dir", str(tmp_path / "gen"), "--target", str(drafter)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"target {drafter} is not a causal LM" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "gen").exists()
 
 
 def test_backend_recorded_then_enforced(tmp_path):
@@ -184,3 +216,18 @@ def test_a_whole_run_then_a_resume_on_a_tiny_target(tmp_path, capsys, monkeypatc
     assert last.startswith(f"[datagen] done: 2 shards, {n_rest} new tokens in ") and last.endswith(f"nothing left to generate: 3 shards in {out}")
     datagen.main(flags)
     assert capsys.readouterr().out.strip().splitlines()[-1] == f"[datagen] done: nothing left to generate: 3 shards in {out}"
+
+
+def test_the_start_line_counts_shards_in_words_and_never_more_prompts_per_shard_than_there_are(
+        tmp_path, capsys, monkeypatch):
+    """2 prompts with --batch-size 24: "1 shard of 2" (it said "1 shards of 24")."""
+    from services.datasets import Prompt
+    from services.training import datagen
+    from tests.service.tiny import make_tiny_models
+
+    target_dir, _ = make_tiny_models(tmp_path / "models")
+    monkeypatch.setattr(datagen, "load_train", lambda n: [Prompt(f"train-x/{i}", [f"prompt {i}"], chat=False)
+                                                          for i in range(n)])
+    datagen.main(["--target", str(target_dir), "--out-dir", str(tmp_path / "gen"), "--num-prompts", "2",
+                  "--max-new-tokens", "2", "--weights", "float32", "--threads", "1"])
+    assert "[datagen] 2 prompts, 1 shard of 2, 1 to generate" in capsys.readouterr().out
