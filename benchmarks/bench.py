@@ -61,6 +61,19 @@ ALL_METHODS = list(ENGINE_METHODS) + list(PEERS)
 DRAFTER_FREE = frozenset({"ar"}) | frozenset(PEERS)  # cells keyed without the drafter's fingerprint
 
 
+def _int_at_least(lo: int):
+    """argparse type: an int >= ``lo`` (a one-line usage error otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """Flags of ``dartree bench`` (also used by ``python -m benchmarks.bench``)."""
     from services.datasets import EVAL_DATASETS, UNAVAILABLE
@@ -72,14 +85,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    choices=list(EVAL_DATASETS) + list(UNAVAILABLE), metavar="DATASET",
                    help=f"default: {' '.join(EVAL_DATASETS)} (mbpp/alpaca are reported unavailable)")
     g.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
-    g.add_argument("--prompts-per-dataset", type=int, default=None,
+    g.add_argument("--prompts-per-dataset", type=_int_at_least(1), default=None,
                    help=f"prompts per dataset (quick default {QUICK_PROMPTS}; --full: reference counts)")
-    g.add_argument("--max-new-tokens", type=int, default=None,
+    g.add_argument("--max-new-tokens", type=_int_at_least(1), default=None,
                    help=f"new tokens per turn (quick default {QUICK_TOKENS}; --full: {FULL_TOKENS})")
     g.add_argument("--full", action="store_true", help="the full protocol: reference sample counts, 2048 tokens")
     g.add_argument("--seed", type=int, default=0, help="subset selection seed")
     g.add_argument("--skip-main", action="store_true", help="run only the sweep / serving stages")
-    g.add_argument("--max-turns", type=int, default=0,
+    g.add_argument("--max-turns", type=_int_at_least(0), default=0,
                    help="user turns per prompt (0 = all; 1 = MT-Bench first turns only)")
     g.add_argument("--tau-replay", action="store_true",
                    help="T = 0 cells of drafting methods replay their acceptance against the ar output (the "

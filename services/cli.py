@@ -13,6 +13,17 @@ from services.protocol import METHODS
 from services.runtime import DTYPES, WEIGHT_CHOICES, default_weights
 
 
+def _seed(text: str) -> int:
+    """``--seed``: an int in the HTTP API's range [-2**63, 2**63) (torch's generator takes 64 bits)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not -(2**63) <= v < 2**63:
+        raise argparse.ArgumentTypeError(f"{v} is outside [-2**63, 2**63) (a 64-bit seed)")
+    return v
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate one completion in-process (no server)")
     p.add_argument("prompt", help="prompt text")
@@ -22,7 +33,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--seed", type=_seed, default=None, help="sampling seed, 64-bit (default: random)")
     p.add_argument("--budget", type=int, default=None, help="tree budget B: nodes per draft tree "
                    "(default: the drafter's, 8 on CPU, 64 on CUDA)")
     p.add_argument("--width", type=int, default=None, help="tree width W: children kept per node (default: 12)")

@@ -92,6 +92,10 @@ def test_generate_with_compile_reports_its_warm_up(tmp_path):
     (["generate", "hi", "--bogus-flag"], "dartree generate", "unrecognized arguments: --bogus-flag"),
     (["generate"], "dartree generate", "required: prompt"),
     (["nope"], "dartree", "invalid choice: 'nope'"),
+    (["generate", "hi", "--seed", str(2**70)], "dartree generate", "outside [-2**63, 2**63)"),
+    (["generate", "hi", "--seed", "x1"], "dartree generate", "invalid int value: 'x1'"),
+    (["bench", "--prompts-per-dataset", "-1"], "dartree bench", "must be >= 1, got -1"),
+    (["bench", "--max-new-tokens", "0"], "dartree bench", "must be >= 1, got 0"),
 ])
 def test_argument_errors_are_one_line_naming_the_subcommand(capsys, argv, prog, msg):
     from services.cli import main
