@@ -287,6 +287,11 @@ class Bench:
         cfg["weights"] = fmt or cfg["dtype"]  # concrete from here on (recorded in results and the cell signature)
         ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
 
+        from services.weights import drafter_dtype
+
+        ddt = str(drafter_dtype(self.engine_dtype, cfg["device"])).removeprefix("torch.")
+        cfg["drafter_dtype"] = ddt  # recorded in results; in the drafter cells' signature when not the engine's
+
         def signature(drafter: str) -> str:
             return hashlib.sha1(json.dumps(
                 [_fingerprint(self.target_dir), drafter, cfg["dtype"], cfg["device"], cfg["max_new_tokens"],
@@ -295,7 +300,11 @@ class Bench:
                 + ([cfg["max_turns"]] if cfg.get("max_turns") else [])
                 + ([] if cfg.get("packed_gemm", True) else ["unpacked"])
                 + ([cfg["spec_policy"]] if cfg.get("spec_policy", "fixed") != "fixed" else [])
-                + (["compiled"] if cfg.get("compile") else [])).encode()).hexdigest()[:8]
+                + (["compiled"] if cfg.get("compile") else [])
+                # drafts made by a drafter in another dtype than the activations' (float32 next to q4 /
+                # bfloat16 on CPU since 2026-12-02; cells made before, by a bfloat16 drafter, are not reused)
+                + ([f"drafter:{ddt}"] if drafter != "no drafter" and ddt != str(self.engine_dtype).removeprefix(
+                    "torch.") else [])).encode()).hexdigest()[:8]
 
         self.sig = signature(_fingerprint(ddir) if (ddir / "config.json").exists() else "random")
         # ar and the peers never call the drafter: their cells are shared by every drafter's run in an --out

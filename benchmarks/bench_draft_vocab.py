@@ -12,9 +12,9 @@ shipped v2) is measured over its own map only (``--sizes 0``; other sizes exit w
 
     python -m benchmarks.bench_draft_vocab --counts data/vocab_counts.pt --sizes 8192 16384 0 --threads 1
 
-``--weights`` picks the target's weight format (default float32); the drafter then runs in that
-format's activation dtype, as ``dartree serve --weights`` runs it (q4 / bfloat16: a bfloat16 drafter),
-so the ratio is the one a served round pays.
+``--weights`` picks the target's weight format (default float32); the drafter runs as ``dartree
+serve --weights`` runs it (float32 on CPU: :func:`services.weights.drafter_dtype`), so the ratio is
+the one a served round pays; ``--drafter-dtype`` overrides that (e.g. bfloat16 to compare).
 """
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--weights", default="float32", choices=["float32", "bfloat16", "q4"],
-                    help="the target's weight format; the drafter runs in its activation dtype, as `dartree serve "
-                         "--weights FMT` runs it (q4 and bfloat16: a bfloat16 drafter)")
+                    help="the target's weight format (the drafter runs as `dartree serve --weights FMT` runs it: "
+                         "float32 on CPU, services.weights.drafter_dtype)")
+    ap.add_argument("--drafter-dtype", default=None, choices=["float32", "bfloat16"],
+                    help="run the drafter in this dtype instead (default: as the server does, float32 on CPU)")
     ap.add_argument("--turns-cache", default=None,
                     help="cache of the greedy references (e.g. data/train/heldout_turns.pt; reused when it matches)")
     ap.add_argument("--out", default=None, help="write the result JSON here")
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"bench_draft_vocab: no token counts at {a.counts} (python -m services.training.vocab writes them)")
     torch.set_num_threads(a.threads)
     from services.drafter.model import load_drafter, reduce_draft_vocab
-    from services.drafter.service import DrafterService, TreeDefaults
+    from services.drafter.service import DrafterService, TreeDefaults, borrow_target_io
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.replay import replay_rounds
     from services.training.heldout import greedy_turns, heldout_prompt_ids
@@ -60,12 +62,13 @@ def main(argv: list[str] | None = None) -> dict:
     from services.verifier.drafter_client import InprocDrafterClient
     from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
     from services.verifier.target import TargetModel
-    from services.weights import compute_dtype
+    from services.weights import compute_dtype, drafter_dtype
 
     tdir = resolve_target(a.target)
+    ddtype = getattr(torch, a.drafter_dtype) if a.drafter_dtype else drafter_dtype(compute_dtype(a.weights))
     ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
     try:
-        full = load_drafter(ddir, dtype=compute_dtype(a.weights))
+        full = load_drafter(ddir, dtype=ddtype)
     except (FileNotFoundError, ValueError) as e:  # load_drafter names the missing / damaged file
         raise SystemExit(f"bench_draft_vocab: {ddir} is not a drafter directory ({e})") from None
     own = full.draft_to_target()  # an already-reduced drafter is measured over its own map only
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as e:  # a format this machine cannot run (one line)
         raise SystemExit(f"bench_draft_vocab: {e}") from None
     target.pack_for_rounds(a.budget, full.config.num_draft_slots)
+    embed, head = borrow_target_io(target.embed_tokens(), target.lm_head(), ddtype)  # as the drafter worker does
     saved = torch.load(a.counts)
     counts = saved["counts"]
     engines, maps = {}, {}
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         d = full if n in (0, full.config.vocab_size) else reduce_draft_vocab(
             full, top_ids(counts, n, target.eos_token_ids, secondary=saved.get("secondary")))
         maps[n] = d.draft_to_target()
-        svc = DrafterService(d, target.embed_tokens(), target.lm_head(), TreeDefaults(budget=a.budget, width=a.width))
+        svc = DrafterService(d, embed, head, TreeDefaults(budget=a.budget, width=a.width))
         engines[n] = SpecEngine(target, InprocDrafterClient(svc), max_draft_depth=full.config.num_draft_slots)
     ar = SpecEngine(target, None)
     turns = greedy_turns(target, heldout_prompt_ids(tdir, a.prompts), a.max_tokens,
@@ -116,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
         return 1.0 if m is None else float(torch.isin(ref_toks, m).double().mean())
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "drafter": str(ddir), "budget": a.budget,
            "width": a.width, "prompts": len(turns), "max_tokens": a.max_tokens, "threads": a.threads,
-           "weights": a.weights, "drafter_dtype": str(compute_dtype(a.weights)).removeprefix("torch."),
+           "weights": a.weights, "drafter_dtype": str(ddtype).removeprefix("torch."),
            "counted_tokens": int(counts.sum()), "ar_step_ms": round(ar_ms, 2), "sizes": {}}
     if own is not None:  # share of the counted tokens inside the drafter's own map
         cov[0] = float(counts[own].sum()) / max(float(counts.sum()), 1.0)

@@ -24,9 +24,11 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     warmed up here, after packing); ``compile_drafter`` (None = ``compile``) can leave the drafter
     eager (``ar`` never calls it).
     ``weights``: the target's format (:mod:`services.weights`; None = dense ``dtype``); ``dtype`` is
-    the drafter's and the activations' precision.
+    the activations' precision; the drafter runs in :func:`services.weights.drafter_dtype` of it
+    (float32 on CPU).
 
-    The drafter borrows the target's embedding and lm_head modules. Without a trained drafter a
+    The drafter borrows the target's embedding and lm_head modules (float32 copies when the target's
+    are bfloat16 and the drafter float32). Without a trained drafter a
     randomly initialised one is used (tau ~ 1) and ``drafter_note`` says so.
     """
     from transformers import AutoTokenizer
@@ -34,20 +36,22 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     from services.hf_compat import quiet_progress_bars
 
     from services.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
-    from services.drafter.service import default_tree_knobs, make_service
+    from services.drafter.service import borrow_target_io, default_tree_knobs, make_service
     from services.drafter.worker import check_drafter_dir
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.verifier.drafter_client import InprocDrafterClient
     from services.verifier.engine import SpecEngine
     from services.verifier.target import TargetModel
+    from services.weights import drafter_dtype
 
     quiet_progress_bars()
     tdir = resolve_target(target_ref)
     tok = AutoTokenizer.from_pretrained(tdir)
     ddir = check_drafter_dir(drafter_ref) if drafter_ref else DEFAULT_DRAFTER_DIR
     note = f"drafter: {ddir}"
+    ddtype = drafter_dtype(dtype, "cpu")
     if (ddir / "config.json").exists():
-        drafter = load_drafter(ddir, dtype=dtype)
+        drafter = load_drafter(ddir, dtype=ddtype)
     else:
         import json as _json
 
@@ -56,11 +60,12 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
         drafter = DFlashDrafter(DrafterConfig(
             vocab_size=tcfg["vocab_size"], hidden_size=tcfg["hidden_size"], target_hidden_size=tcfg["hidden_size"],
             num_target_layers=tcfg["num_hidden_layers"],
-            target_layer_ids=default_target_layer_ids(tcfg["num_hidden_layers"]))).to(dtype).eval()
+            target_layer_ids=default_target_layer_ids(tcfg["num_hidden_layers"]))).to(ddtype).eval()
         note = "drafter: RANDOMLY INITIALISED (no trained drafter found): expect tau ~ 1, no speedup"
     target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype, weights=weights)
     defaults = defaults or default_tree_knobs("cpu")
-    service = make_service(drafter, target.embed_tokens(), target.lm_head(), defaults, description=note,
+    embed, head = borrow_target_io(target.embed_tokens(), target.lm_head(), ddtype)
+    service = make_service(drafter, embed, head, defaults, description=note,
                            packed_gemm=packed_gemm, compile=compile and compile_drafter is not False)
     from services.verifier.engine import EngineConfig
 

@@ -582,13 +582,24 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
         if not use_drafter:
             vover["default_method"] = "ar"
         verifier = config_from_args(VerifierWorkerConfig, args, **vover)
-        drafter = config_from_args(DrafterWorkerConfig, args, target=target, drafter=sup.drafter, dtype=act_dtype,
+        drafter = config_from_args(DrafterWorkerConfig, args, target=target, drafter=sup.drafter,
+                                   dtype=_drafter_dtype_name(act_dtype, args.device),
                                    drafter_endpoint=endpoints["drafter_endpoint"]) if use_drafter else None
     except BaseException:
         if rt is not None:
             shutil.rmtree(rt, ignore_errors=True)
         raise
     return sup, gateway, verifier, drafter, rt
+
+
+def _drafter_dtype_name(act_dtype: str, device: str) -> str:
+    """The drafter worker's dtype name next to a target with activations ``act_dtype`` (float32 on CPU:
+    :func:`services.weights.drafter_dtype`)."""
+    import torch
+
+    from services.weights import drafter_dtype
+
+    return str(drafter_dtype(getattr(torch, act_dtype), device)).removeprefix("torch.")
 
 
 def serve_main(args: argparse.Namespace) -> int:

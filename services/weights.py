@@ -70,6 +70,19 @@ def compute_dtype(fmt: str) -> torch.dtype:
     return torch.float32 if fmt == "float32" else torch.bfloat16
 
 
+def drafter_dtype(act_dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
+    """The dtype the drafter runs in next to a target whose activations are ``act_dtype``.
+
+    On CPU always float32: the drafter's work is a 16-row block and a tree build of small ops, and in
+    bfloat16 those ran 2.4-2.7x slower than in float32 on our AVX-512-bf16 VMs (2026-12-02,
+    ``python -m benchmarks.bench_draft_vocab --weights q4 --drafter-dtype {float32,bfloat16}``: draft
+    phase 36 vs 94 ms per B = 8 round next to a 58-75 ms q4 ``ar`` step), while its weights are
+    small (~60 MB in float32). Elsewhere (CUDA) the target's activation dtype. Losslessness does not
+    depend on it (the target decides every token); the drafts' last bits do.
+    """
+    return torch.float32 if torch.device(device).type == "cpu" else act_dtype
+
+
 def check_format(fmt: str, allow_auto: bool = True) -> None:
     """ValueError (one line) unless ``fmt`` is a known weight format (or ``auto`` when allowed)."""
     ok = CHOICES if allow_auto else FORMATS

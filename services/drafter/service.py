@@ -366,6 +366,20 @@ class DrafterService:
                        variant=variant, pure_draft_prefix_len=prefix)
 
 
+def borrow_target_io(embed: torch.nn.Module, lm_head: torch.nn.Module,
+                     dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The target's ``embed_tokens`` ``[V, H]`` and ``lm_head`` ``[V, H]`` for a drafter running in ``dtype``:
+    the modules themselves when they already are in it, else frozen copies in ``dtype`` (a float32
+    drafter next to a bfloat16 / q4 target, :func:`services.weights.drafter_dtype`)."""
+    if embed.weight.dtype == dtype and lm_head.weight.dtype == dtype:
+        return embed, lm_head
+    e = torch.nn.Embedding.from_pretrained(embed.weight.detach().to(dtype), freeze=True)
+    h = torch.nn.Linear(lm_head.weight.shape[1], lm_head.weight.shape[0], bias=False,
+                        device=lm_head.weight.device, dtype=dtype)
+    h.weight = torch.nn.Parameter(lm_head.weight.detach().to(dtype), requires_grad=False)
+    return e, h
+
+
 def make_service(drafter, embed: torch.nn.Module, lm_head: torch.nn.Module, defaults: TreeDefaults = TreeDefaults(),
                  description: str = "", packed_gemm: bool = True, compile: bool = False):
     """The drafter service for any drafter :func:`services.drafter.model.load_drafter` returns:
