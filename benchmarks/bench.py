@@ -302,7 +302,8 @@ class Bench:
                 + ([cfg["spec_policy"]] if cfg.get("spec_policy", "fixed") != "fixed" else [])
                 + (["compiled"] if cfg.get("compile") else [])
                 # drafts made by a drafter in another dtype than the activations' (float32 next to q4 /
-                # bfloat16 on CPU since 2026-12-02; cells made before, by a bfloat16 drafter, are not reused)
+                # bfloat16 on a CPU without native bf16 since 2026-12-02; older cells made there by a
+                # bfloat16 drafter are not reused)
                 + ([f"drafter:{ddt}"] if drafter != "no drafter" and ddt != str(self.engine_dtype).removeprefix(
                     "torch.") else [])).encode()).hexdigest()[:8]
 

@@ -13,7 +13,7 @@ shipped v2) is measured over its own map only (``--sizes 0``; other sizes exit w
     python -m benchmarks.bench_draft_vocab --counts data/vocab_counts.pt --sizes 8192 16384 0 --threads 1
 
 ``--weights`` picks the target's weight format (default float32); the drafter runs as ``dartree
-serve --weights`` runs it (float32 on CPU: :func:`services.weights.drafter_dtype`), so the ratio is
+serve --weights`` runs it (:func:`services.weights.drafter_dtype`: float32 on a CPU without native bf16), so the ratio is
 the one a served round pays; ``--drafter-dtype`` overrides that (e.g. bfloat16 to compare).
 """
 
@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--weights", default="float32", choices=["float32", "bfloat16", "q4"],
                     help="the target's weight format (the drafter runs as `dartree serve --weights FMT` runs it: "
-                         "float32 on CPU, services.weights.drafter_dtype)")
+                         "services.weights.drafter_dtype)")
     ap.add_argument("--drafter-dtype", default=None, choices=["float32", "bfloat16"],
-                    help="run the drafter in this dtype instead (default: as the server does, float32 on CPU)")
+                    help="run the drafter in this dtype instead (default: as the server does)")
     ap.add_argument("--turns-cache", default=None,
                     help="cache of the greedy references (e.g. data/train/heldout_turns.pt; reused when it matches)")
     ap.add_argument("--out", default=None, help="write the result JSON here")

@@ -25,7 +25,7 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     eager (``ar`` never calls it).
     ``weights``: the target's format (:mod:`services.weights`; None = dense ``dtype``); ``dtype`` is
     the activations' precision; the drafter runs in :func:`services.weights.drafter_dtype` of it
-    (float32 on CPU).
+    (float32 on a CPU without native bfloat16).
 
     The drafter borrows the target's embedding and lm_head modules (float32 copies when the target's
     are bfloat16 and the drafter float32). Without a trained drafter a

@@ -593,8 +593,8 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
 
 
 def _drafter_dtype_name(act_dtype: str, device: str) -> str:
-    """The drafter worker's dtype name next to a target with activations ``act_dtype`` (float32 on CPU:
-    :func:`services.weights.drafter_dtype`)."""
+    """The drafter worker's dtype name next to a target with activations ``act_dtype``
+    (:func:`services.weights.drafter_dtype`: float32 on a CPU without native bf16)."""
     import torch
 
     from services.weights import drafter_dtype

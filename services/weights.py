@@ -73,14 +73,20 @@ def compute_dtype(fmt: str) -> torch.dtype:
 def drafter_dtype(act_dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
     """The dtype the drafter runs in next to a target whose activations are ``act_dtype``.
 
-    On CPU always float32: the drafter's work is a 16-row block and a tree build of small ops, and in
-    bfloat16 those ran 2.4-2.7x slower than in float32 on our AVX-512-bf16 VMs (2026-12-02,
-    ``python -m benchmarks.bench_draft_vocab --weights q4 --drafter-dtype {float32,bfloat16}``: draft
-    phase 36 vs 94 ms per B = 8 round next to a 58-75 ms q4 ``ar`` step), while its weights are
-    small (~60 MB in float32). Elsewhere (CUDA) the target's activation dtype. Losslessness does not
-    depend on it (the target decides every token); the drafts' last bits do.
+    On a CPU without native bfloat16 GEMMs (oneDNN reports no bf16 support: e.g. an AVX2-only CPU,
+    where bfloat16 is emulated) float32: there the drafter's 16-row block and the tree build's small
+    ops ran 2.4-2.7x slower in bfloat16 (2026-12-02, an AMD EPYC VM with AVX2 only,
+    ``python -m benchmarks.bench_draft_vocab --weights q4 --drafter-dtype {float32,bfloat16}``:
+    draft phase 36 vs 94 ms per B = 8 round next to a 58-75 ms q4 ``ar`` step); its weights are small
+    (~60 MB in float32). On a CPU with them (AVX-512-bf16 / AMX), and on CUDA, the target's activation
+    dtype, as before. Losslessness does not depend on it (the target decides every token); the drafts'
+    last bits do.
     """
-    return torch.float32 if torch.device(device).type == "cpu" else act_dtype
+    if torch.device(device).type != "cpu" or act_dtype == torch.float32:
+        return act_dtype
+    from services.cpu_gemm import onednn_bf16_available
+
+    return act_dtype if onednn_bf16_available() else torch.float32
 
 
 def check_format(fmt: str, allow_auto: bool = True) -> None:

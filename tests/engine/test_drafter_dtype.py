@@ -1,8 +1,9 @@
-"""On CPU the drafter runs in float32 next to a bfloat16 / q4 target (services.weights.drafter_dtype).
+"""On a CPU without native bfloat16 GEMMs the drafter runs in float32 next to a bfloat16 / q4 target
+(services.weights.drafter_dtype).
 
-A bfloat16 drafter cost 2.4-2.7x a float32 one per round on our CPUs (94 vs 36 ms at B = 8, more than
-a whole q4 ``ar`` step), and ``dartree serve``'s default weights on this CPU are q4 (bfloat16
-activations), so every served round paid it.
+There a bfloat16 drafter cost 2.4-2.7x a float32 one per round (94 vs 36 ms at B = 8 on an AVX2-only
+VM, more than a whole q4 ``ar`` step). With native bf16 (AVX-512-bf16 / AMX) and on CUDA it keeps
+the activations' dtype. The tests pin the CPU's answer with a monkeypatch.
 """
 
 from __future__ import annotations
@@ -12,18 +13,27 @@ import argparse
 import pytest
 import torch
 
+from services import cpu_gemm
 from services.weights import drafter_dtype
 from tests.service.tiny import make_tiny_models
 
 
-def test_drafter_dtype_is_float32_on_cpu_and_the_activations_on_cuda():
+@pytest.fixture
+def no_native_bf16(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "onednn_bf16_available", lambda: False)
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_drafter_dtype_is_float32_on_a_cpu_without_native_bf16_else_the_activations(monkeypatch, native_bf16):
+    monkeypatch.setattr(cpu_gemm, "onednn_bf16_available", lambda: native_bf16)
+    assert drafter_dtype(torch.float32, "cpu") is torch.float32
+    assert drafter_dtype(torch.bfloat16, "cpu") is (torch.bfloat16 if native_bf16 else torch.float32)
     for act in (torch.float32, torch.bfloat16):
-        assert drafter_dtype(act, "cpu") is torch.float32
         assert drafter_dtype(act, "cuda") is act
         assert drafter_dtype(act, "cuda:1") is act
 
 
-def test_serve_plans_a_float32_drafter_worker_next_to_a_bfloat16_target(tmp_path, monkeypatch):
+def test_serve_plans_a_float32_drafter_worker_next_to_a_bfloat16_target(tmp_path, monkeypatch, no_native_bf16):
     from services.serve import add_serve_args, plan
 
     target, drafter = make_tiny_models(tmp_path)
@@ -43,7 +53,7 @@ def test_serve_plans_a_float32_drafter_worker_next_to_a_bfloat16_target(tmp_path
             shutil.rmtree(rt, ignore_errors=True)
 
 
-def test_inprocess_engine_runs_a_float32_drafter_on_float32_copies_of_the_target_io(tmp_path):
+def test_inprocess_engine_runs_a_float32_drafter_on_float32_copies_of_the_target_io(tmp_path, no_native_bf16):
     from services.generate import build_inprocess
     from services.verifier.engine import SamplingParams, SpecParams
 
