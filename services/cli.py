@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from services.protocol import METHODS
-from services.runtime import DTYPES, WEIGHT_CHOICES, default_weights
+from services.runtime import DTYPES, WEIGHT_CHOICES, default_weights, error_line
 
 
 def _seed(text: str) -> int:
@@ -79,10 +79,7 @@ def _add_train(sub) -> None:
 def _train(a) -> int:
     from services.training.train import run
 
-    try:
-        run(a)
-    except OSError as e:  # a path the up-front checks cannot foresee (permissions, a full disk): one line
-        raise RuntimeError(str(e) or type(e).__name__) from None
+    run(a)
     return 0
 
 
@@ -158,9 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"dartree: error: {msg}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as e:  # bad input, a path (permissions, a full disk): one line
+        print(f"dartree: error: {error_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -40,6 +40,13 @@ def default_weights() -> str:
     return os.environ.get("DARTREE_WEIGHTS", "auto")
 
 
+def error_line(err: BaseException) -> str:
+    """The first line of an exception's message (its type name when it has none): what the CLIs and
+    the workers print for bad input instead of a traceback."""
+    text = str(err.code if isinstance(err, SystemExit) else err).strip()
+    return text.splitlines()[0] if text and text != "None" else type(err).__name__
+
+
 def check_dtype(dtype: str) -> None:
     """ValueError (one line) unless ``dtype`` is one of :data:`DTYPES`."""
     if dtype not in DTYPES:

@@ -54,7 +54,7 @@ from pathlib import Path
 from gateway.config import GatewayConfig
 from services.drafter.worker import DrafterWorkerConfig
 from services.protocol import METHODS
-from services.runtime import DRAIN_SIGNAL, DTYPES, STOP_NOW_SIGNAL, WEIGHT_CHOICES
+from services.runtime import DRAIN_SIGNAL, DTYPES, STOP_NOW_SIGNAL, WEIGHT_CHOICES, error_line
 from services.verifier.worker import VerifierWorkerConfig
 
 log = logging.getLogger("dartree.serve")
@@ -261,12 +261,6 @@ def _drafter_entry(config: DrafterWorkerConfig, parent_pid: int) -> None:
 # Errors a worker reports as one line (bad configuration, missing files, refused peers); anything
 # else is a bug and keeps its traceback.
 _ONE_LINE_ERRORS = (ValueError, OSError, RuntimeError, ImportError)
-
-
-def error_line(err: BaseException) -> str:
-    """The first line of an exception's message (its type name when it has none)."""
-    text = str(err.code if isinstance(err, SystemExit) else err).strip()
-    return text.splitlines()[0] if text and text != "None" else type(err).__name__
 
 
 def _child_main(entry: typing.Callable, config, parent_pid: int, errors) -> None:

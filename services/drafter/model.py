@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from services.runtime import error_line
+
 
 def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
     """``round(1 + i * (L - 4) / (n - 1))`` for ``i < n`` (single layer: ``L // 2``), algorithms.md §1.1."""
@@ -552,8 +554,7 @@ def read_model_safetensors(p: Path, device: str) -> dict[str, Tensor]:
     try:
         return load_file(str(f), device=device)
     except Exception as exc:  # safetensors raises its own SafetensorError (and OSError) for a damaged file
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{f} is not a readable safetensors file ({msg})") from None
+        raise ValueError(f"{f} is not a readable safetensors file ({error_line(exc)})") from None
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):

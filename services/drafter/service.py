@@ -108,10 +108,7 @@ class DrafterService:
         self.cfg = drafter.config
         self.d2t = drafter.draft_to_target()  # [N] target ids, or None (full vocabulary)
         if self.d2t is not None:
-            head = torch.nn.Linear(lm_head.weight.shape[1], self.d2t.numel(), bias=False)
-            head.weight = torch.nn.Parameter(lm_head.weight.detach()[self.d2t.to(lm_head.weight.device)].clone(),
-                                             requires_grad=False)
-            lm_head = head
+            lm_head = _frozen_linear(lm_head.weight.detach()[self.d2t.to(lm_head.weight.device)].clone())
         self.lm_head = lm_head
         if packed_gemm:
             from services.cpu_gemm import pack_linears, pack_linears_bf16
@@ -373,11 +370,15 @@ def borrow_target_io(embed: torch.nn.Module, lm_head: torch.nn.Module,
     drafter next to a bfloat16 / q4 target, :func:`services.weights.drafter_dtype`)."""
     if embed.weight.dtype == dtype and lm_head.weight.dtype == dtype:
         return embed, lm_head
-    e = torch.nn.Embedding.from_pretrained(embed.weight.detach().to(dtype), freeze=True)
-    h = torch.nn.Linear(lm_head.weight.shape[1], lm_head.weight.shape[0], bias=False,
-                        device=lm_head.weight.device, dtype=dtype)
-    h.weight = torch.nn.Parameter(lm_head.weight.detach().to(dtype), requires_grad=False)
-    return e, h
+    return (torch.nn.Embedding.from_pretrained(embed.weight.detach().to(dtype), freeze=True),
+            _frozen_linear(lm_head.weight.detach().to(dtype)))
+
+
+def _frozen_linear(weight: Tensor) -> torch.nn.Linear:
+    """A bias-free ``nn.Linear`` over ``weight [out, in]`` (no gradient; no throw-away random init)."""
+    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lin.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return lin
 
 
 def make_service(drafter, embed: torch.nn.Module, lm_head: torch.nn.Module, defaults: TreeDefaults = TreeDefaults(),
@@ -423,6 +424,4 @@ def load_borrowed_weights(target_dir: str | Path, dtype: torch.dtype = torch.flo
     if embed_w is None:
         raise FileNotFoundError(f"no embed_tokens weight in {p}")
     embed = torch.nn.Embedding.from_pretrained(embed_w.to(dtype), freeze=True)
-    head = torch.nn.Linear(embed_w.shape[1], embed_w.shape[0], bias=False)
-    head.weight = torch.nn.Parameter((head_w if head_w is not None else embed_w).to(dtype), requires_grad=False)
-    return embed, head
+    return embed, _frozen_linear((head_w if head_w is not None else embed_w).to(dtype))

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from services.drafter.model import DFlashDrafter, DrafterConfig, save_drafter
+from services.runtime import error_line
 
 
 HELDOUT_SHARD = "gen_00000"
@@ -298,8 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run(a)
     except (ValueError, RuntimeError, OSError) as exc:  # bad input: one line, not a traceback
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        ap.exit(2, f"train-drafter: error: {msg}\n")
+        ap.exit(2, f"train-drafter: error: {error_line(exc)}\n")
 
 
 def new_drafter_config(tcfg, target_layer_ids: list[int], a) -> DrafterConfig:

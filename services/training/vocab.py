@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from services.runtime import error_line
+
 
 def count_tokens(gen_dir: Path, vocab_size: int) -> tuple[torch.Tensor, int]:
     """``(counts [vocab_size] int64, shards read)``: occurrences of each id in the response tokens.
@@ -98,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _run(a)
     except (ValueError, RuntimeError, OSError) as exc:  # bad input: one line, not a traceback
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        ap.exit(2, f"vocab: error: {msg}\n")
+        ap.exit(2, f"vocab: error: {error_line(exc)}\n")
 
 
 def _run(a) -> None:
