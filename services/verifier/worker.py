@@ -309,7 +309,9 @@ class VerifierWorker:
             return self._error(entry, 503, "the server is draining", None, "draining")
         if rid in self._running or any(e.gen.request_id == rid for e in self._waiting):
             return self._error(entry, 400, f"request id {rid!r} is already in flight", None, "duplicate_request_id")
-        if len(self._waiting) >= self.config.max_waiting and len(self._running) >= self.config.max_running:
+        # room = free slots + queue places, counting the running requests and every request accepted
+        # before this one (in this inbox batch too: they sit in _waiting until the next _admit)
+        if len(self._running) + len(self._waiting) >= self.config.max_running + self.config.max_waiting:
             return self._error(entry, 429, "the verifier queue is full; retry later", None, "overloaded")
         self._waiting.append(entry)
 
