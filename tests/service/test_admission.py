@@ -7,14 +7,72 @@ already running, so a burst arriving at once never overfills the queue.
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
+import threading
 import time
+from contextlib import contextmanager
 
-from gateway.engine_client import EngineError
+import pytest
+import zmq
+
+from gateway.engine_client import EngineError, ZmqEngineClient
 from services import protocol as p
 from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
+from services.wire import ServerIO, new_epoch
 
-from .fakes import FakeEngine, fake_params, verifier_info
-from .test_workers import connected_client, gen, running_verifier, sockdir  # noqa: F401  (sockdir: fixture)
+from .fakes import fake_params, verifier_info
+
+try:
+    from tests.doubles.engine import FakeEngine
+except ImportError:  # the worker doubles' older home
+    from .fakes import FakeEngine
+
+
+@pytest.fixture
+def sockdir():
+    d = tempfile.mkdtemp(prefix="dt-", dir="/tmp")  # short: ipc paths are limited to 107 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@contextmanager
+def running_verifier(sockdir, engine, **cfg):
+    """A verifier worker on ``ipc://`` with its event loop on a thread."""
+    ctx = zmq.Context()
+    endpoint = f"ipc://{sockdir}/verifier.sock"
+    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), VerifierWorkerConfig(**cfg),
+                            params=fake_params)
+    io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
+                  on_error=lambda r: worker.metrics.ipc_errors.labels("gateway").inc(), inbox=worker.inbox,
+                  refuse=lambda reason: p.HelloAck(p.PROTOCOL_VERSION, False, worker.info, reason))
+    worker.send = io.send
+    io.start()
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.event_loop, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield worker, endpoint
+    finally:
+        stop.set()
+        thread.join(5)
+        io.close()
+        ctx.destroy(linger=0)
+
+
+async def connected_client(endpoint) -> ZmqEngineClient:
+    client = ZmqEngineClient(endpoint, p.PeerInfo(role="gateway", epoch="g"), ping_interval_s=0.05,
+                             ping_timeout_s=1.0)
+    await client.start()
+    for _ in range(200):
+        if client.ready:
+            break
+        await asyncio.sleep(0.01)
+    return client
+
+
+def gen(rid: str) -> p.Generate:
+    return p.Generate(rid, [5, 6], p.SamplingSpec(max_tokens=16), p.SpecSpec())
 
 
 def _gauges(worker) -> tuple[float, float]:
@@ -77,11 +135,11 @@ def test_a_place_freed_by_a_finished_request_is_reused():
     assert [e.gen.request_id for e in worker._waiting] == ["d"] or "d" in worker._running
 
 
-def test_burst_over_zmq_accepts_two_refuses_two_with_429(sockdir):  # noqa: F811
+def test_burst_over_zmq_accepts_two_refuses_two_with_429(sockdir):
     """Own server ``--max-running 2 --max-waiting 1``, one request running, a burst of 4 at once:
     2 accepted (1 free slot + 1 queue place), 2 refused with 429; the gauges never exceed the limits."""
     engine = FakeEngine(rounds=[[1]] * 6, step_delay_s=0.1)
-    with running_verifier(sockdir, engine, max_running=2, max_waiting=1) as (worker, io, endpoint):
+    with running_verifier(sockdir, engine, max_running=2, max_waiting=1) as (worker, endpoint):
         async def go():
             client = await connected_client(endpoint)
 
