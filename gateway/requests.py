@@ -103,10 +103,10 @@ class RequestBuilder:
                 raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs",
                                "invalid_value")
             try:
-                text = self.text.render_chat(messages, req.add_generation_prompt, **kwargs)
+                ids, text = self.text.chat_prompt(messages, req.add_generation_prompt, **kwargs)
             except TemplateError as exc:
                 raise ApiError(400, str(exc), "messages", "invalid_messages") from None
-            ids, param = self.text.encode(text, add_special_tokens=False), "messages"
+            param = "messages"
         else:
             prompt = req.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

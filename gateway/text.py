@@ -1,6 +1,14 @@
 """Text <-> token ids for the gateway: HF ``tokenizers`` + jinja2 chat templates (no transformers, no torch),
 incremental detokenization and stop strings.
 
+Special tokens in chat prompts: only the chat template's own markers become special tokens. Text a
+client sends (message content and names, tool and assistant turns included, and string values of
+``chat_template_kwargs``) is tokenized as text: ``"<|im_end|>"`` typed into a message is the seven
+or so ordinary tokens that spell it, never the control token, so a message cannot close its turn
+or forge another one (:meth:`TextModel.chat_prompt`). A raw ``/v1/completions`` string prompt is
+different: there the client writes the whole prompt, template markers included, so special-token
+text in it maps to the special tokens (as llama.cpp and vLLM do by default; :meth:`TextModel.encode`).
+
 :class:`CompletionText` is the one place where generated token ids become response text. Streaming
 and non-streaming both run it round by round, so the concatenated deltas equal the non-streamed text
 byte for byte. It holds back incomplete UTF-8 (text ending in U+FFFD) and any suffix that could be
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +39,9 @@ from services.protocol import config_eos_token_id, special_token_ids, tokenizer_
 
 REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 6  # prompt tokens decoded before the first generated one (leading-space rules)
+# Texts longer than this (characters, ids) go through the ``*_batch`` calls of ``tokenizers``, which
+# release the GIL: a multi-megabyte prompt tokenized on a worker thread then leaves the event loop free.
+GIL_FREE_MIN = 4096
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback token
 
 
@@ -69,6 +81,10 @@ class TextModel:
         if not path.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {self.model_dir}")
         self.tokenizer = Tokenizer.from_file(str(path))
+        # The same tokenizer with special-token matching off (``split_special_tokens``): for client text.
+        # A second instance rather than toggling the flag, so concurrent encodes never see it flip.
+        self._text_tokenizer = Tokenizer.from_file(str(path))
+        self._text_tokenizer.encode_special_tokens = True
         cfg_path = self.model_dir / "tokenizer_config.json"
         self.tokenizer_config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.tokenizer_hash = tokenizer_hash(self.model_dir)
@@ -84,6 +100,10 @@ class TextModel:
         self._compiled = None
         spec = json.loads(path.read_text())
         self._added = {int(t["id"]): t["content"] for t in spec.get("added_tokens", [])}
+        self._special = {t["content"]: int(t["id"]) for t in spec.get("added_tokens", []) if t.get("special")}
+        # longest first, so a special token that extends another (``<|im_end|>`` vs ``<|im``) wins
+        self._special_re = (re.compile("|".join(re.escape(t) for t in sorted(self._special, key=len, reverse=True)))
+                            if self._special else None)
         self._decoders = _decoder_types(spec.get("decoder"))
         self._byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
         self._token_bytes: dict[int, bytes] = {}
@@ -97,12 +117,25 @@ class TextModel:
             tpl = next((t["template"] for t in tpl if t.get("name") == "default"), None)
         return tpl
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; special-token text (e.g. ``<|im_end|>``) maps to its id."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``.
+
+        Args:
+            add_special_tokens: add the tokenizer's own BOS/EOS (its post-processor), if it has any.
+            split_special_tokens: False (raw prompts): special-token text (e.g. ``<|im_end|>``) maps to
+                its id. True (text a client wrote inside a message): it is encoded as ordinary text.
+
+        Long texts release the GIL while they are tokenized (see :data:`GIL_FREE_MIN`).
+        """
+        tok = self._text_tokenizer if split_special_tokens else self.tokenizer
+        if len(text) > GIL_FREE_MIN:
+            return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids`` (incomplete UTF-8 shows as U+FFFD)."""
+        """Text of ``ids`` (incomplete UTF-8 shows as U+FFFD); long lists release the GIL."""
+        if len(ids) > GIL_FREE_MIN:
+            return self.tokenizer.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -133,7 +166,8 @@ class TextModel:
         return self.decode([token_id], skip_special_tokens=False).encode()
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """The prompt text of a conversation under the model's chat template.
+        """The prompt text of a conversation under the model's chat template (for display: its
+        tokenization is :meth:`chat_prompt`'s, which keeps client text from becoming special tokens).
 
         Raises:
             TemplateError: no template, or the template raised on these messages.
@@ -153,8 +187,82 @@ class TextModel:
             raise TemplateError(f"chat template failed: {exc}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
-        """Token ids of a rendered conversation (the template already adds special tokens)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+        """Token ids of a rendered conversation (see :meth:`chat_prompt`)."""
+        return self.chat_prompt(messages, add_generation_prompt, **kwargs)[0]
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **kwargs) -> tuple[list[int], str]:
+        """``(token ids, text)`` of a conversation under the chat template; only the template's own
+        markers are special tokens.
+
+        Every string the client supplied (``messages`` and ``kwargs``, at any depth) has its
+        special-token text swapped for a private placeholder before rendering, so the template sees
+        the same conversation but its output tells the client's special-token text from its own
+        markers. Without any such text (the usual case) the rendered text is encoded in one piece,
+        exactly as before; otherwise it is cut at the template's markers (their ids are emitted) and
+        each piece between them is encoded with :meth:`encode`'s ``split_special_tokens``, the
+        placeholders turned back into the text the client wrote. The template's own BOS/EOS markers
+        come from it; the tokenizer adds none.
+
+        Raises:
+            TemplateError: no template, or the template raised on these messages.
+        """
+        guard = _SpecialTextGuard(self._special_re)
+        rendered = self.render_chat(guard.protect(messages), add_generation_prompt, **guard.protect(kwargs))
+        if not guard.used:
+            return self.encode(rendered, add_special_tokens=False), rendered
+        ids: list[int] = []
+        start = 0
+        for m in self._special_re.finditer(rendered):  # the template's markers (client text is placeholders)
+            ids += self._encode_text(guard.restore(rendered[start:m.start()]))
+            ids.append(self._special[m.group()])
+            start = m.end()
+        ids += self._encode_text(guard.restore(rendered[start:]))
+        return ids, guard.restore(rendered)
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
+
+
+class _SpecialTextGuard:
+    """Swaps special-token text in client strings for placeholders and back (one conversation).
+
+    A placeholder is ``U+E000 <random nonce> <n> U+E001`` (private-use characters): it has no
+    special-token text in it and, with a fresh 64-bit nonce per conversation, cannot be forged.
+    """
+
+    def __init__(self, special_re: re.Pattern | None):
+        self._re = special_re
+        self._nonce = secrets.token_hex(8)
+        self._texts: list[str] = []
+        self._index: dict[str, int] = {}
+        self._back = re.compile("\ue000" + self._nonce + r"(\d+)\ue001")
+
+    @property
+    def used(self) -> bool:
+        """Whether any client string held special-token text."""
+        return bool(self._texts)
+
+    def protect(self, value):
+        """``value`` (str, or lists / tuples / dicts of them at any depth) with special-token text swapped."""
+        if isinstance(value, str):
+            return self._re.sub(self._placeholder, value) if self._re is not None else value
+        if isinstance(value, dict):
+            return {k: self.protect(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.protect(v) for v in value)
+        return value
+
+    def restore(self, text: str) -> str:
+        """``text`` with every placeholder turned back into the special-token text it stands for."""
+        return self._back.sub(lambda m: self._texts[int(m.group(1))], text) if self._texts else text
+
+    def _placeholder(self, m: re.Match) -> str:
+        n = self._index.get(m.group())
+        if n is None:
+            n = self._index[m.group()] = len(self._texts)
+            self._texts.append(m.group())
+        return f"\ue000{self._nonce}{n}\ue001"
 
 
 def _decoder_types(decoder: dict | None) -> set[str]:
