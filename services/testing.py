@@ -1,4 +1,4 @@
-"""Test fixtures for the engine tests: tiny random targets and drafters, and scripted drafter clients.
+"""Test fixtures for the engine tests: tiny random targets and drafters, trees, a whole server.
 
 Everything here runs in milliseconds on a CPU (float32 by default):
 
@@ -7,18 +7,11 @@ Everything here runs in milliseconds on a CPU (float32 by default):
 - :func:`tiny_drafter_config` / :func:`tiny_drafter` / :func:`tiny_service`: a real-architecture
   random DFlash drafter (with or without the Domino head) sized for a tiny target.
 - :func:`greedy_reference`: plain greedy decoding with ``model.generate(do_sample=False)``.
-- :class:`OracleDrafter`: a :class:`DrafterClient` that knows each request's reference continuation
-  and proposes the true path plus wrong siblings (full acceptance, non-trivial KV compaction).
-- :class:`RandomDrafter`: a :class:`DrafterClient` proposing random trees (almost nothing accepted).
-- :func:`random_tree`: a random valid :class:`DraftTree`.
+- :func:`tree_from_nodes` / :func:`random_tree`: a :class:`DraftTree` from lists / a random valid one
+  (the scripted drafter clients built on them live in ``tests/doubles``).
 - :func:`start_server`: a whole ``dartree serve`` (supervisor, gateway, verifier, drafter) on free
   loopback ports, for the process-level tests and the load test; :func:`run_uvicorn`: one ASGI app
   (e.g. the gateway on a scripted engine) under a real uvicorn on a thread.
-
-The scripted clients also check the client contract on every call (one feature row per committed
-token, a context that grows exactly by the committed tokens, the root equal to the reference) and
-record their calls, so a test can compare the features the engine handed over with a fresh
-teacher-forced forward.
 """
 
 from __future__ import annotations
@@ -31,11 +24,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from services.runtime import free_loopback_ports
 from services.tree.draft_tree import DraftTree
@@ -289,174 +281,6 @@ def random_tree(rng: random.Random, vocab_size: int, num_nodes: int, max_depth: 
         parents.append(p)
         depths.append(1 if p < 0 else depths[p] + 1)
     return tree_from_nodes(tokens, parents)
-
-
-# ----------------------------------------------------------------------------------------------
-# Scripted drafter clients
-# ----------------------------------------------------------------------------------------------
-@dataclass
-class DraftCall:
-    """One recorded ``draft`` call."""
-
-    request_id: str
-    committed_ids: list[int]
-    features: Tensor
-    root_token: int
-    start: int
-    max_depth: int | None
-    tree: DraftTree
-
-
-@dataclass
-class _ContractChecker:
-    """Tracks per-request context lengths exactly as :class:`DrafterService` does."""
-
-    ctx_len: dict[str, int] = field(default_factory=dict)
-    calls: list[DraftCall] = field(default_factory=list)
-    released: list[str] = field(default_factory=list)
-
-    def check(self, request_id: str, committed_ids: list[int], features: Tensor, start: int) -> None:
-        if features.ndim != 2 or features.shape[0] != len(committed_ids):
-            raise AssertionError(f"features {tuple(features.shape)} for {len(committed_ids)} committed ids")
-        have = self.ctx_len.get(request_id, 0)
-        if have != start - len(committed_ids):
-            raise AssertionError(f"context of {request_id!r} holds {have}, expected {start - len(committed_ids)}")
-        self.ctx_len[request_id] = start
-
-    def release(self, request_id: str) -> None:
-        self.released.append(request_id)
-        self.ctx_len.pop(request_id, None)
-
-    def num_contexts(self) -> int:
-        return len(self.ctx_len)
-
-
-class OracleDrafter(_ContractChecker):
-    """Knows each request's reference sequence (prompt + greedy continuation) and drafts it.
-
-    Each round the tree holds the true continuation down to ``depth`` (capped by ``max_depth`` and
-    the end of the reference) plus ``distractors`` wrong siblings at every depth, each wrong sibling
-    carrying a wrong child of its own; nodes are shuffled within a depth, so the true path is not
-    rows ``0..L-1`` of the verify and commit must gather. With ``truth_prob < 1`` the true path is
-    cut at a random depth (a wrong token continues it), which exercises mid-path rejection.
-
-    Args:
-        references: ``{request_id: prompt + continuation}``; more via :meth:`set_reference`.
-        depth: maximum draft depth D; distractors: wrong siblings per depth; seed: RNG seed.
-        vocab_size: token range for wrong tokens; exclude: ids never drafted.
-        bait: a token used as the first wrong sibling at every depth where it is wrong (e.g. a stop
-            id that must not take effect from a rejected branch).
-    """
-
-    def __init__(self, references: dict[str, list[int]] | None = None, depth: int = 4, distractors: int = 2,
-                 vocab_size: int = 128, seed: int = 0, truth_prob: float = 1.0, exclude: tuple[int, ...] = (),
-                 bait: int | None = None):
-        super().__init__()
-        self.bait = bait
-        self.references = dict(references or {})
-        self.depth, self.distractors, self.vocab_size = depth, distractors, vocab_size
-        self.truth_prob = truth_prob
-        self.exclude = set(exclude)
-        self.rng = random.Random(seed)
-
-    def set_reference(self, request_id: str, sequence: list[int]) -> None:
-        self.references[request_id] = list(sequence)
-
-    def _wrong(self, avoid: set[int]) -> int:
-        while True:
-            t = self.rng.randrange(self.vocab_size)
-            if t not in avoid and t not in self.exclude:
-                return t
-
-    def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
-              spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
-        self.check(request_id, committed_ids, features, start)
-        ref = self.references[request_id]
-        if ref[start] != root_token:
-            raise AssertionError(f"root {root_token} at position {start} but the reference has {ref[start]}")
-        depth = self.depth if max_depth is None else min(self.depth, max_depth)
-        truth = ref[start + 1: start + 1 + max(depth, 0)]
-        if self.truth_prob < 1.0 and truth and self.rng.random() > self.truth_prob:
-            cut = self.rng.randrange(len(truth))  # keep truth[:cut], then a wrong token
-            truth = truth[:cut] + [self._wrong({truth[cut]})]
-        tokens: list[int] = []
-        parents: list[int] = []
-        depths: list[int] = []
-        parent = -1
-        for d, tok in enumerate(truth, start=1):
-            siblings = {tok}
-            for j in range(self.distractors):
-                w = self.bait if j == 0 and self.bait is not None and self.bait != tok else self._wrong(siblings)
-                siblings.add(w)
-                tokens.append(w)
-                parents.append(parent)
-                depths.append(d)
-                if d < depth:  # a wrong child below the wrong sibling
-                    tokens.append(self._wrong(set()))
-                    parents.append(len(tokens) - 2)
-                    depths.append(d + 1)
-            tokens.append(tok)
-            parents.append(parent)
-            depths.append(d)
-            parent = len(tokens) - 1
-        tok_s, par_s = _shuffle_topological(tokens, parents, depths, self.rng)
-        tree = tree_from_nodes(tok_s, par_s)
-        tree.validate(vocab_size=self.vocab_size)
-        self.calls.append(DraftCall(request_id, list(committed_ids), features.detach().clone(), root_token, start,
-                                    max_depth, tree))
-        return tree, {"draft": 0.0, "tree_build": 0.0}
-
-
-class RandomDrafter(_ContractChecker):
-    """Proposes random trees of up to ``budget`` nodes (depth <= min(depth, max_depth))."""
-
-    def __init__(self, vocab_size: int, budget: int = 12, depth: int = 5, seed: int = 0,
-                 exclude: tuple[int, ...] = ()):
-        super().__init__()
-        self.vocab_size, self.budget, self.depth = vocab_size, budget, depth
-        self.exclude = tuple(exclude)
-        self.rng = random.Random(seed)
-
-    def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
-              spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
-        self.check(request_id, committed_ids, features, start)
-        depth = self.depth if max_depth is None else min(self.depth, max_depth)
-        tree = random_tree(self.rng, self.vocab_size, self.rng.randint(0, self.budget), depth, self.exclude)
-        self.calls.append(DraftCall(request_id, list(committed_ids), features.detach().clone(), root_token, start,
-                                    max_depth, tree))
-        return tree, {"draft": 0.0, "tree_build": 0.0}
-
-
-class FullTreeDrafter(_ContractChecker):
-    """Every token at every depth up to ``depth`` (``V + V^2 + ...`` nodes): for tiny vocabularies only.
-
-    Every target sample lands on a drafted node, so all ``depth + 1`` tokens of a round come from the
-    tree walk (used by the T > 0 distribution test).
-    """
-
-    def __init__(self, vocab_size: int, depth: int = 2):
-        super().__init__()
-        self.vocab_size, self.depth = vocab_size, depth
-
-    def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
-              spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
-        self.check(request_id, committed_ids, features, start)
-        depth = self.depth if max_depth is None else min(self.depth, max_depth)
-        tokens: list[int] = []
-        parents: list[int] = []
-        frontier = [-1]
-        for _ in range(depth):
-            nxt = []
-            for p in frontier:
-                for t in range(self.vocab_size):
-                    tokens.append(t)
-                    parents.append(p)
-                    nxt.append(len(tokens) - 1)
-            frontier = nxt
-        tree = tree_from_nodes(tokens, parents)
-        self.calls.append(DraftCall(request_id, list(committed_ids), features.detach().clone(), root_token, start,
-                                    max_depth, tree))
-        return tree, {"draft": 0.0, "tree_build": 0.0}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ import os
 import pytest
 import torch
 
-from services.testing import OracleDrafter
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+from tests.doubles import OracleDrafter
 
 pytestmark = pytest.mark.e2e
 log = logging.getLogger(__name__)

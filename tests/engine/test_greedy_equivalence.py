@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from services.drafter.service import DFLASH_METHODS, HEAD_METHODS, METHODS
-from services.testing import (OracleDrafter, RandomDrafter, greedy_reference, tiny_drafter, tiny_service,
-                              tiny_target)
+from services.testing import greedy_reference, tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
 
+from tests.doubles import OracleDrafter, RandomDrafter
 from tests.engine.conftest import TARGET_KW, V  # noqa: F401  (fixtures: target, llama)
 D = 4  # oracle draft depth: a full-accept round emits D + 1 tokens
 N = 40  # generated tokens

@@ -17,10 +17,11 @@ import torch
 
 from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino drafter's methods
 from services.protocol import LOGPROB_FLOOR
-from services.testing import OracleDrafter, greedy_reference, tiny_drafter, tiny_service
+from services.testing import greedy_reference, tiny_drafter, tiny_service
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams, token_logprobs
 
+from tests.doubles import OracleDrafter
 from tests.engine.conftest import TARGET_KW, V  # noqa: F401  (fixtures: target, llama)
 N = 24
 K = 5

@@ -13,12 +13,13 @@ import random
 import pytest
 
 from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino drafter's methods
-from services.testing import OracleDrafter, RandomDrafter, greedy_reference, tiny_drafter, tiny_service
+from services.testing import greedy_reference, tiny_drafter, tiny_service
 from services.verifier.calibration import AcceptanceCalibrator
 from services.verifier.cost_model import StepCostModel
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
 from services.verifier.policy import GoodputPolicy
+from tests.doubles import OracleDrafter, RandomDrafter
 from tests.engine.conftest import V
 from tests.engine.test_sampling import V as V8
 from tests.engine.test_sampling import chi2_critical, chi2_stat, exact_joint, sample_counts

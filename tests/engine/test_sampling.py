@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from services.testing import FullTreeDrafter, RandomDrafter, tiny_service, tiny_target
+from services.testing import tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+from tests.doubles import FullTreeDrafter, RandomDrafter
 
 V = 8
 PROMPT = [1, 5, 3]

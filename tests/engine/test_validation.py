@@ -7,9 +7,10 @@ import math
 import pytest
 
 from services.drafter.service import DFLASH_METHODS, HEAD_METHODS, METHODS
-from services.testing import OracleDrafter, greedy_reference, tiny_drafter, tiny_service, tiny_target
+from services.testing import greedy_reference, tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from tests.doubles import OracleDrafter
 
 V = 96
 CTX = 48

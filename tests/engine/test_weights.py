@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from services.protocol import DFLASH_METHODS as METHODS  # the methods a DFlash + Domino drafter serves
-from services.testing import REPO, OracleDrafter, tiny_gguf_target_dir, tiny_service
+from services.testing import REPO, tiny_gguf_target_dir, tiny_service
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
 from services.verifier.target import TargetModel
 from services import weights as W
+from tests.doubles import OracleDrafter
 from tests.engine.test_batched import _run_batched
 
 pytestmark = pytest.mark.skipif(not W.int4_kernel_available(), reason="torch without the int4 CPU kernel")

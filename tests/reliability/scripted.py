@@ -1,7 +1,7 @@
 """A scripted drafter: the test decides how many draft tokens each round accepts.
 
 :class:`ScriptedDrafter` knows each request's reference (prompt + plain greedy continuation, as
-:class:`services.testing.OracleDrafter` does and with the same contract checks) and, in round ``k``,
+:class:`tests.doubles.OracleDrafter` does and with the same contract checks) and, in round ``k``,
 proposes the true continuation down to depth ``accepts[k]`` followed by one wrong token (a real
 rejection, not a short tree), plus wrong siblings at every depth. With a greedy target the round
 therefore accepts exactly ``min(accepts[k], max_depth, tokens left in the reference)`` drafts.
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import random
 
-from services.testing import OracleDrafter, _shuffle_topological, tree_from_nodes
+from services.testing import _shuffle_topological, tree_from_nodes
+from tests.doubles import OracleDrafter
 
 
 class ScriptedDrafter(OracleDrafter):
@@ -31,12 +32,13 @@ class ScriptedDrafter(OracleDrafter):
         """A new acceptance pattern (and reference) for the requests that start from now on."""
         self.accepts, self.any_request, self.bait = list(accepts), any_request, bait
 
-    def draft(self, request_id, committed_ids, features, root_token, start, spec, max_depth=None):
-        self.check(request_id, committed_ids, features, start)
+    def draft_job(self, job):
+        self.check(job)
+        request_id, start = job.request_id, job.start
         ref = self.references.get(request_id, self.any_request)
-        if ref[start] != root_token:
-            raise AssertionError(f"root {root_token} at position {start} but the reference has {ref[start]}")
-        cap = self.depth if max_depth is None else min(self.depth, max_depth)
+        if ref[start] != job.root_token:
+            raise AssertionError(f"root {job.root_token} at position {start} but the reference has {ref[start]}")
+        cap = self.depth_cap(job, self.depth)
         k = self.rounds.get(request_id, 0)
         self.rounds[request_id] = k + 1
         want = self.accepts[k] if k < len(self.accepts) else self.depth

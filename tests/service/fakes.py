@@ -1,7 +1,8 @@
-"""Test doubles for the service: tiny tokenizer directories, a scripted engine client, a fake engine.
+"""Test doubles for the service: tiny tokenizer directories and a scripted engine client.
 
 Nothing here loads a model: tokenizers are built in milliseconds with the ``tokenizers`` library,
-and engines emit scripted multi-token rounds (style.md R10: mock the model, not the machinery).
+and the engine client plays scripted multi-token rounds (style.md R10: mock the model, not the
+machinery). The engine and drafter doubles of the workers live in :mod:`tests.doubles`.
 """
 
 from __future__ import annotations
@@ -148,121 +149,7 @@ class FakeEngineClient(_QueueClient):
 
 # ------------------------------------------------------------------------------------ worker fakes
 
-@dataclass
-class FakeRound:
-    """Duck-typed ``RoundOutput``."""
-
-    token_ids: list[int]
-    finish_reason: str | None
-    num_draft_tokens: int = 4
-    accept_length: int = 0
-    accepted_per_depth: list[int] = field(default_factory=list)
-    timings: dict = field(default_factory=lambda: {"draft": 0.001, "verify": 0.002, "total": 0.004})
-    prefill_seconds: float = 0.0
-    is_prefill: bool = False
-
-
-class FakeEngine:
-    """``SpecEngine``'s four methods over scripted rounds; records the step order and frees."""
-
-    vocab_size, max_context, eos_token_ids = 400, 256, (2,)
-
-    def __init__(self, rounds: list[list[int]] | None = None, step_delay_s: float = 0.0, fail_on_step: int | None = None,
-                 fail_with: Exception | None = None):
-        import threading
-
-        self.rounds = rounds or [[5], [6, 7, 8], [9, 10], [11]]
-        self.step_delay_s, self.fail_on_step, self.fail_with = step_delay_s, fail_on_step, fail_with
-        self.active: dict[str, int] = {}
-        self.steps: list[str] = []
-        self.knobs: list[tuple[int, tuple[int, int] | None]] = []  # (active requests, tree_knobs) per step
-        self.aborted: list[str] = []
-        self.lock = threading.Lock()
-
-    def add_request(self, request_id, prompt_ids, sampling, spec) -> None:
-        if 399 in prompt_ids:
-            raise ValueError("prompt (1 tokens) + max_tokens (9999) exceeds the context window of 256 tokens")
-        self.active[request_id] = 0
-
-    def step(self, request_id: str, tree_knobs: tuple[int, int] | None = None) -> FakeRound:
-        import time
-
-        time.sleep(self.step_delay_s)
-        k = self.active[request_id]
-        self.steps.append(request_id)
-        self.knobs.append((len(self.active), tree_knobs))
-        if self.fail_on_step is not None and k == self.fail_on_step:
-            self.abort(request_id)
-            raise self.fail_with or RuntimeError("boom")
-        self.active[request_id] = k + 1
-        last = k == len(self.rounds) - 1
-        ids = self.rounds[k]
-        out = FakeRound(list(ids), "stop" if last else None, accept_length=len(ids) - 1,
-                        accepted_per_depth=[1] * (len(ids) - 1), is_prefill=k == 0)
-        if last:
-            self.abort(request_id)
-        return out
-
-    def abort(self, request_id: str) -> None:
-        if self.active.pop(request_id, None) is not None:
-            self.aborted.append(request_id)
-
-    def num_active(self) -> int:
-        return len(self.active)
-
-
 def fake_params(gen: Generate, method: str):
     from types import SimpleNamespace
 
     return gen.sampling, SimpleNamespace(method=method)
-
-
-class FakeDrafterService:
-    """``DrafterService`` stand-in: a chain tree ``root+1, root+2, ...`` of ``budget`` nodes."""
-
-    def __init__(self, hang_s: float = 0.0, fail: bool = False, fail_ids: tuple[str, ...] = ()):
-        self.hang_s, self.fail, self.fail_ids = hang_s, fail, set(fail_ids)
-        self.contexts: dict[str, int] = {}
-        self.calls: list[tuple] = []
-        self.batches: list[list[str]] = []  # request ids of each draft_batch call
-
-    def info(self) -> dict:
-        return {"vocab_size": 400, "block_size": 4, "mask_token_id": 3, "feature_dim": 8, "max_position": 256,
-                "methods": list(METHODS), "target_layer_ids": [1, 2], "description": "fake"}
-
-    def num_contexts(self) -> int:
-        return len(self.contexts)
-
-    def draft(self, request_id, committed_ids, features, root_token, start, spec, max_depth=None):
-        import time
-
-        import torch
-
-        from services.tree.draft_tree import tree_from_parents
-
-        time.sleep(self.hang_s)
-        if self.fail:
-            raise ValueError("scripted drafter failure")
-        assert features.shape == (len(committed_ids), 8)
-        self.calls.append((request_id, list(committed_ids), features.clone(), root_token, start, spec.method, max_depth))
-        self.contexts[request_id] = start
-        n = min(spec.budget or 3, max_depth or 99)
-        tree = tree_from_parents([root_token + 1 + i for i in range(n)], list(range(-1, n - 1)))
-        return tree, {"draft": 0.0005, "tree_build": 0.0001}
-
-    def draft_batch(self, jobs) -> list:
-        """``draft`` per job; a job's error is returned in its place (as ``DrafterService.draft_batch``)."""
-        self.batches.append([j.request_id for j in jobs])
-        out = []
-        for j in jobs:
-            try:
-                if j.request_id in self.fail_ids:
-                    raise ValueError(f"scripted failure of {j.request_id}")
-                out.append(self.draft(j.request_id, j.committed_ids, j.features, j.root_token, j.start, j.spec,
-                                      max_depth=j.max_depth))
-            except Exception as exc:
-                out.append(exc)
-        return out
-
-    def release(self, request_id: str) -> None:
-        self.contexts.pop(request_id, None)

@@ -20,8 +20,8 @@ from gateway.config import GatewayConfig
 from gateway.engine_client import ZmqEngineClient
 from gateway.text import TextModel
 from services.protocol import PeerInfo
+from tests.doubles import FakeEngine
 
-from .fakes import FakeEngine
 from .test_workers import running_verifier
 
 TEXT = "Hello world, 你好世界 😀 done."

@@ -9,7 +9,9 @@ from services import protocol as p
 from services.verifier.schedule import TreeSchedule, parse_tree_schedule
 from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
 
-from .fakes import FakeEngine, fake_params, verifier_info
+from tests.doubles import FakeEngine, ScriptedDrafterClient
+
+from .fakes import fake_params, verifier_info
 
 SCHEDULE = "1:16x12,2:12x8,4:8x6,8:4x4"
 EXPECTED = {1: (16, 12), 2: (12, 8), 3: (12, 8), 4: (8, 6), 5: (8, 6), 6: (8, 6), 7: (8, 6), 8: (4, 4)}
@@ -83,7 +85,7 @@ def _gen(rid: str) -> p.Generate:
 def test_worker_picks_budget_width_from_the_running_count_each_round():
     """Requests arrive one by one (1 -> 8 running) and finish one by one (8 -> 1): every round gets
     the step of the running count at that round, and the gauges follow."""
-    engine = FakeEngine(rounds=[[1]] * 12)
+    engine = FakeEngine(rounds=[[1]] * 20)  # every step runs every request: none finishes before the 8th arrives
     worker, sent = _worker(engine, SCHEDULE)
     for i in range(8):
         worker.post(b"gw", _gen(f"r{i}"))
@@ -114,17 +116,26 @@ def test_no_schedule_passes_no_knobs():
 
 # ------------------------------------------------------------------------------- real engine, tiny
 
-class SpyDrafter:
-    """Delegates to a real :class:`DrafterService`; records the knobs each round was drafted with."""
+class SpyDrafter(ScriptedDrafterClient):
+    """Delegates each batch to a service's ``draft_batch`` (a real :class:`DrafterService` or a
+    scripted drafter); records the knobs each round was drafted with."""
 
     def __init__(self, service):
+        super().__init__()
         self.service = service
         self.seen: list[tuple[str, int | None, int | None, int]] = []  # (request, budget, width, nodes)
 
-    def draft(self, request_id, committed_ids, features, root_token, start, spec, max_depth=None):
-        tree, dt = self.service.draft(request_id, committed_ids, features, root_token, start, spec, max_depth)
-        self.seen.append((request_id, spec.budget, spec.width, tree.num_nodes))
-        return tree, dt
+    def draft_batch(self, jobs):
+        out = []
+        for job, res in zip(jobs, self.service.draft_batch(jobs)):
+            if not isinstance(res, BaseException):
+                res = self.trim(job, *res)
+                self.seen.append((job.request_id, job.spec.budget, job.spec.width, res[0].num_nodes))
+            out.append(res)
+        return out
+
+    def trim(self, job, tree, timings):
+        return tree, timings
 
     def release(self, request_id):
         self.service.release(request_id)
@@ -134,14 +145,11 @@ class TrimmedOracle(SpyDrafter):
     """An :class:`OracleDrafter` (true path + wrong siblings, shuffled per depth) cut to the first
     ``spec.budget`` nodes: the budget decides how much of the true path survives, so rounds accept."""
 
-    def draft(self, request_id, committed_ids, features, root_token, start, spec, max_depth=None):
+    def trim(self, job, tree, timings):
         from services.tree.draft_tree import tree_from_parents
 
-        tree, dt = self.service.draft(request_id, committed_ids, features, root_token, start, spec, max_depth)
-        n = spec.budget
-        tree = tree_from_parents(tree.draft_tokens[:n].tolist(), tree.parents[:n].tolist())
-        self.seen.append((request_id, spec.budget, spec.width, tree.num_nodes))
-        return tree, dt
+        n = job.spec.budget
+        return tree_from_parents(tree.draft_tokens[:n].tolist(), tree.parents[:n].tolist()), timings
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +184,8 @@ def test_greedy_output_is_unchanged_under_the_schedule(tiny, drafter):
     by round, the output stays token-for-token plain greedy. ``dartree``: the real DARTree drafter
     (random weights: B and W shape every tree, nothing is accepted); ``oracle``: B cuts a true path
     (rounds accept, so KV compaction runs under every budget)."""
-    from services.testing import OracleDrafter, greedy_reference
+    from services.testing import greedy_reference
+    from tests.doubles import OracleDrafter
     from services.verifier.engine import SpecEngine
     from services.verifier.worker import default_params
 

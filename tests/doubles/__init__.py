@@ -1,0 +1,20 @@
+"""Test doubles with the production interfaces: scripted drafter clients and a scripted engine.
+
+- :mod:`tests.doubles.drafters`: :class:`OracleDrafter`, :class:`RandomDrafter`,
+  :class:`FullTreeDrafter`: drafter clients (``submit`` / ``collect`` / ``discard`` / ``release`` /
+  ``info``) whose trees are scripted per job, so the engine runs its production path on them.
+- :mod:`tests.doubles.engine`: :class:`FakeEngine` (batched steps of scripted rounds) and
+  :class:`FakeDrafterService` (the drafter worker's service over chain trees).
+"""
+
+from tests.doubles.drafters import (
+    DraftCall,
+    FullTreeDrafter,
+    OracleDrafter,
+    RandomDrafter,
+    ScriptedDrafterClient,
+)
+from tests.doubles.engine import FakeDrafterService, FakeEngine, FakeRound
+
+__all__ = ["DraftCall", "FakeDrafterService", "FakeEngine", "FakeRound", "FullTreeDrafter", "OracleDrafter",
+           "RandomDrafter", "ScriptedDrafterClient"]
