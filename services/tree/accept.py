@@ -2,6 +2,17 @@
 
 Sources: ``follow_verified_tree`` (DART/DDT, algorithms.md §5) and standard speculative rejection
 sampling (DeepSpec ``utils/sampling.py``, algorithms.md §3).
+
+Sampling at T > 0 is counter-based: the token at absolute position ``t`` is drawn by inverse CDF
+with the uniform ``position_uniforms(seed, t)``, a hash of ``(seed, t)``. Every verify row is
+sampled with the uniform of the position it predicts (``start + depth + 1``) and :func:`walk`
+accepts a draft node iff it equals its parent row's sample ("typical acceptance by exact match").
+The accepted path is then, token for token, what plain decoding with the same seed emits: each
+emitted token is the inverse-CDF sample of the target distribution given the emitted prefix, with a
+uniform no other position uses. So the walk is lossless (the tokens are plain target samples), and a
+seeded request's tokens depend on (prompt, sampling params, seed) only, never on the drafted tree,
+the verify rows per round, the method or the batch. Sibling rows share their depth's uniform; only
+one of them can lie on the accepted path, so no emitted token reuses a uniform.
 """
 
 from __future__ import annotations
@@ -33,12 +44,15 @@ class AcceptResult:
 
 
 def sample_target_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                         generator: torch.Generator | None = None) -> Tensor:
-    """One target token per verify row: argmax at ``temperature == 0``, else one independent sample.
+                         generator: torch.Generator | None = None, uniforms: Tensor | None = None) -> Tensor:
+    """One target token per verify row: argmax at ``temperature == 0``, else one sample per row.
 
     Args:
         logits: ``[R, V]`` target logits (R = N + 1 verify rows).
-        temperature: >= 0; top_p in (0, 1]; top_k >= 0 (0 = off); generator: per-request RNG.
+        temperature: >= 0; top_p in (0, 1]; top_k >= 0 (0 = off).
+        generator: RNG for rows without ``uniforms`` (independent draws).
+        uniforms: ``[R]`` float in [0, 1), row i's inverse-CDF uniform (:func:`position_uniforms`);
+            when given, the samples are a deterministic function of the logits and these.
     Returns:
         ``[R]`` long token ids.
     """
@@ -46,19 +60,55 @@ def sample_target_tokens(logits: Tensor, temperature: float, top_p: float = 1.0,
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
     probs = target_probs(logits, temperature, top_p, top_k)
-    return sample_rows(probs, generator)
+    return sample_rows(probs, generator, uniforms)
 
 
-def sample_rows(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def sample_rows(probs: Tensor, generator: torch.Generator | None = None, uniforms: Tensor | None = None) -> Tensor:
     """One sample per row of ``probs [R, V]`` by inverse-CDF (cumsum + searchsorted).
 
     Same distribution as ``torch.multinomial(probs, 1)`` at a fraction of its cost on CPU (one
     uniform per row instead of a per-row alias/sort pass); zero-probability tokens are never drawn.
+    The uniforms come from ``uniforms [R]`` (values in [0, 1)) when given, else from ``generator``.
     """
     cdf = probs.float().cumsum(dim=-1)  # [R, V]
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device) * cdf[:, -1:]
+    total = cdf[:, -1:]  # [R, 1]
+    if uniforms is None:
+        uniforms = torch.rand(probs.shape[0], generator=generator, device=probs.device)
+    assert uniforms.shape == (probs.shape[0],), "uniforms must be [R]"
+    u = uniforms.to(device=probs.device, dtype=torch.float32)[:, None] * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the last step
     idx = torch.searchsorted(cdf, u, right=True).squeeze(1)
     return idx.clamp(max=probs.shape[-1] - 1)
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection of 64-bit ints that scrambles every bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniforms(seed: int, positions: Tensor) -> Tensor:
+    """Counter-based uniforms: entry i is a function of ``(seed, positions[i])`` alone.
+
+    The ``t``-th output of a SplitMix64 stream keyed by the mixed seed, reduced to 24 bits (exact in
+    float32, so the value is the same on every device and never rounds up to 1).
+
+    Args:
+        seed: any int (taken modulo 2**64, so the API's signed 64-bit range maps one to one).
+        positions: ``[R]`` long absolute token positions (>= 0).
+    Returns:
+        ``[R]`` float32 on the CPU, values in ``[0, 1)`` in steps of 2**-24.
+    """
+    assert positions.ndim == 1, "positions must be [R]"
+    key = _mix64((seed + _GOLDEN64) & _MASK64)
+    uniq, inverse = torch.unique(positions.cpu(), return_inverse=True)
+    vals = [(_mix64((key + (int(t) + 1) * _GOLDEN64) & _MASK64) >> 40) * 2.0**-24 for t in uniq.tolist()]
+    return torch.tensor(vals, dtype=torch.float32)[inverse]
 
 
 def target_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:

@@ -24,6 +24,7 @@ import torch
 from services.drafter.service import METHODS
 from services.protocol import LOGPROB_FLOOR, MAX_TOP_LOGPROBS
 from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
+from services.tree.accept import position_uniforms
 from services.tree.batch import Segment, causal_segment
 from services.verifier.drafter_client import DraftJob, DrafterClient
 from services.verifier.policy import Drafted, FixedPolicy, RoundInfo
@@ -155,7 +156,7 @@ class _Request:
     skip_round: bool = False           # the policy chose a plain round (decided before the batched draft)
     prefill_seconds: float = 0.0
     generated: int = 0
-    generator: torch.Generator | None = None
+    sample_seed: int = 0               # T > 0: the token at position t is drawn with position_uniforms(sample_seed, t)
 
     @property
     def decoding(self) -> bool:
@@ -327,12 +328,11 @@ class SpecEngine:
             raise ValueError(f"method {spec.method!r} needs a drafter; this server runs without one")
         if self.runner.cache.num_free() == 0:
             raise ValueError(f"all {self.config.max_running} KV slots are in use (max_running)")
-        gen = None
-        if sampling.temperature > 0:
-            gen = torch.Generator(device=self.target.device)
-            gen.manual_seed(sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        seed = sampling.seed  # unseeded T > 0: a seed from torch's global RNG (torch.manual_seed fixes it)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item()) if sampling.temperature > 0 else 0
         self._reqs[request_id] = _Request(list(prompt_ids), sampling, spec, slot=self.runner.cache.alloc(),
-                                          generator=gen)
+                                          sample_seed=seed)
 
     def abort(self, request_id: str) -> None:
         """Free a request's KV slot and drafter context (idempotent)."""
@@ -480,9 +480,14 @@ class SpecEngine:
             p.timings["verify"] = step.seconds
         return [(step.logits[s:e], step.features[a:b]) for (s, e), a, b in zip(spans, cu[:-1], cu[1:])]
 
-    def _sample(self, req: _Request, logits: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _sample(req: _Request, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``logits [R, V]``; row i predicts the token at absolute position
+        ``positions[i]`` (``[R]`` long) and, at T > 0, draws it with that position's uniform, so a
+        seeded request's tokens do not depend on how many rows a round verifies (accept.py)."""
         s = req.sampling
-        return sample_target_tokens(logits, s.temperature, s.top_p, s.top_k, req.generator)
+        u = None if s.temperature == 0 else position_uniforms(req.sample_seed, positions)
+        return sample_target_tokens(logits, s.temperature, s.top_p, s.top_k, uniforms=u)
 
     def _emit(self, req: _Request, tokens: list[int]) -> tuple[list[int], str | None]:
         """Commit semantics: cut at the first terminator (excluded) or when max_tokens is reached."""
@@ -589,7 +594,7 @@ class SpecEngine:
             return self._finish_chunk(item, logits, feats)
         t2 = time.perf_counter()
         buffers, timings = item.buffers, item.timings
-        target_tokens = self._sample(req, logits)
+        target_tokens = self._sample(req, logits, req.start + 1 + buffers.position_offsets)
         res = walk(buffers, target_tokens.cpu())
         self.runner.cache.commit(req.slot, req.start, res.accepted_rows)
         rows = res.accepted_rows
@@ -625,7 +630,7 @@ class SpecEngine:
         if not item.final_chunk:
             return None
         t0 = time.perf_counter()
-        first = int(self._sample(req, logits)[0])
+        first = int(self._sample(req, logits, torch.tensor([len(req.prompt_ids)]))[0])
         req.start, req.root = len(req.prompt_ids), first
         req.ctx_ids = list(req.prompt_ids)
         req.ctx_feats = torch.cat(req.chunk_feats) if len(req.chunk_feats) > 1 else req.chunk_feats[0]
