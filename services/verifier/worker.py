@@ -1,13 +1,12 @@
-"""The verifier process: request table, FIFO admission, fair round-robin over ``SpecEngine.step``.
+"""The verifier process: request table, FIFO admission, one batched ``SpecEngine.step_batch`` per loop.
 
 Loop (R11), on the compute thread: recv (drain the inbox filled by the gateway I/O thread) ->
-schedule (admit FIFO while fewer than ``max_running`` run; pick the next running request,
-round-robin) -> run one ``engine.step`` (tree budget/width from ``--tree-schedule`` at the current
-running count, if set) -> send its :class:`RoundChunk`. Aborts take effect at the
-next round boundary and free the engine's KV cache and the drafter context. Hello and Ping are
-answered on the I/O thread (readiness never waits behind a round). ``_schedule`` returns a list so
-verifying several requests' trees in one forward can be added without changing the loop.
-Torch is imported by :func:`run_verifier_process` only.
+schedule (admit FIFO while fewer than ``max_running`` run; every running request, in an order
+that rotates each step) -> run one ``engine.step_batch`` (tree budget/width from
+``--tree-schedule`` at the current running count, if set) -> send each request's
+:class:`RoundChunk`. Aborts take effect at the next step boundary and free the engine's KV cache
+and the drafter context. Hello and Ping are answered on the I/O thread (readiness never waits
+behind a step). Torch is imported by :func:`run_verifier_process` only.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from services.protocol import (
     check_compatible,
     check_hello_version,
 )
-from services.runtime import WEIGHT_CHOICES, check_dtype, request_id_var
+from services.runtime import WEIGHT_CHOICES, check_dtype
 from services.verifier.remote_drafter import DrafterError, DrafterUnavailable
 from services.verifier.schedule import MAX_BUDGET, parse_tree_schedule
 from services.wire import Decoded
@@ -268,10 +267,8 @@ class VerifierWorker:
         self._recv(block=not self._has_work(), timeout=idle_timeout)
         self._admit()
         order = self._schedule()
-        if order and hasattr(self.engine, "step_batch"):
+        if order:
             self._step_batch(order)
-        elif order:  # an engine without batched steps: one request per iteration, round-robin
-            self._step(order[0])
         self._update_gauges()
         if not self._has_work():
             self._check_drafter()
@@ -383,7 +380,7 @@ class VerifierWorker:
                     self._drop(rid)
                     self._step_failed(entry, exc)
             return
-        self._observe_step(getattr(self.engine, "last_step", None))
+        self._observe_step(self.engine.last_step)
         for rid, out in results.items():
             entry = self._running[rid]
             if not entry.started:
@@ -396,7 +393,7 @@ class VerifierWorker:
                 self._deliver(rid, entry, out)
 
     def _observe_step(self, st) -> None:
-        if st is None or not st.requests:
+        if not st.requests:
             return
         m = self.metrics
         m.step_requests.observe(st.requests)
@@ -405,24 +402,8 @@ class VerifierWorker:
         m.drafter_wait.inc(st.draft_wait_seconds)
         m.drafter_busy.inc(st.draft_seconds)
         m.round_seconds.labels("step").observe(st.forward_seconds)
-        if getattr(st, "decoding", 0):
+        if st.decoding:
             m.observe_policy_step(st.speculating, st.predicted_seconds, st.wall_seconds)
-
-    def _step(self, rid: str) -> None:
-        entry = self._running[rid]
-        token = request_id_var.set(rid)
-        try:
-            if not entry.started:
-                entry.started = True
-                self.metrics.queue.observe(time.monotonic() - entry.arrival)
-            out = self.engine.step(rid, tree_knobs=self.tree_knobs())
-        except Exception as exc:  # the engine already freed the request
-            self._drop(rid)
-            self._step_failed(entry, exc)
-            return
-        finally:
-            request_id_var.reset(token)
-        self._deliver(rid, entry, out)
 
     def _deliver(self, rid: str, entry: _Entry, out) -> None:
         """Count a request's round and send its chunk (dropping it first when it finished)."""
