@@ -50,7 +50,7 @@ from services.runtime import WEIGHT_CHOICES, default_weights
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 QUICK_PROMPTS, QUICK_TOKENS = 4, 96  # sized to finish in ~45 min on the 2-core CI-class CPU
 FULL_TOKENS = 2048
-# Reference sample counts (algorithms.md §6; ShareGPT stands in for Alpaca's 128).
+# Reference sample counts (docs/algorithms.md §6; ShareGPT stands in for Alpaca's 128).
 FULL_COUNTS = {"gsm8k": 128, "math500": 128, "aime25": 30, "humaneval": 164, "mt-bench": 80, "sharegpt": 128}
 SWEEP_DEFAULTS = {"width": [4, 8, 12, 16], "budget": [8, 16, 32, 64], "depth_bonus": [0.0, -0.1, -0.2, -0.4],
                   "candidates": [16, 32, 64, 128]}
@@ -302,7 +302,7 @@ class Bench:
                 + ([cfg["spec_policy"]] if cfg.get("spec_policy", "fixed") != "fixed" else [])
                 + (["compiled"] if cfg.get("compile") else [])
                 # drafts made by a drafter in another dtype than the activations' (float32 next to q4 /
-                # bfloat16 on a CPU without native bf16 since 2026-12-02; older cells made there by a
+                # bfloat16 on a CPU without native bf16 since v0.7; older cells made there by a
                 # bfloat16 drafter are not reused)
                 + ([f"drafter:{ddt}"] if drafter != "no drafter" and ddt != str(self.engine_dtype).removeprefix(
                     "torch.") else [])).encode()).hexdigest()[:8]
@@ -685,7 +685,7 @@ def _print_table(res: dict, cfg: dict) -> None:
 
 
 def llama_ratios(res: dict) -> dict[str, float]:
-    """``{"T=<t>": ar decode tokens/s / llama-cpp's}`` (mean over datasets; the issue-16 goal is >= 0.6)."""
+    """``{"T=<t>": ar decode tokens/s / llama-cpp's}`` (mean over datasets; the goal is >= 0.6)."""
     lat, out = res.get("latency", {}), {}
     for key, v in lat.items():
         m, t = key.rsplit("@", 1)

@@ -1,4 +1,4 @@
-"""Draft cost and replayed τ of one drafter cut to frequency-ranked draft vocabularies (issue 14).
+"""Draft cost and replayed τ of one drafter cut to frequency-ranked draft vocabularies.
 
 For each draft vocabulary size N (0 = the full vocabulary) the drafter is cut to the N most
 frequent ids of ``--counts`` (``python -m services.training.vocab``) WITHOUT retraining

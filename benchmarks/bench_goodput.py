@@ -1,11 +1,11 @@
-"""Goodput policy vs ``ar`` vs fixed budgets, side by side in one process (issue 13).
+"""Goodput policy vs ``ar`` vs fixed budgets, side by side in one process.
 
 In-process batched serving without HTTP: the engine's ``step_batch`` with ``c`` requests in flight
 (a finished request is replaced by the next prompt), as the verifier worker runs it. Per
 (dataset, c, setting): aggregate tokens/s (emitted tokens / wall time of the level), tau, the
 fraction of rounds without a drafter call, and the calibration error of the goodput policy
 (per request, over its rounds after the first 8: |mean predicted tau - mean realised tau|,
-the issue's goal, and the mean per-round |predicted - realised|, which a round's randomness keeps high). T = 0 output
+the calibration goal, and the mean per-round |predicted - realised|, which a round's randomness keeps high). T = 0 output
 of every setting is checked token for token against ``ar``.
 
     python -m benchmarks.bench_goodput --datasets gsm8k --concurrency 1 4 --prompts 4 --max-tokens 64 \\

@@ -12,7 +12,7 @@ Two runners, one record format:
 - :func:`benchmarks.bench_llama.llama_runner` runs llama.cpp (``llama-cpp``) on the GGUF file the
   default target is dequantized from, fed the same prompt ids, timed per token the same way.
 
-Clock rules (algorithms.md §6, as adopted here): the first engine step (prefill, emits token 1) is
+Clock rules (docs/algorithms.md §6, as adopted here): the first engine step (prefill, emits token 1) is
 TTFT; the decode clock covers the remaining steps; ``TPOT = decode time / tokens after the first``.
 Only the engine/``generate`` calls are inside the clock (bookkeeping between steps is not).
 ``tau`` of a round = tokens it emitted (bonus included), counting a terminator (EOS) the round

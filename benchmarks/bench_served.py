@@ -1,6 +1,6 @@
 """Served-path overhead: ``dartree serve`` (gateway + ZeroMQ + tensor transport) vs the in-process engine.
 
-Question answered (issue 5 §6): at batch 1, how much time per speculative round does serving add
+Question answered: at batch 1, how much time per speculative round does serving add
 over ``services.generate.build_inprocess`` (goal: <= 2 % of the round time), and how much time to
 first token does the gateway add (goal: <= 5 ms)?
 

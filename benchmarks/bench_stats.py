@@ -1,6 +1,6 @@
 """Aggregation for ``dartree bench``: cell summaries, speedups, the lossless check, and results.md.
 
-Definitions (algorithms.md §6):
+Definitions (docs/algorithms.md §6):
 
 - ``tau``: per sample (one (prompt, turn)) the mean tokens emitted per speculative round, bonus
   included; the cell reports the macro mean over samples (``tau``) and the micro mean over rounds.

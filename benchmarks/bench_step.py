@@ -142,7 +142,7 @@ def measure_format(fmt: str, ids_prompt: str, a, compile: bool = False, peer=Non
                 "llama_cpp_prefill_ms": round(_median([r["prefill_ms"] for r in peer_runs]), 1),
                 "vs_llama_cpp": round(_median([r["ms_per_token"] for r in peer_runs]) / ar_ms, 2),
                 # each llama.cpp run right after one of ours: the median of those pairs' ratios is
-                # robust to this VM's drift of tens of percent over minutes
+                # robust to a VM's drift of tens of percent over minutes
                 "vs_llama_cpp_paired": round(_median([q["ms_per_token"] / r["ms_per_token"]
                                                       for q, r in zip(peer_runs, runs["ar"])]), 2)}
                if peer_runs else {})}, ids

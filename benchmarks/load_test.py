@@ -22,7 +22,7 @@ Usage::
 
     # against a server that is already running (pass its supervisor pid for the RSS figures)
     python -m benchmarks.load_test --url http://127.0.0.1:8000 --server-pid <pid of `dartree serve`>
-    # the full run of issue 7 (SmolLM2 + the shipped drafter; starts and stops its own server)
+    # the full run (SmolLM2 + the shipped drafter; starts and stops its own server)
     python -m benchmarks.load_test --serve --clients 32 --duration 180 --warmup 30
     # CI smoke (tiny random models; see tests/reliability/test_load.py)
     python -m benchmarks.load_test --serve --target DIR --drafter DIR --clients 8 --duration 60

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14 item 2: drafters TRAINED at each draft vocabulary size on the same budget.
+# Drafters TRAINED at each draft vocabulary size on the same budget.
 # Each size warm-starts from the same full-vocabulary export (--init-from; a reduced size keeps the
 # logits of its ids, so all start at the same tau), then trains STEPS steps on the same shards, seed,
 # lr / lambda schedule and thread count; the final held-out replayed tau (B = 8 and 64) is the last

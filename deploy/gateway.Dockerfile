@@ -1,4 +1,4 @@
-# DARTree gateway: FastAPI + tokenizer + ZMQ client. No torch (style.md R16; tests/test_layering.py).
+# DARTree gateway: FastAPI + tokenizer + ZMQ client. No torch (docs/design.md "Layering"; tests/test_layering.py).
 # Build from the repository root:  docker build -f deploy/gateway.Dockerfile -t dartree-gateway .
 FROM python:3.11-slim
 

@@ -5,7 +5,7 @@ handshakes (refusing a mismatched verifier), pings for readiness, fails every in
 fast when the verifier disconnects, restarts (new epoch) or stops answering, and sends an
 :class:`~services.protocol.Abort` when a consumer stops early (client disconnect, deadline, stop
 string). :class:`InprocEngineClient` is the same interface over an in-process verifier worker
-(tests, debugging; style.md R15). Torch-free.
+(tests, debugging; docs/design.md "Two transports"). Torch-free.
 """
 
 from __future__ import annotations

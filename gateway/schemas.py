@@ -3,7 +3,7 @@
 Types are strict (``"5"`` is not an int) and ranges are checked here, so the verifier only ever
 sees well-formed requests. Fields that would change the output but are not implemented exactly
 under tree speculation are rejected by :func:`unsupported_field` with a 400 naming the field,
-never silently ignored (serving.md §2.1). Unknown fields that do not change the output are ignored.
+never silently ignored (docs/design.md "Refuse, never ignore"). Unknown fields that do not change the output are ignored.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Rules a captured callable must follow (PyTorch's, restated):
   overwrites them; clone what must outlive it.
 
 Off CUDA (CPU tensors, or ``enabled=False`` / ``DARTREE_CUDA_GRAPHS=0``) every class here calls the
-callable eagerly with the same signature, so callers have one code path and a switch back (R19).
+callable eagerly with the same signature, so callers have one code path and a switch back (docs/design.md "Reference and switch").
 
 Used by :class:`services.verifier.runner.ModelRunner` (``cuda_graphs``; on by ``compile`` on a CUDA
 target): a step is keyed by its :class:`~services.tree.batch.StepBucket` (segments, rows per segment,

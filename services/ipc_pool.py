@@ -4,7 +4,7 @@ Both paths sit behind :class:`TensorTransport`:
 
 - :class:`FrameTransport` (CPU, or GPUs that cannot share memory): each tensor becomes one ZMQ side
   frame described by ``TensorMeta(dtype, shape)``; the receiver views the frame without copying.
-- :class:`CudaIpcTransport` (drafter and verifier on the same GPU, ``serving.md`` §1.5): each side
+- :class:`CudaIpcTransport` (drafter and verifier on the same GPU, docs/design.md "Co-located drafter and verifier"): each side
   pre-allocates a ring of equal slots on the GPU and exports its CUDA-IPC handle **once** in the
   handshake (``PeerInfo.pool``); the peer opens it once. Per message only ``(slot, dtype, shape)``
   travels; the sender copies device-to-device into the slot and synchronises its stream before

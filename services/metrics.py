@@ -1,6 +1,6 @@
 """Speculative-decoding counters (plain ints) and the Prometheus adapters of each process.
 
-Every metric name is defined here once (architecture.md "Metrics", serving.md §3.6). Each process
+Every metric name is defined here once (docs/design.md "Metrics"). Each process
 owns a disjoint set and exports it from its own registry:
 
 - verifier: ``dartree_spec_*``, ``dartree_round_seconds{phase}``, ``dartree_request_queue_seconds``,
@@ -14,7 +14,7 @@ owns a disjoint set and exports it from its own registry:
   ``dartree_generation_tokens_total``, ``dartree_rejected_requests_total{reason}``;
 - drafter: ``dartree_drafter_*``; every process: ``dartree_ipc_errors_total{peer}``, ``dartree_info``.
 
-Counting convention (README "Metrics"; held by ``tests/reliability/test_counters.py``):
+Counting convention (docs/serving.md "Metrics"; held by ``tests/reliability/test_counters.py``):
 
 - ``dartree_generation_tokens_total`` (gateway) counts the completion tokens handed to clients:
   ``usage.completion_tokens`` of each non-streamed response, the tokens of each stream event

@@ -123,7 +123,7 @@ def on_stop_signals(drain: Callable[[], None], stop_now: Callable[[], None], sup
 
 
 def prepare_process(name: str, log_level: str, parent_pid: int | None) -> None:
-    """Everything a worker entry does first (R11): title, logging, parent-death guard."""
+    """Everything a worker entry does first (docs/design.md "Worker processes"): title, logging, parent-death guard."""
     set_process_title(name)
     setup_logging(log_level)
     exit_with_parent(parent_pid)

@@ -165,7 +165,7 @@ def tiny_drafter(target, seed: int = 1, std: float = 0.2, **kw):
 def tiny_dspark(target, seed: int = 1, std: float = 0.2, rank: int = 8, block_size: int = 7,
                 confidence: bool = False, num_layers: int = 1):
     """A random DSpark drafter for ``target``: backbone + Markov head ~ N(0, std) (norms 1), its own
-    embedding / lm_head copied from the target (algorithms.md §3)."""
+    embedding / lm_head copied from the target (docs/algorithms.md §3)."""
     import dataclasses
 
     from services.drafter.model import DFlashDrafter

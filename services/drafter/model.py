@@ -1,7 +1,7 @@
 """DFlash block-diffusion drafter and the Domino causal correction head (modules + checkpoint I/O).
 
 Sources: ZDF ``dflash/model.py``, DART ``utils/draft_model.py``, DOM ``code/dflash.py``
-(algorithms.md §1–§2). State-dict keys are unprefixed and match the released
+(docs/algorithms.md §1–§2). State-dict keys are unprefixed and match the released
 ``z-lab/Qwen3-4B-DFlash-b16`` / ``Huang2020/Qwen3-4B-Domino-b16`` checkpoints (load with
 ``strict=True``). The drafter has no embedding and no lm_head: both are borrowed from the target.
 """
@@ -20,7 +20,7 @@ from services.runtime import error_line
 
 
 def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
-    """``round(1 + i * (L - 4) / (n - 1))`` for ``i < n`` (single layer: ``L // 2``), algorithms.md §1.1."""
+    """``round(1 + i * (L - 4) / (n - 1))`` for ``i < n`` (single layer: ``L // 2``), docs/algorithms.md §1.1."""
     if n == 1:
         return [num_target_layers // 2]
     return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
@@ -51,7 +51,7 @@ class DrafterConfig:
     gru_hidden_dim: int = 256
     emb_dim: int = 128
     draft_vocab_size: int | None = None  # None = draft over the full target vocabulary (released layout)
-    # DSpark (projector_type "markov", algorithms.md §3): low-rank bigram head and optional confidence head
+    # DSpark (projector_type "markov", docs/algorithms.md §3): low-rank bigram head and optional confidence head
     markov_rank: int = 0
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = True
@@ -89,7 +89,7 @@ class DrafterConfig:
 
     @property
     def is_dspark(self) -> bool:
-        """A DSpark drafter: own embedding / lm_head copies and a vanilla Markov head (algorithms.md §3)."""
+        """A DSpark drafter: own embedding / lm_head copies and a vanilla Markov head (docs/algorithms.md §3)."""
         return self.projector_type == "markov"
 
     @property
@@ -99,7 +99,7 @@ class DrafterConfig:
         return "dspark" if self.is_dspark else "domino" if self.projector_type == "domino" else "dflash"
 
     def to_hf(self) -> dict:
-        """The released config.json layout (algorithms.md §1.1; DSpark's ``Qwen3DSparkModel`` layout, §3)."""
+        """The released config.json layout (docs/algorithms.md §1.1; DSpark's ``Qwen3DSparkModel`` layout, §3)."""
         if self.is_dspark:
             return self._to_hf_dspark()
         dc = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
@@ -125,7 +125,7 @@ class DrafterConfig:
 
     def _to_hf_dspark(self) -> dict:
         """DSpark's released config layout: top-level ``block_size``, ``mask_token_id``, ``target_layer_ids``,
-        Markov / confidence head fields, ``rope_parameters`` (DSPK ``config/dspark``; algorithms.md §3)."""
+        Markov / confidence head fields, ``rope_parameters`` (DSPK ``config/dspark``; docs/algorithms.md §3)."""
         return {
             "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3",
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -299,7 +299,7 @@ class DecoderLayer(nn.Module):
 class MarkovHead(nn.Module):
     """DSpark's vanilla Markov head: a rank-r bigram bias ``W2 . W1[prev]`` added to the base logits.
 
-    Keys (DSPK ``markov_head.py``, algorithms.md §3): ``markov_w1.weight [V, r]`` (an embedding of the
+    Keys (DSPK ``markov_head.py``, docs/algorithms.md §3): ``markov_w1.weight [V, r]`` (an embedding of the
     previous token) and ``markov_w2.weight [V, r]`` (a bias-free Linear r -> V).
     """
 
@@ -315,7 +315,7 @@ class MarkovHead(nn.Module):
 
 class ConfidenceHead(nn.Module):
     """DSpark's confidence head: ``proj`` = Linear(H [+ r] -> 1) with bias over ``[h_k; W1[x_{k-1}]]``
-    (algorithms.md §3). Its sigmoid predicts whether slot k's draft is accepted; a threshold > 0
+    (docs/algorithms.md §3). Its sigmoid predicts whether slot k's draft is accepted; a threshold > 0
     truncates the chain (not used by our methods: a longer tree costs little on the verify side)."""
 
     def __init__(self, in_dim: int):
@@ -336,7 +336,7 @@ class DFlashDrafter(nn.Module):
     id is in the draft vocabulary); ``embed_proj.2`` is ``[N, E]`` and the borrowed lm_head is cut to
     the N selected rows by the drafter service. Without it the state dict is the released one.
 
-    DSpark (``config.projector_type == "markov"``, DSPK ``qwen3/modeling.py``, algorithms.md §3): the
+    DSpark (``config.projector_type == "markov"``, DSPK ``qwen3/modeling.py``, docs/algorithms.md §3): the
     same backbone keys plus its own frozen copies ``embed_tokens.weight [V, H]`` and ``lm_head.weight
     [V, H]`` of the target's, ``markov_head.markov_w{1,2}.weight [V, r]`` and, when
     ``enable_confidence_head``, ``confidence_head.proj.{weight [1, H + r], bias [1]}``.
@@ -431,7 +431,7 @@ class DFlashDrafter(nn.Module):
             h = layer(h, pos, k, v, ctx_mask)
         return self.norm(h)
 
-    # ----- Domino head pieces (algorithms.md §2.1, §2.3) -----
+    # ----- Domino head pieces (docs/algorithms.md §2.1, §2.3) -----
     def head_split(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(W_z [E, H], W_s [E, G], W_out [V, E])``: embed_proj.0 split into drafter and GRU columns."""
         w0 = self.embed_proj[0].weight

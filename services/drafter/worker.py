@@ -1,6 +1,6 @@
 """The drafter process: a ROUTER on an I/O thread, a compute loop calling :class:`DrafterService`.
 
-Loop (R11): recv (inbox queue) -> dispatch by message type (HELLO, DRAFT, RELEASE) -> compute ->
+Loop (docs/design.md "Worker processes"): recv (inbox queue) -> dispatch by message type (HELLO, DRAFT, RELEASE) -> compute ->
 send (through the I/O thread). PINGs are answered on the I/O thread so liveness never waits behind
 a draft. A malformed message is logged, counted and dropped; an exception inside a draft becomes an
 error reply for that request only. Torch is imported by :func:`run_drafter_process`, not at import.

@@ -1,4 +1,4 @@
-"""The training's held-out estimate: the engine's replayed τ on held-out prompts (issue 14).
+"""The training's held-out estimate: the engine's replayed τ on held-out prompts.
 
 Last time the teacher-forced chain estimate misled (it sees chains only, on teacher-forced
 contexts); this runs what ``dartree bench --tau-replay`` runs -- the engine's drafter service and

@@ -1,6 +1,6 @@
 """``dartree train-drafter``: train a DFlash backbone + Domino head on self-distilled target data.
 
-Training semantics (algorithms.md §1.3, §2.1): random anchors a in the response of each sequence;
+Training semantics (docs/algorithms.md §1.3, §2.1): random anchors a in the response of each sequence;
 block = [token at a, MASK x (block_size - 1)] at positions a .. a + block_size - 1; context =
 target features of positions < a only; shift-label targets tokens a + 1 .. a + block_size. Loss =
 (1 - lambda) * CE(corrected) + lambda * CE(base), lambda decayed linearly; the target stays frozen
@@ -109,7 +109,7 @@ class Trainer:
             loss_base = (ce_base * w).sum() / w.sum()
             stats = {"acc_base": self._chain_tau(base, labels)}
             if m.has_markov:
-                # DSpark (algorithms.md §3): logits_k = base_k + W2 . W1[x_{a+k}] (teacher-forced prev tokens);
+                # DSpark (docs/algorithms.md §3): logits_k = base_k + W2 . W1[x_{a+k}] (teacher-forced prev tokens);
                 # loss = ce * CE + l1 * L1, where L1 = |softmax - onehot(label)|_1 = 2 (1 - p_label) (the labels
                 # are the target's greedy tokens, so its distribution is taken as one-hot), rows weighted
                 # exp(-k / gamma) (the DSpark recipe: gamma 4, ce 0.1, l1 0.9).
@@ -244,7 +244,7 @@ def build_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--layers", type=int, default=3, help="drafter transformer layers (default: 3)")
     ap.add_argument("--dspark", action="store_true",
                     help="train a DSpark drafter (own frozen embedding / lm_head copies, vanilla Markov head, "
-                         "algorithms.md §3) instead of DFlash + Domino; with --init-from, the DFlash backbone is "
+                         "docs/algorithms.md §3) instead of DFlash + Domino; with --init-from, the DFlash backbone is "
                          "warm-started and the Markov head starts at zero")
     ap.add_argument("--block-size", type=int, default=None,
                     help="block rows, >= 2 (default: 16; 7 with --dspark, the released DSpark block); a --resume "
@@ -286,7 +286,7 @@ def build_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--log-every", type=int, default=50, help="append step, lr, lambda, loss to train_log.jsonl every N steps")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
-                    help="bf16 autocast (slower than fp32 on the 2-core CPU measured 2026-11-30)")
+                    help="bf16 autocast (slower than fp32 on the 2-core CPU it was measured on)")
     ap.add_argument("--resume", action="store_true",
                     help="continue from <work-dir>/ckpt.pt (model, optimiser, step, schedule, data position, RNG)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: 0 = torch's)")
@@ -613,7 +613,7 @@ def run(a) -> None:
             loss.backward()
             if not torch.isfinite(torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)):
                 bad = "gradient norm"
-        if bad:  # one bad row must not turn every weight into NaN (session 12 lost a run to it): skip it
+        if bad:  # one bad row must not turn every weight into NaN (it once cost a whole run): skip it
             opt.zero_grad(set_to_none=True)
             skipped += 1
             print(f"[train] step {step}: non-finite {bad} on {stream.last()}: row skipped ({skipped} so far)",

@@ -15,7 +15,7 @@ Glossary (shapes in comments use these symbols):
   *emitted* tokens of a round = accepted + bonus.
 - ``accept_length`` counts accepted draft tokens (bonus excluded), so a round emits
   ``accept_length + 1`` tokens. The paper's mean acceptance length tau includes the bonus.
-- Aliases used by the DARTree reference code (algorithms.md): ``visibility`` -> ``tree_mask``,
+- Aliases used by the DARTree reference code (docs/algorithms.md): ``visibility`` -> ``tree_mask``,
   ``node_tokens`` -> ``draft_tokens``, ``node_depths`` -> ``depths``, ``child_maps`` -> derived
   by :func:`walk` on the fly.
 """

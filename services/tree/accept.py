@@ -1,7 +1,7 @@
 """Acceptance: the tree walk (greedy or one target sample per node) and chain rejection sampling.
 
-Sources: ``follow_verified_tree`` (DART/DDT, algorithms.md §5) and standard speculative rejection
-sampling (DeepSpec ``utils/sampling.py``, algorithms.md §3).
+Sources: ``follow_verified_tree`` (DART/DDT, docs/algorithms.md §5) and standard speculative rejection
+sampling (DeepSpec ``utils/sampling.py``, docs/algorithms.md §3).
 
 Sampling at T > 0 is counter-based: the token at absolute position ``t`` is drawn by inverse CDF
 with the uniform ``position_uniforms(seed, t)``, a hash of ``(seed, t)``. Every verify row is

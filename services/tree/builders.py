@@ -1,7 +1,7 @@
 """Chain and DDTree builders, and the sequential (chain) rollout of a correction head.
 
 Sources: DFlash chain (ZDF ``dflash/model.py``), DDTree ``build_ddtree_tree`` (DDT ``ddtree.py``,
-algorithms.md §4), Domino chain rollout (DART ``spec_generate``, algorithms.md §2.2).
+docs/algorithms.md §4), Domino chain rollout (DART ``spec_generate``, docs/algorithms.md §2.2).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def chain_rollout(base_logits: Tensor, scorer: TreeScorer, root_token: int, pure
     """Sequential Domino chain: each slot's corrected logits condition on the tokens picked so far.
 
     Slot ``s < pure_draft_prefix_len`` uses the base logits alone; later slots add the scorer's
-    bias computed from the state after ``[root, d_1 .. d_s]`` (algorithms.md §2.2).
+    bias computed from the state after ``[root, d_1 .. d_s]`` (docs/algorithms.md §2.2).
 
     Args:
         base_logits: ``[D, V]`` drafter (backbone) logits, slot ``s`` predicts depth ``s + 1``.

@@ -1,6 +1,6 @@
 """DARTree supertree construction (pruned and fixed), its slow reference, and the seq-heap ablation.
 
-Source: DART ``eval_dartree.py`` ``build_dartree_supertree`` @5bb3240e (algorithms.md §2.3) and
+Source: DART ``eval_dartree.py`` ``build_dartree_supertree`` @5bb3240e (docs/algorithms.md §2.3) and
 the paper's §3 (Lemma 1 for the top-B prune). Python loops run over depths, never over nodes.
 """
 

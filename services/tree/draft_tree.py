@@ -94,7 +94,7 @@ class VerifyBuffers:
 
 
 def derive_buffers(tree: DraftTree, root_token: int) -> VerifyBuffers:
-    """Derive the tree attention mask, position offsets and paths of a tree (one function, R2).
+    """Derive the tree attention mask, position offsets and paths of a tree (one function: docs/design.md "One tree representation").
 
     Worked example: root ``r`` with children ``a`` (node 0) and ``b`` (node 1), and ``c`` (node 2)
     below ``a``: ``parents = [-1, -1, 0]``, ``depths = [1, 1, 2]``. Verify rows are

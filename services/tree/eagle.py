@@ -6,7 +6,7 @@ further step the k frontier nodes are expanded (one drafter call for all of them
 its top-k children (P * k candidates, all kept as nodes), the next frontier is the global top-k
 candidates by path log-probability; finally the top-B nodes by path score are kept (ties: lower
 index first), which is prefix-closed because log-probabilities are <= 0. The model call is a
-callback, so this module never sees a model (style.md R1).
+callback, so this module never sees a model (docs/design.md "Pure tree algorithms").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A scorer carries a per-node state (a GRU state for Domino, the previous token's low-rank
 embedding for a DSpark-style Markov head). The tree builders only ever call these three methods,
-so the tree code never sees a model (style.md R1).
+so the tree code never sees a model (docs/design.md "Pure tree algorithms").
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class TableScorer:
 
 
 class MarkovScorer:
-    """DSpark-style stateless bigram head: bias ``= W2[c] . W1[prev_token]`` (algorithms.md §3).
+    """DSpark-style stateless bigram head: bias ``= W2[c] . W1[prev_token]`` (docs/algorithms.md §3).
 
     Args:
         w1: ``[V, r]`` embedding of the previous token (``markov_head.markov_w1.weight``).

@@ -1,4 +1,4 @@
-"""Calibrated acceptance of draft nodes for the goodput policy (issue 13, item 2).
+"""Calibrated acceptance of draft nodes for the goodput policy.
 
 For a draft node ``i`` let ``A_i`` = "node i and all its ancestors are accepted" (it lies on the
 accepted path). A round emits ``1 + sum_i A_i`` tokens, so ``E[emitted | tree] = 1 + sum_i P(A_i)``.

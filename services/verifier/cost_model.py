@@ -1,4 +1,4 @@
-"""Step cost model of the goodput policy: predicted seconds of a batched step (issue 13, item 1).
+"""Step cost model of the goodput policy: predicted seconds of a batched step.
 
 Pure (no torch, no models). A step costs
 

@@ -7,7 +7,7 @@ resident memory follows the contexts actually used; :meth:`SlotKVCache.prepare` 
 slot's columns up to the length a step reads before they are read the first time, so attention
 never sees uninitialised memory — a NaN there would survive a zero attention weight). A step writes its rows from
 each slot's committed length on (:mod:`services.tree.batch`), :meth:`SlotKVCache.commit` then
-compacts the accepted rows in place (DART/DDT ``compact_dynamic_cache``, algorithms.md §5) and
+compacts the accepted rows in place (DART/DDT ``compact_dynamic_cache``, docs/algorithms.md §5) and
 sets the slot's length. Freeing a slot only resets its length: nothing is read past a length.
 """
 

@@ -418,7 +418,7 @@ class GoodputPolicy:
 def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sweep: bool = True,
                        **kw) -> GoodputPolicy:
     """A :class:`GoodputPolicy` whose cost model starts from a timed sweep (``time_forward(rows)`` ->
-    seconds), taken from the per-machine cache under ``key`` when one is there (issue 13, item 1).
+    seconds), taken from the per-machine cache under ``key`` when one is there.
 
     The sweep takes a few seconds (5 row counts, a warm-up and 3 timed forwards each) and is logged.
     A cached sweep is used only while it is :func:`~services.verifier.cost_model.plausible` and

@@ -1,6 +1,6 @@
 """The target model: prefill, one-forward tree verify with a 4-D tree mask, and KV compaction.
 
-Source: DART/DDT ``prepare_tree_attention_inputs``, ``compact_dynamic_cache`` (algorithms.md §5).
+Source: DART/DDT ``prepare_tree_attention_inputs``, ``compact_dynamic_cache`` (docs/algorithms.md §5).
 Features for the drafter are the outputs of ``target_layer_ids`` decoder layers, taken with
 forward hooks (DART's approach: no ``output_hidden_states`` materialisation).
 """
