@@ -56,6 +56,7 @@ class PackedLinear(nn.Linear):
 
     _packs: dict[int, Tensor]
     _packed_version: int
+    _lazy: tuple[int, ...] = ()  # row counts packed on their first call (``pack_linears(lazy=True)``)
 
     def add_rows(self, rows: Iterable[int]) -> int:
         """Pack the weight for each row count in ``rows`` not packed yet; returns bytes added.
@@ -78,20 +79,23 @@ class PackedLinear(nn.Linear):
         return added
 
     def _rows_for(self, m: int) -> int | None:
-        for r in sorted(self._packs):
+        for r in sorted(set(self._packs) | set(self._lazy)):
             if m <= r:
                 return r if 2 * m > r else None
         return None
 
     def forward(self, x: Tensor) -> Tensor:
         packs = self._packs
-        if packs and x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32 \
+        if (packs or self._lazy) and x.device.type == "cpu" and x.dtype == torch.float32 and self.weight.dtype == torch.float32 \
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             if torch.compiler.is_compiling():  # traced: one opaque op (inductor cannot lower an eager pack)
                 y = torch.ops.dartree.packed_linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
                 return y.reshape(*x.shape[:-1], self.out_features)
             if self._packed_version != self.weight._version:  # weight changed in place: packs are stale
                 packs.clear()
+                if self._lazy:  # packed again from the current weight on the next calls
+                    self._packed_version = self.weight._version
+                    return self._packed(x)
             else:
                 return self._packed(x)
         return F.linear(x, self.weight, self.bias)
@@ -102,6 +106,9 @@ class PackedLinear(nn.Linear):
         r = self._rows_for(m) if m > 1 else None
         if r is None:
             return F.linear(x, self.weight, self.bias)
+        if r not in self._packs:  # a lazy row count's first call: pack now (about one call's own re-pack)
+            with torch.inference_mode(False), torch.no_grad():
+                self._packs[r] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), r)
         x2 = x.reshape(m, k)
         if r > m:
             x2 = torch.cat([x2, x2.new_zeros(r - m, k)])
@@ -111,7 +118,7 @@ class PackedLinear(nn.Linear):
         return y[:m].reshape(*x.shape[:-1], self.out_features)
 
     def _pack_valid(self) -> bool:
-        return bool(self._packs) and self._packed_version == self.weight._version
+        return bool(self._packs or self._lazy) and self._packed_version == self.weight._version
 
 
 def _pack_bytes(w: Tensor) -> int:
@@ -121,15 +128,19 @@ def _pack_bytes(w: Tensor) -> int:
     return w.numel() * w.element_size()
 
 
-def pack_linears(module: nn.Module, rows: Iterable[int]) -> int:
+def pack_linears(module: nn.Module, rows: Iterable[int], lazy: bool = False) -> int:
     """Convert every float32 CPU ``nn.Linear`` under ``module`` (itself included) to
     :class:`PackedLinear` packed for ``rows``; modules met twice (shared) are packed once.
 
     Args:
         module: a model (its linears are changed in place; parameters and keys are untouched).
         rows: row counts (``>= 2``) to pack for, e.g. ``[budget + 1]`` for a tree verify.
+        lazy: pack each row count on its first call instead of now, so the packs' memory follows
+            the row counts the engine really runs (each pack ~ the weight's size; packing costs
+            about what one unpacked call spends re-packing the weight anyway).
     Returns:
-        Approximate bytes of packed weights added (0 when MKL packing is unavailable or nothing qualified).
+        Approximate bytes of packed weights added now (0 when lazy, when MKL packing is
+        unavailable or nothing qualified); :func:`packed_bytes` counts what is packed later.
     Raises:
         ValueError: a row count < 2.
     """
@@ -148,20 +159,31 @@ def pack_linears(module: nn.Module, rows: Iterable[int]) -> int:
         if type(m) is nn.Linear:
             m.__class__ = PackedLinear
             m._packs, m._packed_version = {}, m.weight._version
-        if isinstance(m, PackedLinear):
+        if isinstance(m, PackedLinear) and lazy:
+            m._lazy = tuple(sorted(set(m._lazy) | set(rows)))
+            _PACKED[id(m.weight)] = m
+        elif isinstance(m, PackedLinear):
             added += m.add_rows(rows)
+    if lazy:
+        log.info("float32 GEMM weights pack on first use for %s rows (~%.0f MB each)", sorted(set(rows)),
+                 sum(_pack_bytes(m.weight) for m in module.modules() if isinstance(m, PackedLinear)) / 2**20)
     if added:
         log.info("packed float32 GEMM weights for %s rows: %.0f MB", sorted(set(rows)), added / 2**20)
     return added
 
 
 def packed_bytes(module: nn.Module) -> int:
-    """Bytes held by packed weights under ``module`` (each shared linear counted once)."""
+    """Bytes held by packed weights under ``module``: float32 MKL packs (one per packed row count)
+    and bfloat16 oneDNN packs, each shared linear counted once."""
     seen, total = set(), 0
     for m in module.modules():
-        if isinstance(m, PackedLinear) and id(m) not in seen:
-            seen.add(id(m))
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if isinstance(m, PackedLinear):
             total += len(m._packs) * _pack_bytes(m.weight)
+        elif isinstance(m, OneDNNLinear) and m._onednn_pack is not None:
+            total += _pack_bytes(m.weight)
     return total
 
 

@@ -20,10 +20,10 @@ Dense bfloat16 linears (all of them under ``bfloat16``, the lm_head under ``q4``
 oneDNN on CPU (:func:`services.cpu_gemm.pack_linears_bf16`): same results as ``F.linear``, without
 re-laying-out the weight on every call; each row independent of the step's row count.
 
-The default is chosen on the machine that serves (``--weights auto``): :func:`choose_weights` times
-a one-token step and a 9-row step of each available format (seconds, logged) and caches the winner
-per machine + torch + threads + model in ``<cache root>/weights_choice.json``: bfloat16 is 1.7x
-faster than float32 on one of our machines and slower on another (shared/design/measurements.md).
+The default is chosen on the machine that serves (``--weights auto``, :func:`choose_weights`, the
+rules in :mod:`services.weight_choice`): bfloat16 is 1.7x faster than float32 on a CPU with native
+bf16 and emulated (slower than both others) on an AVX2-only one; a measurement taken on a busy
+machine is rejected and never cached.
 
 Only this module knows the Q4_1 byte layout (ggml ``block_q4_1``: fp16 ``d``, fp16 ``m``, 16 bytes
 of nibbles; element ``j < 16`` is the low nibble of byte ``j``, element ``j + 16`` the high nibble).
@@ -31,12 +31,7 @@ of nibbles; element ``j < 16`` is the low nibble of byte ``j``, element ``j + 16
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import platform
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,9 +43,10 @@ log = logging.getLogger(__name__)
 
 from services.runtime import WEIGHT_CHOICES as CHOICES, WEIGHT_FORMATS as FORMATS, default_weights  # noqa: F401
 Q4_GROUP = 32  # elements per Q4_1 block (ggml QK4_1)
-# bumped when a format's kernels change (a cached ``auto`` choice is then measured again);
-# 2: bf16 linears pre-packed for oneDNN (services.cpu_gemm.pack_linears_bf16)
-KERNELS_VERSION = 2
+# bumped when a format's kernels or the way ``auto`` measures change (a cached choice is then
+# measured again); 2: bf16 linears pre-packed for oneDNN (services.cpu_gemm.pack_linears_bf16);
+# 3: candidates by CPU capability, interleaved timing, busy-machine measurements rejected
+KERNELS_VERSION = 3
 _Q4_1_BYTES = 20  # fp16 d + fp16 m + 16 bytes of nibbles
 # HF linear name inside a decoder layer -> GGUF tensor name inside ``blk.N``
 _GGUF_LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -342,68 +338,19 @@ def available_formats(target_dir: str | Path, device: str = "cpu") -> list[str]:
     return ["float32", "bfloat16"] + ([] if q4_unavailable(target_dir, device) else ["q4"])
 
 
-def _machine_key(target_dir: Path, threads: int) -> str:
-    """What a cached choice depends on: CPU model and its AVX-512/AMX flags, torch, threads, model."""
-    cpu, flags = platform.machine(), ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = ",".join(sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx512", "amx"))))
-                break
-    except OSError:
-        pass
-    cfg = (target_dir / "config.json").read_bytes() if (target_dir / "config.json").exists() else b""
-    return (f"{cpu}|{hashlib.sha1(flags.encode()).hexdigest()[:8]}|torch {torch.__version__}|threads {threads}|"
-            f"kernels {KERNELS_VERSION}|"
-            f"{target_dir.name}:{hashlib.sha1(cfg).hexdigest()[:10]}")
+def choose_weights(requested: str, target_dir: str | Path, device: str = "cpu", *, cache: bool = True,
+                   remeasure: bool = False) -> str:
+    """Resolve ``--weights``: a concrete format is checked and returned; ``auto`` chooses.
 
-
-@torch.inference_mode()
-def time_steps(model, context: int = 64, rows: tuple[int, ...] = (1, 9), repeats: int = 6) -> dict[int, float]:
-    """Median wall ms of one forward of ``r`` new rows over a ``context``-token cache, per ``r``.
-
-    The rows are causal (a chain), which costs what a tree of the same size does; the cache is
-    cropped back after each forward. Used by :func:`choose_weights`.
-    """
-    from services import hf_compat
-
-    g = torch.Generator().manual_seed(0)
-    vocab = int(model.config.vocab_size)
-    kw = next(iter(hf_compat.cache_kwargs(model, None)))
-    cache = hf_compat.new_dynamic_cache(model.config)
-    dev = next(model.parameters()).device
-    model(input_ids=torch.randint(0, vocab, (1, context), generator=g).to(dev), use_cache=True,
-          logits_to_keep=1, **{kw: cache})
-    out = {}
-    for r in rows:
-        ids = torch.randint(0, vocab, (1, r), generator=g).to(dev)
-        times = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            model(input_ids=ids, use_cache=True, **{kw: cache})
-            if i:  # the first call warms up
-                times.append((time.perf_counter() - t0) * 1e3)
-            hf_compat.crop_cache(cache, context)
-        out[r] = float(np.median(times))
-    return out
-
-
-def choose_weights(requested: str, target_dir: str | Path, device: str = "cpu", *, cache: bool = True) -> str:
-    """Resolve ``--weights``: a concrete format is checked and returned; ``auto`` measures.
-
-    ``auto`` on CUDA is bfloat16. On CPU each available format (:func:`available_formats`) is loaded
-    and timed (:func:`time_steps`: a one-token step and a 9-row step, the CPU default tree's verify);
-    the lowest sum wins (float32 with its 9-row GEMMs pre-packed, as the engine runs them). About
-    25 s on an idle 2-core machine (2026-11-30), 116 s with another job on the cores (2026-12-01),
-    logged, and cached per machine / torch / threads / model in ``<cache root>/weights_choice.json`` (delete the file to measure again).
+    ``auto`` on CUDA is bfloat16; on CPU :func:`services.weight_choice.choose_auto`: candidates by
+    the CPU's capabilities (no bfloat16 where it is emulated), a measurement that a busy machine
+    cannot corrupt (interleaved, repeats that agree, a one-row step near the model's floor) or else
+    the rule's answer (q4 > native bf16 > float32), never cached. One log line says which and why.
+    ``remeasure`` ignores a cached choice.
 
     Raises:
         ValueError: an unknown format, or one that cannot run here (one line).
     """
-    from services.models.registry import cache_root
-
     check_format(requested)
     target_dir = Path(target_dir)
     if requested != "auto":
@@ -413,44 +360,9 @@ def choose_weights(requested: str, target_dir: str | Path, device: str = "cpu", 
         return requested
     if torch.device(device).type != "cpu":
         return "bfloat16"
-    threads = torch.get_num_threads()
-    key = _machine_key(target_dir, threads)
-    path = cache_root() / "weights_choice.json"
-    saved: dict = {}
-    if cache and path.exists():
-        try:
-            saved = json.loads(path.read_text())
-        except (OSError, ValueError):
-            saved = {}
-        hit = saved.get(key)
-        if isinstance(hit, dict) and hit.get("choice") in available_formats(target_dir, device):
-            log.info("weights auto: %s (cached measurement %s in %s)", hit["choice"], hit.get("ms"), path)
-            return hit["choice"]
-    t0 = time.perf_counter()
-    results: dict[str, dict[int, float]] = {}
-    for fmt in available_formats(target_dir, device):
-        model = load_causal_lm(target_dir, fmt, device)
-        if fmt == "float32":
-            from services.cpu_gemm import pack_linears
+    from services.weight_choice import choose_auto
 
-            pack_linears(model, [9])
-        results[fmt] = time_steps(model)
-        del model
-    choice = min(results, key=lambda f: sum(results[f].values()))
-    ms = {f: {f"{r}-row": round(v, 2) for r, v in res.items()} for f, res in results.items()}
-    log.info("weights auto: measured ms per forward %s in %.1f s at %d threads -> %s", ms, time.perf_counter() - t0,
-             threads, choice)
-    if cache:
-        saved[key] = {"choice": choice, "ms": ms, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(saved, indent=1))
-            tmp.replace(path)
-        except OSError as e:
-            log.warning("could not cache the weights choice in %s: %s", path, e)
-    return choice
-
+    return choose_auto(target_dir, device, cache=cache, remeasure=remeasure)
 
 
 def resolve_cli_weights(weights: str | None, dtype: str | None, target_dir: str | Path,

@@ -14,8 +14,9 @@ from services.testing import random_tree
 from services.tree import DraftTree
 from services.tree.draft_tree import tree_from_parents
 from services.verifier.calibration import AcceptanceCalibrator, accepted_labels, prefix_gains
-from services.verifier.cost_model import (StepCostModel, cache_key, calibration_sweep, load_cached, plausible,
-                                          save_cached)
+from services.verifier.cost_model import (SWEEP_ROWS, StepCostModel, cache_key, calibration_sweep, load_cached,
+                                           plausible, rule_curve, save_cached, startup_sweep,
+                                           sweep_disagreement)
 from services.verifier.engine import StepStats
 from services.verifier.policy import (Drafted, FixedPolicy, GoodputPolicy, RoundInfo, goodput_with_sweep, make_policy,
                                       truncate_tree)
@@ -111,7 +112,7 @@ def test_calibration_sweep_and_cache(tmp_path):
 
     samples = calibration_sweep(run, rows=(1, 9), repeats=3)
     assert samples == [(1, pytest.approx(0.006)), (9, pytest.approx(0.014))]
-    assert calls == [1] * 4 + [9] * 4  # a warm-up each
+    assert calls == [1, 9] * 4  # interleaved, a warm-up round first
     path = tmp_path / "c.json"
     assert load_cached("k", path) is None
     save_cached("k", samples, path)
@@ -119,6 +120,41 @@ def test_calibration_sweep_and_cache(tmp_path):
     m = StepCostModel()
     m.seed(samples)
     assert m.coefficients() == (pytest.approx(0.005), pytest.approx(0.001))
+
+
+def test_sweep_resolves_every_row_count_up_to_8():
+    """The int4 kernel works in 4-row tiles: 5 rows cost a step more than 4. The sweep times 1 .. 8
+    one by one, so the cost model sees the edge instead of interpolating across it."""
+    assert set(range(1, 9)) <= set(SWEEP_ROWS)
+
+    def run(rows):
+        return 0.020 + 0.006 * ((rows + 3) // 4) + 0.0005 * rows
+
+    m = StepCostModel()
+    m.seed(calibration_sweep(run))
+    assert m.forward_seconds(5) - m.forward_seconds(4) == pytest.approx(0.0065)
+    assert m.forward_seconds(4) - m.forward_seconds(3) == pytest.approx(0.0005)
+
+
+def test_a_sweep_whose_repeats_disagree_gets_the_rule_curve_and_is_not_cached(tmp_path, caplog):
+    """Another process on the cores: one 4-row call in each sweep takes 20x. The medians alone would
+    look fine; the disagreeing repeats reject the sweep twice, the rule curve is used, nothing is cached."""
+    path = tmp_path / "c.json"
+    calls = []
+
+    def run(rows):
+        calls.append(rows)
+        slow = rows == 4 and calls.count(4) in (2, 6)   # the first timed round of each sweep
+        return (0.020 + 0.001 * rows) * (20 if slow else 1)
+
+    samples, source = startup_sweep(run, "k", "float32", path=path)
+    assert "rule-based curve" in source and "4-row repeats disagree" in source and "not cached" in source
+    assert samples == [(r, pytest.approx(t)) for r, t in rule_curve(0.021, "float32")]
+    assert load_cached("k", path) is None
+    assert sweep_disagreement({1: [0.02, 0.021, 0.02]}) is None
+    calls.clear()
+    samples, source = startup_sweep(lambda r: 0.020 + 0.001 * r, "k", "float32", path=path)  # a quiet machine
+    assert source == "sweep" and load_cached("k", path) == [(r, pytest.approx(0.020 + 0.001 * r)) for r in SWEEP_ROWS]
 
 
 def test_plausible_rejects_a_sweep_taken_under_load():
@@ -157,7 +193,7 @@ def test_sweep_gives_marginal_rows_real_steps_give_the_level():
 
 def test_poisoned_or_stale_cache_is_swept_again(tmp_path, monkeypatch):
     monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path))
-    true = {r: 0.02 + 0.004 * r for r in (1, 4, 9, 17, 33)}
+    true = {r: 0.02 + 0.004 * r for r in SWEEP_ROWS}
     calls = []
 
     def run(rows):
@@ -180,8 +216,16 @@ def test_poisoned_or_stale_cache_is_swept_again(tmp_path, monkeypatch):
 
 def test_implausible_sweep_is_retaken_and_never_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path))
-    goodput_with_sweep(lambda rows: 0.5 if rows == 9 else 0.01, "busy")
-    assert load_cached("busy") is None
+    calls = []
+
+    def run(rows):
+        calls.append(rows)
+        return 0.5 if rows == 9 else 0.01
+
+    pol = goodput_with_sweep(run, "busy", dtype="q4")
+    assert load_cached("busy") is None and len(calls) == 2 * 4 * len(SWEEP_ROWS)  # two sweeps, then the rule
+    for r, t in rule_curve(0.01, "q4"):                                           # from the one-row time
+        assert pol.cost.forward_seconds(r) == pytest.approx(t)
     assert "threads 2" in cache_key("m", "q4", "cpu", 2) and cache_key("m", "q4", "cpu", 1) != cache_key("m", "q4", "cpu", 2)
 
 

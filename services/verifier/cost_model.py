@@ -18,9 +18,11 @@ applies, fitted by least squares with exponential forgetting (each new sample mu
 weight of the old ones by ``forget``), so the model follows a machine whose speed changes.
 ``o`` is an exponential moving average of measured seconds; ``d`` and ``e`` a two-coefficient least-squares fit
 (with forgetting) of each step's drafter wait on its drafting requests and their owed tokens (``d`` alone,
-the moving average, until the owed tokens vary enough to separate the two). A start-up sweep (:func:`calibration_sweep`) times a few forwards at row counts
-``{1, 4, 9, 17, 33}`` so the first steps already have a model; :func:`load_cached` /
-:func:`save_cached` keep its result per machine / model / dtype.
+the moving average, until the owed tokens vary enough to separate the two). A start-up sweep (:func:`startup_sweep`) times a few forwards at every row count
+1 .. 8 and at 9, 17 and 33 (row counts interleaved, a warm-up round excluded) so the first steps
+already have a model; a sweep whose repeats disagree or whose curve is implausible (another process
+on the cores) is taken again once and then replaced by a rule-based curve that is never cached;
+:func:`load_cached` / :func:`save_cached` keep an accepted sweep per machine / model / dtype.
 
 Source: this issue (SmartSpec / TurboSpec use the same "goodput = expected tokens / predicted
 step time" with a linear batch-time model).
@@ -40,7 +42,12 @@ from pathlib import Path
 
 log = logging.getLogger("verifier.cost")
 
-SWEEP_ROWS = (1, 4, 9, 17, 33)
+# every row count of a small step (1 .. 8: the int4 kernel's 4-row tile edge shows), the CPU default
+# tree's verify (9) and two larger steps
+SWEEP_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33)
+MAX_SPREAD = 1.5  # repeats of one row count may differ by this factor (max / min) at most
+# extra seconds per extra row, as a fraction of a one-row forward, of the rule-based curve
+RULE_SLOPE = {"float32": 0.1, "default": 0.03}
 
 
 @dataclass
@@ -226,22 +233,81 @@ class StepCostModel:
         self._hull = None
 
 
+def _sweep_times(run_rows: Callable[[int], float], rows: Iterable[int], repeats: int) -> dict[int, list[float]]:
+    """Row count -> ``repeats`` timed seconds, row counts interleaved (1 2 ... 33, 1 2 ... 33, ...)
+    after one untimed warm-up round, so a disturbance lands on every row count alike."""
+    rows = [int(r) for r in rows]
+    out: dict[int, list[float]] = {r: [] for r in rows}
+    for i in range(max(repeats, 1) + 1):
+        for r in rows:
+            t = run_rows(r)
+            if i:
+                out[r].append(t)
+    return out
+
+
+def _median(ts: list[float]) -> float:
+    ts = sorted(ts)
+    return ts[len(ts) // 2]
+
+
 def calibration_sweep(run_rows: Callable[[int], float], rows: Iterable[int] = SWEEP_ROWS, repeats: int = 3
                       ) -> list[tuple[int, float]]:
     """Time ``run_rows(R)`` (one forward of R rows, returning its seconds) at each row count.
 
-    One warm-up call per row count, then ``repeats`` timed calls; the median of each row count is
-    returned, so one slow call (another process on the core) does not skew the fit.
+    One warm-up round over the row counts, then ``repeats`` rounds, row counts interleaved; the median of
+    each row count is returned, so one slow call (another process on the core) does not skew the fit.
 
     Returns:
         ``[(rows, median seconds)]``.
     """
-    out = []
-    for r in rows:
-        run_rows(r)
-        times = sorted(run_rows(r) for _ in range(max(repeats, 1)))
-        out.append((int(r), times[len(times) // 2]))
-    return out
+    return [(r, _median(ts)) for r, ts in _sweep_times(run_rows, rows, repeats).items()]
+
+
+def sweep_disagreement(times: dict[int, list[float]], max_spread: float = MAX_SPREAD) -> str | None:
+    """Why repeats of a sweep cannot be trusted (one line: the row count whose max / min exceeds
+    ``max_spread``), or None."""
+    for r, ts in sorted(times.items()):
+        lo, hi = min(ts), max(ts)
+        if lo <= 0 or hi / lo > max_spread:
+            return f"{r}-row repeats disagree ({lo * 1e3:.1f}-{hi * 1e3:.1f} ms)"
+    return None
+
+
+def rule_curve(one_row_seconds: float, dtype: str, rows: Iterable[int] = SWEEP_ROWS) -> list[tuple[int, float]]:
+    """A sweep by rule, for when the measured one cannot be trusted: ``t(R) = t1 * (1 + s * (R - 1))``
+    with ``s = RULE_SLOPE[dtype]`` (float32 GEMMs cost more per extra row than the 4-bit / bf16
+    kernels, which are bound by reading the weights)."""
+    s = RULE_SLOPE.get(dtype, RULE_SLOPE["default"])
+    return [(int(r), one_row_seconds * (1 + s * (int(r) - 1))) for r in rows]
+
+
+def startup_sweep(run_rows: Callable[[int], float], key: str, dtype: str, path: Path | None = None,
+                  rows: Iterable[int] = SWEEP_ROWS, repeats: int = 3, tries: int = 2
+                  ) -> tuple[list[tuple[int, float]], str]:
+    """The start-up samples of the cost model and where they come from (one line).
+
+    A cached sweep is used while :func:`plausible` and :func:`still_valid`. Else a sweep is taken
+    (:func:`_sweep_times`) and accepted when its repeats agree (:func:`sweep_disagreement`) and its
+    curve is :func:`plausible`; it is then cached. After ``tries`` rejected sweeps the rule's curve
+    (:func:`rule_curve`, from the fastest one-row time seen) is used and nothing is cached.
+    """
+    cached = load_cached(key, path)
+    if cached is not None and plausible(cached) and still_valid(cached, run_rows):
+        return cached, "cache"
+    note = "cached sweep no longer matches this machine's speed; " if cached is not None else ""
+    one_row, why = [], ""
+    for _ in range(max(tries, 1)):
+        times = _sweep_times(run_rows, rows, repeats)
+        samples = [(r, _median(ts)) for r, ts in times.items()]
+        one_row += times.get(min(times), [])
+        why = sweep_disagreement(times) or ("" if plausible(samples) else "the curve is not plausible: "
+                                            + ", ".join(f"{r}:{t * 1e3:.1f}" for r, t in samples) + " ms")
+        if not why:
+            save_cached(key, samples, path)
+            return samples, note + "sweep"
+    return rule_curve(min(one_row), dtype, rows), (f"{note}rule-based curve ({why}; machine busy?), not cached; "
+                                                  "real steps will correct it")
 
 
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
@@ -303,6 +369,17 @@ def load_cached(key: str, path: Path | None = None, max_age_s: float = 7 * 86400
     if not entry or time.time() - entry.get("time", 0) > max_age_s:
         return None
     return [(int(r), float(s)) for r, s in entry["samples"]]
+
+
+def forget_cached(key: str, path: Path | None = None) -> None:
+    """Drop the cached sweep of ``key`` (best effort)."""
+    path = path or default_cache_path()
+    try:
+        data = json.loads(path.read_text())
+        if data.pop(key, None) is not None:
+            path.write_text(json.dumps(data, indent=1))
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def save_cached(key: str, samples: list[tuple[int, float]], path: Path | None = None) -> None:

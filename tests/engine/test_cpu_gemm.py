@@ -157,6 +157,48 @@ def test_pack_for_steps_ladder_covers_every_batched_step_size():
         assert r is not None and m <= r < 2 * m, m
 
 
+@needs_mkl
+def test_lazy_packs_follow_the_row_counts_that_run():
+    """The served layout: ``pack_for_steps(lazy=True)`` packs nothing at start; each linear packs a
+    row count of its ladder on the first call that needs it, so packed bytes = (linears' weight
+    bytes) x (distinct packs used); 2-row calls and calls past the ladder never pack; results equal
+    the plain ``F.linear`` model."""
+    target = tiny_target("llama")
+    ref = tiny_target("llama")
+    assert target.pack_for_steps(8, 16, max_running=8, lazy=True) == 0 and packed_bytes(target.model) == 0
+    lins = {id(m): m for m in target.model.modules() if isinstance(m, PackedLinear)}
+    assert lins and all(m._lazy == (4, 9, 17, 33, 65, 129) for m in lins.values())
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in lins.values())
+    seen = set()
+    for rows, bucket in ((9, 9), (7, 9), (2, None), (3, 4), (9, 9), (200, None), (40, 65)):
+        ids = torch.randint(0, target.vocab_size, (1, rows))
+        with torch.inference_mode():
+            got = target.model(input_ids=ids).logits
+            want = ref.model(input_ids=ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        seen |= {bucket} - {None}
+        assert packed_bytes(target.model) == len(seen) * weight_bytes, rows
+    assert all(sorted(m._packs) == [4, 9, 65] for m in lins.values())
+
+
+@needs_mkl
+def test_lazy_pack_is_used_and_rebuilt_after_an_in_place_change():
+    lin = _linear()
+    assert pack_linears(lin, [8], lazy=True) == 0 and not lin._packs
+    x = torch.randn(8, 24)
+    with torch.inference_mode():
+        lin(x)
+    assert sorted(lin._packs) == [8]
+    _poison(lin, 8)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), lin.bias.expand(8, -1))  # the (poisoned) pack served the call
+    with torch.no_grad():
+        lin.weight.mul_(2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))  # packed again, fresh
+    assert sorted(lin._packs) == [8]
+
+
 # ------------------------------------------------------------------- bfloat16, oneDNN pre-packed
 
 needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_bf16_available(), reason="no oneDNN bf16 on this CPU/build")

@@ -22,6 +22,7 @@ from services.testing import REPO, tiny_gguf_target_dir, tiny_service
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
 from services.verifier.target import TargetModel
+from services import weight_choice as WC
 from services import weights as W
 from tests.doubles import OracleDrafter
 from tests.engine.test_batched import _run_batched
@@ -176,32 +177,95 @@ def test_q4_needs_a_gguf_and_a_cpu(tmp_path):
     assert W.compute_dtype("q4") == torch.bfloat16 and W.compute_dtype("float32") == torch.float32
 
 
-def test_auto_measures_once_then_uses_the_cache(gguf_dir, tmp_path, monkeypatch):
+@pytest.fixture
+def avx2_only(monkeypatch, tmp_path):
+    """An AVX2-only CPU (no native bf16) and a private cache root."""
+    monkeypatch.setattr(WC, "cpu_info", lambda: ("Test EPYC", {"avx2", "fma", "sse4_2"}))
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
-    calls = []
-    fake = {"float32": 5.0, "bfloat16": 3.0, "q4": 2.0}
+    return tmp_path / "cache" / "weights_choice.json"
 
-    def timed(model, **kw):
-        fmt = "q4" if any(isinstance(m, W.Int4Linear) for m in model.modules()) else \
-            str(next(model.parameters()).dtype).removeprefix("torch.")
-        calls.append(fmt)
-        return {1: fake[fmt], 9: 2 * fake[fmt]}
 
-    monkeypatch.setattr(W, "time_steps", timed)
+def _scripted(monkeypatch, per_round: list[float], outliers: dict[int, float] | None = None) -> list[float]:
+    """Make the interleaved timer return ``per_round`` (float32 1-row, 9-row, q4 1-row, 9-row) in every
+    round, with ``outliers`` (call index -> ms) instead at those calls; each step still runs. Returns
+    the log of returned times."""
+    got: list[float] = []
+
+    def fake(fn):
+        fn()
+        i = len(got)
+        got.append((outliers or {}).get(i, per_round[i % len(per_round)]))
+        return got[-1]
+
+    monkeypatch.setattr(WC, "_time_call", fake)
+    monkeypatch.setattr(WC, "step_limit_ms", lambda model: 1e9)  # the floor has its own test
+    return got
+
+
+def test_no_bfloat16_candidate_without_native_bf16(gguf_dir, monkeypatch):
+    monkeypatch.setattr(WC, "cpu_info", lambda: ("Test EPYC", {"avx2", "fma", "avx512f"}))
+    assert not WC.native_bf16() and WC.candidate_formats(gguf_dir) == ["float32", "q4"]
+    assert not WC.cpu_capabilities()["native_bf16"]
+    for flag in ("avx512_bf16", "amx_bf16"):
+        monkeypatch.setattr(WC, "cpu_info", lambda flag=flag: ("Test Xeon", {"avx2", "avx512f", flag}))
+        assert WC.candidate_formats(gguf_dir) == ["float32", "bfloat16", "q4"]
+    monkeypatch.setattr(WC, "cpu_info", lambda: ("Test EPYC", {"avx2"}))
+    assert WC.rule_choice(WC.candidate_formats(gguf_dir))[0] == "q4"
+    assert WC.rule_choice(["float32", "bfloat16"])[0] == "bfloat16" and WC.rule_choice(["float32"])[0] == "float32"
+
+
+def test_auto_measures_interleaved_once_then_uses_the_cache(gguf_dir, avx2_only, monkeypatch):
+    got = _scripted(monkeypatch, [5.0, 10.0, 2.0, 4.0])
     assert W.choose_weights("auto", gguf_dir) == "q4"
-    assert sorted(calls) == ["bfloat16", "float32", "q4"]
-    saved = json.loads((tmp_path / "cache" / "weights_choice.json").read_text())
-    (entry,) = saved.values()
-    assert entry["choice"] == "q4" and entry["ms"]["float32"]["9-row"] == 10.0
-    fake["float32"] = 0.1  # a second start reads the cache: no new measurement
-    assert W.choose_weights("auto", gguf_dir) == "q4" and len(calls) == 3
-    assert W.choose_weights("auto", gguf_dir, cache=False) == "float32" and len(calls) == 6
+    assert len(got) == 4 * 6  # 2 formats x 2 row counts x (1 warm-up + 5 timed rounds), one attempt
+    (entry,) = json.loads(avx2_only.read_text()).values()
+    assert entry["choice"] == "q4" and entry["ms"] == {"float32": {"1-row": 5.0, "9-row": 10.0},
+                                                       "q4": {"1-row": 2.0, "9-row": 4.0}}
+    assert W.choose_weights("auto", gguf_dir) == "q4" and len(got) == 24  # the cache: no new measurement
+    got.clear()
+    _scripted(monkeypatch, [1.0, 2.0, 2.0, 4.0])
+    assert W.choose_weights("auto", gguf_dir, cache=False) == "float32"  # measured again, float32 faster
+    assert W.choose_weights("auto", gguf_dir, remeasure=True) == "float32"
+    assert json.loads(avx2_only.read_text())[next(iter(json.loads(avx2_only.read_text())))]["choice"] == "float32"
 
 
-def test_real_time_steps_runs_on_a_tiny_model(gguf_dir):
+def test_a_busy_machine_gets_the_rules_answer_and_caches_nothing(gguf_dir, avx2_only, monkeypatch, caplog):
+    """Another process steals the cores during some calls: in every attempt one q4 step takes 50x
+    the others. float32 looks faster by the medians, but the repeats disagree: both attempts are
+    rejected, the rule's answer (q4) is served and nothing is cached."""
+    outliers = {i: 100.0 for i in range(200) if i % 24 == 10}  # a q4 1-row call in round 2 of each attempt
+    got = _scripted(monkeypatch, [1.0, 2.0, 2.0, 4.0], outliers)
+    with caplog.at_level("INFO", logger="services.weights"):
+        assert W.choose_weights("auto", gguf_dir) == "q4"
+    assert len(got) == 2 * 24 and not avx2_only.exists()
+    (line,) = [r.getMessage() for r in caplog.records if "weights auto" in r.getMessage()]
+    assert "by rule" in line and "repeats disagree" in line and "not cached" in line
+
+
+def test_a_cached_emulated_bfloat16_choice_is_measured_again(gguf_dir, avx2_only, monkeypatch):
+    key = WC.machine_key(gguf_dir, torch.get_num_threads())
+    avx2_only.parent.mkdir(parents=True)
+    avx2_only.write_text(json.dumps({key: {"choice": "bfloat16", "ms": {}, "when": "2026-12-01T00:00:00"}}))
+    got = _scripted(monkeypatch, [5.0, 10.0, 2.0, 4.0])
+    assert W.choose_weights("auto", gguf_dir) == "q4" and got
+
+
+def test_judge_rejects_a_step_far_above_the_models_floor(gguf_dir):
+    steady = {"float32": {1: [30.0] * 5, 9: [50.0] * 5}, "q4": {1: [1900.0, 1905.0, 1910.0, 1904.0, 1902.0],
+                                                              9: [2400.0] * 5}}
+    assert "q4 one-row step 1904.0 ms is above" in WC.judge(steady, {"float32": 500.0, "q4": 180.0})
+    assert WC.judge(steady, {"float32": 500.0, "q4": 5000.0}) is None
+    assert "9-row repeats disagree" in WC.judge({"q4": {1: [20.0] * 5, 9: [25.0, 25.0, 40.0, 25.0, 25.0]}}, {})
     model = W.load_causal_lm(gguf_dir, "q4")
-    ms = W.time_steps(model, context=8, rows=(1, 3), repeats=2)
-    assert set(ms) == {1, 3} and all(v > 0 for v in ms.values())
+    floor = WC.step_floor_ms(model)
+    assert 0 < floor < 50 and WC.step_limit_ms(model) == pytest.approx(
+        WC.FLOOR_FACTOR * floor + WC.LAYER_OVERHEAD_MS * model.config.num_hidden_layers, rel=0.05)
+
+
+def test_real_interleaved_steps_run_on_a_tiny_model(gguf_dir):
+    model = W.load_causal_lm(gguf_dir, "q4")
+    times = WC.measure_interleaved({"q4": WC.step_callables(model, context=8, rows=(1, 3))}, repeats=2)
+    assert set(times["q4"]) == {1, 3} and all(len(v) == 2 and min(v) > 0 for v in times["q4"].values())
 
 
 def test_cli_q4_without_gguf_is_one_line(tmp_path):

@@ -1,0 +1,133 @@
+"""``dartree doctor``: what this machine offers a CPU server, and what start-ups cached about it.
+
+One screen: the CPU's capabilities (vector ISA, native bf16, MKL / oneDNN packing, the int4
+kernel, threads, RAM), the cached weight-format choices (``weights_choice.json``) and step-cost
+sweeps (``cost_model.json``) with their figures and age, and, with ``--remeasure``, a fresh weight
+choice and cost sweep for a target (each cached only when the measurement is trusted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "age unknown"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit} old"
+    return f"{seconds:.0f} s old"
+
+
+def _when(entry: dict) -> float | None:
+    """Epoch seconds of a cache entry (``time``, or the ISO ``when`` of older entries)."""
+    if isinstance(entry.get("time"), (int, float)):
+        return float(entry["time"])
+    try:
+        return time.mktime(time.strptime(entry["when"], "%Y-%m-%dT%H:%M:%S"))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def capability_lines() -> list[str]:
+    """The CPU section (:func:`services.weight_choice.cpu_capabilities`), a few lines."""
+    import psutil
+
+    from services.weight_choice import cpu_capabilities
+
+    c = cpu_capabilities()
+    vm = psutil.virtual_memory()
+    yes = {True: "yes", False: "no"}
+    return [f"CPU        {c['cpu']} ({c['cores']} cores, torch threads {c['threads']})",
+            f"ISA        torch {c['isa']}; flags {' '.join(c['flags']) or '-'}",
+            f"bfloat16   native {yes[c['native_bf16']]}; oneDNN bf16 {yes[c['onednn_bf16']]}"
+            + ("" if c["native_bf16"] else " (emulated: --weights auto never picks bfloat16 here)"),
+            f"kernels    MKL packed sgemm {yes[c['mkl_packing']]}; int4 (q4) {yes[c['int4_kernel']]}",
+            f"RAM        {vm.total / 2**30:.1f} GiB, {vm.available / 2**30:.1f} GiB available"]
+
+
+def cache_lines(now: float | None = None) -> list[str]:
+    """The cached choices and sweeps, one line each (path first; 'none' when absent)."""
+    from services.verifier.cost_model import default_cache_path
+    from services.weight_choice import choice_cache_path, read_choices
+
+    now = time.time() if now is None else now
+    out = [f"weight choices  {choice_cache_path()}"]
+    choices = read_choices()
+    for key, e in choices.items():
+        if isinstance(e, dict):
+            t = _when(e)
+            out.append(f"  {e.get('choice')}: ms {json.dumps(e.get('ms'))}, {_age(None if t is None else now - t)}"
+                       f"  [{key}]")
+    if not choices:
+        out.append("  none")
+    path = default_cache_path()
+    out.append(f"cost sweeps     {path}")
+    try:
+        sweeps = json.loads(path.read_text())
+    except (OSError, ValueError):
+        sweeps = {}
+    for key, e in sweeps.items():
+        if isinstance(e, dict) and "samples" in e:
+            pts = " ".join(f"{int(r)}:{float(s) * 1e3:.1f}" for r, s in e["samples"])
+            out.append(f"  rows:ms {pts}, {_age(now - e.get('time', now))}  [{key}]")
+    if not sweeps:
+        out.append("  none")
+    return out
+
+
+def remeasure(target_ref: str | None) -> list[str]:
+    """A fresh weight choice and a cost sweep of the chosen format (one line each)."""
+    import torch
+
+    from services.models.registry import resolve_target
+    from services.verifier.cost_model import cache_key, forget_cached, startup_sweep
+    from services.verifier.engine import EngineConfig, SpecEngine
+    from services.verifier.target import TargetModel
+    from services.weights import choose_weights
+
+    target_dir = resolve_target(target_ref)
+    fmt = choose_weights("auto", target_dir, remeasure=True)
+    target = TargetModel.from_pretrained(target_dir, None, weights=fmt)
+    engine = SpecEngine(target, None, EngineConfig(max_running=1, max_context=256))
+    target.pack_for_steps(8, 16, 1, lazy=True)
+    key = cache_key(target_dir.name, fmt, "cpu", torch.get_num_threads())
+    forget_cached(key)
+    samples, source = startup_sweep(engine.time_forward, key, fmt)
+    pts = " ".join(f"{r}:{s * 1e3:.1f}" for r, s in samples)
+    return [f"weights auto -> {fmt}", f"cost sweep ({source}): rows:ms {pts}"]
+
+
+def doctor_main(args: argparse.Namespace) -> int:
+    """Print the report; ``--remeasure`` measures first. Returns 0."""
+    from services.runtime import setup_logging
+
+    setup_logging("WARNING")
+    lines = capability_lines()
+    if args.remeasure:
+        lines += ["", "re-measured:"] + ["  " + s for s in remeasure(args.target)]
+    lines += [""] + cache_lines()
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+def add_doctor_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``dartree doctor``."""
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure the weight choice and the step-cost sweep again (a minute or two; cached only "
+                        "when the machine was quiet enough to trust the figures)")
+    p.add_argument("--target", default=None, help="target for --remeasure (default: SmolLM2-135M-Instruct)")
+
+
+if __name__ == "__main__":  # pragma: no cover - python -m services.doctor == dartree doctor
+    import sys
+
+    from services.command_line import Parser, run_command
+
+    parser = Parser(prog="dartree doctor", description="what this machine offers a CPU server")
+    add_doctor_args(parser)
+    sys.exit(run_command(doctor_main, parser.parse_args()))

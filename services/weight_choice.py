@@ -1,0 +1,361 @@
+"""``--weights auto`` on CPU: the weight format this machine serves fastest, chosen so that a busy
+machine cannot corrupt the choice.
+
+Why: timing a step while another process shares the cores measures the other process. Two torch
+processes on two cores make OpenMP threads spin-wait for each other, so one forward can take 50x its
+idle time; a start-up that timed a q4 one-row step at 1.9 s (an idle one takes 20-30 ms) chose, and
+cached for good, whichever format happened to run while the cores were free.
+
+How, in order:
+
+1. Rule out what cannot win from the CPU's capabilities: ``bfloat16`` is a candidate only where the
+   CPU multiplies bfloat16 natively (``avx512_bf16`` / ``amx_bf16`` on x86, ``bf16`` on ARM); on an
+   AVX2-only CPU it is emulated (a 9-row bf16 linear cost 10.7x a one-row one there) and loses to
+   both others. ``q4`` needs torch's int4 kernel and the target's GGUF (:func:`services.weights.q4_unavailable`).
+2. The rule's answer (:func:`rule_choice`): ``q4`` when it runs (the fewest weight bytes per step:
+   a CPU decode step reads every weight once), else ``bfloat16`` where native, else ``float32``.
+3. Measure the remaining candidates *interleaved* (A B A B ..., one warm-up round excluded): a
+   disturbance then lands on every format alike instead of on whichever was being timed.
+4. Reject a measurement whose repeats disagree (max / min > :data:`MAX_SPREAD` for any format and
+   row count) or whose one-row step is far above the model's own floor (weight bytes / measured
+   memory bandwidth + FLOPs / a quick GEMM probe, times :data:`FLOOR_FACTOR`, plus
+   :data:`LAYER_OVERHEAD_MS` of eager dispatch per decoder layer). Retry once; a second rejection
+   serves the rule's answer and caches nothing.
+5. Only an accepted measurement is cached (``<cache root>/weights_choice.json``, per CPU / flags /
+   torch / threads / kernels / model). One log line says what was chosen and why.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("services.weights")
+
+MAX_SPREAD = 1.5          # repeats of one step may differ by this factor (max / min) at most
+FLOOR_FACTOR = 10.0       # a one-row step above this many times its floor is not this machine's speed
+LAYER_OVERHEAD_MS = 1.0   # eager dispatch allowance per decoder layer on top of the floor (ms)
+MEASURE_ROWS = (1, 9)     # a one-token step and the CPU default tree's verify (B = 8)
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 'flags' / ARM 'Features' of native bf16 math
+
+
+# ------------------------------------------------------------------------------- CPU capabilities
+
+def cpu_info() -> tuple[str, set[str]]:
+    """``(model name, flags)`` from ``/proc/cpuinfo`` (x86 ``flags``, ARM ``Features``); the
+    platform's machine name and an empty set where it cannot be read."""
+    name, flags = platform.machine(), set()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return name, flags
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and name == platform.machine():
+            name = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = set(value.split())
+    return name, flags
+
+
+def native_bf16(flags: set[str] | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 natively (any of :data:`BF16_FLAGS`). Without readable
+    flags (no ``/proc/cpuinfo``), whether oneDNN reports bf16 support."""
+    if flags is None:
+        flags = cpu_info()[1]
+    if flags:
+        return any(f in flags for f in BF16_FLAGS)
+    from services.cpu_gemm import onednn_bf16_available
+
+    return onednn_bf16_available()
+
+
+def cpu_capabilities() -> dict:
+    """What the format choice depends on: CPU model, torch's vector ISA
+    (``torch.backends.cpu.get_cpu_capability()``: e.g. ``AVX2``, ``AVX512``), the bf16 / AMX / VNNI
+    flags present, native bf16, MKL packing, oneDNN bf16, the int4 kernel, threads and cores."""
+    from services.cpu_gemm import onednn_bf16_available, packing_available
+    from services.weights import int4_kernel_available
+
+    name, flags = cpu_info()
+    return {"cpu": name, "isa": torch.backends.cpu.get_cpu_capability(),
+            "flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx_vnni", "bf16")) or f == "avx2"),
+            "native_bf16": native_bf16(flags), "mkl_packing": packing_available(),
+            "onednn_bf16": onednn_bf16_available(), "int4_kernel": int4_kernel_available(),
+            "threads": torch.get_num_threads(), "cores": os.cpu_count()}
+
+
+def candidate_formats(target_dir: str | Path, device: str = "cpu") -> list[str]:
+    """The formats worth measuring here: :func:`services.weights.available_formats` without
+    ``bfloat16`` where the CPU lacks native bf16 (:func:`native_bf16`)."""
+    from services.weights import available_formats
+
+    formats = available_formats(target_dir, device)
+    return [f for f in formats if f != "bfloat16" or native_bf16()]
+
+
+def rule_choice(candidates: list[str]) -> tuple[str, str]:
+    """``(format, reason)`` without measuring: ``q4`` > native ``bfloat16`` > ``float32`` (a CPU
+    decode step reads every weight once; fewer bytes, faster step)."""
+    if "q4" in candidates:
+        return "q4", "4-bit weights read the fewest bytes per step"
+    if "bfloat16" in candidates:
+        return "bfloat16", "native bf16 GEMMs read half float32's bytes"
+    return "float32", "the only dense format this CPU multiplies natively"
+
+
+# -------------------------------------------------------------------------------------- probes
+
+@lru_cache(maxsize=1)
+def memory_bandwidth_gbps(mb: int = 64, repeats: int = 5) -> float:
+    """Best-of-``repeats`` copy bandwidth in GB/s (bytes read + written) of a ``mb`` MB buffer."""
+    a = torch.ones(mb << 18)  # float32: mb MB
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best / 1e9
+
+
+@lru_cache(maxsize=1)
+def gemm_gflops(n: int = 512, repeats: int = 5) -> float:
+    """Best-of-``repeats`` float32 GEMM rate in GFLOP/s (``n x n`` by ``n x n``)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
+def step_floor_ms(model) -> float:
+    """A one-row step's lower bound in ms: the bytes a step reads (every weight and buffer once; the
+    input embedding only when it is also the output projection) at the measured bandwidth, plus two
+    FLOPs per linear weight at the measured GEMM rate."""
+    seen, nbytes, flops = set(), 0, 0
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and getattr(head, "weight", None) is embed
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = t.untyped_storage().data_ptr()
+        if key in seen or (t is embed and not tied):
+            continue
+        seen.add(key)
+        nbytes += t.numel() * t.element_size()
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, torch.nn.Linear) and w is not None:
+            flops += 2 * w.numel()
+        elif hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, torch.nn.Linear):
+            flops += 2 * m.in_features * m.out_features  # a 4-bit linear
+    return (nbytes / (memory_bandwidth_gbps() * 1e9) + flops / (gemm_gflops() * 1e9)) * 1e3
+
+
+def step_limit_ms(model) -> float:
+    """The slowest one-row step accepted as this machine's speed: ``FLOOR_FACTOR x floor`` plus
+    ``LAYER_OVERHEAD_MS`` per decoder layer."""
+    return FLOOR_FACTOR * step_floor_ms(model) + LAYER_OVERHEAD_MS * int(model.config.num_hidden_layers)
+
+
+# --------------------------------------------------------------------------------- measurement
+
+def _time_call(fn: Callable[[], None]) -> float:
+    """Wall ms of ``fn()``."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure_interleaved(steps: dict[str, dict[int, Callable[[], None]]], repeats: int = 5,
+                        warmup: int = 1) -> dict[str, dict[int, list[float]]]:
+    """Time every ``steps[fmt][rows]()`` in rounds, formats interleaved (A B A B ...).
+
+    Args:
+        steps: format -> row count -> a callable running one such forward.
+        repeats: timed rounds; warmup: untimed rounds first.
+    Returns:
+        format -> row count -> ``repeats`` wall times in ms.
+    """
+    out = {f: {r: [] for r in per} for f, per in steps.items()}
+    for i in range(warmup + repeats):
+        for fmt, per in steps.items():
+            for r, fn in per.items():
+                ms = _time_call(fn)
+                if i >= warmup:
+                    out[fmt][r].append(ms)
+    return out
+
+
+def judge(times: dict[str, dict[int, list[float]]], limits_ms: dict[str, float],
+          max_spread: float = MAX_SPREAD) -> str | None:
+    """Why a measurement cannot be trusted (one line), or None when it can: repeats of a step that
+    disagree by more than ``max_spread`` (max / min), or a one-row median above its format's limit
+    (:func:`step_limit_ms`)."""
+    for fmt, per in times.items():
+        for r, ts in per.items():
+            lo, hi = min(ts), max(ts)
+            if lo <= 0 or hi / lo > max_spread:
+                return f"{fmt} {r}-row repeats disagree ({lo:.1f}-{hi:.1f} ms)"
+        one = statistics.median(per[min(per)])
+        if fmt in limits_ms and one > limits_ms[fmt]:
+            return f"{fmt} one-row step {one:.1f} ms is above its plausible {limits_ms[fmt]:.1f} ms"
+    return None
+
+
+def _medians(times: dict[str, dict[int, list[float]]]) -> dict[str, dict[int, float]]:
+    return {f: {r: statistics.median(ts) for r, ts in per.items()} for f, per in times.items()}
+
+
+def step_callables(model, context: int = 64, rows: tuple[int, ...] = MEASURE_ROWS) -> dict[int, Callable[[], None]]:
+    """Row count -> a callable running one forward of that many causal rows over a ``context``-token
+    cache (prefilled here), cropping the cache back after each call."""
+    from services import hf_compat
+
+    g = torch.Generator().manual_seed(0)
+    vocab = int(model.config.vocab_size)
+    kw = next(iter(hf_compat.cache_kwargs(model, None)))
+    cache = hf_compat.new_dynamic_cache(model.config)
+    dev = next(model.parameters()).device
+    with torch.inference_mode():
+        model(input_ids=torch.randint(0, vocab, (1, context), generator=g).to(dev), use_cache=True,
+              logits_to_keep=1, **{kw: cache})
+
+    def make(r: int):
+        ids = torch.randint(0, vocab, (1, r), generator=g).to(dev)
+
+        @torch.inference_mode()
+        def run():
+            model(input_ids=ids, use_cache=True, **{kw: cache})
+            hf_compat.crop_cache(cache, context)
+        return run
+
+    return {r: make(r) for r in rows}
+
+
+def _load_for_timing(target_dir: Path, fmt: str, device: str):
+    """A model of ``fmt`` as the engine serves it (float32 with its 9-row GEMMs packed)."""
+    from services.weights import load_causal_lm
+
+    model = load_causal_lm(target_dir, fmt, device)
+    if fmt == "float32":
+        from services.cpu_gemm import pack_linears
+
+        pack_linears(model, [r for r in MEASURE_ROWS if r >= 2])
+    return model
+
+
+def measure_formats(target_dir: Path, formats: list[str], device: str = "cpu", repeats: int = 5,
+                    tries: int = 2) -> tuple[dict[str, dict[int, float]] | None, str]:
+    """Load ``formats`` together, time them interleaved, judge; up to ``tries`` times.
+
+    Returns:
+        ``(median ms per format and row count, "")`` for a trusted measurement, else
+        ``(None, why the last one was rejected)``. The models are freed before returning.
+    """
+    models = {f: _load_for_timing(target_dir, f, device) for f in formats}
+    try:
+        steps = {f: step_callables(m) for f, m in models.items()}
+        limits = {f: step_limit_ms(m) for f, m in models.items()}
+        why = ""
+        for _ in range(tries):
+            times = measure_interleaved(steps, repeats)
+            why = judge(times, limits) or ""
+            if not why:
+                return _medians(times), ""
+        return None, why
+    finally:
+        models.clear()
+        gc.collect()
+
+
+# ------------------------------------------------------------------------------------- choice
+
+def machine_key(target_dir: Path, threads: int) -> str:
+    """What a cached choice depends on: CPU model and its AVX-512/AMX flags, torch, threads,
+    kernels version, model."""
+    from services.weights import KERNELS_VERSION
+
+    cpu, flags = cpu_info()
+    simd = ",".join(sorted(f for f in flags if f.startswith(("avx512", "amx"))))
+    cfg = (target_dir / "config.json").read_bytes() if (target_dir / "config.json").exists() else b""
+    return (f"{cpu}|{hashlib.sha1(simd.encode()).hexdigest()[:8]}|torch {torch.__version__}|threads {threads}|"
+            f"kernels {KERNELS_VERSION}|{target_dir.name}:{hashlib.sha1(cfg).hexdigest()[:10]}")
+
+
+def choice_cache_path() -> Path:
+    """``<cache root>/weights_choice.json`` (``$DARTREE_CACHE`` or ``~/.cache/dartree``)."""
+    from services.models.registry import cache_root
+
+    return cache_root() / "weights_choice.json"
+
+
+def read_choices(path: Path | None = None) -> dict:
+    """The cached choices (key -> ``{"choice", "ms", "when"}``); empty when absent or unreadable."""
+    path = path or choice_cache_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save_choice(key: str, entry: dict) -> None:
+    path = choice_cache_path()
+    saved = read_choices(path)
+    saved[key] = entry
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(saved, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("could not cache the weights choice in %s: %s", path, e)
+
+
+def choose_auto(target_dir: Path, device: str = "cpu", *, cache: bool = True, remeasure: bool = False) -> str:
+    """The CPU ``auto`` format (module doc): candidates by capability, a cached accepted measurement,
+    else an interleaved measurement that must pass :func:`judge`, else the rule's answer (not cached).
+    Logs one line with the choice and the reason. ``remeasure`` ignores the cached entry."""
+    t0 = time.perf_counter()
+    cands = candidate_formats(target_dir, device)
+    rule, why_rule = rule_choice(cands)
+    dropped = "" if "bfloat16" in cands else "; bfloat16 ruled out (no native bf16 on this CPU)"
+    if len(cands) == 1:
+        log.info("weights auto: %s (the only candidate%s)", rule, dropped)
+        return rule
+    threads = torch.get_num_threads()
+    key = machine_key(target_dir, threads)
+    hit = read_choices().get(key) if cache and not remeasure else None
+    if isinstance(hit, dict) and hit.get("choice") in cands:
+        log.info("weights auto: %s (cached measurement of %s, ms %s%s)", hit["choice"], hit.get("when"),
+                 hit.get("ms"), dropped)
+        return hit["choice"]
+    ms, rejected = measure_formats(target_dir, cands, device)
+    took = time.perf_counter() - t0
+    if ms is None:
+        log.warning("weights auto: %s by rule (%s); measurement rejected twice (%s; machine busy?), not cached, "
+                    "%.1f s%s", rule, why_rule, rejected, took, dropped)
+        return rule
+    choice = min(ms, key=lambda f: sum(ms[f].values()))
+    shown = {f: {f"{r}-row": round(v, 2) for r, v in per.items()} for f, per in ms.items()}
+    log.info("weights auto: %s (fastest measured, ms per forward %s, %d threads, %.1f s%s)", choice, shown,
+             threads, took, dropped)
+    if cache:
+        _save_choice(key, {"choice": choice, "ms": shown, "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                           "time": time.time()})
+    return choice

@@ -1,0 +1,118 @@
+"""Start-up footprint and diagnostics: the KV reservation follows its documented formula (slots from
+``--max-running``, positions from the context allowed, the activation dtype), its pages are committed
+only as used, a configuration that cannot fit is refused in one line naming the flag, the weight
+choice runs in a throw-away process, and ``dartree doctor`` prints its screen."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from services import startup
+from services.testing import REPO
+from services.verifier.engine import EngineConfig, SpecEngine
+from services.verifier.kv_cache import SlotKVCache
+from services.verifier.target import TargetModel
+from tests.service.tiny import make_tiny_models
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_models(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_kv_cache_follows_the_documented_formula(tiny, weights):
+    target_dir, _ = tiny
+    target = TargetModel.from_pretrained(target_dir, [1, 2], weights=weights)
+    engine = SpecEngine(target, None, EngineConfig(max_running=3, max_context=100, prefill_chunk=32))
+    cache = engine.runner.cache
+    cfg = json.loads((target_dir / "config.json").read_text())
+    cap = startup.kv_capacity(100, cfg["max_position_embeddings"], 32)
+    assert cache.capacity == cap and cache.num_slots == 3
+    assert cache.dtype == (torch.float32 if weights == "float32" else torch.bfloat16)  # the activation dtype
+    assert cache.nbytes() == startup.kv_bytes(cfg, 3, cap, weights)
+    fp = startup.serve_footprint(target_dir, weights, weights, 3, 100, 32)
+    assert fp["kv"] == cache.nbytes() and fp["kv_capacity"] == cap
+    n_params = sum(p.numel() for p in target.model.parameters())
+    assert fp["weights"] == int(n_params * startup.FORMAT_BYTES[weights])
+    buffers = sum(b.numel() * b.element_size() for b in target.model.buffers())  # rotary inv_freq
+    assert startup.module_bytes(target.model) == n_params * (4 if weights == "float32" else 2) + buffers
+
+
+def test_kv_pages_are_committed_as_contexts_use_them():
+    before = psutil.Process().memory_info().rss
+    cache = SlotKVCache(2, 8, 64, 8, 16384, torch.float32)  # 1 GiB reserved
+    assert cache.nbytes() == 2**30
+    grown = psutil.Process().memory_info().rss - before
+    assert grown < 32 * 2**20, grown
+    cache.prepare([0], 1024)  # one slot's first 1,024 columns written: 8 MiB
+    assert startup.kv_committed_bytes(cache) == 8 * 2**20
+    assert psutil.Process().memory_info().rss - before < 48 * 2**20
+
+
+def test_a_cache_that_cannot_fit_is_refused_naming_the_flags(tiny):
+    target_dir, _ = tiny
+    fp = startup.check_fits(target_dir, "float32", "float32", 2, 0, 256, available=1 << 40)
+    with pytest.raises(ValueError) as e:
+        startup.check_fits(target_dir, "float32", "float32", 2, 0, 256, available=fp["kv"] // 2)
+    msg = str(e.value)
+    assert "\n" not in msg and "--max-running" in msg and "--max-context" in msg and "KV cache" in msg
+
+
+def test_serve_plan_refuses_a_kv_cache_beyond_the_ram(tiny, tmp_path, monkeypatch):
+    from services.serve import add_serve_args, plan
+
+    target_dir, drafter_dir = tiny
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 1 << 20})())
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--target", str(target_dir), "--drafter", str(drafter_dir), "--weights", "float32",
+                              "--port", "18451", "--verifier-metrics-port", "18452", "--drafter-metrics-port", "18453"])
+    with pytest.raises(ValueError, match="lower --max-running"):
+        plan(args)
+
+
+def test_the_weight_choice_runs_in_a_throw_away_process(tiny):
+    target_dir, _ = tiny
+    got = startup.choose_in_child(str(target_dir), "bfloat16", None, "cpu", "WARNING")
+    assert got[0] == str(target_dir) and got[1:3] == ("bfloat16", "bfloat16") and got[3] in ("float32", "bfloat16")
+    with pytest.raises(ValueError, match="GGUF"):
+        startup.choose_in_child(str(target_dir), "q4", None, "cpu", "WARNING")
+
+
+def test_phase_and_memory_lines(caplog):
+    with caplog.at_level("INFO", logger="dartree.startup"):
+        with startup.phase("verifier", "target weights loaded"):
+            pass
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("start-up verifier: target weights loaded ") and line.endswith(" s")
+    mem = startup.memory_line("drafter", {"weights": 3 * 2**20, "KV cache": "none"})
+    assert mem.startswith("resident memory drafter: RSS ") and "weights 3 MB" in mem and "KV cache none" in mem
+
+
+def test_doctor_prints_capabilities_and_cached_choices(tmp_path):
+    cache = tmp_path / "c"
+    cache.mkdir()
+    (cache / "weights_choice.json").write_text(json.dumps({"Test CPU|k": {
+        "choice": "q4", "ms": {"q4": {"1-row": 24.5}}, "when": "2026-12-01T00:00:00", "time": time.time() - 7200}}))
+    (cache / "cost_model.json").write_text(json.dumps({"host|m|q4": {"time": time.time() - 90,
+                                                                     "samples": [[1, 0.0245], [9, 0.031]]}}))
+    env = {"PATH": "/usr/bin:/bin", "DARTREE_CACHE": str(cache), "DARTREE_CACHE_DIR": str(cache),
+           "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "services.cli", "doctor"], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "ISA        torch " in out and "bfloat16   native " in out and "int4 (q4)" in out
+    assert "q4: ms {\"q4\": {\"1-row\": 24.5}}, 2 h old" in out
+    assert "rows:ms 1:24.5 9:31.0, 2 min old" in out or "rows:ms 1:24.5 9:31.0, 1 min old" in out
+    assert len(out.splitlines()) < 25  # one screen
