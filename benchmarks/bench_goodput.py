@@ -70,7 +70,7 @@ def run_level(engine, prompts: list[list[int]], c: int, method: str, budget: int
     errs, errs_spec, bias = [], [], []
     for d in done.values():
         pr = [(p, r) for p, r, _ in d["rounds"][8:] if p is not None]
-        if pr:  # the goal: |mean predicted tau - mean realised tau| per request after 8 rounds
+        if pr:  # the calibration goal: |mean predicted tau - mean realised tau| per request after 8 rounds
             bias.append(abs(statistics.mean(p for p, _ in pr) - statistics.mean(r for _, r in pr)))
         late = [(abs(p - r), n) for p, r, n in d["rounds"][8:] if p is not None]
         if late:

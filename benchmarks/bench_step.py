@@ -1,4 +1,4 @@
-"""Step cost per weight format, side by side with llama.cpp on the same GGUF (issue "step cost").
+"""Step cost per weight format, side by side with llama.cpp on the same GGUF.
 
 For each ``--weights`` format the in-process engine decodes one chat prompt with ``ar`` and with
 ``dartree-pruned`` at fixed budgets (8 and 16 draft nodes: 9- and 17-row verifies), and reports

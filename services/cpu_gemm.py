@@ -5,10 +5,9 @@ drafter's block by 16 rows. For such small row counts MKL's ``sgemm`` re-packs t
 every call, which on the 2-core CI machine makes a 17-row linear cost ~2.4x a 1-row one although the
 arithmetic is hardly the bottleneck. MKL can pack a weight once for a given row count
 (``cblas_sgemm_pack``, exposed by torch as ``torch.ops.mkl._mkl_reorder_linear_weight`` /
-``_mkl_linear``, the kernels torch.compile's CPU freezing pass uses). Measured on SmolLM2-135M
-(2026-11-30): ``python -m benchmarks.bench_verify`` (2 threads) 16-node verify 72.0 -> 63.0 ms,
-64-node 132 -> 114 ms; in the engine at 1 thread (B = 16; an ad-hoc probe, one GSM8K prompt x 64
-tokens) verify 116 -> 100 ms and the drafter's block + lm_head 31 -> 24 ms per round. The packed kernel gave results bitwise equal to ``F.linear``
+``_mkl_linear``, the kernels torch.compile's CPU freezing pass uses). On SmolLM2-135M
+``python -m benchmarks.bench_verify`` (2 threads) measured a 16-node verify at 72.0 -> 63.0 ms and a
+64-node one at 132 -> 114 ms (benchmarks/README.md, "Other figures"). The packed kernel gave results bitwise equal to ``F.linear``
 for the packed row count in our probes; tests check agreement to float32 rounding.
 
 How: :func:`pack_linears` turns the ``nn.Linear`` modules of a model *in place* into
@@ -191,7 +190,7 @@ def packed_bytes(module: nn.Module) -> int:
 #
 # Why: a bfloat16 ``F.linear`` on CPU goes to oneDNN, which reorders the whole weight into its
 # blocked (AMX / avx512_bf16) layout on *every* call. Reordered once, the same kernel costs about
-# half: on our 2-core Sapphire Rapids machine (1 thread, 2026-12-01, /tmp probe) a 1536 x 576 linear
+# half: on a 2-core Sapphire Rapids machine (1 thread) a 1536 x 576 linear
 # 130 -> 64 us at 1 row, 145 -> 71 us at 9 rows, 156 -> 85 us at 17 rows (AMX makes 9 rows cost
 # ~1.1x one row; torch's int4 kernel, 64 us at 1 row, costs 273 us at 9), and the 49152 x 576 lm_head
 # 4.1 -> 3.0 ms. These are the ops torch.compile's CPU freezing pass emits

@@ -24,8 +24,8 @@ already have a model; a sweep whose repeats disagree or whose curve is implausib
 on the cores) is taken again once and then replaced by a rule-based curve that is never cached;
 :func:`load_cached` / :func:`save_cached` keep an accepted sweep per machine / model / dtype.
 
-Source: this issue (SmartSpec / TurboSpec use the same "goodput = expected tokens / predicted
-step time" with a linear batch-time model).
+Source: SmartSpec / TurboSpec use the same "goodput = expected tokens / predicted
+step time" with a linear batch-time model.
 """
 
 from __future__ import annotations

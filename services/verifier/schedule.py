@@ -8,8 +8,8 @@ with no schedule (the default), the drafter's defaults apply (``default_tree_kno
 
 A manual override: all running requests now share one batched step (engine v2), so a smaller B
 under load makes each step lighter (B + 1 rows per request); whether that raises tokens/s depends
-on τ(B) against the step's cost, which the goodput policy issue measures per step. Numbers: README
-"Batched serving" and "CPU operating point".
+on τ(B) against the step's cost, which the goodput policy measures per step. Numbers: benchmarks/README.md and
+docs/configuration.md ("Tree defaults").
 """
 
 from __future__ import annotations
