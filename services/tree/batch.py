@@ -3,9 +3,9 @@
 A *step* is one target forward for every running request; each request contributes a *segment* of
 rows: its verify rows (root + N draft nodes of a tree, :class:`VerifyBuffers`), a single row (a plain
 ``ar`` round) or a chunk of its prompt (chunked prefill). Linears run on the flattened rows
-(``R = sum R_i``, no padding); attention runs on a padded ``[n, R_max]`` view of the same rows
-against each request's slot of the KV cache (vLLM's ``cu_*`` offsets, SGLang's per-request tree
-masks).
+(``R = sum R_i``, no padding); attention runs per request on its own rows against its slot of the
+KV cache, each request's mask being its row block of a padded ``[n, R_max]`` layout (vLLM's ``cu_*``
+offsets, SGLang's per-request tree masks); a padded step (CUDA graphs) runs the whole layout at once.
 
 Worked example: request 0 verifies a two-node tree ``[r, a, b]`` (both children of the root) at
 ``start = 3``; request 1 prefills a 2-token chunk ``[p, q]`` at ``start = 0``. Then::
@@ -81,6 +81,10 @@ class PackedRows:
         write_slot, write_pos: ``[R]`` long, where each row's K/V is written (slot, column).
         attn_mask: ``[n, 1, Rm, L]`` bool, True = attend (see the module docstring).
         kv_length: ``L``, the columns attention reads (a multiple of ``kv_bucket``).
+        segment_kv_lengths: per segment, the KV length it reads when it is the step's only segment
+            (its own ``start + R_i`` rounded up like ``L``): the runner's per-request attention
+            reads exactly these columns, so a request's attention never depends on its batch mates.
+            Empty for padded steps (:func:`pad_packed`), which read ``L`` columns for every segment.
     """
 
     input_ids: Tensor
@@ -94,6 +98,13 @@ class PackedRows:
     write_pos: Tensor
     attn_mask: Tensor
     kv_length: int
+    segment_kv_lengths: tuple[int, ...] = ()
+
+
+def _kv_length(need: int, kv_bucket: int, kv_capacity: int | None) -> int:
+    """``need`` columns rounded up to a multiple of ``kv_bucket``, capped at ``kv_capacity``."""
+    length = -(-need // kv_bucket) * kv_bucket
+    return length if kv_capacity is None else min(length, kv_capacity)
 
 
 def pack_segments(segments: list[Segment], kv_bucket: int = 1, kv_capacity: int | None = None) -> PackedRows:
@@ -121,9 +132,7 @@ def pack_segments(segments: list[Segment], kv_bucket: int = 1, kv_capacity: int 
     need = max(s.start + r for s, r in zip(segments, sizes))
     if kv_capacity is not None and need > kv_capacity:
         raise ValueError(f"a segment needs {need} KV columns, the cache holds {kv_capacity}")
-    length = -(-need // kv_bucket) * kv_bucket
-    if kv_capacity is not None:
-        length = min(length, kv_capacity)
+    length = _kv_length(need, kv_bucket, kv_capacity)
     cu = torch.zeros(n + 1, dtype=torch.long)
     cu[1:] = torch.cumsum(torch.tensor(sizes), 0)
     starts = torch.tensor([s.start for s in segments], dtype=torch.long)
@@ -143,7 +152,8 @@ def pack_segments(segments: list[Segment], kv_bucket: int = 1, kv_capacity: int 
         cu_rows=cu, slots=torch.tensor(slots, dtype=torch.long), starts=starts, row_index=row_index,
         padded_pos=seg_of_row * rm + offsets,
         write_slot=torch.tensor(slots, dtype=torch.long)[seg_of_row], write_pos=starts[seg_of_row] + offsets,
-        attn_mask=mask, kv_length=length)
+        attn_mask=mask, kv_length=length,
+        segment_kv_lengths=tuple(_kv_length(s.start + r, kv_bucket, kv_capacity) for s, r in zip(segments, sizes)))
 
 
 def split_rows(x: Tensor, cu_rows: Tensor) -> list[Tensor]:

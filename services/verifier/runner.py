@@ -5,13 +5,41 @@ chunks; :mod:`services.tree.batch`) run flattened through the HF model's own mod
 embeddings, norms, rotary embeddings, q/k norms and MLPs stay the reference (llama, qwen2, qwen3
 alike); only attention is ours, registered with transformers' ``AttentionInterface``
 (:func:`services.hf_compat.register_slot_attention`): it writes the step's K/V rows into their
-slots, reads each request's slot up to the step's (bucketed) KV length, and runs
-``F.scaled_dot_product_attention`` on a padded ``[n, Hq, R_max, Dh]`` view with per-request masks.
-A step of one request skips the row gather and scatter: SDPA on the HF query as is (same KV
-length and mask, so the same sums as the padded path).
-Attention work therefore scales with the longest context *in the step* (rounded up to
-``kv_bucket``), never with the configured capacity. A forward without step metadata (the HF
-reference paths of :class:`TargetModel`) falls through to transformers' SDPA.
+slots, then runs ``F.scaled_dot_product_attention`` once per request, on that request's rows
+``[1, Hq, R_i, Dh]`` against its slot read up to its own (bucketed) KV length, with its own mask:
+the very call the request's step makes when it runs alone. Attention work therefore scales with
+each request's own context (rounded up to ``kv_bucket``), never with the configured capacity. A
+forward without step metadata (the HF reference paths of :class:`TargetModel`) falls through to
+transformers' SDPA.
+
+Batch invariance (a request's logits do not depend on who shares its step). SDPA's CPU kernel
+blocks its GEMMs by the query rows and the KV length of the call, so one padded
+``[n, Hq, R_max, L]`` call for the whole step (``R_max`` the widest segment, ``L`` the longest
+context) gave a request's rows other sums than its solo call (SmolLM2 in bfloat16: first
+differences ~6e-5 at layer 2 of a 9-row step, a different greedy token at token 17 of an ``ar``
+request beside two speculating ones). Per-request calls remove that by construction, in every
+format. The other per-row ops (embedding, RMSNorm, rotary,
+SiLU, residual adds) compute each row alone. What remains is the linears, which run on all ``R``
+flattened rows at once, so whether a row depends on ``R`` is the GEMM kernel's property:
+
+- ``bfloat16`` (oneDNN-packed, :mod:`services.cpu_gemm`) and ``q4`` (torch's int4 kernel, plus
+  the dense bfloat16 lm_head): every row bitwise equal to its 1-row result for ``R`` = 1..17 on the
+  shapes tested here; ``pack_linears_bf16`` checks each weight shape at load and leaves one that
+  fails on ``F.linear``, whose rows may then depend on ``R`` (seen on an AVX2-only CPU for a
+  ``K`` = 1536 projection), so bitwise invariance holds where that check passes.
+- ``float32`` (MKL ``sgemm``, packed or not): rows change in their last bits with ``R`` (every
+  ``R`` >= 2 differs from ``R`` = 1), so batched equals solo to float32 rounding (~1e-6 in the
+  logits), not bitwise; with row-invariant linears the rest of the step is bitwise invariant
+  (tests/engine/test_batch_invariance.py).
+- Padded steps (``cuda_graphs``) run one padded attention call at the bucket's shape (a CUDA graph
+  needs fixed shapes), and cuBLAS picks GEMM kernels per shape: no bitwise guarantee there, only
+  equality to rounding.
+
+Cost: ``n`` SDPA calls per layer instead of one, but no K/V gather, no row scatter and no
+padding to the widest segment and longest context. SmolLM2's attention shape, 1-8 requests mixing
+``ar`` rows and 9 / 17-row trees at 200-700 positions (a probe on a loaded 2-core AVX2 VM, one
+thread, 2026-12-03): bfloat16 within 0.8-1.25x of the padded call, float32 ~0.5x (the padded call
+read every slot up to the longest context).
 """
 
 from __future__ import annotations
@@ -68,21 +96,35 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
     step = getattr(_ACTIVE, "step", None)
     if step is None:
         return hf_compat.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
-    cache, p, single, fixed = step
+    cache, p, parts, fixed = step
     cache.write(layer, p.write_slot, p.write_pos, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    if single is not None:  # one request: its rows in order, no gather / scatter
-        length, mask = single
-        k, v = cache.read(layer, p.slots, length)  # [1, Hkv, L, Dh]
-        out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=kwargs.get("scaling"),
-                                             enable_gqa=k.shape[1] != query.shape[1])
-        return out.transpose(1, 2), None
-    k, v = cache.read(layer, p.slots, p.kv_length, gather=fixed)  # [n, Hkv, L, Dh]
-    safe = p.row_index.clamp(min=0)
-    q = query[0].transpose(0, 1)[safe].transpose(1, 2)  # [n, Hq, Rm, Dh]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.attn_mask, scale=kwargs.get("scaling"),
-                                         enable_gqa=k.shape[1] != q.shape[1])
-    out = out.transpose(1, 2).flatten(0, 1)[p.padded_pos]  # [R, Hq, Dh], flattened row order
-    return out[None], None
+    scale = kwargs.get("scaling")
+    if fixed:  # a padded step: one call over the bucket's layout (fixed shapes, no host sync)
+        k, v = cache.read(layer, p.slots, p.kv_length, gather=True)  # [n, Hkv, L, Dh]
+        q = query[0].transpose(0, 1)[p.row_index.clamp(min=0)].transpose(1, 2)  # [n, Hq, Rm, Dh]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.attn_mask, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+        return out.transpose(1, 2).flatten(0, 1)[p.padded_pos][None], None  # [1, R, Hq, Dh]
+    outs = []
+    for a, b, slot, length, mask in parts:  # each request exactly as its solo step: batch invariant
+        k, v = cache.read(layer, slot, length)  # [1, Hkv, L_i, Dh], a view of the slot
+        outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=mask, scale=scale,
+                                                   enable_gqa=k.shape[1] != query.shape[1]))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, R, Dh]
+    return out.transpose(1, 2), None
+
+
+def _request_parts(p: PackedRows) -> list[tuple[int, int, Tensor, int, Tensor]]:
+    """Per segment of ``p`` (unpadded): ``(first row, end row, slot [1], KV length, mask [1, 1, R_i, L_i])``,
+    the arguments of its attention call, equal to those of the segment's solo step (a
+    :func:`pack_segments` of it alone; contiguous masks, like a solo step's)."""
+    bounds = p.cu_rows.tolist()
+    parts = []
+    for i, length in enumerate(p.segment_kv_lengths):
+        a, b = bounds[i], bounds[i + 1]
+        mask = p.attn_mask[i:i + 1, :, :b - a, :length]
+        parts.append((a, b, p.slots[i:i + 1], length, mask if len(bounds) == 2 else mask.contiguous()))
+    return parts
 
 
 @torch.library.custom_op("dartree::slot_attention", mutates_args=())
@@ -113,6 +155,11 @@ def _step_guards(entries) -> list[bool]:
 
 class ModelRunner:
     """Runs batched steps of a :class:`TargetModel` over a slot KV cache.
+
+    Guarantee (the module docstring's batch invariance): on unpadded steps (eager or compiled) a
+    request's logits and features are those of the same request run alone, bitwise in bfloat16
+    and q4 (where the weight shapes pass ``pack_linears_bf16``'s row check) and to float32 rounding
+    in float32; on padded steps (``cuda_graphs``) to rounding.
 
     Args:
         target: the target (its HF model switches to the slot attention, which falls back to SDPA
@@ -213,15 +260,13 @@ class ModelRunner:
         keep = logit_rows.to(dev) if logit_rows is not None else torch.arange(p.input_ids.numel(), device=dev)
         if self.compiled and not keep.is_inference():  # its dispatch keys would fail a guard: recompile
             keep = keep.clone()
-        # one segment (a lone request): no gather / scatter of rows. Same KV length and mask as the
-        # padded path (an exact length would change SDPA's bf16 sums: plain rounds vs verify rows)
-        single = (p.kv_length, p.attn_mask) if p.row_index.shape[0] == 1 else None
+        parts = _request_parts(p)
         ids, pos = p.input_ids[None], p.positions[None]
         if self.compiled and ids.shape[1] > 1:  # one graph for every row count > 1 (1 row: its own)
             for t, dim in ((ids, 1), (pos, 1), (keep, 0)):
                 torch._dynamo.maybe_mark_dynamic(t, dim)
         t0 = time.perf_counter()
-        _ACTIVE.step = (self.cache, p, single, False)
+        _ACTIVE.step = (self.cache, p, parts, False)
         try:
             out = self._forward(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
                                 logits_to_keep=keep)
