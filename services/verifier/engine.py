@@ -174,8 +174,8 @@ class EngineConfig:
         max_step_tokens: rows one step may hold in all (verify rows + prompt chunks); a step always
             holds at least one request.
         kv_bucket: a step's KV length is rounded up to a multiple of this (fewer shapes).
-        overlap: submit each request's next draft right after its commit (drafter clients with
-            ``submit`` / ``collect``), so the drafter drafts while the target verifies other
+        overlap: submit each request's next draft right after its commit, so the drafter
+            drafts while the target verifies other
             requests; the caller alternates groups of requests between steps (the verifier worker
             does). Tokens are unchanged: the same draft is computed, only earlier.
         compile: run the runner's steps through ``torch.compile`` (:class:`ModelRunner`; on a CUDA
@@ -268,7 +268,7 @@ class SpecEngine:
                  max_draft_depth: int = 16, drafter_max_position: int | None = None, policy=None):
         self.target, self.drafter = target, drafter
         self.policy = policy if policy is not None else FixedPolicy()
-        if drafter_max_position is None and hasattr(drafter, "info"):
+        if drafter_max_position is None and drafter is not None:
             drafter_max_position = int(drafter.info().get("max_position") or 0) or None
         self.drafter_max_position = drafter_max_position  # no draft token at a position >= this
         self.vocab_size = target.vocab_size
@@ -394,16 +394,15 @@ class SpecEngine:
                      for _, req in reqs if not req.decoding)
         self.policy.begin_step(list(infos.values()), extra_rows=min(chunks, self.config.max_step_tokens))
         t_sub = time.perf_counter()
-        if hasattr(self.drafter, "submit_many"):  # every drafting request's draft in one drafter forward
-            pairs = []
-            for rid, req in reqs:
-                if req.decoding and req.pending is None and infos[rid].can_draft:
-                    job = self._draft_job(rid, req, tree_knobs)
-                    if job is None:
-                        req.skip_round = True  # the policy chose a plain round: no drafter call
-                    else:
-                        pairs.append((req, job))
-            self._submit(pairs)
+        pairs = []  # every drafting request's draft in one drafter call
+        for rid, req in reqs:
+            if req.decoding and req.pending is None and infos[rid].can_draft:
+                job = self._draft_job(rid, req, tree_knobs)
+                if job is None:
+                    req.skip_round = True  # the policy chose a plain round: no drafter call
+                else:
+                    pairs.append((req, job))
+        self._submit(pairs)
         submit_wait = time.perf_counter() - t_sub  # an in-process drafter drafts right here
         for rid, req in reqs:
             if req.decoding and (left > 0 or not plan):
@@ -518,11 +517,11 @@ class SpecEngine:
         return min(room, self.max_draft_depth)
 
     def _plan_round(self, rid: str, req: _Request, tree_knobs: tuple[int, int] | None) -> _Planned:
-        """Draft (unless ``ar``, no room, or the policy chose a plain round); the verify rows are
-        laid out by ``step_batch`` once the policy has cut the tree."""
+        """Collect the request's submitted draft (none: ``ar``, no room, or the policy chose a plain
+        round: an empty tree); the verify rows are laid out by ``step_batch`` once the policy has
+        cut the tree."""
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
-        depth = self.draft_depth(req.start)
         tree = DraftTree.empty()
         drafted = skipped = False
         if req.pending is not None:
@@ -534,15 +533,6 @@ class SpecEngine:
             drafted = True
         elif req.skip_round:
             req.skip_round, skipped = False, True
-        elif req.spec.method != "ar" and depth > 0:
-            spec = self.policy.draft_spec(rid, req.spec, tree_knobs)
-            if spec is None:
-                skipped = True
-            else:
-                tree, dt = self.drafter.draft(rid, req.ctx_ids, self._ctx_feats(req), req.root, req.start, spec,
-                                              max_depth=depth)
-                timings.update(dt)
-                drafted = True
         timings["draft_wait"] = time.perf_counter() - t0
         timings["_t0"] = t0
         return _Planned(rid, req, None, tree=tree, timings=timings, knobs=tree_knobs, drafted=drafted,
@@ -569,8 +559,8 @@ class SpecEngine:
         return req.ctx_feats
 
     def _submit(self, pairs: list[tuple[_Request, DraftJob]]) -> None:
-        """Start the drafts of ``pairs`` as ONE batched drafter call (clients with ``submit_many``);
-        each request's round collects its own. A failed submission fails those requests' next round."""
+        """Start the drafts of ``pairs`` as ONE batched drafter call; each request's round collects
+        its own. A failed submission fails those requests' next round."""
         if not pairs:
             return
         try:
@@ -582,7 +572,7 @@ class SpecEngine:
 
     def _queue_next(self, rid: str, req: _Request, tree_knobs: tuple[int, int] | None) -> None:
         """With overlap: queue the request's next draft, submitted for the whole step at its end."""
-        if self.config.overlap and hasattr(self.drafter, "submit_many"):
+        if self.config.overlap:
             job = self._draft_job(rid, req, tree_knobs)
             if job is not None:
                 self._next_jobs.append((req, job))

@@ -204,6 +204,10 @@ class ZmqDrafterClient:
         self._pending.discard(handle[0])
         self._stash.pop(handle[0], None)
 
+    def info(self) -> dict:
+        """The drafter's handshake fields (``{}`` before the first handshake)."""
+        return _fields(self.peer) if self.peer is not None else {}
+
     def release(self, request_id: str) -> None:
         """Forget a request's drafter context (fire and forget; idempotent)."""
         self._req_epoch.pop(request_id, None)
