@@ -10,7 +10,7 @@ STAMP := $(VENV)/.dartree-setup-stamp
 PROMPT ?= Write a haiku about speculative decoding.
 ARGS ?=
 
-.PHONY: setup test test-deps serve generate bench bench-tree bench-deps gpu-check
+.PHONY: setup lint test test-deps serve generate bench bench-tree bench-deps gpu-check
 
 setup: $(STAMP)
 
@@ -28,7 +28,11 @@ test-deps:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
 		>/dev/null) || echo "note: prometheus not installed; its test will be skipped"; }
 
-test: setup test-deps
+# Pyflakes-level checks (rules: [tool.ruff] in pyproject.toml); `make test` runs it first.
+lint: setup
+	$(BIN)/ruff check .
+
+test: setup test-deps lint
 	$(BIN)/python -m pytest -q -m "not slow" --durations=15 $(ARGS)
 
 serve: setup

@@ -1,6 +1,8 @@
-"""The ``dartree`` command line: serve, serve-ray, gateway, verifier, drafter, generate, bench, train-drafter.
+"""The ``dartree`` command line: serve, serve-ray, gateway, verifier, drafter, generate, bench, train-drafter, doctor.
 
-Heavy imports happen inside each sub-command, so ``dartree gateway`` never imports torch.
+Building the parser imports no torch: heavy imports happen inside each sub-command, and the flags of
+``train-drafter``, ``bench`` and ``doctor`` (defined beside their code; the first two need torch) are
+added only once that sub-command is chosen, so ``dartree gateway`` runs on a machine without torch.
 Bad input ends with a one-line ``dartree: error: ...`` message and exit status 2, never a traceback.
 """
 
@@ -8,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
-from services.protocol import METHODS
-from services.runtime import DTYPES, WEIGHT_CHOICES, default_weights, error_line
+from services.command_line import Parser, run_command
+from services.runtime import DTYPES, WEIGHT_CHOICES, default_weights
+from services.spec import DEFAULT_METHOD, DEFAULT_POLICY, METHODS, POLICIES
 
 
 def _seed(text: str) -> int:
@@ -28,8 +32,8 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate one completion in-process (no server)")
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--method", default="dartree-pruned", choices=METHODS,
-                   help="speculative method ('ar' = plain decoding; default: dartree-pruned)")
+    p.add_argument("--method", default=DEFAULT_METHOD, choices=METHODS,
+                   help=f"speculative method ('ar' = plain decoding; default: {DEFAULT_METHOD})")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
@@ -54,7 +58,7 @@ def _add_generate(sub) -> None:
                    help="run the target's steps (CUDA graphs on a GPU) and the drafter's block forward through "
                         "torch.compile (a warm-up of about a minute the first time on a small CPU, less once "
                         "inductor's disk cache is warm; default: off)")
-    p.add_argument("--spec-policy", choices=["goodput", "fixed"], default="goodput",
+    p.add_argument("--spec-policy", choices=POLICIES, default=DEFAULT_POLICY,
                    help="goodput (default): each round's tree budget (0 = plain decoding) is chosen to maximise "
                         "tokens/s from calibrated acceptance and a measured cost model, --budget is its maximum; "
                         "fixed: every round verifies the whole tree of --budget")
@@ -69,11 +73,15 @@ def _generate(a) -> int:
 
 
 def _add_train(sub) -> None:
+    p = sub.add_parser("train-drafter", help="train a DFlash + Domino (with --dspark: DSpark) drafter for a target",
+                       add_flags=_train_flags)
+    p.set_defaults(func=_train)
+
+
+def _train_flags(p: argparse.ArgumentParser) -> None:
     from services.training.train import build_args
 
-    p = sub.add_parser("train-drafter", help="train a DFlash + Domino (with --dspark: DSpark) drafter for a target")
     build_args(p)
-    p.set_defaults(func=_train)
 
 
 def _train(a) -> int:
@@ -115,32 +123,83 @@ def _serve_ray(a) -> int:
     return serve_ray_main(a)
 
 
+def _add_doctor(sub) -> None:
+    p = sub.add_parser("doctor", help="CPU capabilities, cached weight choices and cost sweeps (--remeasure)",
+                       add_flags=_doctor_flags)
+    p.set_defaults(func=_doctor)
+
+
+def _doctor_flags(p: argparse.ArgumentParser) -> None:
+    from services.doctor import add_doctor_args
+
+    add_doctor_args(p)
+
+
+def _doctor(a) -> int:
+    from services.doctor import doctor_main
+
+    return doctor_main(a)
+
+
 def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark methods and peers side by side (tables and figures)",
+                       add_flags=_bench_flags)
+    p.set_defaults(func=_bench)
+
+
+def _bench_flags(p: argparse.ArgumentParser) -> None:
     try:
-        from benchmarks.bench import add_bench_args, bench_main
-    except ImportError:
-        return
-    p = sub.add_parser("bench", help="benchmark methods and peers side by side (tables and figures)")
+        from benchmarks.bench import add_bench_args
+    except ImportError as e:  # an install without the benchmarks' dependencies
+        p.error(f"dartree bench needs the benchmarks package and its dependencies ({e})")
     add_bench_args(p)
-    p.set_defaults(func=bench_main)
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error: ``<prog>: error: <what> (see <prog> --help)``, exit code 2
-    (argparse's own prints the whole usage block first, a screenful for ``generate``)."""
+def _bench(a) -> int:
+    from benchmarks.bench import bench_main
 
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+    return bench_main(a)
+
+
+class _SubParser(Parser):
+    """A sub-command's parser whose flags may be added on first use (``add_flags``: parsing, or
+    ``--help``), so that building the ``dartree`` parser imports none of that sub-command's modules."""
+
+    def __init__(self, *args, add_flags: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._add_flags = add_flags
+
+    def ensure_flags(self) -> _SubParser:
+        """Add the deferred flags now (once); this parser."""
+        if self._add_flags is not None:
+            add, self._add_flags = self._add_flags, None
+            add(self)
+        return self
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.ensure_flags()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self.ensure_flags()
+        return super().format_help()
+
+
+def command_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of sub-command ``name`` of ``parser`` (:func:`build_parser`), every flag added."""
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices[name].ensure_flags()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full ``dartree`` parser (its subcommand parsers are :class:`_Parser` too)."""
-    ap = _Parser(prog="dartree", description="DARTree Serve: lossless tree speculative decoding")
-    sub = ap.add_subparsers(dest="command", required=True)
+    """The full ``dartree`` parser (every parser in it is a one-line-error :class:`Parser`)."""
+    ap = Parser(prog="dartree", description="DARTree Serve: lossless tree speculative decoding")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_SubParser)
     _add_workers(sub)
     _add_serve_ray(sub)
     _add_generate(sub)
     _add_bench(sub)
+    _add_doctor(sub)
     _add_train(sub)
     return ap
 
@@ -151,13 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # name the subcommand whose options were wrong
         sub = f"{ap.prog} {args.command}"
         ap.exit(2, f"{sub}: error: unrecognized arguments: {' '.join(extra)} (see {sub} --help)\n")
-    try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        return 130
-    except (ValueError, OSError, RuntimeError) as e:  # bad input, a path (permissions, a full disk): one line
-        print(f"dartree: error: {error_line(e)}", file=sys.stderr)
-        return 2
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,10 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta, Struct
 
+# The method names live in services.spec; re-exported for the modules that read them here.
+from services.spec import (DFLASH_METHODS, EAGLE3_METHODS, HEAD_METHODS, MARKOV_METHODS,  # noqa: F401
+                           METHODS, served_methods)
+
 PROTOCOL_VERSION = 3  # v2: SamplingSpec.logprobs, RoundChunk.logprobs; v3: DraftBatch
 
 MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (OpenAI chat's top_logprobs limit)
@@ -303,36 +307,6 @@ MESSAGE_CLASSES: dict[MessageType, type[Struct]] = {
     MessageType.DRAFT_REPLY: DraftReply, MessageType.RELEASE: Release, MessageType.DRAFT_BATCH: DraftBatch,
 }
 MESSAGE_TYPES: dict[type[Struct], MessageType] = {cls: t for t, cls in MESSAGE_CLASSES.items()}
-
-# Speculative methods a request may name ("ar": plain decoding, no drafter); HEAD_METHODS need a drafter
-# with the Domino correction head.
-# Methods of the DFlash-backbone family (a plain DFlash drafter serves ar/dflash/ddtree, a Domino one all of them).
-DFLASH_METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree")
-HEAD_METHODS = frozenset({"domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree"})
-# DSpark drafters (Markov head, algorithms.md §3): its own chain rollout and DARTree with the Markov scorer.
-MARKOV_METHODS = frozenset({"dspark", "dspark-dartree"})
-# EAGLE-3 drafters: the dynamic top-k draft tree (services.tree.eagle).
-EAGLE3_METHODS = frozenset({"eagle3"})
-METHODS = DFLASH_METHODS + ("dspark", "dspark-dartree", "eagle3")
-
-
-def served_methods(kind: str) -> tuple[str, ...]:
-    """Methods a drafter of ``kind`` serves, in :data:`METHODS` order.
-
-    ``kind``: ``"dflash"`` (no correction head), ``"domino"``, ``"dspark"`` or ``"eagle3"``.
-
-    Raises:
-        ValueError: unknown kind.
-    """
-    table = {
-        "dflash": {"ar", "dflash", "ddtree"},
-        "domino": set(DFLASH_METHODS),
-        "dspark": {"ar", "dflash", "ddtree"} | MARKOV_METHODS,
-        "eagle3": {"ar"} | EAGLE3_METHODS,
-    }
-    if kind not in table:
-        raise ValueError(f"unknown drafter kind {kind!r} (choose from {', '.join(table)})")
-    return tuple(m for m in METHODS if m in table[kind])
 
 # Largest msgpack body accepted per type (tensor frames are bounded separately by Limits).
 MAX_BODY_BYTES: dict[MessageType, int] = {t: 64 * 1024 for t in MessageType}

@@ -40,7 +40,9 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from services.ray_config import RayAppConfig, UnitSpec, config_from_args, config_from_cli, describe
+from services.command_line import Parser, run_command
+from services.ray_config import (RayAppConfig, UnitSpec, add_serve_ray_args, config_from_args, config_from_cli,
+                                 describe)
 from services.ray_unit import Unit, UnitError, check_unit_flags, relay
 
 log = logging.getLogger("dartree.ray")
@@ -228,7 +230,12 @@ def serve_ray_main(a: argparse.Namespace) -> int:
         ray.shutdown()
 
 
-if __name__ == "__main__":  # pragma: no cover
-    from services.cli import main
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.ray_serve FLAGS``: the same as ``dartree serve-ray FLAGS``."""
+    parser = Parser(prog="dartree serve-ray", description="N units behind Ray Serve")
+    add_serve_ray_args(parser)
+    return run_command(serve_ray_main, parser.parse_args(argv))
 
-    sys.exit(main(["serve-ray", *sys.argv[1:]]))
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -309,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     flags = a.flags[1:] if a.flags[:1] == ["--"] else a.flags
     threading.Thread(target=_watch_parent, args=(a.parent_pid,), daemon=True, name="parent-watch").start()
-    from services.cli import main as cli_main
+    from services.serve import main as serve_main
 
-    return cli_main(["serve", *flags])
+    return serve_main(flags)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Functions the CLI (``services/cli.py``) calls::
     verifier_main(args: argparse.Namespace) -> int
     drafter_main(args: argparse.Namespace) -> int
 
-Every flag is a field of a frozen config dataclass (``--max-running`` <-> ``max_running``) and is
+Every flag is a field of a frozen config dataclass (``--max-running`` <-> ``max_running``,
+:mod:`services.config_cli`) and is
 also read from ``DARTREE_<FIELD>`` (``DARTREE_MAX_RUNNING=4``); a flag beats the variable, and a
 bad variable is an argparse error like a bad flag (exit 2). Before spawning anything, ``plan``
 checks every setting, the listening addresses (free, distinct) and the drafter directory: a bad one
@@ -44,17 +45,18 @@ import shutil
 import signal
 import sys
 import time
-import types
 import typing
 import urllib.request
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.config import GatewayConfig
+from services.command_line import Parser, run_command
 from services.drafter.worker import DrafterWorkerConfig
-from services.protocol import METHODS
-from services.runtime import DRAIN_SIGNAL, DTYPES, STOP_NOW_SIGNAL, WEIGHT_CHOICES, error_line
+from services.config_cli import add_config_args, config_from_args, given_by
+from services.runtime import DRAIN_SIGNAL, STOP_NOW_SIGNAL, error_line
+from services.spec import preferred_method
 from services.verifier.worker import VerifierWorkerConfig
 
 log = logging.getLogger("dartree.serve")
@@ -68,6 +70,7 @@ class SupervisorConfig:
         startup_timeout_s: how long to wait for readiness (model conversion and loading included).
         drain_timeout_s: SIGTERM drain budget of the gateway (and then the workers).
         max_restarts: restarts of one worker within ``restart_window_s`` before giving up.
+        restart_window_s: the sliding window, in seconds, over which ``max_restarts`` counts a worker's restarts.
         drafter: drafter checkpoint ("" = the default drafter if present, "none" = no drafter: AR only).
     """
 
@@ -76,121 +79,6 @@ class SupervisorConfig:
     max_restarts: int = 5
     restart_window_s: float = 300.0
     drafter: str = ""
-
-
-# ------------------------------------------------------------------------------------ config <-> CLI
-
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
-
-
-def _parser_type(tp):
-    """argparse ``type`` for a field annotation (``int | None`` accepts "none")."""
-    args = typing.get_args(tp)
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        inner = next(a for a in args if a is not type(None))
-        return lambda s: None if s.lower() in ("none", "") else inner(s)
-    return tp
-
-
-class _EnvValue(str):
-    """A flag's default read from ``DARTREE_<FIELD>``: argparse converts string defaults with the flag's
-    ``type`` only when the flag is not given, so a bad variable is an argparse error (exit 2) and a
-    flag overrides it."""
-
-    var: str
-
-
-def _env_var(name: str) -> str:
-    """The environment variable that gives field ``name``'s default: ``DARTREE_<NAME>``."""
-    return f"DARTREE_{name.upper()}"
-
-
-def _env_default(name: str, default):
-    raw = os.environ.get(_env_var(name))
-    if raw is None:
-        return default
-    value = _EnvValue(raw)
-    value.var = _env_var(name)
-    return value
-
-
-class _StoreGiven(argparse.Action):
-    """``store`` that also records the flag as given on the command line (``args._given``), so that a
-    check can tell ``--flag VALUE`` from the same value arriving as the default (see :func:`given_by`)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        namespace._given = getattr(namespace, "_given", frozenset()) | {self.dest}
-
-
-def given_by(args: argparse.Namespace, name: str) -> str | None:
-    """Where field ``name``'s value came from: ``"--name"`` (the flag), ``"DARTREE_NAME"`` (the env
-    var) or None (the dataclass default)."""
-    if name in getattr(args, "_given", ()):
-        return "--" + name.replace("_", "-")
-    return _env_var(name) if _env_var(name) in os.environ else None
-
-
-def _checked(convert, type_name: str):
-    """An argparse ``type``: ``convert`` with a one-line error that names the env var a bad default came from."""
-    def parse(s: str):
-        try:
-            return convert(s)
-        except (ValueError, TypeError):
-            where = f"{s.var}={str(s)!r}" if isinstance(s, _EnvValue) else repr(s)
-            raise argparse.ArgumentTypeError(f"{where} is not a valid {type_name}") from None
-
-    parse.__name__ = type_name
-    return parse
-
-
-def _to_bool(s: str) -> bool:
-    if s.lower() not in ("1", "0", "true", "false", "yes", "no"):
-        raise ValueError(s)
-    return s.lower() in ("1", "true", "yes")
-
-
-# Fields whose values come from a fixed set (argparse ``choices``: a typo is a one-line error at start).
-CHOICES = {"dtype": DTYPES, "weights": WEIGHT_CHOICES, "default_method": METHODS, "spec_policy": ("goodput", "fixed"),
-           "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "debug", "info", "warning", "error",
-                         "critical")}
-
-
-# A few fields whose values need words in --help (the rest are named by their dataclass docstrings).
-FIELD_HELP = {"drafter": "drafter checkpoint directory ('' = the default drafter if it is installed; in 'serve', "
-                         "'none' in any case = no drafter: plain decoding, method 'ar', only)",
-              "default_method": "the method of requests that name none; without a drafter only 'ar'"}
-
-
-def add_config_args(parser: argparse.ArgumentParser, *classes) -> None:
-    """One ``--field-name`` flag per dataclass field (shared names once); env vars give defaults."""
-    seen: dict[str, object] = {}
-    for cls in classes:
-        hints = _hints(cls)
-        for f in fields(cls):
-            if f.name in seen:
-                continue
-            seen[f.name] = f.default
-            tp = hints[f.name]
-            default = _env_default(f.name, f.default)
-            flag = "--" + f.name.replace("_", "-")
-            help_text = (FIELD_HELP.get(f.name, "") + f" (env {_env_var(f.name)}; default: "
-                         f"{str(default) if isinstance(default, _EnvValue) else default!r})").lstrip()
-            if tp is bool:
-                parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                                    type=_checked(_to_bool, "boolean"), help=help_text)
-            else:
-                name = getattr(typing.get_args(tp)[0] if typing.get_args(tp) else tp, "__name__", str(tp))
-                parser.add_argument(flag, dest=f.name, type=_checked(_parser_type(tp), name), default=default,
-                                    choices=CHOICES.get(f.name), help=help_text, action=_StoreGiven)
-
-
-def config_from_args(cls, args: argparse.Namespace, **overrides):
-    """``cls`` built from the parsed flags it has (plus ``overrides``)."""
-    values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-    values.update(overrides)
-    return cls(**values)
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -513,7 +401,7 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
         kind = drafter_kind(ddir)
         served = served_methods(kind)
         if args.default_method not in served:
-            best = next(m for m in ("dartree-pruned", "dspark-dartree", "eagle3", "ddtree", "ar") if m in served)
+            best = preferred_method(served)
             source = given_by(args, "default_method") or "the default; change it with --default-method"
             raise ValueError(f"the default method {args.default_method!r} ({source}) is not served by "
                              f"the {kind} drafter in {ddir} (it serves: {', '.join(served)}); pass e.g. "
@@ -526,15 +414,26 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
                          f"--default-method ar")
 
 
-def _resolve_weights(args: argparse.Namespace, target: str) -> tuple[str, str]:
-    """``(format, activation dtype name)`` of the target, chosen once here so that both workers agree
-    (:func:`services.weights.resolve_cli_weights`: ``auto`` measures on this machine, cached; a
-    non-default ``--dtype`` pins it). Raises ValueError (one line) for a format that cannot run here."""
+def _resolve_model(args: argparse.Namespace) -> tuple[str, str, str, str]:
+    """``(target dir, format, activation dtype name, drafter dtype name)``, chosen once here so that
+    both workers agree (:func:`services.weights.resolve_cli_weights`; a non-default ``--dtype`` pins
+    the format). ``auto`` on CPU (the default) runs in a throw-away child process
+    (:func:`services.startup.choose_in_child`: it may convert the default target and load every
+    candidate format to time them), so the supervisor never holds a model. Raises ValueError (one
+    line) for a format that cannot run here."""
+    from services.models.registry import resolve_target
+
+    dtype = args.dtype if args.dtype != "float32" else None
+    if (args.weights or "auto") == "auto" and not dtype and args.device.startswith("cpu"):
+        from services.startup import choose_in_child
+
+        return choose_in_child(args.target, "auto", None, args.device, args.log_level)
     from services.weights import resolve_cli_weights
 
-    fmt, dtype = resolve_cli_weights(args.weights, args.dtype if args.dtype != "float32" else None, target,
-                                     args.device)
-    return fmt, str(dtype).removeprefix("torch.")
+    target = str(resolve_target(args.target))
+    fmt, act = resolve_cli_weights(args.weights, dtype, target, args.device)
+    act_name = str(act).removeprefix("torch.")
+    return target, fmt, act_name, _drafter_dtype_name(act_name, args.device)
 
 
 def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, VerifierWorkerConfig,
@@ -545,7 +444,7 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
     Raises:
         ValueError, FileNotFoundError: a bad setting (one line), before anything is created or spawned.
     """
-    from services.models.registry import resolve_target
+    from services.startup import check_fits, phase
     from services.wire import ipc_endpoint, runtime_dir
 
     if args.drafter.strip().lower() == "none":  # "none" in any case means no drafter, never a directory
@@ -558,8 +457,10 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
     config_from_args(VerifierWorkerConfig, args)
     config_from_args(DrafterWorkerConfig, args)  # its tree knobs are checked even when no drafter runs
     preflight(args, use_drafter)
-    target = str(resolve_target(args.target))
-    fmt, act_dtype = _resolve_weights(args, target)
+    with phase("supervisor", "target and weight format resolved"):
+        target, fmt, act_dtype, drafter_dtype = _resolve_model(args)
+    if args.device.startswith("cpu"):  # refuse a KV cache the RAM cannot hold, naming the flags (one line)
+        check_fits(Path(target), fmt or act_dtype, act_dtype, args.max_running, args.max_context, args.prefill_chunk)
     if not use_drafter and sup.drafter != "none":
         log.warning("no trained drafter found (pass --drafter DIR); serving with plain decoding (method 'ar')")
     rt = None
@@ -577,7 +478,7 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
             vover["default_method"] = "ar"
         verifier = config_from_args(VerifierWorkerConfig, args, **vover)
         drafter = config_from_args(DrafterWorkerConfig, args, target=target, drafter=sup.drafter,
-                                   dtype=_drafter_dtype_name(act_dtype, args.device),
+                                   dtype=drafter_dtype,
                                    drafter_endpoint=endpoints["drafter_endpoint"]) if use_drafter else None
     except BaseException:
         if rt is not None:
@@ -623,7 +524,12 @@ def serve_main(args: argparse.Namespace) -> int:
             shutil.rmtree(rt, ignore_errors=True)
 
 
-if __name__ == "__main__":  # pragma: no cover - convenience: python -m services.serve == dartree serve
-    from services.cli import main
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.serve FLAGS``: the same as ``dartree serve FLAGS``."""
+    parser = Parser(prog="dartree serve", description="start gateway + verifier + drafter, supervised")
+    add_serve_args(parser)
+    return run_command(serve_main, parser.parse_args(argv))
 
-    sys.exit(main(["serve", *sys.argv[1:]]))
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -17,28 +17,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-MAX_BUDGET = 1024  # largest tree budget a request or the schedule may ask for (Limits.max_budget)
-MAX_WIDTH = 256    # largest tree width
-MAX_CANDIDATES = 1024  # largest candidate pool (K)
+from services.spec import MAX_BUDGET, MAX_WIDTH
+from services.spec import MAX_CANDIDATES, check_tree_knobs  # noqa: F401 (re-exported: their old home)
 
-
-def check_tree_knobs(budget: int | None, width: int | None, depth_bonus: float | None, candidates: int | None,
-                     prefix: str = "speculative.") -> None:
-    """The ranges of the tree knobs, for a request (``speculative.*``) and for the server defaults.
-
-    Raises:
-        ValueError: one line naming the first bad knob (``None`` = unset, always fine).
-    """
-    from math import isfinite
-
-    for name, v, hi in (("budget", budget, MAX_BUDGET), ("width", width, MAX_WIDTH),
-                        ("candidates", candidates, MAX_CANDIDATES)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-            raise ValueError(f"{prefix}{name} must be an integer (got {v!r})")
-        if v is not None and not 1 <= v <= hi:
-            raise ValueError(f"{prefix}{name} must be in [1, {hi}] (got {v})")
-    if depth_bonus is not None and (isinstance(depth_bonus, bool) or not isfinite(depth_bonus) or depth_bonus > 0):
-        raise ValueError(f"{prefix}depth_bonus must be a finite number <= 0 (got {depth_bonus})")
 _STEP_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 

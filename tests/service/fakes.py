@@ -8,60 +8,15 @@ machinery). The engine and drafter doubles of the workers live in :mod:`tests.do
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from gateway.engine_client import _QueueClient
 from services.protocol import Abort, Generate, Limits, PeerInfo, RequestError, RoundChunk, SpecSpec, TokenLogprobs
+from services.spec import DFLASH_METHODS
+from services.tiny_models import CHAT_TEMPLATE, bytefallback_model_dir, bytelevel_model_dir  # noqa: F401
 
-METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree")
-CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-                 "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-                 "{% endif %}")
-CORPUS = ["Hello world, this is a test.", "你好，世界！这是一个测试。", "Emoji 😀🎉 party time",
-          "The quick brown fox jumps over the lazy dog", "STOP here. END of text"] * 4
-
-
-def _write_dir(path: Path, tok: Tokenizer, eos: str, eos_id: int) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos, "bos_token": "<|im_start|>"}))
-    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    (path / "config.json").write_text(json.dumps({"eos_token_id": eos_id, "vocab_size": tok.get_vocab_size(),
-                                                  "max_position_embeddings": 256}))
-    return path
-
-
-def bytelevel_model_dir(path: Path) -> Path:
-    """A GPT-2/SmolLM2-style byte-level BPE (CJK and emoji split across tokens)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    return _write_dir(path, tok, "<|im_end|>", 2)
-
-
-def bytefallback_model_dir(path: Path) -> Path:
-    """A SentencePiece/Llama-style tokenizer: Metaspace + byte-fallback tokens ``<0xE4>``."""
-    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = len(vocab)
-    for piece in ["▁", *"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?'", "你", "好", "世", "界"]:
-        vocab.setdefault(piece, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<|endoftext|>"))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.add_special_tokens([AddedToken(t, special=True) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")])
-    return _write_dir(path, tok, "<|im_end|>", 2)
-
-
+METHODS = DFLASH_METHODS  # a Domino drafter's methods
 def verifier_info(vocab_size: int, max_context: int = 256, **kw) -> PeerInfo:
     base = dict(role="verifier", epoch="fake", vocab_size=vocab_size, eos_token_id=2, max_context=max_context,
                 model="tiny", methods=METHODS, default_spec=SpecSpec(method="dartree-pruned", budget=8),

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from services.cli import build_parser
+from services.cli import build_parser, command_parser
 from services.testing import REPO
 
 from .tiny import make_tiny_models
@@ -17,15 +18,70 @@ ENV_KEYS = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def _sub(name: str):
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command")
-    return sub.choices[name]
+    return command_parser(build_parser(), name)
 
 
-@pytest.mark.parametrize("command", ["generate", "train-drafter"])
+_SUFFIX = re.compile(r"\s*\(env DARTREE_\w+; default: .*\)$", re.S)
+
+
+@pytest.mark.parametrize("command", ["generate", "train-drafter", "serve", "gateway", "verifier", "drafter",
+                                     "serve-ray"])
 def test_every_flag_has_a_help_text(command):
-    missing = [a.option_strings for a in _sub(command)._actions if a.option_strings and not a.help]
-    assert not missing
+    """Every flag says what it does: at least three words besides the env variable and the default."""
+    flags = [a for a in _sub(command)._actions if a.option_strings and a.dest != "help"]
+    vague = [a.option_strings[0] for a in flags if len(_SUFFIX.sub("", a.help or "").split()) < 3]
+    assert flags and not vague
+
+
+def test_serve_help_is_grouped_by_concern_with_the_docstrings_words():
+    parser = _sub("serve")
+    groups = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
+    for title in ("Gateway", "Verifier: scheduling", "Verifier: speculation", "Drafter: tree defaults",
+                  "Supervisor", "Observability"):
+        assert groups.get(title), title
+    assert "spec_policy" in groups["Verifier: speculation"] and "max_running" in groups["Verifier: scheduling"]
+    helps = {a.dest: a.help for a in parser._actions}
+    assert helps["max_running"].startswith("requests decoded concurrently, each in its own KV slot")
+    assert "queued" not in helps["max_running"]  # "max_running: ...; max_waiting: ..." is split at the field name
+    assert helps["max_restarts"].endswith("(env DARTREE_MAX_RESTARTS; default: 5)")
+    assert "``" not in parser.format_help()
+
+
+def test_field_docs_reads_shared_and_chained_attribute_entries():
+    from dataclasses import dataclass
+
+    from services.config_cli import field_docs
+
+    @dataclass
+    class Toy:
+        """Toy.
+
+        Attributes:
+            host, port: where it
+                listens.
+            a: first; b: second ``code``.
+            c: uses a: colon; d is not a field.
+        """
+
+        host: str = ""
+        port: int = 0
+        a: int = 0
+        b: int = 0
+        c: int = 0
+
+    assert field_docs(Toy) == {"host": "where it listens", "port": "where it listens", "a": "first",
+                               "b": "second code", "c": "uses a: colon; d is not a field"}
+
+
+def test_spec_names_come_from_one_place():
+    from services.spec import DEFAULT_METHOD, DEFAULT_POLICY, METHODS, POLICIES
+
+    gen = {a.dest: a for a in _sub("generate")._actions}
+    serve = {a.dest: a for a in _sub("serve")._actions}
+    assert tuple(gen["method"].choices) == METHODS == tuple(serve["default_method"].choices)
+    assert tuple(gen["spec_policy"].choices) == POLICIES == tuple(serve["spec_policy"].choices)
+    assert gen["method"].default == DEFAULT_METHOD == serve["default_method"].default
+    assert gen["spec_policy"].default == DEFAULT_POLICY == serve["spec_policy"].default
 
 
 def test_bench_device_help_names_no_internal_function():

@@ -47,9 +47,9 @@ def test_bad_numbers_are_one_line_before_anything_is_written(tmp_path, capsys, f
 
 
 def test_default_out_is_the_work_dirs_export_not_a_shipped_model(tiny_training, tmp_path, capsys):
-    from services.cli import build_parser
+    from services.cli import build_parser, command_parser
 
-    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["train-drafter"]
+    sub = command_parser(build_parser(), "train-drafter")
     out = next(a for a in sub._actions if a.dest == "out")
     assert out.default is None and "<work-dir>/export" in out.help
     tdir, feats = tiny_training

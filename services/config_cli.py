@@ -1,0 +1,224 @@
+"""Config dataclasses <-> command line: one ``--field-name`` flag per field, grouped by concern.
+
+Every flag is also read from ``DARTREE_<FIELD>`` (``DARTREE_MAX_RUNNING=4``); a flag beats the
+variable, and a bad variable is an argparse error like a bad flag (exit 2). Each flag's help is its
+field's entry in the ``Attributes:`` section of the dataclass docstring, followed by the variable's
+name and the default. Torch-free: ``python -m gateway`` builds its flags here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import types
+import typing
+from dataclasses import fields
+
+from services.runtime import DTYPES, WEIGHT_CHOICES
+from services.spec import METHODS, POLICIES
+
+
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _parser_type(tp):
+    """argparse ``type`` for a field annotation (``int | None`` accepts "none")."""
+    args = typing.get_args(tp)
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        inner = next(a for a in args if a is not type(None))
+        return lambda s: None if s.lower() in ("none", "") else inner(s)
+    return tp
+
+
+class _EnvValue(str):
+    """A flag's default read from ``DARTREE_<FIELD>``: argparse converts string defaults with the flag's
+    ``type`` only when the flag is not given, so a bad variable is an argparse error (exit 2) and a
+    flag overrides it."""
+
+    var: str
+
+
+def _env_var(name: str) -> str:
+    """The environment variable that gives field ``name``'s default: ``DARTREE_<NAME>``."""
+    return f"DARTREE_{name.upper()}"
+
+
+def _env_default(name: str, default):
+    raw = os.environ.get(_env_var(name))
+    if raw is None:
+        return default
+    value = _EnvValue(raw)
+    value.var = _env_var(name)
+    return value
+
+
+class _StoreGiven(argparse.Action):
+    """``store`` that also records the flag as given on the command line (``args._given``), so that a
+    check can tell ``--flag VALUE`` from the same value arriving as the default (see :func:`given_by`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace._given = getattr(namespace, "_given", frozenset()) | {self.dest}
+
+
+def given_by(args: argparse.Namespace, name: str) -> str | None:
+    """Where field ``name``'s value came from: ``"--name"`` (the flag), ``"DARTREE_NAME"`` (the env
+    var) or None (the dataclass default)."""
+    if name in getattr(args, "_given", ()):
+        return "--" + name.replace("_", "-")
+    return _env_var(name) if _env_var(name) in os.environ else None
+
+
+def _checked(convert, type_name: str):
+    """An argparse ``type``: ``convert`` with a one-line error that names the env var a bad default came from."""
+    def parse(s: str):
+        try:
+            return convert(s)
+        except (ValueError, TypeError):
+            where = f"{s.var}={str(s)!r}" if isinstance(s, _EnvValue) else repr(s)
+            raise argparse.ArgumentTypeError(f"{where} is not a valid {type_name}") from None
+
+    parse.__name__ = type_name
+    return parse
+
+
+def _to_bool(s: str) -> bool:
+    if s.lower() not in ("1", "0", "true", "false", "yes", "no"):
+        raise ValueError(s)
+    return s.lower() in ("1", "true", "yes")
+
+
+# Fields whose values come from a fixed set (argparse ``choices``: a typo is a one-line error at start).
+CHOICES = {"dtype": DTYPES, "weights": WEIGHT_CHOICES, "default_method": METHODS, "spec_policy": POLICIES,
+           "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "debug", "info", "warning", "error",
+                         "critical")}
+
+
+# Help of fields that several processes share (one flag sets them all) or that no docstring names; the
+# rest come from the ``Attributes:`` entries of the config dataclasses' docstrings.
+FIELD_HELP = {"drafter": "drafter checkpoint directory ('' = the default drafter if it is installed; in 'serve', "
+                         "'none' in any case = no drafter: plain decoding, method 'ar', only)",
+              "default_method": "the method of requests that name none; without a drafter only 'ar'",
+              "target": "the target model: the default name or a local HF directory",
+              "device": "where the models run: cpu, cuda, cuda:N",
+              "dtype": "precision of the models' activations (a concrete --weights format overrides it)",
+              "drain_timeout_s": "on SIGTERM, how long in-flight requests may finish (new ones get 503); then "
+                                 "the verifier's running requests get the same budget",
+              "log_level": "python logging level name",
+              "compile": "run the target's batched steps and the drafter's block forward through torch.compile "
+                         "(a warm-up at start: minutes the first time on a small CPU, less once inductor's disk "
+                         "cache is warm)",
+              "packed_gemm": "on a float32 CPU, pre-pack the GEMM weights for the rows of a round (same numerics, "
+                             "faster rounds; more RAM)",
+              "cuda_ipc": "share feature tensors between the workers through a CUDA-IPC pool (CUDA devices only)",
+              "ipc_slots": "slots of the CUDA-IPC pool", "ipc_slot_bytes": "bytes of one CUDA-IPC pool slot",
+              "metrics_host": "where the workers' Prometheus endpoints listen",
+              "verifier_metrics_port": "port of the verifier's Prometheus endpoint (0 = off)",
+              "drafter_metrics_port": "port of the drafter's Prometheus endpoint (0 = off)",
+              "max_waiting": "requests queued beyond --max-running (429 after)",
+              "budget": "default tree budget B, draft nodes per tree (unset: 8 on CPU, 64 on CUDA)",
+              "width": "default tree width W, children kept per node (unset: 12)",
+              "depth_bonus": "default depth bonus beta <= 0 of the pruned DARTree score (unset: -0.2)",
+              "candidates": "default candidate pool K per depth (unset: 64)"}
+
+# ``--help`` groups, one per concern, in this order; a field named in none goes to its class's group.
+HELP_GROUPS = {
+    "Model and device": ("target", "drafter", "device", "dtype", "weights", "compile", "packed_gemm"),
+    "Gateway": (),
+    "Verifier: scheduling": ("max_running", "max_waiting", "max_context", "prefill_chunk", "max_step_tokens",
+                             "kv_bucket", "overlap"),
+    "Verifier: speculation": ("default_method", "spec_policy", "spec_max_budget", "cost_sweep", "tree_schedule"),
+    "Drafter: tree defaults": ("budget", "width", "depth_bonus", "candidates"),
+    "Links between the processes": ("verifier_endpoint", "drafter_endpoint", "draft_timeout_s", "drafter_wait_s",
+                                    "health_interval_s", "cuda_ipc", "ipc_slots", "ipc_slot_bytes",
+                                    "max_tensor_bytes"),
+    "Supervisor": ("drain_timeout_s",),
+    "Observability": ("log_level", "metrics_host", "verifier_metrics_port", "drafter_metrics_port"),
+}
+CLASS_GROUP = {"GatewayConfig": "Gateway", "VerifierWorkerConfig": "Verifier: scheduling",
+               "DrafterWorkerConfig": "Drafter", "SupervisorConfig": "Supervisor"}
+_GROUP_OF = {name: title for title, names in HELP_GROUPS.items() for name in names}
+_ENTRY_RE = re.compile(r"^(\w+(?:,\s*\w+)*):\s+(.*)$")  # "name: text" or "a, b: text"
+_INNER_RE = re.compile(r";\s+(\w+(?:,\s*\w+)*):\s+")  # "...; other_field: text" inside an entry
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Each field's text in the ``Attributes:`` section of ``cls``'s docstring (``a, b: text`` gives
+    both the text; ``a: text; b: more`` splits at a field name), code quotes removed."""
+    names = {f.name for f in fields(cls)}
+    entries: list[list] = []
+    section = False
+    for line in (inspect.getdoc(cls) or "").splitlines():
+        if not line.startswith(" "):
+            section = line.strip() == "Attributes:"
+            continue
+        m = _ENTRY_RE.match(line.strip())
+        if section and m and line.startswith("    ") and not line.startswith("     ") and \
+                set(re.split(r",\s*", m[1])) <= names:
+            entries.append([m[1], m[2]])
+        elif section and entries:
+            entries[-1][1] += " " + line.strip()
+    docs: dict[str, str] = {}
+    for head, text in entries:
+        for part in _split_entry(head, text, names):
+            for name in re.split(r",\s*", part[0]):
+                docs[name] = part[1].replace("``", "").strip().rstrip(".;")
+    return docs
+
+
+def _split_entry(head: str, text: str, names: set[str]) -> list[tuple[str, str]]:
+    """``[(head, text)]`` with ``text`` cut at each ``; other_field:`` that names fields of the class."""
+    parts, start = [], 0
+    for m in _INNER_RE.finditer(text):
+        if set(re.split(r",\s*", m[1])) <= names:
+            parts.append((head, text[start:m.start()]))
+            head, start = m[1], m.end()
+    return parts + [(head, text[start:])]
+
+
+def _help(name: str, doc: str, default) -> str:
+    """A flag's help: what it means, then where its default comes from (``%`` escaped for argparse)."""
+    shown = str(default) if isinstance(default, _EnvValue) else repr(default)
+    meaning = FIELD_HELP.get(name) or doc
+    return f"{meaning} (env {_env_var(name)}; default: {shown})".replace("%", "%%")
+
+
+def add_config_args(parser: argparse.ArgumentParser, *classes) -> None:
+    """One ``--field-name`` flag per dataclass field (shared names once), grouped by concern
+    (:data:`HELP_GROUPS`), each with its docstring's meaning; env vars give defaults."""
+    placed: dict[str, list] = {title: [] for title in HELP_GROUPS}
+    seen: set[str] = set()
+    for cls in classes:
+        docs, hints = field_docs(cls), _hints(cls)
+        for f in fields(cls):
+            if f.name not in seen:
+                seen.add(f.name)
+                title = _GROUP_OF.get(f.name) or CLASS_GROUP.get(cls.__name__, cls.__name__)
+                placed.setdefault(title, []).append((f, hints[f.name], docs.get(f.name, "")))
+    for title, items in placed.items():
+        if items:
+            group = parser.add_argument_group(title)
+            for f, tp, doc in items:
+                _add_field(group, f, tp, doc)
+
+
+def _add_field(group, f, tp, doc: str) -> None:
+    default = _env_default(f.name, f.default)
+    flag, help_text = "--" + f.name.replace("_", "-"), _help(f.name, doc, default)
+    if tp is bool:
+        group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                           type=_checked(_to_bool, "boolean"), help=help_text)
+    else:
+        name = getattr(typing.get_args(tp)[0] if typing.get_args(tp) else tp, "__name__", str(tp))
+        group.add_argument(flag, dest=f.name, type=_checked(_parser_type(tp), name), default=default,
+                           choices=CHOICES.get(f.name), help=help_text, action=_StoreGiven)
+
+
+def config_from_args(cls, args: argparse.Namespace, **overrides):
+    """``cls`` built from the parsed flags it has (plus ``overrides``)."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+    values.update(overrides)
+    return cls(**values)
