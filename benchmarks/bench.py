@@ -46,6 +46,7 @@ from benchmarks.bench_run import (ENGINE_METHODS, EXAMPLE_ROUNDS, KNOBS_BY_METHO
 from benchmarks.bench_stats import (TABLE2_METHODS, TABLE3_METHODS, TABLE4_METHODS, add_speedups, lossless_check,
                                     merge_phase, phase_stats, render_markdown, slim_cell, summarize, table1, table2)
 from services.runtime import WEIGHT_CHOICES, default_weights
+from services.spec import POLICIES
 
 RESULTS_ROOT = Path(__file__).resolve().parent / "results"
 QUICK_PROMPTS, QUICK_TOKENS = 4, 96  # sized to finish in ~45 min on the 2-core CI-class CPU
@@ -103,7 +104,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--width", type=int, default=None)
     k.add_argument("--depth-bonus", type=float, default=None)
     k.add_argument("--candidates", type=int, default=None)
-    k.add_argument("--spec-policy", choices=["fixed", "goodput"], default="fixed",
+    k.add_argument("--spec-policy", choices=POLICIES, default="fixed",
                    help="fixed (default here, so cached cells keep their meaning): every round verifies the whole "
                         "tree of --budget; goodput: the engine's goodput policy picks each round's budget "
                         "(0 = plain decoding) up to --budget (services/verifier/policy.py)")

@@ -26,7 +26,7 @@ import subprocess
 import time
 from pathlib import Path
 
-METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree")
+from services.spec import DFLASH_METHODS as METHODS  # the Domino drafter's methods
 
 
 def prompts(n: int) -> list[str]:

@@ -114,7 +114,7 @@ def served_run(client, base: str, vmetrics: str, prompt_ids: list[int], args) ->
 def tiny_models() -> tuple[str, str]:
     """Tiny random target + drafter on disk (the test fixture's), for a smoke run."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.service.tiny import make_tiny_models
+    from services.tiny_models import make_tiny_models
 
     root = Path(tempfile.mkdtemp(prefix="dartree-bench-served-"))
     t, d = make_tiny_models(root)
