@@ -14,6 +14,14 @@ import time
 from pathlib import Path
 
 
+def add_doctor_args(p: argparse.ArgumentParser) -> None:
+    """The ``dartree doctor`` flags (torch-free)."""
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure the weight choice and the step-cost sweep again (a minute or two; cached "
+                        "only when the machine was quiet enough to trust the figures)")
+    p.add_argument("--target", default=None, help="target for --remeasure (default: SmolLM2-135M-Instruct)")
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None:
         return "age unknown"
