@@ -214,6 +214,16 @@ def test_tree_imports_nothing_of_ours():
     assert not bad, bad
 
 
+def test_tree_imports_only_torch_and_the_standard_library():
+    third_party = set()
+    for path in (REPO / "services" / "tree").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            third_party |= {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {*PACKAGES, "torch"}
+    assert not third_party, sorted(third_party)
+
+
 def test_allowed_edges_still_exist():
     graph = import_graph()
     gone = sorted(e for e in ALLOWED_EDGES if e[1] not in graph.get(e[0], ()))
