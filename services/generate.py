@@ -72,7 +72,7 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(compile=compile),
                         max_draft_depth=drafter.config.num_draft_slots)
     if packed_gemm:
-        target.pack_for_rounds(defaults.budget, engine.max_draft_depth)
+        target.pack_for_rounds(defaults.budget, engine.max_draft_depth, lazy=True)  # packed on first use
     if compile:
         engine.runner.warm_up((1, defaults.budget + 1))
         if getattr(service, "compiled", False):
@@ -119,7 +119,7 @@ def run_generate(a) -> int:
     if a.method not in served:  # before any text is printed
         raise ValueError(f"method {a.method!r} is not served by this drafter ({note}); it serves {', '.join(served)}")
     if packed and a.budget and a.method not in ("ar", "dflash", "domino"):
-        engine.target.pack_gemm([a.budget + 1])  # this run's verify rows
+        engine.target.pack_gemm([a.budget + 1], lazy=True)  # this run's verify rows
     policy = getattr(a, "spec_policy", "fixed")
     if policy != "fixed":
         from services.models.registry import resolve_target

@@ -316,7 +316,11 @@ def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = No
     from services.wire import ServerIO, ipc_endpoint, new_epoch
 
     prepare_process("dartree-drafter", config.log_level, parent_pid)
-    service, target_dir = build_drafter_service(config)
+    from services.startup import memory_line, object_memory_parts, phase
+
+    with phase("drafter", "drafter loaded"):
+        service, target_dir = build_drafter_service(config)
+    log.info("%s", memory_line("drafter", object_memory_parts(service)))
     transport = make_transport(config.device, config.cuda_ipc, config.ipc_slots, config.ipc_slot_bytes)
     info = drafter_info(service, target_dir, new_epoch(), config.device, transport)
     metrics = DrafterMetrics(drafter=info.model)

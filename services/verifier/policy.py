@@ -416,39 +416,26 @@ class GoodputPolicy:
 
 
 def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sweep: bool = True,
-                       **kw) -> GoodputPolicy:
+                       dtype: str = "default", **kw) -> GoodputPolicy:
     """A :class:`GoodputPolicy` whose cost model starts from a timed sweep (``time_forward(rows)`` ->
     seconds), taken from the per-machine cache under ``key`` when one is there.
 
-    The sweep takes a few seconds (5 row counts, a warm-up and 3 timed forwards each) and is logged.
-    A cached sweep is used only while it is :func:`~services.verifier.cost_model.plausible` and
-    :func:`~services.verifier.cost_model.still_valid` (two row counts re-timed, ~0.5 s); a fresh
-    sweep that is not plausible is retaken (3 tries) and then used but not cached.
+    :func:`~services.verifier.cost_model.startup_sweep`: a cached sweep is used while plausible and
+    still valid (two row counts re-timed); a fresh one is cached only when its repeats agree and its
+    curve is plausible, else retaken once and then replaced by the rule-based curve of ``dtype``
+    (not cached). One log line says which.
     """
-    from services.verifier.cost_model import calibration_sweep, load_cached, plausible, save_cached, still_valid
+    from services.verifier.cost_model import startup_sweep
 
     policy = GoodputPolicy(max_budget=max_budget, **kw)
     if not sweep:
         return policy
-    samples = load_cached(key)
-    source = "cache"
-    if samples is not None and not (plausible(samples) and still_valid(samples, time_forward)):
-        log.info("cached step-cost sweep no longer matches this machine's speed: sweeping again")
-        samples = None
-    if samples is None:
-        source = "sweep"
-        for _ in range(3):  # a sweep disturbed by another process is retaken, and never cached
-            samples = calibration_sweep(time_forward)
-            if plausible(samples):
-                save_cached(key, samples)
-                break
-        else:
-            source = "sweep, implausible (machine busy?): not cached; online samples will correct it"
-            log.warning("step-cost sweep stayed implausible after 3 tries: %s", samples)
+    samples, source = startup_sweep(time_forward, key, dtype)
     policy.cost.seed(samples)
     a, b = policy.cost.coefficients()
-    log.info("step cost model (%s): forward = %.2f ms + %.3f ms/row (%s)", source, a * 1e3, b * 1e3,
-             ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in samples))
+    (log.warning if "rule" in source else log.info)(
+        "step cost model (%s): forward = %.2f ms + %.3f ms/row (%s)", source, a * 1e3, b * 1e3,
+        ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in samples))
     return policy
 
 
@@ -464,7 +451,7 @@ def attach_policy(engine, name: str, model: str, dtype: str, device: str = "cpu"
 
     if name == "goodput":
         key = cache_key(model, dtype, device, torch.get_num_threads())
-        engine.policy = goodput_with_sweep(engine.time_forward, key, max_budget, sweep)
+        engine.policy = goodput_with_sweep(engine.time_forward, key, max_budget, sweep, dtype=dtype)
     else:
         engine.policy = make_policy(name)
     log.info("speculation policy: %s", engine.policy.name)

@@ -79,36 +79,38 @@ class TargetModel:
         target.weights = weights
         return target
 
-    def pack_gemm(self, rows) -> int:
+    def pack_gemm(self, rows, lazy: bool = False) -> int:
         """Pre-pack the target's float32 CPU linears for verifies of ``rows`` rows (``[B + 1]`` for a
-        B-node tree; :mod:`services.cpu_gemm`). Returns bytes added; 0 on other devices/dtypes or
-        without MKL. Numerics are unchanged (the same sgemm kernel, without per-call packing)."""
+        B-node tree; :mod:`services.cpu_gemm`; ``lazy``: each row count on its first call). Returns
+        bytes added now; 0 on other devices/dtypes or without MKL. Numerics are unchanged (the same
+        sgemm kernel, without per-call packing)."""
         from services.cpu_gemm import pack_linears
 
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return 0
-        return pack_linears(self.model, [r for r in rows if r >= 2])
+        return pack_linears(self.model, [r for r in rows if r >= 2], lazy=lazy)
 
-    def pack_for_rounds(self, budget: int, max_draft_depth: int) -> int:
+    def pack_for_rounds(self, budget: int, max_draft_depth: int, lazy: bool = False) -> int:
         """:meth:`pack_gemm` for a server's rounds: a ``budget``-node tree's verify (B + 1 rows) and a
-        chain method's (one row per draft slot, + 1). Returns bytes added."""
-        return self.pack_gemm(sorted({budget + 1, max_draft_depth + 1}))
+        chain method's (one row per draft slot, + 1). Returns bytes added now."""
+        return self.pack_gemm(sorted({budget + 1, max_draft_depth + 1}), lazy)
 
-    def pack_for_steps(self, budget: int, max_draft_depth: int, max_running: int) -> int:
+    def pack_for_steps(self, budget: int, max_draft_depth: int, max_running: int, lazy: bool = False) -> int:
         """:meth:`pack_gemm` for batched steps: a ladder of row counts so that every step of up to
         ``max_running`` requests' trees (``B + 1`` rows each) or ``ar`` rows finds a pack at most
         ~2x its rows (``PackedLinear`` uses the smallest pack ``R`` with ``R/2 < rows <= R``):
         4, then ``B + 1`` doubling (``2R - 1``) up to ``max_running * (B + 1)``, and a chain
         method's ``max_draft_depth + 1`` (no 2-row pack: at 1 thread MKL's packed 2-row kernel was
         slower than the plain one, 244 vs 185 us for a 576 x 1536 linear; 4 rows: 250 vs 323 us).
-        Returns bytes added (each pack ~ the linears' weight size)."""
+        ``lazy``: each row count is packed on its first call, so only the steps that really run
+        cost memory. Returns bytes added now (each pack ~ the linears' weight size)."""
         rows = {4, max_draft_depth + 1}
         r = budget + 1
         rows.add(r)
         while r < max_running * (budget + 1):
             r = 2 * r - 1
             rows.add(r)
-        return self.pack_gemm(sorted(x for x in rows if x >= 2))
+        return self.pack_gemm(sorted(x for x in rows if x >= 2), lazy)
 
     def _hook(self, i: int):
         def fn(_module, _inp, out):

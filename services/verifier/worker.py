@@ -531,29 +531,31 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     from services.verifier.engine import EngineConfig, SpecEngine
     from services.verifier.target import TargetModel
 
+    from services.startup import phase
     from services.weights import resolve_cli_weights
 
     target_dir = resolve_target(config.target)
     layer_ids = list(drafter.target_layer_ids) if drafter and drafter.target_layer_ids else None
     weights, _ = resolve_cli_weights(config.weights, config.dtype if config.dtype != "float32" else None,
                                      target_dir, config.device)  # the supervisor passes a concrete one
-    target = TargetModel.from_pretrained(target_dir, layer_ids, dtype=getattr(torch, config.dtype),
-                                         device=config.device, weights=weights)
+    with phase("verifier", f"target weights loaded ({weights or config.dtype})"):
+        target = TargetModel.from_pretrained(target_dir, layer_ids, dtype=getattr(torch, config.dtype),
+                                             device=config.device, weights=weights)
     if drafter is not None and drafter.feature_dim and drafter.feature_dim != target.feature_dim:
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
     engine_config = EngineConfig(max_context=config.max_context or None, max_running=config.max_running,
                                  prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
                                  kv_bucket=config.kv_bucket, overlap=config.overlap, compile=config.compile)
-    engine = SpecEngine(target, drafter_client, engine_config,
-                        max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
-                        drafter_max_position=(drafter.max_position or None) if drafter else None)
+    with phase("verifier", "engine and KV cache reserved"):
+        engine = SpecEngine(target, drafter_client, engine_config,
+                            max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
+                            drafter_max_position=(drafter.max_position or None) if drafter else None)
     cache = engine.runner.cache
     log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; pages committed as used)",
              cache.num_slots, cache.capacity, cache.nbytes() / 2**30, target.weights, config.device)
     budget = drafter.default_spec.budget if drafter is not None and drafter.default_spec is not None else None
-    if config.packed_gemm and budget:
-        added = target.pack_for_steps(budget, engine.max_draft_depth, config.max_running)
-        log.info("packed GEMM weights for batched steps: +%.2f GiB", added / 2**30)
+    if config.packed_gemm and budget:  # each row count packed on its first step: memory follows use
+        target.pack_for_steps(budget, engine.max_draft_depth, config.max_running, lazy=True)
     if config.compile:  # after packing (the packs are part of what is compiled), before the cost sweep
         rows = (1, budget + 1 if budget else 2)
         log.info("compiling the target's steps (%s, rows %s) ...",
@@ -561,9 +563,23 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
         log.info("compiled steps ready in %.1f s", engine.runner.warm_up(rows))
     from services.verifier.policy import attach_policy  # after packing: the sweep times the packed forwards
 
-    attach_policy(engine, config.spec_policy, target_dir.name, target.weights, config.device,
-                  max_budget=config.spec_max_budget or None, sweep=config.cost_sweep)
+    with phase("verifier", "step cost model ready"):
+        attach_policy(engine, config.spec_policy, target_dir.name, target.weights, config.device,
+                      max_budget=config.spec_max_budget or None, sweep=config.cost_sweep)
+    log_memory(target, engine)
     return engine, target, target_dir
+
+
+def log_memory(target, engine) -> None:
+    """One line: the verifier's resident memory by part (weights, GEMM packs, KV cache)."""
+    from services.cpu_gemm import packed_bytes
+    from services.startup import kv_committed_bytes, mb, memory_line, module_bytes
+
+    cache = engine.runner.cache
+    log.info("%s", memory_line("verifier", {
+        "weights": module_bytes(target.model), "GEMM packs": packed_bytes(target.model),
+        "KV cache": f"{mb(kv_committed_bytes(cache))} written of {mb(cache.nbytes())} reserved in "
+                    f"{str(cache.dtype).removeprefix('torch.')}"}))
 
 
 def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = None) -> None:
@@ -576,7 +592,10 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
 
     prepare_process("dartree-verifier", config.log_level, parent_pid)
     epoch, ctx, stop = new_epoch(), zmq.Context(), threading.Event()
-    drafter_client, drafter = _connect_drafter(config, resolve_target(config.target), ctx, epoch)
+    from services.startup import phase
+
+    with phase("verifier", "drafter connected"):
+        drafter_client, drafter = _connect_drafter(config, resolve_target(config.target), ctx, epoch)
     engine, target, target_dir = build_engine(config, drafter_client, drafter)
     methods = ("ar",) + tuple(m for m in (drafter.methods if drafter else ()) if m != "ar")
     if config.default_method not in methods:
