@@ -67,13 +67,8 @@ class RecordingDrafter:
         self.inner = inner
         self.last_tree = None
 
-    def draft(self, *args, **kwargs):
-        tree, timings = self.inner.draft(*args, **kwargs)
-        self.last_tree = tree
-        return tree, timings
-
     def collect(self, handle):
-        """A batched / submitted draft (the engine's ``submit_many`` path) is recorded when collected."""
+        """A submitted draft is recorded when collected."""
         tree, timings = self.inner.collect(handle)
         self.last_tree = tree
         return tree, timings

@@ -67,6 +67,7 @@ def replay_rounds(engine, prompt_ids: list[int], ref: list[int], finish: str | N
         :class:`ReplayRound` per round; the drafter context is released when the generator ends or closes.
     """
     from services.tree import DraftTree
+    from services.verifier.drafter_client import DraftJob
 
     seq = list(ref)
     argmax, feats = engine.target.teacher_forced(list(prompt_ids) + seq)
@@ -81,7 +82,8 @@ def replay_rounds(engine, prompt_ids: list[int], ref: list[int], finish: str | N
             depth = engine.draft_depth(start)
             tree, dt = DraftTree.empty(), {}
             if depth > 0:
-                tree, dt = engine.drafter.draft(request_id, ctx_ids, ctx_feats, seq[i], start, spec, max_depth=depth)
+                job = DraftJob(request_id, ctx_ids, ctx_feats, seq[i], start, spec, depth)
+                tree, dt = engine.drafter.collect(engine.drafter.submit([job])[0])
             a = len(walk_reference(tree, seq, i))
             emitted = min(a + 1, len(seq) - (i + 1))
             hits_stop = finish == "stop" and i + emitted == len(seq) - 1

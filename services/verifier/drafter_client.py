@@ -1,11 +1,11 @@
 """How the engine reaches the drafter: one protocol, an in-process and a ZMQ implementation.
 
-The in-process client calls :class:`services.drafter.service.DrafterService` directly (tests,
-``dartree generate``); ``services.verifier.remote_drafter`` implements the same protocol over ZMQ.
-
-Besides the blocking ``draft``, a client may offer ``submit`` / ``collect`` / ``discard``: the
-draft is started at ``submit`` and its tree picked up at ``collect``, so the drafter works while the
-verifier runs another group's forward (the engine's overlap, ``EngineConfig.overlap``).
+A step's drafts travel as one batch: ``submit(jobs)`` starts them (one :class:`DraftJob` per
+request) and returns a handle per job; each request's round then ``collect``s its tree, or
+``discard``s it when the request went away. The in-process client calls
+:class:`services.drafter.service.DrafterService` directly (tests, ``dartree generate``);
+``services.verifier.remote_drafter`` implements the same protocol over ZMQ, where the drafter
+computes between ``submit`` and ``collect`` (the engine's overlap, ``EngineConfig.overlap``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from services.tree import DraftTree
 
 @dataclass(frozen=True)
 class DraftJob:
-    """One request's draft in a batched drafter call (the in-process twin of ``DraftRequest``).
+    """One request's draft in a batched drafter call.
 
     Attributes:
-        request_id; committed_ids: tokens committed since the request's last draft; features:
-        ``[len(committed_ids), F]`` target features at those positions; root_token: the last
-        committed token at position ``start``; spec: resolved method and knobs; max_depth: depth cap.
+        request_id; committed_ids: tokens committed since the request's last draft (first draft:
+        the prompt); features: ``[len(committed_ids), F]`` target features at those positions;
+        root_token: the last committed token, at position ``start`` (not in the context); spec:
+        resolved method and knobs (``method, budget, width, depth_bonus, candidates``); max_depth:
+        cap on the tree's depth (None = the drafter's slots).
     """
 
     request_id: str
@@ -37,88 +39,64 @@ class DraftJob:
     max_depth: int | None = None
 
 
+class DrafterClient(Protocol):
+    """What the engine calls on a drafter (and nothing else)."""
+
+    def submit(self, jobs: list[DraftJob]) -> list:
+        """Start ``jobs`` as one batch; one handle per job, in order."""
+        ...
+
+    def collect(self, handle) -> tuple[DraftTree, dict[str, float]]:
+        """A submitted job's ``(tree, timings in seconds)``; raises what its draft raised."""
+        ...
+
+    def discard(self, handle) -> None:
+        """Forget a submitted job (its result is dropped)."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's drafter context (idempotent)."""
+        ...
+
+    def info(self) -> dict:
+        """The drafter's handshake fields (``max_position`` among them; ``{}`` when unknown)."""
+        ...
+
+
 class _BatchHandle:
-    """Job ``index`` of a submitted draft batch (a future of the whole batch's results)."""
+    """Job ``index`` of a drafted batch: its result, or the exception its draft raised."""
 
-    def __init__(self, future, index: int):
-        self.future, self.index = future, index
+    def __init__(self, results: list, index: int):
+        self.results, self.index = results, index
 
-    def result(self):
-        out = self.future.result()[self.index]
+    def result(self) -> tuple[DraftTree, dict[str, float]]:
+        out = self.results[self.index]
         if isinstance(out, BaseException):
             raise out
         return out
 
-    def cancel(self) -> None:  # the batch runs for the other jobs; this one's result is ignored
-        pass
-
-
-class _Done:
-    """An already computed result, with a future's ``result``."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-class DrafterClient(Protocol):
-    """What the engine calls each round (see ``DrafterService.draft`` for the arguments)."""
-
-    def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
-              spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]: ...
-
-    def release(self, request_id: str) -> None: ...
-
 
 class InprocDrafterClient:
-    """Calls a :class:`DrafterService` in the same process; ``submit`` runs the draft on one
-    background thread (torch releases the GIL inside its ops), in submission order."""
+    """Calls a :class:`DrafterService` (or ``Eagle3Service``) in the same process: ``submit`` drafts
+    the whole batch at once with ``draft_batch`` (one drafter forward)."""
 
     def __init__(self, service):
         self.service = service
-        self._pool = None
 
-    def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
-              spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
-        if self._pool is not None:  # keep the service single-threaded once submit is in use
-            return self.collect(self.submit(request_id, committed_ids, features, root_token, start, spec, max_depth))
-        return self.service.draft(request_id, committed_ids, features, root_token, start, spec, max_depth=max_depth)
+    def submit(self, jobs: list[DraftJob]) -> list[_BatchHandle]:
+        """Draft ``jobs`` now, as ONE batched forward; one handle per job for :meth:`collect`."""
+        results = self.service.draft_batch(list(jobs))
+        return [_BatchHandle(results, i) for i in range(len(jobs))]
 
-    def submit(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
-               spec, max_depth: int | None = None):
-        """Start a draft (same arguments as :meth:`draft`); returns a handle for :meth:`collect`."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="drafter")
-        return self._pool.submit(self.service.draft, request_id, list(committed_ids), features, root_token, start,
-                                 spec, max_depth=max_depth)
-
-    def collect(self, handle) -> tuple[DraftTree, dict[str, float]]:
-        """The tree of a submitted draft (waits for it; re-raises its error)."""
+    def collect(self, handle: _BatchHandle) -> tuple[DraftTree, dict[str, float]]:
+        """The tree of a submitted job (re-raises its error)."""
         return handle.result()
 
-    def discard(self, handle) -> None:
-        """Forget a submitted draft (its result is dropped)."""
-        handle.cancel()
-
-    def submit_many(self, jobs: list[DraftJob]) -> list:
-        """Start several requests' drafts as ONE batched drafter forward
-        (``DrafterService.draft_batch``); one handle per job for :meth:`collect`. Without overlap
-        in use the batch runs here, now."""
-        if self._pool is None:
-            fut = _Done(self.service.draft_batch(list(jobs)))
-        else:
-            fut = self._pool.submit(self.service.draft_batch, list(jobs))
-        return [_BatchHandle(fut, i) for i in range(len(jobs))]
+    def discard(self, handle: _BatchHandle) -> None:
+        """Forget a submitted job (already drafted: nothing to cancel)."""
 
     def release(self, request_id: str) -> None:
-        if self._pool is not None:  # after any draft of this request still queued
-            self._pool.submit(self.service.release, request_id)
-        else:
-            self.service.release(request_id)
+        self.service.release(request_id)
 
     def info(self) -> dict:
         return self.service.info()

@@ -564,7 +564,7 @@ class SpecEngine:
         if not pairs:
             return
         try:
-            handles = self.drafter.submit_many([job for _, job in pairs])
+            handles = self.drafter.submit([job for _, job in pairs])
         except Exception as exc:
             handles = [exc] * len(pairs)
         for (req, _), h in zip(pairs, handles):

@@ -113,49 +113,16 @@ class ZmqDrafterClient:
 
     # ---------------------------------------------------------------------------- DrafterClient
 
-    def draft(self, request_id: str, committed_ids: list[int], features, root_token: int, start: int, spec,
-              max_depth: int | None = None):
-        """One round trip: ``(DraftTree, timings incl. "ipc")``.
-
-        Raises:
-            DrafterUnavailable: no reply by the deadline, disconnect, or the drafter restarted.
-            DrafterError: the drafter reported an error for this request.
-        """
-        return self.collect(self.submit(request_id, committed_ids, features, root_token, start, spec, max_depth))
-
-    def submit(self, request_id: str, committed_ids: list[int], features, root_token: int, start: int, spec,
-               max_depth: int | None = None) -> tuple[int, str, float]:
-        """Send a draft request now; :meth:`collect` its reply later (the drafter computes meanwhile).
+    def submit(self, jobs) -> list[tuple[int, str, float]]:
+        """Send the drafts of ``jobs`` (:class:`services.verifier.drafter_client.DraftJob`) in one
+        :class:`DraftBatch` message (one drafter forward); :meth:`collect` each reply later (the
+        drafter computes meanwhile).
 
         Returns:
-            a handle ``(round id, request id, send time)``.
-        Raises:
-            DrafterUnavailable: the drafter restarted since this request's first draft.
-        """
-        t0 = time.perf_counter()
-        if self.peer is None:
-            self._handshake(min(self.timeout_s, 2.0))
-        epoch = self._req_epoch.setdefault(request_id, self.peer.epoch)
-        if epoch != self.peer.epoch:
-            raise DrafterUnavailable("the drafter restarted; this request's drafter context is lost")
-        round_id = next(self._round)
-        metas, frames = self.transport.pack([features])
-        msg = DraftRequest(request_id, round_id, list(committed_ids), metas[0], int(root_token), int(start),
-                           _spec_msg(spec), max_depth=max_depth)
-        self._sock.send_multipart(encode(msg, frames), copy=False)
-        self._pending.add(round_id)
-        return round_id, request_id, t0
-
-    def submit_many(self, jobs) -> list[tuple[int, str, float]]:
-        """Send several requests' drafts in one :class:`DraftBatch` message (one drafter forward);
-        one handle per job for :meth:`collect`.
-
+            one handle ``(round id, request id, send time)`` per job.
         Raises:
             DrafterUnavailable: the drafter restarted since one of these requests' first draft.
         """
-        if len(jobs) == 1:
-            j = jobs[0]
-            return [self.submit(j.request_id, j.committed_ids, j.features, j.root_token, j.start, j.spec, j.max_depth)]
         t0 = time.perf_counter()
         if self.peer is None:
             self._handshake(min(self.timeout_s, 2.0))
@@ -174,10 +141,12 @@ class ZmqDrafterClient:
         return handles
 
     def collect(self, handle: tuple[int, str, float]):
-        """The ``(DraftTree, timings)`` of a submitted draft; the deadline counts from its submission.
+        """The ``(DraftTree, timings incl. "ipc")`` of a submitted draft; the deadline counts from
+        its submission.
 
         Raises:
-            DrafterUnavailable, DrafterError: as :meth:`draft`.
+            DrafterUnavailable: no reply by the deadline, disconnect, or the drafter restarted.
+            DrafterError: the drafter reported an error for this request.
         """
         round_id, request_id, t0 = handle
         try:

@@ -72,8 +72,6 @@ class ScriptedDrafterClient:
         """Draft ``jobs`` now; one handle per job for :meth:`collect`."""
         return [_Ready(r) for r in self.draft_batch(list(jobs))]
 
-    submit_many = submit
-
     def collect(self, handle: _Ready) -> tuple[DraftTree, dict[str, float]]:
         """The ``(tree, timings)`` of a submitted job.
 

@@ -15,7 +15,7 @@ from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino dra
 from services.testing import random_tree, tiny_drafter, tiny_service, tiny_target
 from services.tree import derive_buffers
 from services.tree.batch import Segment, causal_segment, pack_segments, split_rows
-from services.verifier.drafter_client import InprocDrafterClient, _BatchHandle, _Done
+from services.verifier.drafter_client import InprocDrafterClient, _BatchHandle
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
 from services.verifier.runner import ModelRunner
 from tests.engine.conftest import TARGET_KW, V
@@ -166,9 +166,9 @@ def test_abort_and_errors_affect_only_their_request(target, service):
     class Flaky(InprocDrafterClient):
         """The drafter fails request "bad" inside the batch (the others' drafts are fine)."""
 
-        def submit_many(self, jobs):
-            good = iter(super().submit_many([j for j in jobs if j.request_id != "bad"]))
-            return [_BatchHandle(_Done([RuntimeError("drafter exploded")]), 0) if j.request_id == "bad"
+        def submit(self, jobs):
+            good = iter(super().submit([j for j in jobs if j.request_id != "bad"]))
+            return [_BatchHandle([RuntimeError("drafter exploded")], 0) if j.request_id == "bad"
                     else next(good) for j in jobs]
 
     engine = SpecEngine(target, Flaky(service), EngineConfig(max_running=4, prefill_chunk=4), max_draft_depth=5)
@@ -298,8 +298,8 @@ def test_overlap_gives_the_same_tokens(target, service, seed):
     reqs = _mixed_requests(10 + seed, 6)
     engine = _engine(target, service, max_running=6, prefill_chunk=4, overlap=True)
     calls = []
-    submit_many = engine.drafter.submit_many
-    engine.drafter.submit_many = lambda jobs: calls.append(len(jobs)) or submit_many(jobs)
+    submit = engine.drafter.submit
+    engine.drafter.submit = lambda jobs: calls.append(len(jobs)) or submit(jobs)
     for r in reqs:
         engine.add_request(*r)
     tokens = {r[0]: [] for r in reqs}

@@ -233,9 +233,15 @@ class _SpyClient(InprocDrafterClient):
         super().__init__(service)
         self.calls = []
 
-    def draft(self, request_id, committed_ids, features, root_token, start, spec, max_depth=None):
-        tree, dt = super().draft(request_id, committed_ids, features, root_token, start, spec, max_depth)
-        self.calls.append((start, max_depth, tree.max_depth))
+    def submit(self, jobs):
+        handles = super().submit(jobs)
+        for job, handle in zip(jobs, handles):
+            handle.job = job
+        return handles
+
+    def collect(self, handle):
+        tree, dt = super().collect(handle)
+        self.calls.append((handle.job.start, handle.job.max_depth, tree.max_depth))
         return tree, dt
 
 
@@ -257,5 +263,6 @@ def test_engine_respects_the_drafter_position_limit():
     tokens = [t for o in engine.generate("r", prompt, SamplingParams(max_tokens=40, ignore_eos=True),
                                          SpecParams("dartree-pruned", budget=8)) for t in o.token_ids]
     assert tokens == greedy_reference(target.model, prompt, 40)
+    assert client.calls
     beyond = [(s, d) for s, _, d in client.calls if s + d >= 24]
     assert not beyond, f"draft tokens placed at positions >= the drafter's limit 24: (start, depth) {beyond[:5]}"

@@ -243,8 +243,8 @@ def test_generation_probe_runs_through_both_workers_and_is_not_a_user_request(re
     assert r.status_code == 200, r.text
     assert r.json()["status"] == "ok" and r.json()["latency_ms"] > 0
     after = scrape(rel_server)
-    assert metric_total(after["drafter"], "dartree_drafter_calls_total", type="draft") > \
-        metric_total(before["drafter"], "dartree_drafter_calls_total", type="draft")
+    assert metric_total(after["drafter"], "dartree_drafter_calls_total", type="draft_batch") > \
+        metric_total(before["drafter"], "dartree_drafter_calls_total", type="draft_batch")
     assert metric_total(after["verifier"], "dartree_spec_rounds_total") > \
         metric_total(before["verifier"], "dartree_spec_rounds_total")
     for name in ("dartree_requests_total", "dartree_time_to_first_token_seconds_count"):

@@ -321,6 +321,17 @@ def _spec(method="dartree-pruned", budget=None):
     return p.SpecSpec(method=method, budget=budget)
 
 
+def _job(request_id, committed_ids, features, root_token, start, spec, max_depth=None):
+    from services.verifier.drafter_client import DraftJob
+
+    return DraftJob(request_id, committed_ids, features, root_token, start, spec, max_depth)
+
+
+def _draft(client, *job, **kw):
+    """One request's draft through the client: submit a batch of one, collect its tree."""
+    return client.collect(client.submit([_job(*job, **kw)])[0])
+
+
 def test_drafter_round_trip_over_ipc(sockdir):
     torch = pytest.importorskip("torch")
     service = FakeDrafterService()
@@ -329,7 +340,7 @@ def test_drafter_round_trip_over_ipc(sockdir):
         peer = client.connect(wait_s=5)
         assert peer.block_size == 4 and peer.target_layer_ids == (1, 2)
         feats = torch.randn(3, 8)
-        tree, timings = client.draft("r1", [7, 8, 9], feats, 9, 3, _spec(budget=3), max_depth=2)
+        tree, timings = _draft(client, "r1", [7, 8, 9], feats, 9, 3, _spec(budget=3), max_depth=2)
         assert tree.draft_tokens.tolist() == [10, 11] and tree.parents.tolist() == [-1, 0]
         assert tree.depths.tolist() == [1, 2] and tree.scores.dtype == torch.float32
         assert set(timings) == {"draft", "tree_build", "ipc"} and timings["ipc"] >= 0
@@ -365,7 +376,7 @@ def test_hung_drafter_hits_the_deadline(sockdir):
         client.connect(wait_s=5)
         t0 = time.monotonic()
         with pytest.raises(DrafterUnavailable, match="within 0.3 s"):
-            client.draft("r", [1], torch.zeros(1, 8), 1, 1, _spec())
+            _draft(client, "r", [1], torch.zeros(1, 8), 1, 1, _spec())
         assert time.monotonic() - t0 < 0.8
         client.close()
 
@@ -379,9 +390,9 @@ def test_drafter_error_is_reported_and_the_drafter_keeps_serving(sockdir):
         client = drafter_client(endpoint)
         client.connect(wait_s=5)
         with pytest.raises(DrafterError, match="scripted drafter failure"):
-            client.draft("r", [1], torch.zeros(1, 8), 1, 1, _spec())
+            _draft(client, "r", [1], torch.zeros(1, 8), 1, 1, _spec())
         service.fail = False
-        tree, _ = client.draft("r2", [1], torch.zeros(1, 8), 1, 1, _spec())
+        tree, _ = _draft(client, "r2", [1], torch.zeros(1, 8), 1, 1, _spec())
         assert tree.num_nodes == 3
         client.close()
 
@@ -393,13 +404,13 @@ def test_drafter_restart_loses_old_contexts_but_serves_new_requests(sockdir):
     with running_drafter(sockdir, FakeDrafterService()) as (worker, io, endpoint):
         client = drafter_client(endpoint)
         client.connect(wait_s=5)
-        client.draft("old", [1], torch.zeros(1, 8), 1, 1, _spec())
+        _draft(client, "old", [1], torch.zeros(1, 8), 1, 1, _spec())
     with running_drafter(sockdir, FakeDrafterService()) as (worker, io, endpoint):  # new process, new epoch
         with pytest.raises(DrafterUnavailable):
-            client.draft("old", [2], torch.zeros(1, 8), 2, 2, _spec())
+            _draft(client, "old", [2], torch.zeros(1, 8), 2, 2, _spec())
         with pytest.raises(DrafterUnavailable):  # the disconnect or the new epoch is noticed for old contexts
-            client.draft("old", [2], torch.zeros(1, 8), 2, 2, _spec())
-        tree, _ = client.draft("new", [1], torch.zeros(1, 8), 1, 1, _spec())
+            _draft(client, "old", [2], torch.zeros(1, 8), 2, 2, _spec())
+        tree, _ = _draft(client, "new", [1], torch.zeros(1, 8), 1, 1, _spec())
         assert tree.num_nodes == 3 and client.ping()
         client.close()
 
@@ -410,7 +421,7 @@ def test_new_verifier_epoch_drops_stale_drafter_contexts(sockdir):
     with running_drafter(sockdir, service) as (worker, io, endpoint):
         a = drafter_client(endpoint)
         a.connect(wait_s=5)
-        a.draft("leaky", [1], torch.zeros(1, 8), 1, 1, _spec())
+        _draft(a, "leaky", [1], torch.zeros(1, 8), 1, 1, _spec())
         a.close()
         from services.verifier.remote_drafter import ZmqDrafterClient
 
@@ -459,7 +470,7 @@ def test_submitted_drafts_are_collected_in_any_order_and_discarded_ones_dropped(
     with running_drafter(sockdir, service) as (worker, io, endpoint):
         client = drafter_client(endpoint)
         client.connect(wait_s=5)
-        hs = {rid: client.submit(rid, [7, 8], torch.randn(2, 8), 9, 2 + i, _spec(budget=3), max_depth=2)
+        hs = {rid: client.submit([_job(rid, [7, 8], torch.randn(2, 8), 9, 2 + i, _spec(budget=3), max_depth=2)])[0]
               for i, rid in enumerate(["a", "b", "c", "d"])}
         assert client.ping()
         client.discard(hs.pop("c"))
@@ -500,7 +511,7 @@ def test_drafter_heartbeat_runs_off_the_compute_thread_and_sees_a_hang_and_a_dra
         client = drafter_client(endpoint)
         client.connect(wait_s=5)
         box = {}
-        t = threading.Thread(target=lambda: box.update(r=client.draft("r", [1], torch.zeros(1, 8), 1, 1, _spec())))
+        t = threading.Thread(target=lambda: box.update(r=_draft(client, "r", [1], torch.zeros(1, 8), 1, 1, _spec())))
         t.start()  # the compute loop is busy for 1.5 s
         time.sleep(0.5)
         n = len(seen)
@@ -535,11 +546,11 @@ def test_a_draining_drafter_serves_until_no_request_needs_it(sockdir, monkeypatc
     loop.start()
     client = drafter_client(endpoint)
     client.connect(wait_s=5)
-    client.draft("r", [1], torch.zeros(1, 8), 1, 1, _spec())
+    _draft(client, "r", [1], torch.zeros(1, 8), 1, 1, _spec())
     worker.begin_drain(60)
     time.sleep(0.6)
     assert loop.is_alive()  # a request still holds a context: keep serving it
-    tree, _ = client.draft("r", [2], torch.zeros(1, 8), 2, 2, _spec())
+    tree, _ = _draft(client, "r", [2], torch.zeros(1, 8), 2, 2, _spec())
     assert tree.draft_tokens.numel() > 0
     assert not client.ping()  # "not ready" while draining: no new request is admitted
     client.release("r")
@@ -551,7 +562,7 @@ def test_a_draining_drafter_serves_until_no_request_needs_it(sockdir, monkeypatc
 
 
 def test_draft_batch_over_zmq_one_message_one_reply_per_job(sockdir):
-    """Protocol v3: ``submit_many`` sends one DraftBatch; the drafter drafts the jobs in one
+    """``submit`` sends one DraftBatch; the drafter drafts the jobs in one
     ``draft_batch`` call and answers each job on its own, a failing job with its own error."""
     torch = pytest.importorskip("torch")
     from types import SimpleNamespace as NS
@@ -564,7 +575,7 @@ def test_draft_batch_over_zmq_one_message_one_reply_per_job(sockdir):
         client.connect(wait_s=5)
         jobs = [NS(request_id=rid, committed_ids=[7, 8], features=torch.randn(2, 8), root_token=9 + i, start=2,
                    spec=_spec(budget=2 + i), max_depth=3) for i, rid in enumerate(["a", "bad", "c"])]
-        handles = client.submit_many(jobs)
+        handles = client.submit(jobs)
         assert client.collect(handles[2])[0].draft_tokens.tolist() == [12, 13, 14]
         with pytest.raises(DrafterError, match="scripted failure of bad"):
             client.collect(handles[1])
