@@ -105,8 +105,8 @@ FIELD_HELP = {"drafter": "drafter checkpoint directory ('' = the default drafter
               "target": "the target model: the default name or a local HF directory",
               "device": "where the models run: cpu, cuda, cuda:N",
               "dtype": "precision of the models' activations (a concrete --weights format overrides it)",
-              "drain_timeout_s": "on SIGTERM, how long in-flight requests may finish (new ones get 503); then "
-                                 "the verifier's running requests get the same budget",
+              "drain_timeout_s": "on SIGTERM, how long in-flight requests may finish (new ones get 503); each "
+                                 "process drains with this budget, the gateway first",
               "log_level": "python logging level name",
               "compile": "run the target's batched steps and the drafter's block forward through torch.compile "
                          "(a warm-up at start: minutes the first time on a small CPU, less once inductor's disk "
@@ -135,11 +135,11 @@ HELP_GROUPS = {
     "Links between the processes": ("verifier_endpoint", "drafter_endpoint", "draft_timeout_s", "drafter_wait_s",
                                     "health_interval_s", "cuda_ipc", "ipc_slots", "ipc_slot_bytes",
                                     "max_tensor_bytes"),
-    "Supervisor": ("drain_timeout_s",),
+    "Start, restart and drain": ("drain_timeout_s", "startup_timeout_s", "max_restarts", "restart_window_s"),
     "Observability": ("log_level", "metrics_host", "verifier_metrics_port", "drafter_metrics_port"),
 }
 CLASS_GROUP = {"GatewayConfig": "Gateway", "VerifierWorkerConfig": "Verifier: scheduling",
-               "DrafterWorkerConfig": "Drafter", "SupervisorConfig": "Supervisor"}
+               "DrafterWorkerConfig": "Drafter", "SupervisorConfig": "Start, restart and drain"}
 _GROUP_OF = {name: title for title, names in HELP_GROUPS.items() for name in names}
 _ENTRY_RE = re.compile(r"^(\w+(?:,\s*\w+)*):\s+(.*)$")  # "name: text" or "a, b: text"
 _INNER_RE = re.compile(r";\s+(\w+(?:,\s*\w+)*):\s+")  # "...; other_field: text" inside an entry
