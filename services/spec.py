@@ -107,7 +107,7 @@ def preferred_method(served: tuple[str, ...] | list[str]) -> str:
 # (0 = plain decoding) maximises tokens/s, the budget knob is its maximum; fixed: every round verifies
 # the whole tree of the budget.
 POLICIES = ("goodput", "fixed")
-DEFAULT_POLICY = "goodput"  # the one default of dartree serve, generate and bench
+DEFAULT_POLICY = "goodput"  # dartree serve and generate (dartree bench measures fixed budgets unless told)
 
 
 # ---------------------------------------------------------------------------------------- tree knobs
