@@ -45,9 +45,11 @@ def test_served_methods_per_kind():
 
 def test_policy_names_are_the_policies():
     pytest.importorskip("torch")
-    from services.verifier.policy import make_policy
+    from services.verifier.policy import SpecPolicy, make_policy
 
-    assert {type(make_policy(name)).name for name in POLICIES} == set(POLICIES)
+    policies = [make_policy(name) for name in POLICIES]
+    assert {p.name for p in policies} == set(POLICIES)
+    assert all(isinstance(p, SpecPolicy) for p in policies)
 
 
 @pytest.mark.parametrize("knobs, msg", [

@@ -15,7 +15,7 @@ Two policies (``--spec-policy``):
 - :class:`FixedPolicy` is today's behaviour exactly: explicit request values, then the manual
   ``--tree-schedule`` pick, then the drafter's defaults; every drafting request drafts every round
   and the whole tree is verified.
-- :class:`GoodputPolicy` (issue 13) maximises expected emitted tokens per second of the whole step:
+- :class:`GoodputPolicy` maximises expected emitted tokens per second of the whole step:
   ``sum_r E[emitted_r] / predicted step seconds``, with ``E`` from :class:`AcceptanceCalibrator`
   (``1 + sum`` of the calibrated P of the verified nodes) and the seconds from
   :class:`StepCostModel` (forward ``a + b * rows``, a drafter call per drafting request, a
@@ -37,17 +37,17 @@ import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from services.spec import MAX_BUDGET, POLICIES
 from services.tree import DraftTree
 from services.tree.dartree import select_nodes
 from services.verifier.calibration import AcceptanceCalibrator, regime_of
 from services.verifier.cost_model import StepCostModel
-from services.verifier.schedule import MAX_BUDGET
 
 log = logging.getLogger("verifier.policy")
-POLICIES = ("fixed", "goodput")
 
 
 def fill_knobs(spec, tree_knobs: tuple[int, int] | None):
@@ -107,6 +107,28 @@ class Selection:
     tree: DraftTree
     budget: int
     predicted_tau: float | None = None
+
+
+@runtime_checkable
+class SpecPolicy(Protocol):
+    """What the engine calls on a policy, in step order (module docstring); ``name`` is one of
+    :data:`services.spec.POLICIES`."""
+
+    name: str
+
+    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0) -> None: ...
+
+    def draft_spec(self, rid: str, spec, tree_knobs: tuple[int, int] | None): ...
+
+    def select(self, items: list[Drafted]) -> dict[str, Selection]: ...
+
+    def observe_round(self, rid: str, committed: list[int]) -> None: ...
+
+    def observe_step(self, stats) -> None: ...
+
+    def predicted_step_seconds(self) -> float | None: ...
+
+    def release(self, rid: str) -> None: ...
 
 
 class FixedPolicy:
