@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from services.replay import accepted_nodes, replay_rounds
+from services.spec import METHODS
 
-ENGINE_METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree",
-                  "dspark", "dspark-dartree", "eagle3")  # the last three need a DSpark / EAGLE-3 --drafter
+ENGINE_METHODS = METHODS  # dspark, dspark-dartree and eagle3 need a DSpark / EAGLE-3 --drafter
 PEERS = ("hf-generate", "hf-prompt-lookup", "llama-cpp")
 NOT_LOSSLESS_PEERS = ("llama-cpp",)  # other weights' kernels: token agreement reported, not a lossless check
 PROMPT_LOOKUP_TOKENS = 10

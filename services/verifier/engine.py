@@ -21,7 +21,7 @@ from math import isfinite
 
 import torch
 
-from services.drafter.service import METHODS
+from services.spec import METHODS
 from services.protocol import LOGPROB_FLOOR, MAX_TOP_LOGPROBS
 from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
 from services.tree.accept import position_uniforms

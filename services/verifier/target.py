@@ -62,7 +62,7 @@ class TargetModel:
         Raises:
             ValueError: a format that cannot run here (one line).
         """
-        from services.drafter.model import default_target_layer_ids
+        from services.models.layers import default_target_layer_ids
         from services.weights import load_causal_lm
 
         if weights is None:

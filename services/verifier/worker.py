@@ -37,12 +37,12 @@ from services.protocol import (
     check_hello_version,
 )
 from services.runtime import WEIGHT_CHOICES, check_dtype
+from services.spec import DEFAULT_METHOD, DEFAULT_POLICY, POLICIES
 from services.verifier.remote_drafter import DrafterError, DrafterUnavailable
 from services.verifier.schedule import MAX_BUDGET, parse_tree_schedule
 from services.wire import Decoded
 
 log = logging.getLogger("verifier")
-SPEC_POLICIES = ("goodput", "fixed")  # services.verifier.policy (imported lazily: it needs torch)
 DRAFTER_PING_TIMEOUT_S = 1.0  # a drafter heartbeat ping without a Pong by then: not ready
 _PARAM_RE = re.compile(r"(speculative\.\w+|max_tokens|temperature|top_p|top_k|prompt|stop_token_ids|logprobs)")
 
@@ -112,8 +112,8 @@ class VerifierWorkerConfig:
     kv_bucket: int = 64
     overlap: bool = False
     compile: bool = False
-    default_method: str = "dartree-pruned"
-    spec_policy: str = "goodput"
+    default_method: str = DEFAULT_METHOD
+    spec_policy: str = DEFAULT_POLICY
     spec_max_budget: int = 0
     cost_sweep: bool = True
     tree_schedule: str = ""
@@ -141,8 +141,8 @@ class VerifierWorkerConfig:
         if self.default_method not in METHODS:
             raise ValueError(f"unknown default_method {self.default_method!r} (choose from {', '.join(METHODS)})")
         parse_tree_schedule(self.tree_schedule, MAX_BUDGET, self.max_running)  # ValueError: one line
-        if self.spec_policy not in SPEC_POLICIES:
-            raise ValueError(f"unknown spec_policy {self.spec_policy!r} (choose from {', '.join(SPEC_POLICIES)})")
+        if self.spec_policy not in POLICIES:
+            raise ValueError(f"unknown spec_policy {self.spec_policy!r} (choose from {', '.join(POLICIES)})")
         if not 0 <= self.spec_max_budget <= MAX_BUDGET:
             raise ValueError(f"spec_max_budget must be in [0, {MAX_BUDGET}] (got {self.spec_max_budget})")
 
