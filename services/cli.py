@@ -94,14 +94,12 @@ def _train(a) -> int:
 def _add_workers(sub) -> None:
     from services import serve
 
-    for name, add, main in (("serve", serve.add_serve_args, serve.serve_main),
-                            ("gateway", serve.add_gateway_args, serve.gateway_main),
-                            ("verifier", serve.add_verifier_args, serve.verifier_main),
-                            ("drafter", serve.add_drafter_args, serve.drafter_main)):
-        helps = {"serve": "start gateway + verifier + drafter, supervised (the main job)",
-                 "gateway": "run the HTTP gateway alone", "verifier": "run the verifier worker alone",
-                 "drafter": "run the drafter worker alone"}
-        p = sub.add_parser(name, help=helps[name])
+    for name, add, main, what in (
+            ("serve", serve.add_serve_args, serve.serve_main, "start gateway + verifier + drafter, supervised"),
+            ("gateway", serve.add_gateway_args, serve.gateway_main, "run the HTTP gateway alone"),
+            ("verifier", serve.add_verifier_args, serve.verifier_main, "run the verifier worker alone"),
+            ("drafter", serve.add_drafter_args, serve.drafter_main, "run the drafter worker alone")):
+        p = sub.add_parser(name, help=what, description=what)
         add(p)
         p.set_defaults(func=main)
 
