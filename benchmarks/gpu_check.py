@@ -127,7 +127,6 @@ def synchronize_phases(engine, service) -> None:
         return wrapped
 
     engine.runner.execute = synced_execute
-    service.block_logits = synced(service.block_logits)
     service.block_logits_batch = synced(service.block_logits_batch)
 
 

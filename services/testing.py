@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from services.runtime import free_loopback_ports
 from services.tree.draft_tree import DraftTree
@@ -210,6 +211,32 @@ def tiny_service(target, drafter=None, defaults=None, **kw):
 
     drafter = drafter if drafter is not None else tiny_drafter(target, **kw)
     return make_service(drafter, target.embed_tokens(), target.lm_head(), defaults or TreeDefaults())
+
+
+def draft_one(service, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
+              spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
+    """One request's draft as a batch of one (``service.draft_batch``): ``(tree, timings in s)``.
+
+    Raises:
+        whatever the job raised (e.g. ValueError for an inconsistent context).
+    """
+    from services.verifier.drafter_client import DraftJob
+
+    out = service.draft_batch([DraftJob(request_id, committed_ids, features, root_token, start, spec, max_depth)])[0]
+    if isinstance(out, BaseException):
+        raise out
+    return out
+
+
+def block_logits_one(service, request_id: str, features: Tensor, root_token: int, start: int) -> tuple[Tensor, Tensor]:
+    """Append ``features [n, F]`` (positions ``[start - n, start)``) to a :class:`DrafterService`
+    context and run the request's block alone: ``(hd [D, H], base_logits [D, N] float32)``.
+
+    Raises:
+        ValueError: the context does not end at ``start - n``.
+    """
+    service.append_context(request_id, features, start)
+    return service.block_logits_batch([(request_id, root_token, start)])[0]
 
 
 def greedy_reference(model, prompt_ids: list[int], n: int) -> list[int]:

@@ -1,9 +1,9 @@
 """The EAGLE-3 drafter's compute: per-request drafter KV caches and the dynamic draft tree.
 
-Same interface as :class:`services.drafter.service.DrafterService` (``draft``, ``draft_batch``,
-``release``, ``info``, ``num_contexts``), so the engine, the workers and the bench use it unchanged.
+Same interface as :class:`services.drafter.service.DrafterService` (``draft_batch``, ``release``,
+``info``, ``num_contexts``), so the engine, the workers and the bench use it unchanged.
 
-One call per round (EAGLE-3 ``cnets.py``, adapted to our round layout): the committed tokens since
+One draft per request and round (EAGLE-3 ``cnets.py``, adapted to our round layout): the committed tokens since
 the last call sit at positions ``[start - n, start)`` with target features ``f``; the drafter's
 context row at position ``i`` is the pair ``(fc(f_i), token_{i+1})``, so the new rows use the tokens
 ``committed_ids[1:] + [root]`` and are appended to the request's drafter cache once (never
@@ -152,22 +152,14 @@ class Eagle3Service:
         root_logp = torch.log_softmax(m.logits(root_h).float(), dim=-1)
         return eagle_tree(root_logp, expand, top_k=top_k, depth=depth, budget=budget)
 
-    @torch.inference_mode()
-    def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
-              spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
-        """Propose a tree for one round (arguments as :meth:`DrafterService.draft`).
-
-        Returns:
-            ``(tree, {"draft": s, "tree_build": s})``; ``draft`` = appending the context rows,
-            ``tree_build`` = the expansion (drafter calls included) and the rerank.
-        Raises:
-            ValueError: method other than ``eagle3``, bad feature width, inconsistent context.
-        """
-        self._check_job(committed_ids, features, spec)
+    def _draft_one(self, job) -> tuple[DraftTree, dict[str, float]]:
+        """One job's tree: ``(tree, {"draft": s, "tree_build": s})``; ``draft`` = appending the
+        context rows, ``tree_build`` = the expansion (drafter calls included) and the rerank."""
+        self._check_job(job.committed_ids, job.features, job.spec)
         t0 = time.perf_counter()
-        self._append(request_id, committed_ids, features, root_token, start)
+        self._append(job.request_id, job.committed_ids, job.features, job.root_token, job.start)
         t1 = time.perf_counter()
-        tree = self._tree(request_id, start, spec, max_depth)
+        tree = self._tree(job.request_id, job.start, job.spec, job.max_depth)
         if tree.num_nodes:
             tree = dataclasses.replace(tree, draft_tokens=self.d2t[tree.draft_tokens.long()])
         return tree, {"draft": t1 - t0, "tree_build": time.perf_counter() - t1}
@@ -176,8 +168,12 @@ class Eagle3Service:
     def draft_batch(self, jobs: list) -> list:
         """Draft several requests (one after the other: EAGLE-3's tree expansion is per request here).
 
+        Args:
+            jobs: as :meth:`DrafterService.draft_batch`'s.
         Returns:
-            per job ``(tree, timings)`` or the exception that job raised (the others are unaffected).
+            per job ``(tree, {"draft": s, "tree_build": s})`` or the exception that job raised (the
+            others are unaffected): ValueError for a method other than ``eagle3``, a bad feature
+            width, an inconsistent context, a request twice in the batch.
         """
         out: list = []
         seen: set[str] = set()
@@ -186,8 +182,7 @@ class Eagle3Service:
                 if j.request_id in seen:
                     raise ValueError(f"request {j.request_id!r} appears twice in one draft batch")
                 seen.add(j.request_id)
-                out.append(self.draft(j.request_id, j.committed_ids, j.features, j.root_token, j.start, j.spec,
-                                      max_depth=j.max_depth))
+                out.append(self._draft_one(j))
             except Exception as exc:
                 out.append(exc)
         return out

@@ -1,8 +1,9 @@
 """The drafter's compute, transport-agnostic: per-request drafter contexts and tree building.
 
-One call per round: append the newly committed tokens' target features to the request's drafter
-context (K/V only), run the block ``[root, MASK x (block_size - 1)]``, project to logits with the
-target's lm_head, and build the method's tree (algorithms.md §1.3, §2.2, §2.3, §4).
+One call per step, for every drafting request at once (:meth:`DrafterService.draft_batch`): append
+each request's newly committed target features to its drafter context (K/V only), run the blocks
+``[root, MASK x (block_size - 1)]`` of all requests in one forward, project to logits with the
+target's lm_head, and build each request's tree (algorithms.md §1.3, §2.2, §2.3, §4).
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ class DrafterService:
         jobs = [("__warm_up_a__", 0, 37), ("__warm_up_b__", 0, 53)]
         try:
             for rid, root, n in jobs:
-                self.block_logits(rid, torch.zeros(n, self.cfg.feature_dim, dtype=self.dtype, device=self.device),
-                                  root, n)
+                self.append_context(rid, torch.zeros(n, self.cfg.feature_dim, dtype=self.dtype, device=self.device), n)
+                self.block_logits_batch([(rid, root, n)])
             self.block_logits_batch(jobs)
         finally:
             for rid, *_ in jobs:
@@ -176,7 +177,14 @@ class DrafterService:
         self._ctx.pop(request_id, None)
         self._ctx_len.pop(request_id, None)
 
-    def _append_context(self, request_id: str, features: Tensor, start: int) -> None:
+    @torch.inference_mode()
+    def append_context(self, request_id: str, features: Tensor, start: int) -> None:
+        """Append ``features [n, F]``, the target features of positions ``[start - n, start)``, to
+        the request's drafter context (its K/V).
+
+        Raises:
+            ValueError: the context does not end at ``start - n`` (a gap or an overlap).
+        """
         n = features.shape[0]
         have = self._ctx_len.get(request_id, 0)
         if have != start - n:
@@ -192,13 +200,6 @@ class DrafterService:
             (torch.cat([ok, k], 2), torch.cat([ov, v], 2)) for (ok, ov), (k, v) in zip(old, kv)]
         self._ctx_len[request_id] = start
 
-    @torch.inference_mode()
-    def block_logits(self, request_id: str, features: Tensor, root_token: int, start: int) -> tuple[Tensor, Tensor]:
-        """Append context, run the block: ``(hd [D, H], base_logits [D, N] float32)`` (N = the draft
-        vocabulary: ``V`` unless reduced; column i is target id ``d2t[i]``)."""
-        self._append_context(request_id, features, start)
-        return self._block(request_id, root_token, start)
-
     def _block(self, request_id: str, root_token: int, start: int) -> tuple[Tensor, Tensor]:
         c = self.cfg
         ids = torch.tensor([root_token] + [c.mask_token_id] * (c.block_size - 1), device=self.device)
@@ -209,10 +210,10 @@ class DrafterService:
 
     @torch.inference_mode()
     def block_logits_batch(self, jobs: list[tuple[str, int, int]]) -> list[tuple[Tensor, Tensor]]:
-        """The block of several requests (contexts already appended) in ONE forward: ``jobs`` are
-        ``(request_id, root_token, start)``; contexts of different lengths are padded and masked
-        (``ctx_mask``). Returns ``(hd [D, H], base_logits [D, V])`` per job (one job: exactly
-        :meth:`block_logits`'s computation)."""
+        """The block of several requests (contexts already appended, :meth:`append_context`) in ONE
+        forward: ``jobs`` are ``(request_id, root_token, start)``; contexts of different lengths are
+        padded and masked (``ctx_mask``). Returns ``(hd [D, H], base_logits [D, N] float32)`` per
+        job (N = the draft vocabulary: ``V`` unless reduced; column i is target id ``d2t[i]``)."""
         if len(jobs) == 1:
             return [self._block(*jobs[0])]
         c = self.cfg
@@ -240,16 +241,21 @@ class DrafterService:
 
     @torch.inference_mode()
     def draft_batch(self, jobs: list) -> list:
-        """Draft several requests with ONE block forward (engine v2: the drafter batched like the
-        verifier), then build each request's tree.
+        """Draft several requests with ONE block forward, then build each request's tree.
 
         Args:
             jobs: objects with ``request_id, committed_ids, features, root_token, start, spec,
-                max_depth`` (as :meth:`draft`'s arguments; e.g. :class:`services.protocol.DraftRequest`
-                with its features tensor attached, or ``DraftJob``).
+                max_depth`` (``services.verifier.drafter_client.DraftJob``, or a wire job with its
+                features tensor attached): ``committed_ids`` are the tokens committed since the
+                request's last draft (first draft: the prompt), ``features [len(committed_ids), F]``
+                their target features, ``root_token`` the last committed token at position
+                ``start``; ``spec`` has ``method, budget, width, depth_bonus, candidates`` (None =
+                default); ``max_depth`` caps the tree's depth (None = every draft slot).
         Returns:
             per job ``(tree, {"draft": s, "tree_build": s})`` (the shared forward's time split evenly)
-            or the exception that job raised (the others are unaffected).
+            or the exception that job raised (the others are unaffected): ValueError for an unknown
+            method, a method needing a head this drafter lacks, an inconsistent context, a request
+            twice in the batch.
         """
         out: list = [None] * len(jobs)
         ok = []
@@ -258,7 +264,7 @@ class DrafterService:
                 self._check_job(j.request_id, j.committed_ids, j.features, j.spec)
                 if j.request_id in {jobs[k].request_id for k in ok}:
                     raise ValueError(f"request {j.request_id!r} appears twice in one draft batch")
-                self._append_context(j.request_id, j.features, j.start)
+                self.append_context(j.request_id, j.features, j.start)
                 ok.append(i)
             except Exception as exc:
                 out[i] = exc
@@ -301,34 +307,6 @@ class DrafterService:
                     if method in MARKOV_METHODS else "an EAGLE-3 drafter")
             raise ValueError(f"method {method!r} needs {need}; this {self.kind} drafter serves "
                              f"{', '.join(served_methods(self.kind))}")
-
-    @torch.inference_mode()
-    def draft(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
-              spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
-        """Propose a tree for one round.
-
-        Args:
-            committed_ids: tokens committed since the last call (first call: the prompt).
-            features: ``[len(committed_ids), F]`` target features at those positions.
-            root_token: the last committed token, at position ``start`` (not in the context).
-            spec: an object with ``method, budget, width, depth_bonus, candidates`` (None = default).
-            max_depth: cap on tree depth (context-window limit).
-        Returns:
-            ``(tree, {"draft": s, "tree_build": s})``.
-        Raises:
-            ValueError: unknown method, method needs a head this drafter lacks, inconsistent context.
-        """
-        self._check_job(request_id, committed_ids, features, spec)
-        method = spec.method
-        t0 = time.perf_counter()
-        hd, base = self.block_logits(request_id, features, root_token, start)
-        depth = base.shape[0] if max_depth is None else max(0, min(max_depth, base.shape[0]))
-        hd, base = hd[:depth], base[:depth]
-        t1 = time.perf_counter()
-        tree = self._build(method, spec, hd, base, root_token) if depth else DraftTree.empty()
-        if self.d2t is not None and tree.num_nodes:
-            tree = dataclasses.replace(tree, draft_tokens=self._to_target_ids(tree.draft_tokens))
-        return tree, {"draft": t1 - t0, "tree_build": time.perf_counter() - t1}
 
     def _build(self, method: str, spec, hd: Tensor, base: Tensor, root: int) -> DraftTree:
         d = self.defaults

@@ -1,9 +1,10 @@
 """The drafter process: a ROUTER on an I/O thread, a compute loop calling :class:`DrafterService`.
 
-Loop (docs/design.md "Worker processes"): recv (inbox queue) -> dispatch by message type (HELLO, DRAFT, RELEASE) -> compute ->
-send (through the I/O thread). PINGs are answered on the I/O thread so liveness never waits behind
-a draft. A malformed message is logged, counted and dropped; an exception inside a draft becomes an
-error reply for that request only. Torch is imported by :func:`run_drafter_process`, not at import.
+Loop (docs/design.md "Worker processes"): recv (inbox queue) -> dispatch by message type (HELLO,
+DRAFT_BATCH, RELEASE) -> compute -> send (through the I/O thread). PINGs are answered on the I/O
+thread so liveness never waits behind a draft. A malformed message is logged, counted and dropped;
+an exception inside a draft becomes an error reply for that request only. Torch is imported by
+:func:`run_drafter_process`, not at import.
 
 Stopping: the first SIGTERM (or the supervisor's drain signal) drains: the drafter keeps serving
 drafts (the verifier may be draining its requests) but answers pings "not ready" (so no new
@@ -40,7 +41,7 @@ from services.protocol import (
     special_token_ids,
     tokenizer_hash,
 )
-from services.runtime import check_dtype, request_id_var
+from services.runtime import check_dtype
 from services.verifier.schedule import check_tree_knobs
 from services.wire import Decoded
 
@@ -103,7 +104,7 @@ class DrafterWorker:
     """Per-process drafter state: the service, the verifier's epoch, live request contexts.
 
     Args:
-        service: a ``DrafterService`` (or any object with ``draft``/``release``/``num_contexts``).
+        service: a ``DrafterService`` (or any object with ``draft_batch``/``release``/``num_contexts``).
         info: this drafter's handshake info.
         transport: a :class:`services.ipc_pool.TensorTransport`.
         send: ``send(identity, msg, frames)`` (the I/O thread's :meth:`ServerIO.send`).
@@ -120,8 +121,7 @@ class DrafterWorker:
         self.draining = False
         self._drain_deadline = 0.0
         self._last_draft = 0.0  # monotonic time of the last draft handled
-        self._handlers = {MessageType.HELLO: self._hello, MessageType.DRAFT: self._draft,
-                          MessageType.DRAFT_BATCH: self._draft_batch,
+        self._handlers = {MessageType.HELLO: self._hello, MessageType.DRAFT_BATCH: self._draft_batch,
                           MessageType.RELEASE: self._release}
 
     # ------------------------------------------------------------------------------ I/O thread
@@ -183,29 +183,6 @@ class DrafterWorker:
         else:
             log.error("refusing verifier: %s", reason)
         self.send(identity, HelloAck(PROTOCOL_VERSION, reason is None, self.info, reason or ""))
-
-    def _draft(self, identity: bytes, dec: Decoded) -> None:
-        msg = dec.msg
-        self._last_draft = time.monotonic()
-        token = request_id_var.set(msg.request_id)
-        frames: list = []
-        try:
-            features = self.transport.unpack([msg.features], dec.frames, copy=True)[0]  # [L, F]
-            tree, timings = self.service.draft(msg.request_id, msg.committed_ids, features, msg.root_token,
-                                               msg.start, msg.spec, max_depth=msg.max_depth)
-            self._contexts.add(msg.request_id)
-            metas, frames = self.transport.pack([tree.draft_tokens, tree.parents, tree.depths, tree.scores])
-            reply = DraftReply(msg.request_id, msg.round_id, self.info.epoch, tuple(metas), timings)
-            for phase, seconds in timings.items():
-                self.metrics.seconds.labels(phase).observe(seconds)
-        except Exception as exc:  # one request's failure must not stop the drafter
-            log.warning("draft failed: %s: %s", type(exc).__name__, exc)
-            self.metrics.errors.inc()
-            reply = DraftReply(msg.request_id, msg.round_id, self.info.epoch, error=f"{type(exc).__name__}: {exc}"[:4000])
-            frames = []
-        finally:
-            request_id_var.reset(token)
-        self.send(identity, reply, frames)
 
     def _draft_batch(self, identity: bytes, dec: Decoded) -> None:
         """Several requests' drafts in one drafter forward; one :class:`DraftReply` per job."""

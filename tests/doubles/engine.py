@@ -53,8 +53,8 @@ class FakeEngine:
 
     vocab_size, max_context, eos_token_ids = 400, 256, (2,)
 
-    def __init__(self, rounds: list[list[int]] | None = None, step_delay_s: float = 0.0, fail_on_step: int | None = None,
-                 fail_with: Exception | None = None):
+    def __init__(self, rounds: list[list[int]] | None = None, step_delay_s: float = 0.0,
+                 fail_on_step: int | None = None, fail_with: Exception | None = None):
         self.rounds = rounds or [[5], [6, 7, 8], [9, 10], [11]]
         self.step_delay_s, self.fail_on_step, self.fail_with = step_delay_s, fail_on_step, fail_with
         self.active: dict[str, int] = {}
@@ -137,12 +137,6 @@ class FakeDrafterService:
         n = min(job.spec.budget or 3, job.max_depth or 99)
         tree = tree_from_parents([job.root_token + 1 + i for i in range(n)], list(range(-1, n - 1)))
         return tree, {"draft": 0.0005, "tree_build": 0.0001}
-
-    def draft(self, request_id, committed_ids, features, root_token, start, spec, max_depth=None):
-        from services.verifier.drafter_client import DraftJob
-
-        time.sleep(self.hang_s)
-        return self._draft(DraftJob(request_id, committed_ids, features, root_token, start, spec, max_depth))
 
     def draft_batch(self, jobs) -> list:
         """One chain tree per job after ``hang_s``; a job's error is returned in its place."""

@@ -340,7 +340,7 @@ def test_drafter_batch_equals_one_request_at_a_time(target):
         got = a.draft_batch(jobs[:2] + [bad] + jobs[2:])
         assert isinstance(got.pop(2), ValueError)
         for j, res in zip(jobs, got):
-            want, _ = b.draft(j.request_id, j.committed_ids, j.features, j.root_token, j.start, j.spec, j.max_depth)
+            want, _ = b.draft_batch([j])[0]
             tree, timings = res
             assert torch.equal(tree.draft_tokens, want.draft_tokens) and torch.equal(tree.parents, want.parents), j.spec
             torch.testing.assert_close(tree.scores, want.scores, atol=1e-4, rtol=0)

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from services.testing import tiny_drafter, tiny_service, tiny_target
+from services.testing import block_logits_one, tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
 from tests.engine.test_batched import _run_batched
@@ -157,8 +157,8 @@ def test_compiled_drafter_block_matches_eager_and_stays_lossless():
         for rid, n in (("a", n_a), ("b", n_b)):
             feats = torch.randn(n, fdim, generator=g)
             starts[rid] += n
-            want = eager.block_logits(rid, feats, 7, starts[rid])
-            got = comp.block_logits(rid, feats, 7, starts[rid])
+            want = block_logits_one(eager, rid, feats, 7, starts[rid])
+            got = block_logits_one(comp, rid, feats, 7, starts[rid])
             torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
         jobs = [("a", 5, starts["a"]), ("b", 9, starts["b"])]
         for (_, want), (_, got) in zip(eager.block_logits_batch(jobs), comp.block_logits_batch(jobs)):

@@ -10,7 +10,7 @@ import torch
 
 from services.drafter.model import DFlashDrafter, load_drafter, reduce_draft_vocab, save_drafter
 from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino drafter's methods
-from services.testing import greedy_reference, tiny_drafter, tiny_service, tiny_target
+from services.testing import draft_one, greedy_reference, tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
 
@@ -31,7 +31,7 @@ def _drafts(service, method, seed=0, rounds=4):
     for r in range(rounds):
         ids = [rng.randrange(3, V - 1) for _ in range(6)]
         feats = torch.randn(len(ids), f, generator=torch.Generator().manual_seed(seed * 100 + r))
-        tree, _ = service.draft(f"q{r}", ids, feats, ids[-1], len(ids), SpecParams(method, budget=12, width=4))
+        tree, _ = draft_one(service, f"q{r}", ids, feats, ids[-1], len(ids), SpecParams(method, budget=12, width=4))
         service.release(f"q{r}")
         out.append((tree.draft_tokens.tolist(), tree.parents.tolist()))
     return out
@@ -95,7 +95,7 @@ def test_reduced_layout_round_trips_strictly_and_full_layout_is_unchanged(target
 
 
 def test_reduced_vocab_batched_drafts_equal_single_drafts_in_target_ids(target):
-    """``draft_batch`` maps draft ids to target ids exactly like ``draft`` (several requests at once)."""
+    """``draft_batch`` maps draft ids to target ids for several requests at once exactly as for one."""
     from services.verifier.drafter_client import DraftJob
 
     keep = torch.randperm(V, generator=torch.Generator().manual_seed(3))[:30]
@@ -107,6 +107,6 @@ def test_reduced_vocab_batched_drafts_equal_single_drafts_in_target_ids(target):
         jobs.append(DraftJob(m, ids, torch.randn(len(ids), a.cfg.feature_dim), ids[-1], len(ids),
                              SpecParams(m, budget=10, width=4), None))
     for j, (tree, _) in zip(jobs, a.draft_batch(jobs)):
-        want, _ = b.draft(j.request_id, j.committed_ids, j.features, j.root_token, j.start, j.spec)
+        want, _ = b.draft_batch([j])[0]
         assert tree.draft_tokens.tolist() == want.draft_tokens.tolist() and set(tree.draft_tokens.tolist()) <= set(
             keep.tolist())

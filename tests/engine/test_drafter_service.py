@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.drafter.service import DFLASH_METHODS, HEAD_METHODS, METHODS, DominoScorer  # noqa: F401
-from services.testing import tiny_drafter, tiny_service, tiny_target
+from services.testing import block_logits_one, draft_one, tiny_drafter, tiny_service, tiny_target
 from services.verifier.engine import SpecParams
 
 V = 96
@@ -30,7 +30,7 @@ def test_block_rows_follow_shift_label(target, projector_type):
     svc = tiny_service(target, tiny_drafter(target, projector_type=projector_type, block_size=6))
     d, c = svc.drafter, svc.cfg
     feats = _feats(target, 7)
-    hd, base = svc.block_logits("r", feats, 11, 7)
+    hd, base = block_logits_one(svc, "r", feats, 11, 7)
     with torch.inference_mode():
         kv = d.context_kv(feats[None], torch.arange(7))
         block = target.embed_tokens()(torch.tensor([11] + [c.mask_token_id] * 5))[None]
@@ -47,11 +47,11 @@ def test_incremental_context_equals_one_shot(target):
     svc_a, svc_b = tiny_service(target, block_size=6), tiny_service(target, block_size=6)
     svc_b.drafter.load_state_dict(svc_a.drafter.state_dict())
     feats = _feats(target, 12)
-    svc_a.block_logits("r", feats[:5], 40, 5)
-    svc_a.block_logits("r", feats[5:6], 41, 6)
-    svc_a.block_logits("r", feats[6:6], 41, 6)  # nothing committed (an empty round): context unchanged
-    hd_a, base_a = svc_a.block_logits("r", feats[6:12], 42, 12)
-    hd_b, base_b = svc_b.block_logits("r", feats, 42, 12)
+    block_logits_one(svc_a, "r", feats[:5], 40, 5)
+    block_logits_one(svc_a, "r", feats[5:6], 41, 6)
+    block_logits_one(svc_a, "r", feats[6:6], 41, 6)  # nothing committed (an empty round): context unchanged
+    hd_a, base_a = block_logits_one(svc_a, "r", feats[6:12], 42, 12)
+    hd_b, base_b = block_logits_one(svc_b, "r", feats, 42, 12)
     torch.testing.assert_close(hd_a, hd_b, atol=1e-5, rtol=0)
     torch.testing.assert_close(base_a, base_b, atol=1e-5, rtol=0)
     assert svc_a.num_contexts() == 1
@@ -62,11 +62,11 @@ def test_incremental_context_equals_one_shot(target):
 
 def test_context_gaps_are_rejected(target):
     svc = tiny_service(target)
-    svc.block_logits("r", _feats(target, 5), 1, 5)
+    block_logits_one(svc, "r", _feats(target, 5), 1, 5)
     with pytest.raises(ValueError, match="holds 5 positions"):
-        svc.block_logits("r", _feats(target, 2), 1, 9)
+        block_logits_one(svc, "r", _feats(target, 2), 1, 9)
     with pytest.raises(ValueError, match="one row per committed token"):
-        svc.draft("q", [1, 2, 3], _feats(target, 2), 4, 3, SpecParams("dflash"))
+        draft_one(svc, "q", [1, 2, 3], _feats(target, 2), 4, 3, SpecParams("dflash"))
 
 
 def test_gru_cell_is_pytorch_gru(target):
@@ -106,9 +106,9 @@ def test_domino_chain_matches_the_sequential_definition(target):
     svc = tiny_service(target, block_size=6)
     d, emb = svc.drafter, target.embed_tokens()
     feats, root = _feats(target, 6, seed=3), 13
-    tree, _ = svc.draft("r", list(range(6)), feats, root, 6, SpecParams("domino"))
+    tree, _ = draft_one(svc, "r", list(range(6)), feats, root, 6, SpecParams("domino"))
     svc.release("r")
-    hd, base = svc.block_logits("s", feats, root, 6)
+    hd, base = block_logits_one(svc, "s", feats, root, 6)
     toks = [int(base[0].argmax())]
     with torch.inference_mode():
         for i in range(1, base.shape[0]):
@@ -123,7 +123,7 @@ def test_domino_chain_matches_the_sequential_definition(target):
 def test_every_method_returns_a_valid_tree(target, method, max_depth):
     svc = tiny_service(target, block_size=8)
     spec = SpecParams(method, budget=10, width=3, candidates=6)
-    tree, timings = svc.draft("r", list(range(9)), _feats(target, 9), 5, 9, spec, max_depth=max_depth)
+    tree, timings = draft_one(svc, "r", list(range(9)), _feats(target, 9), 5, 9, spec, max_depth=max_depth)
     assert set(timings) == {"draft", "tree_build"}
     cap = 8 if max_depth is None else max_depth
     if cap == 0:
@@ -143,6 +143,6 @@ def test_method_checks(target):
     assert set(tiny_service(target).info()["methods"]) == set(DFLASH_METHODS)
     for m in HEAD_METHODS:
         with pytest.raises(ValueError, match="correction head"):
-            plain.draft("r", [1], _feats(target, 1), 2, 1, SpecParams(m))
+            draft_one(plain, "r", [1], _feats(target, 1), 2, 1, SpecParams(m))
     with pytest.raises(ValueError, match="does not draft"):
-        plain.draft("r", [1], _feats(target, 1), 2, 1, SpecParams("ar"))
+        draft_one(plain, "r", [1], _feats(target, 1), 2, 1, SpecParams("ar"))

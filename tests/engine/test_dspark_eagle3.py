@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from services.drafter.model import DFlashDrafter, load_drafter, save_drafter
 from services.drafter.service import TreeDefaults, make_service
 from services.protocol import served_methods
-from services.testing import greedy_reference, tiny_drafter, tiny_dspark, tiny_eagle3, tiny_service, tiny_target
+from services.testing import (block_logits_one, draft_one, greedy_reference, tiny_drafter, tiny_dspark, tiny_eagle3,
+                              tiny_service, tiny_target)
 from services.tree import MarkovScorer, dartree
 from services.tree.eagle import eagle_tree
 from services.verifier.drafter_client import DraftJob, InprocDrafterClient
@@ -124,8 +125,8 @@ def test_dspark_saved_without_target_copies_refills_them_from_the_target(target,
     assert torch.equal(loaded.embed_tokens.weight, target.embed_tokens().weight.float())
     feats = torch.randn(9, target.feature_dim)
     for method in ("dspark", "dspark-dartree"):
-        ta, _ = a.draft(method, list(range(9)), feats, 5, 9, SpecParams(method, budget=10, width=3))
-        tb, _ = b.draft(method, list(range(9)), feats, 5, 9, SpecParams(method, budget=10, width=3))
+        ta, _ = draft_one(a, method, list(range(9)), feats, 5, 9, SpecParams(method, budget=10, width=3))
+        tb, _ = draft_one(b, method, list(range(9)), feats, 5, 9, SpecParams(method, budget=10, width=3))
         # bf16 save rounds the weights: the trees agree on the first (most confident) nodes
         assert ta.num_nodes == tb.num_nodes
     with pytest.raises(ValueError, match="only a DSpark"):
@@ -205,9 +206,9 @@ def test_dspark_chain_is_the_sequential_markov_rollout(target):
     d = tiny_dspark(target, seed=5, std=0.4)
     svc = make_service(d, target.embed_tokens(), target.lm_head())
     feats = torch.randn(9, target.feature_dim)
-    tree, _ = svc.draft("r", list(range(9)), feats, 5, 9, SpecParams("dspark"))
+    tree, _ = draft_one(svc, "r", list(range(9)), feats, 5, 9, SpecParams("dspark"))
     svc2 = make_service(d, target.embed_tokens(), target.lm_head())
-    _, base = svc2.block_logits("r", feats, 5, 9)
+    _, base = block_logits_one(svc2, "r", feats, 5, 9)
     toks, prev = [], 5
     with torch.no_grad():
         for k in range(7):  # all 7 rows draft (shift-label); slot 0's prev is the root
@@ -223,8 +224,8 @@ def test_dspark_dartree_is_dartree_with_the_markov_scorer(target):
     svc = make_service(d, target.embed_tokens(), target.lm_head())
     feats = torch.randn(9, target.feature_dim)
     spec = SpecParams("dspark-dartree", budget=12, width=4, candidates=16, depth_bonus=-0.1)
-    tree, _ = svc.draft("r", list(range(9)), feats, 5, 9, spec)
-    _, base = make_service(d, target.embed_tokens(), target.lm_head()).block_logits("r", feats, 5, 9)
+    tree, _ = draft_one(svc, "r", list(range(9)), feats, 5, 9, spec)
+    _, base = block_logits_one(make_service(d, target.embed_tokens(), target.lm_head()), "r", feats, 5, 9)
     w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight
     want = dartree(base, MarkovScorer(w1, w2), 5, K=16, W=4, B=12, beta=-0.1, pure_draft_prefix_len=0)
     assert torch.equal(tree.draft_tokens, want.draft_tokens) and torch.equal(tree.parents, want.parents)
@@ -247,17 +248,17 @@ def test_methods_follow_the_drafter_kind(target, target3):
     assert e3.info()["methods"] == ["ar", "eagle3"] and e3.info()["feature_dim"] == 3 * H
     f = torch.randn(1, target.feature_dim)
     with pytest.raises(ValueError, match="DSpark"):
-        dom.draft("r", [1], f, 2, 1, SpecParams("dspark-dartree"))
+        draft_one(dom, "r", [1], f, 2, 1, SpecParams("dspark-dartree"))
     with pytest.raises(ValueError, match="correction head"):
-        dsp.draft("r", [1], f, 2, 1, SpecParams("dartree-pruned"))
+        draft_one(dsp, "r", [1], f, 2, 1, SpecParams("dartree-pruned"))
     with pytest.raises(ValueError, match="EAGLE-3"):
-        dsp.draft("r", [1], f, 2, 1, SpecParams("eagle3"))
+        draft_one(dsp, "r", [1], f, 2, 1, SpecParams("eagle3"))
     with pytest.raises(ValueError, match="DSpark"):
-        e3.draft("r", [1], torch.randn(1, 3 * H), 2, 1, SpecParams("dspark"))
+        draft_one(e3, "r", [1], torch.randn(1, 3 * H), 2, 1, SpecParams("dspark"))
     with pytest.raises(ValueError, match="DFlash-family"):
-        e3.draft("r", [1], torch.randn(1, 3 * H), 2, 1, SpecParams("dartree-pruned"))
+        draft_one(e3, "r", [1], torch.randn(1, 3 * H), 2, 1, SpecParams("dartree-pruned"))
     with pytest.raises(ValueError, match="features must be"):
-        e3.draft("r", [1], torch.randn(1, 2 * H), 2, 1, SpecParams("eagle3"))
+        draft_one(e3, "r", [1], torch.randn(1, 2 * H), 2, 1, SpecParams("eagle3"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,7 +338,7 @@ def test_eagle3_inference_rows_equal_training_time_test_rows(target3, monkeypatc
         return real(root_logp, wrapped, **kw)
 
     monkeypatch.setattr(es, "eagle_tree", spy)
-    tree, _ = svc.draft("r", prompt[:s], feats[:s], prompt[s], s, SpecParams("eagle3"))
+    tree, _ = draft_one(svc, "r", prompt[:s], feats[:s], prompt[s], s, SpecParams("eagle3"))
     assert tree.num_nodes == 3 and tree.parents.tolist() == [-1, 0, 1]  # k = 1: a chain
     ids = torch.tensor(prompt + tree.draft_tokens.tolist()[:2])
     _, feats_full = target3.teacher_forced(ids.tolist())
@@ -428,7 +429,7 @@ def test_draft_batch_equals_one_at_a_time(target, target3):
             jobs.append(DraftJob(rid, [rng.randrange(3, V - 1) for _ in range(n)], torch.randn(n, tgt.feature_dim),
                                  rng.randrange(3, V - 1), n, SpecParams(m, budget=7, width=3), 5))
         for j, res in zip(jobs, a.draft_batch(jobs)):
-            want, _ = b.draft(j.request_id, j.committed_ids, j.features, j.root_token, j.start, j.spec, j.max_depth)
+            want, _ = b.draft_batch([j])[0]
             assert torch.equal(res[0].draft_tokens, want.draft_tokens) and torch.equal(res[0].parents, want.parents)
 
 

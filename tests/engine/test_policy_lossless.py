@@ -13,7 +13,7 @@ import random
 import pytest
 
 from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino drafter's methods
-from services.testing import greedy_reference, tiny_drafter, tiny_service
+from services.testing import draft_one, greedy_reference, tiny_drafter, tiny_service
 from services.verifier.calibration import AcceptanceCalibrator
 from services.verifier.cost_model import StepCostModel
 from services.verifier.drafter_client import InprocDrafterClient
@@ -153,7 +153,7 @@ def test_chains_carry_path_scores_for_the_calibrator(target, service, method):
     from services.verifier.engine import SpecParams as SP
 
     feats = torch.zeros(3, target.feature_dim)
-    tree, _ = service.draft("chain", [5, 6, 7], feats, 9, 3, SP(method), max_depth=5)
+    tree, _ = draft_one(service, "chain", [5, 6, 7], feats, 9, 3, SP(method), max_depth=5)
     service.release("chain")
     assert tree.num_nodes == 5
     assert bool((tree.scores <= 1e-6).all()) and bool((tree.scores[1:] <= tree.scores[:-1] + 1e-6).all())
