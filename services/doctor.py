@@ -100,7 +100,7 @@ def remeasure(target_ref: str | None) -> list[str]:
 
     target_dir = resolve_target(target_ref)
     fmt = choose_weights("auto", target_dir, remeasure=True)
-    target = TargetModel.from_pretrained(target_dir, None, weights=fmt)
+    target = TargetModel.from_pretrained(target_dir, [0], weights=fmt)  # taps unused here
     engine = SpecEngine(target, None, EngineConfig(max_running=1, max_context=256))
     target.pack_for_steps(8, 16, 1, lazy=True)
     key = cache_key(target_dir.name, fmt, "cpu", torch.get_num_threads())

@@ -182,14 +182,16 @@ def _time_call(fn: Callable[[], None]) -> float:
 
 
 def measure_interleaved(steps: dict[str, dict[int, Callable[[], None]]], repeats: int = 5,
-                        warmup: int = 1) -> dict[str, dict[int, list[float]]]:
+                        warmup: int = 1, max_spread: float | None = MAX_SPREAD) -> dict[str, dict[int, list[float]]]:
     """Time every ``steps[fmt][rows]()`` in rounds, formats interleaved (A B A B ...).
 
     Args:
         steps: format -> row count -> a callable running one such forward.
         repeats: timed rounds; warmup: untimed rounds first.
+        max_spread: stop after a round in which some step's times already disagree by more than
+            this (max / min; more rounds cannot make them agree), so a busy machine costs little.
     Returns:
-        format -> row count -> ``repeats`` wall times in ms.
+        format -> row count -> wall times in ms (``repeats`` of them unless stopped early).
     """
     out = {f: {r: [] for r in per} for f, per in steps.items()}
     for i in range(warmup + repeats):
@@ -198,6 +200,9 @@ def measure_interleaved(steps: dict[str, dict[int, Callable[[], None]]], repeats
                 ms = _time_call(fn)
                 if i >= warmup:
                     out[fmt][r].append(ms)
+        if max_spread and i > warmup and any(max(ts) > max_spread * min(ts) for per in out.values()
+                                             for ts in per.values()):
+            break
     return out
 
 
@@ -260,8 +265,9 @@ def _load_for_timing(target_dir: Path, fmt: str, device: str):
 
 
 def measure_formats(target_dir: Path, formats: list[str], device: str = "cpu", repeats: int = 5,
-                    tries: int = 2) -> tuple[dict[str, dict[int, float]] | None, str]:
-    """Load ``formats`` together, time them interleaved, judge; up to ``tries`` times.
+                    tries: int = 2, budget_s: float = 60.0) -> tuple[dict[str, dict[int, float]] | None, str]:
+    """Load ``formats`` together, time them interleaved, judge; up to ``tries`` times, and no new
+    try once ``budget_s`` seconds of timing have passed (a machine that slow is busy).
 
     Returns:
         ``(median ms per format and row count, "")`` for a trusted measurement, else
@@ -271,12 +277,14 @@ def measure_formats(target_dir: Path, formats: list[str], device: str = "cpu", r
     try:
         steps = {f: step_callables(m) for f, m in models.items()}
         limits = {f: step_limit_ms(m) for f, m in models.items()}
-        why = ""
+        why, t0 = "", time.perf_counter()
         for _ in range(tries):
             times = measure_interleaved(steps, repeats)
             why = judge(times, limits) or ""
             if not why:
                 return _medians(times), ""
+            if time.perf_counter() - t0 > budget_s:
+                break
         return None, why
     finally:
         models.clear()

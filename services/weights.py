@@ -315,6 +315,12 @@ def load_causal_lm(target_dir: str | Path, fmt: str, device: str = "cpu"):
         from services.cpu_gemm import pack_linears_bf16
 
         pack_linears_bf16(model)  # the dense bf16 linears (all of them, or q4's lm_head) pre-packed for oneDNN
+    import gc
+
+    from services.startup import release_freed_memory
+
+    gc.collect()
+    release_freed_memory()  # what loading freed (the dense copy, the unpacked blocks) leaves the RSS
     return model
 
 

@@ -233,9 +233,12 @@ class StepCostModel:
         self._hull = None
 
 
-def _sweep_times(run_rows: Callable[[int], float], rows: Iterable[int], repeats: int) -> dict[int, list[float]]:
+def _sweep_times(run_rows: Callable[[int], float], rows: Iterable[int], repeats: int,
+                 max_spread: float | None = None) -> dict[int, list[float]]:
     """Row count -> ``repeats`` timed seconds, row counts interleaved (1 2 ... 33, 1 2 ... 33, ...)
-    after one untimed warm-up round, so a disturbance lands on every row count alike."""
+    after one untimed warm-up round, so a disturbance lands on every row count alike. With
+    ``max_spread``, stops after a round in which some row count's times already disagree by more
+    (max / min): more rounds cannot make them agree."""
     rows = [int(r) for r in rows]
     out: dict[int, list[float]] = {r: [] for r in rows}
     for i in range(max(repeats, 1) + 1):
@@ -243,6 +246,8 @@ def _sweep_times(run_rows: Callable[[int], float], rows: Iterable[int], repeats:
             t = run_rows(r)
             if i:
                 out[r].append(t)
+        if max_spread and i > 1 and any(max(ts) > max_spread * min(ts) for ts in out.values()):
+            break
     return out
 
 
@@ -298,7 +303,7 @@ def startup_sweep(run_rows: Callable[[int], float], key: str, dtype: str, path: 
     note = "cached sweep no longer matches this machine's speed; " if cached is not None else ""
     one_row, why = [], ""
     for _ in range(max(tries, 1)):
-        times = _sweep_times(run_rows, rows, repeats)
+        times = _sweep_times(run_rows, rows, repeats, MAX_SPREAD)
         samples = [(r, _median(ts)) for r, ts in times.items()]
         one_row += times.get(min(times), [])
         why = sweep_disagreement(times) or ("" if plausible(samples) else "the curve is not plausible: "

@@ -17,6 +17,11 @@ import torch
 from torch import Tensor
 
 
+class KVCacheTooLarge(MemoryError, ValueError):
+    """The KV cache does not fit: a configuration error (one line naming the flags to change), so the
+    command lines print it without a traceback (a ``ValueError``) and callers may catch ``MemoryError``."""
+
+
 class SlotKVCache:
     """Per-layer ``[S, H_kv, C, Dh]`` keys and values with per-slot lengths.
 
@@ -25,7 +30,7 @@ class SlotKVCache:
         num_slots: concurrent requests (``--max-running``); capacity: columns per slot (the context
             window plus the widest step segment, since verify rows sit past the committed length).
     Raises:
-        MemoryError: with a one-line reason when the cache cannot be allocated.
+        KVCacheTooLarge: (a ``MemoryError``) with a one-line reason when the cache cannot be allocated.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, capacity: int,
@@ -41,14 +46,14 @@ class SlotKVCache:
 
             avail = psutil.virtual_memory().available
             if need > avail:
-                raise MemoryError(f"the KV cache needs {need / 2**30:.2f} GiB ({num_slots} slots x {capacity} positions)"
+                raise KVCacheTooLarge(f"the KV cache needs {need / 2**30:.2f} GiB ({num_slots} slots x {capacity} positions)"
                                   f" but {avail / 2**30:.2f} GiB of RAM are available: lower --max-running or"
                                   " --max-context")
         try:
             self.keys = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.values = [torch.empty(self.shape, dtype=dtype, device=device) for _ in range(num_layers)]
         except (RuntimeError, MemoryError) as exc:  # torch raises RuntimeError (CPU) / OutOfMemoryError (CUDA)
-            raise MemoryError(f"the KV cache ({need / 2**30:.2f} GiB for {num_slots} slots x {capacity} positions)"
+            raise KVCacheTooLarge(f"the KV cache ({need / 2**30:.2f} GiB for {num_slots} slots x {capacity} positions)"
                               f" does not fit: {exc}; lower --max-running or --max-context") from None
         self._lengths = [0] * num_slots
         self._clean = [0] * num_slots  # columns [0, _clean) of a slot hold finite values

@@ -116,3 +116,28 @@ def test_doctor_prints_capabilities_and_cached_choices(tmp_path):
     assert "q4: ms {\"q4\": {\"1-row\": 24.5}}, 2 h old" in out
     assert "rows:ms 1:24.5 9:31.0, 2 min old" in out or "rows:ms 1:24.5 9:31.0, 1 min old" in out
     assert len(out.splitlines()) < 25  # one screen
+
+
+def test_a_kv_cache_beyond_the_ram_is_a_one_line_configuration_error():
+    from services.verifier.kv_cache import KVCacheTooLarge
+
+    with pytest.raises(KVCacheTooLarge) as e:
+        SlotKVCache(100, 64, 128, 1000, 100_000, torch.float32)  # ~1.2 PiB
+    assert isinstance(e.value, ValueError) and isinstance(e.value, MemoryError)
+    assert "\n" not in str(e.value) and "lower --max-running or --max-context" in str(e.value)
+
+
+def test_doctor_remeasure_on_a_tiny_target(tmp_path):
+    from services.testing import tiny_gguf_target_dir
+    from services.weights import int4_kernel_available
+
+    if not int4_kernel_available():
+        pytest.skip("torch without the int4 CPU kernel")
+    target = tiny_gguf_target_dir(tmp_path / "t")
+    env = {"PATH": "/usr/bin:/bin", "DARTREE_CACHE": str(tmp_path / "c"), "DARTREE_CACHE_DIR": str(tmp_path / "c"),
+           "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "services.cli", "doctor", "--remeasure", "--target", str(target)],
+                       cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "re-measured:" in r.stdout and "weights auto -> " in r.stdout and "cost sweep (" in r.stdout
+    assert "rows:ms 1:" in r.stdout and " 8:" in r.stdout
