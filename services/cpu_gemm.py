@@ -15,7 +15,9 @@ How: :func:`pack_linears` turns the ``nn.Linear`` modules of a model *in place* 
 every reference to the module sees the packs). A call whose row count ``M`` fits a packed size
 ``R`` (``R/2 < M <= R``) zero-pads to ``R`` rows and uses the packed weight; any other call, any
 non-float32/non-CPU input, and any call that needs autograd runs plain ``F.linear``. A weight that
-is modified in place after packing (``load_state_dict``, an optimiser step) drops its packs.
+is modified in place after packing (``load_state_dict``, an optimiser step) drops its packs. With
+``lazy=True`` (what the server does) a row count is packed on its first call instead of up front, so
+the packs' memory (each ~ the weight's size) follows the step sizes that really run.
 
 Everything here is a no-op where the MKL ops are missing (non-MKL builds, other CPUs); only this
 module touches those private torch ops.

@@ -190,7 +190,7 @@ def _choose(target_ref: str | None, weights: str, dtype: str | None, device: str
 
     with phase("supervisor", "target ready"):
         target = str(resolve_target(target_ref))
-    with phase("supervisor", "weight format chosen"):
+    with phase("supervisor", "weight format chosen (in a throw-away process: what it loads is freed)"):
         if remeasure:
             choose_weights("auto", target, device, remeasure=True)
         fmt, act = resolve_cli_weights(weights, dtype, target, device)
