@@ -34,7 +34,9 @@ from msgspec import Meta, Struct
 from services.spec import (DFLASH_METHODS, EAGLE3_METHODS, HEAD_METHODS, MARKOV_METHODS,  # noqa: F401
                            METHODS, served_methods)
 
-PROTOCOL_VERSION = 3  # v2: SamplingSpec.logprobs, RoundChunk.logprobs; v3: DraftBatch
+# v2: SamplingSpec.logprobs, RoundChunk.logprobs; v3: DraftBatch; v4: drafts travel only in DraftBatch
+# (DraftRequest is its job, no longer a message of its own: tag 20 is unused)
+PROTOCOL_VERSION = 4
 
 MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (OpenAI chat's top_logprobs limit)
 LOGPROB_FLOOR = -9999.0     # logprobs are clamped to [LOGPROB_FLOOR, 0] (finite, JSON-safe; vLLM's floor)
@@ -68,7 +70,6 @@ class MessageType(IntEnum):
     ROUND = 11           # verifier -> gateway: tokens one round emitted
     ABORT = 12           # gateway -> verifier
     REQUEST_ERROR = 13   # verifier -> gateway: the request failed or was refused
-    DRAFT = 20           # verifier -> drafter
     DRAFT_REPLY = 21     # drafter -> verifier
     RELEASE = 22         # verifier -> drafter: forget a request's context
     DRAFT_BATCH = 23     # verifier -> drafter: several requests' drafts, one drafter forward
@@ -260,7 +261,8 @@ class RequestError(Struct, **_opts()):
 
 
 class DraftRequest(Struct, **_opts()):
-    """Ask the drafter for a tree (verifier -> drafter); one tensor (``features``) rides outside."""
+    """One request's draft job inside a :class:`DraftBatch` (verifier -> drafter); its tensor
+    (``features``) rides outside, in the batch's side frame of the job's index."""
 
     request_id: RequestId
     round_id: NonNeg                    # matches the reply; stale replies are dropped
@@ -303,7 +305,7 @@ class Release(Struct, **_opts()):
 MESSAGE_CLASSES: dict[MessageType, type[Struct]] = {
     MessageType.HELLO: Hello, MessageType.HELLO_ACK: HelloAck, MessageType.PING: Ping,
     MessageType.PONG: Pong, MessageType.GENERATE: Generate, MessageType.ROUND: RoundChunk,
-    MessageType.ABORT: Abort, MessageType.REQUEST_ERROR: RequestError, MessageType.DRAFT: DraftRequest,
+    MessageType.ABORT: Abort, MessageType.REQUEST_ERROR: RequestError,
     MessageType.DRAFT_REPLY: DraftReply, MessageType.RELEASE: Release, MessageType.DRAFT_BATCH: DraftBatch,
 }
 MESSAGE_TYPES: dict[type[Struct], MessageType] = {cls: t for t, cls in MESSAGE_CLASSES.items()}
@@ -311,11 +313,9 @@ MESSAGE_TYPES: dict[type[Struct], MessageType] = {cls: t for t, cls in MESSAGE_C
 # Largest msgpack body accepted per type (tensor frames are bounded separately by Limits).
 MAX_BODY_BYTES: dict[MessageType, int] = {t: 64 * 1024 for t in MessageType}
 MAX_BODY_BYTES[MessageType.GENERATE] = 8 * 1024 * 1024      # a prompt of up to ~1M token ids
-MAX_BODY_BYTES[MessageType.DRAFT] = 8 * 1024 * 1024
 MAX_BODY_BYTES[MessageType.ROUND] = 1024 * 1024     # a full 1025-token round with top-20 logprobs is ~0.3 MiB
 # Number of tensor side frames each type may carry.
 MAX_TENSOR_FRAMES: dict[MessageType, int] = {t: 0 for t in MessageType}
-MAX_TENSOR_FRAMES[MessageType.DRAFT] = 1
 MAX_TENSOR_FRAMES[MessageType.DRAFT_REPLY] = 4
 MAX_BODY_BYTES[MessageType.DRAFT_BATCH] = 32 * 1024 * 1024
 MAX_TENSOR_FRAMES[MessageType.DRAFT_BATCH] = MAX_BATCH_JOBS

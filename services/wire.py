@@ -30,6 +30,7 @@ from services.protocol import (
     MAX_TENSOR_FRAMES,
     MESSAGE_CLASSES,
     MESSAGE_TYPES,
+    DraftBatch,
     MessageType,
     ProtocolError,
     TensorMeta,
@@ -103,10 +104,8 @@ def version_mismatch(parts: Sequence) -> str | None:
 
 
 def _tensor_metas(msg) -> list[TensorMeta]:
-    if hasattr(msg, "jobs"):  # DraftBatch: job i's features in frame i
+    if isinstance(msg, DraftBatch):  # job i's features in frame i
         return [j.features for j in msg.jobs]
-    if hasattr(msg, "features"):
-        return [msg.features]
     return list(getattr(msg, "tree", ()))
 
 

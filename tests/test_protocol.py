@@ -43,7 +43,7 @@ def test_round_trip(msg):
 
 
 def test_every_message_type_has_an_example_or_tensor_test():
-    covered = {type(m) for m in EXAMPLES} | {p.DraftRequest, p.DraftReply, p.DraftBatch}
+    covered = {type(m) for m in EXAMPLES} | {p.DraftReply, p.DraftBatch}
     assert covered == set(p.MESSAGE_CLASSES.values())
 
 
@@ -64,15 +64,21 @@ def test_draft_batch_carries_one_frame_per_job_and_is_bounded():
         decode(encode(p.DraftBatch([]), []))
 
 
-def test_draft_request_with_torch_tensor_frame_round_trips_zero_copy():
+def test_draft_job_is_no_message_of_its_own():
+    """v4: a draft travels only as a job of a DraftBatch."""
+    assert p.DraftRequest not in p.MESSAGE_TYPES and 20 not in set(p.MessageType)
+
+
+def test_draft_batch_with_torch_tensor_frame_round_trips_zero_copy():
     torch = pytest.importorskip("torch")
     feats = torch.randn(3, 8).to(torch.bfloat16)  # [L, F]
     meta, buf = tensor_to_frame(feats)
-    msg = p.DraftRequest("r", 4, [5, 6, 7], meta, root_token=7, start=10, spec=p.SpecSpec(method="ddtree"))
+    msg = p.DraftBatch([p.DraftRequest("r", 4, [5, 6, 7], meta, root_token=7, start=10,
+                                       spec=p.SpecSpec(method="ddtree"))])
     parts = encode(msg, [buf])
     dec = decode([bytes(x) for x in parts])
     assert dec.msg == msg and len(dec.frames) == 1
-    out = frame_to_tensor(dec.msg.features, dec.frames[0])
+    out = frame_to_tensor(dec.msg.jobs[0].features, dec.frames[0])
     assert out.dtype == torch.bfloat16 and torch.equal(out, feats)
 
 
@@ -136,11 +142,12 @@ def test_a_whole_round_with_top_20_logprobs_fits_the_body_limit():
 
 def test_frame_size_must_match_its_metadata():
     meta = p.TensorMeta("float32", (2, 3))
-    msg = p.DraftRequest("r", 0, [1, 2], meta, 2, 2, p.SpecSpec())
+    msg = p.DraftBatch([p.DraftRequest("r", 0, [1, 2], meta, 2, 2, p.SpecSpec())])
     with pytest.raises(p.ProtocolError, match="frame of 20 bytes"):
         decode(encode(msg, [b"\0" * 20]))
     with pytest.raises(p.ProtocolError, match="not allowed"):
-        decode(encode(p.DraftRequest("r", 0, [1], p.TensorMeta("object", (1,)), 1, 1, p.SpecSpec()), [b"\0"]))
+        bad = p.DraftRequest("r", 0, [1], p.TensorMeta("object", (1,)), 1, 1, p.SpecSpec())
+        decode(encode(p.DraftBatch([bad]), [b"\0"]))
     with pytest.raises(p.ProtocolError, match="over the 16 limit"):
         decode(encode(msg, [b"\0" * 24]), max_tensor_bytes=16)
     with pytest.raises(p.ProtocolError, match="describes 1 framed"):

@@ -185,12 +185,13 @@ def _garbage(rng: random.Random) -> list[list[bytes]]:
         [tag(p.MessageType.ABORT), msgspec.msgpack.encode(["r" * 5000])],         # request id too long
         [tag(p.MessageType.RELEASE), msgspec.msgpack.encode([123])],
         [*encode(p.Ping(1)), b"unexpected side frame"],
-        [tag(p.MessageType.DRAFT), msgspec.msgpack.encode(
-            ["r", 1, [1, 2], ["float32", [2, 8]], 2, 2, [None, None, None, None, None]]), b"\x00" * 7],  # size mismatch
-        [tag(p.MessageType.DRAFT), msgspec.msgpack.encode(
-            ["r", 1, [1, 2], ["complex64", [2, 8]], 2, 2, [None]]), b"\x00" * 128],                  # dtype not allowed
-        [tag(p.MessageType.DRAFT), msgspec.msgpack.encode(
-            ["r", 1, [1], ["float32", [2**40, 2**40]], 1, 1, [None]])],                              # absurd tensor
+        [tag(p.MessageType.DRAFT_BATCH), msgspec.msgpack.encode(
+            [[["r", 1, [1, 2], ["float32", [2, 8]], 2, 2, [None] * 5]]]), b"\x00" * 7],          # size mismatch
+        [tag(p.MessageType.DRAFT_BATCH), msgspec.msgpack.encode(
+            [[["r", 1, [1, 2], ["complex64", [2, 8]], 2, 2, [None]]]]), b"\x00" * 128],          # dtype not allowed
+        [tag(p.MessageType.DRAFT_BATCH), msgspec.msgpack.encode(
+            [[["r", 1, [1], ["float32", [2**40, 2**40]], 1, 1, [None]]]])],                      # absurd tensor
+        [bytes((20,)), msgspec.msgpack.encode(["r", 1, [1], ["float32", [1, 8]], 1, 1, [None]]), b"\x00" * 32],  # v3 DRAFT
         [tag(p.MessageType.HELLO), msgspec.msgpack.encode([p.PROTOCOL_VERSION + 7, {"new": "layout"}])],
         encode(p.Pong(1, "x", True)),                                                                # wrong direction
         encode(p.RoundChunk("r", [1, 2], None)),
@@ -248,7 +249,8 @@ def test_garbage_on_the_worker_sockets_is_dropped_and_nothing_crashes(rel_server
     # the drafter: garbage, a draft whose context is inconsistent (an error reply, no state), a release
     d = f"ipc://{paths['drafter']}"
     feats = p.TensorMeta("float32", (1, 128))
-    bad_draft = encode(p.DraftRequest("stranger", 1, [5], feats, 5, 99, p.SpecSpec(method="dflash")), [b"\x00" * 512])
+    bad_job = p.DraftRequest("stranger", 1, [5], feats, 5, 99, p.SpecSpec(method="dflash"))
+    bad_draft = encode(p.DraftBatch([bad_job]), [b"\x00" * 512])
     replies = _exchange(d, garbage + [encode(p.Release("nobody"))], bad_draft, lambda m: isinstance(m, p.DraftReply))
     assert replies and replies[-1].error, replies
     pong = _exchange(d, [], encode(p.Ping(43)), lambda m: isinstance(m, p.Pong))
