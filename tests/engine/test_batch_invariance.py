@@ -198,3 +198,12 @@ def test_linear_rows_per_format(fmt):
             solo = torch.cat([lin(x[i:i + 1]) for i in range(17)])
             for m in range(1, 18):
                 assert torch.equal(lin(x[:m]), solo[:m]), (fmt, name, m)
+
+
+@pytest.mark.slow
+def test_compiled_runner_rows_equal_solo_bitwise():
+    """Compiled steps (``torch.compile``, one graph for one-row steps, one for the others) keep the
+    invariance in bfloat16: the per-request attention is the same opaque op body."""
+    runner = ModelRunner(_target("bfloat16"), num_slots=3, capacity=400, kv_bucket=16, compile=True)
+    for step, i, solo, mixed, solo_f, mixed_f in _solo_vs_mixed(runner, steps=3):
+        assert torch.equal(solo, mixed) and torch.equal(solo_f, mixed_f), (step, i)
