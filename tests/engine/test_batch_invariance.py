@@ -3,13 +3,16 @@
 Oracle: the same request run alone (one segment per step, the runner's solo call). A greedy ``ar``
 row and two tree verifies of different widths (9 and 17 rows) share steps, with contexts across
 several KV buckets and mates whose contexts are longer than the request's, so that the step's widest
-segment and longest KV length are the mates'. Formats: float32, bfloat16 and q4 (a tiny GGUF model).
+segment and longest KV length are the mates'. Formats: float32, bfloat16 and q4 (the decoder
+linears' Q4_1 blocks served by torch's int4 kernel, as ``--weights q4`` loads a GGUF), on a tiny
+random model with SmolLM2-135M's attention geometry.
 
-In bfloat16 and q4 the logits are bitwise equal. float32's linears run MKL's sgemm, whose row
-results depend on the call's row count (measured in :func:`test_linear_rows_per_format`), so the
-float32 runner test swaps the target's linears for a row-at-a-time ``F.linear``: everything else in
-the step (attention, norms, rotary, lm_head gather) is then checked bitwise too, and the served
-float32 linears are checked to float32 rounding with identical tokens.
+In bfloat16 and q4 the logits are bitwise equal (their linears' row results do not depend on the
+row count: :func:`test_linear_rows_per_format`). float32's linears run MKL's sgemm, whose rows change
+in their last bits with the call's row count, so the float32 runner test swaps the target's linears
+for a row-at-a-time ``F.linear``: everything else in the step (attention, norms, rotary, the
+logit-row gather) is then checked bitwise too, and the served float32 linears are checked to float32
+rounding with identical tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
 from services.verifier.runner import ModelRunner
 from services.verifier.target import TargetModel
-from tests.engine.test_batched import _run_batched
 
 V = 128
 FORMATS = ["float32", "bfloat16", "q4"]
