@@ -18,15 +18,18 @@ blocks its GEMMs by the query rows and the KV length of the call, so one padded
 context) gave a request's rows other sums than its solo call (SmolLM2 in bfloat16: first
 differences ~6e-5 at layer 2 of a 9-row step, a different greedy token at token 17 of an ``ar``
 request beside two speculating ones). Per-request calls remove that by construction, in every
-format. The other per-row ops (embedding, RMSNorm, rotary,
-SiLU, residual adds) compute each row alone. What remains is the linears, which run on all ``R``
-flattened rows at once, so whether a row depends on ``R`` is the GEMM kernel's property:
+format. The other per-row ops (embedding, RMSNorm, rotary, SiLU, residual adds) compute each row
+alone. What remains is the linears, which run on all ``R`` flattened rows at once, so whether a
+row depends on ``R`` is the GEMM kernel's property (measured at 1 and 2 threads):
 
-- ``bfloat16`` (oneDNN-packed, :mod:`services.cpu_gemm`) and ``q4`` (torch's int4 kernel, plus
-  the dense bfloat16 lm_head): every row bitwise equal to its 1-row result for ``R`` = 1..17 on the
-  shapes tested here; ``pack_linears_bf16`` checks each weight shape at load and leaves one that
-  fails on ``F.linear``, whose rows may then depend on ``R`` (seen on an AVX2-only CPU for a
-  ``K`` = 1536 projection), so bitwise invariance holds where that check passes.
+- ``q4`` (torch's int4 kernel, plus the dense bfloat16 lm_head): every row bitwise equal to its
+  1-row result for ``R`` = 1..33 on SmolLM2-135M's shapes (2026-12-03, an AVX2-only AMD EPYC VM).
+- ``bfloat16`` (oneDNN-packed, :mod:`services.cpu_gemm`): the same for every SmolLM2 shape but the
+  ``576 x 1536`` down projection, whose rows change in their last bits from ``R`` ~ 10-20 on that
+  CPU (oneDNN picks its blocking per row count; its unpacked ``F.linear`` from ``R`` = 3). So on
+  such a CPU a bfloat16 request is bitwise batch invariant only in steps of up to ~10 rows, else to
+  bfloat16 rounding of that projection. ``pack_linears_bf16``'s load-time check samples a few rows
+  per row count and may not notice.
 - ``float32`` (MKL ``sgemm``, packed or not): rows change in their last bits with ``R`` (every
   ``R`` >= 2 differs from ``R`` = 1), so batched equals solo to float32 rounding (~1e-6 in the
   logits), not bitwise; with row-invariant linears the rest of the step is bitwise invariant
@@ -157,9 +160,9 @@ class ModelRunner:
     """Runs batched steps of a :class:`TargetModel` over a slot KV cache.
 
     Guarantee (the module docstring's batch invariance): on unpadded steps (eager or compiled) a
-    request's logits and features are those of the same request run alone, bitwise in bfloat16
-    and q4 (where the weight shapes pass ``pack_linears_bf16``'s row check) and to float32 rounding
-    in float32; on padded steps (``cuda_graphs``) to rounding.
+    request's logits and features are those of the same request run alone: bitwise in q4, bitwise
+    in bfloat16 where oneDNN's rows do not depend on the row count (not on every CPU and shape),
+    to float32 rounding in float32; on padded steps (``cuda_graphs``) to rounding.
 
     Args:
         target: the target (its HF model switches to the slot attention, which falls back to SDPA
