@@ -42,7 +42,7 @@ from services.protocol import (
     tokenizer_hash,
 )
 from services.runtime import check_dtype
-from services.verifier.schedule import check_tree_knobs
+from services.spec import check_tree_knobs
 from services.wire import Decoded
 
 log = logging.getLogger("drafter")
