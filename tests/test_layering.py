@@ -27,10 +27,6 @@ FORBIDDEN_IN_GATEWAY = ("torch", "transformers", "services.tree", "services.draf
 
 # Import cycles that exist today, each a set of modules (a strongly connected component).
 ALLOWED_CYCLES = {
-    # load_drafter dispatches to load_eagle3; eagle3 borrows MLP, RMSNorm and rope from model
-    frozenset({"services.drafter.model", "services.drafter.eagle3"}),
-    # make_service dispatches to Eagle3Service; Eagle3Service borrows TreeDefaults from service
-    frozenset({"services.drafter.service", "services.drafter.eagle3_service"}),
     # the weight formats and the per-machine choice among them call each other
     frozenset({"services.weights", "services.weight_choice"}),
 }

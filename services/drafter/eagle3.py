@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from services.drafter.model import MLP, RMSNorm, read_model_safetensors, rope
+from services.drafter.layers import MLP, RMSNorm, read_model_safetensors, rope
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from services.drafter.eagle3 import Eagle3Drafter
-from services.drafter.service import TreeDefaults
+from services.drafter.tree_defaults import TreeDefaults
 from services.protocol import MARKOV_METHODS, METHODS, served_methods
 from services.tree import DraftTree
 from services.tree.eagle import eagle_tree
