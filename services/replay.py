@@ -59,8 +59,8 @@ def replay_rounds(engine, prompt_ids: list[int], ref: list[int], finish: str | N
     when ``finish == "stop"`` (the target's greedy token after ``ref``, counted as emitted like the engine).
 
     Args:
-        engine: anything with ``target`` (``teacher_forced``), ``drafter`` (a drafter client: ``draft``,
-            ``release``) and ``draft_depth(start)``, e.g. :class:`services.verifier.engine.SpecEngine`.
+        engine: anything with ``target`` (``teacher_forced``), ``drafter`` (a drafter client: ``submit``,
+            ``collect``, ``release``) and ``draft_depth(start)``, e.g. :class:`services.verifier.engine.SpecEngine`.
         ref: the ``ar`` output token ids (terminator excluded, as the engine returns them).
         spec: the request's speculation knobs (``method, budget, width, depth_bonus, candidates``).
     Yields:

@@ -413,7 +413,7 @@ class VerifierWorker:
             self._drop(rid)  # before sending: the table (and gauges) never outlive the last chunk
         self.send(entry.identity, RoundChunk(rid, list(out.token_ids), out.finish_reason,
                                              num_draft_tokens=out.num_draft_tokens, accept_length=out.accept_length,
-                                             logprobs=_wire_logprobs(getattr(out, "logprobs", None))))
+                                             logprobs=_wire_logprobs(out.logprobs)))
 
     def tree_knobs(self) -> tuple[int, int] | None:
         """``(budget, width)`` the schedule picks at the current running count (None = drafter defaults)."""
@@ -433,13 +433,13 @@ class VerifierWorker:
         self.metrics.aborts.labels("error").inc()
 
     def _observe(self, entry: _Entry, out) -> None:
-        if getattr(out, "is_prefill", False):
+        if out.is_prefill:
             if out.prefill_seconds:
                 self.metrics.round_seconds.labels("prefill").observe(out.prefill_seconds)
             return
         self.metrics.observe_round(entry.method, out.num_draft_tokens, out.accept_length, list(out.accepted_per_depth),
                                    len(out.token_ids), dict(out.timings), out.prefill_seconds)
-        predicted = getattr(out, "predicted_tau", None) if out.finish_reason is None else None
+        predicted = out.predicted_tau if out.finish_reason is None else None
         self.metrics.observe_policy_round(entry.method, out.num_draft_tokens, predicted, out.accept_length + 1)
 
     def _drop(self, rid: str) -> None:
@@ -454,11 +454,9 @@ class VerifierWorker:
     def _update_gauges(self) -> None:
         self.metrics.running.set(len(self._running))
         self.metrics.waiting.set(len(self._waiting))
-        free = getattr(self.engine, "num_free_slots", None)
-        if free is not None:
-            nfree = free()
-            self.metrics.kv_slots.labels("free").set(nfree)
-            self.metrics.kv_slots.labels("used").set(self.config.max_running - nfree)
+        nfree = self.engine.num_free_slots()
+        self.metrics.kv_slots.labels("free").set(nfree)
+        self.metrics.kv_slots.labels("used").set(self.config.max_running - nfree)
         budget, width = self.tree_knobs() or (0, 0)
         self.metrics.scheduled_budget.set(budget)
         self.metrics.scheduled_width.set(width)

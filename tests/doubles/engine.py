@@ -24,6 +24,9 @@ class FakeRound:
     timings: dict = field(default_factory=lambda: {"draft": 0.001, "verify": 0.002, "total": 0.004})
     prefill_seconds: float = 0.0
     is_prefill: bool = False
+    logprobs: object = None
+    drafted: bool = False
+    predicted_tau: float | None = None
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class FakeEngine:
 
     Each request emits ``rounds[k]`` in its k-th round (round 0 is its prefill) and finishes with
     the last one. A step sleeps ``step_delay_s`` once, then runs one round of every request it was
-    given, in order.
+    given, in order. It has ``slots`` KV slots; each active request holds one.
 
     Attributes:
         batches: the request ids of each step; steps: the same, flattened (one entry per round);
@@ -54,7 +57,8 @@ class FakeEngine:
     vocab_size, max_context, eos_token_ids = 400, 256, (2,)
 
     def __init__(self, rounds: list[list[int]] | None = None, step_delay_s: float = 0.0,
-                 fail_on_step: int | None = None, fail_with: Exception | None = None):
+                 fail_on_step: int | None = None, fail_with: Exception | None = None, slots: int = 8):
+        self.slots = slots
         self.rounds = rounds or [[5], [6, 7, 8], [9, 10], [11]]
         self.step_delay_s, self.fail_on_step, self.fail_with = step_delay_s, fail_on_step, fail_with
         self.active: dict[str, int] = {}
@@ -105,6 +109,9 @@ class FakeEngine:
 
     def num_active(self) -> int:
         return len(self.active)
+
+    def num_free_slots(self) -> int:
+        return max(0, self.slots - len(self.active))
 
 
 class FakeDrafterService:
