@@ -25,6 +25,7 @@ module touches those private torch ops.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import Iterable
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PackedLinear", "pack_linears", "packing_available", "packed_bytes", "OneDNNLinear", "pack_linears_bf16",
+__all__ = ["PackedLinear", "pack_linears", "packing_available", "packed_bytes", "lazy_packing_paused", "OneDNNLinear", "pack_linears_bf16",
            "onednn_bf16_available", "rows_are_independent", "ONEDNN_MAX_ROWS"]
 
 
@@ -108,6 +109,8 @@ class PackedLinear(nn.Linear):
         if r is None:
             return F.linear(x, self.weight, self.bias)
         if r not in self._packs:  # a lazy row count's first call: pack now (about one call's own re-pack)
+            if _LAZY_PAUSED:
+                return F.linear(x, self.weight, self.bias)
             with torch.inference_mode(False), torch.no_grad():
                 self._packs[r] = torch.ops.mkl._mkl_reorder_linear_weight(self.weight.detach(), r)
         x2 = x.reshape(m, k)
@@ -120,6 +123,21 @@ class PackedLinear(nn.Linear):
 
     def _pack_valid(self) -> bool:
         return bool(self._packs or self._lazy) and self._packed_version == self.weight._version
+
+
+_LAZY_PAUSED = 0  # > 0 inside lazy_packing_paused(): first calls of a lazy row count do not pack
+
+
+@contextlib.contextmanager
+def lazy_packing_paused():
+    """Inside: a lazy row count's first call runs ``F.linear`` and packs nothing (packs made before
+    are used), e.g. while a start-up sweep times step sizes that serving may never run."""
+    global _LAZY_PAUSED
+    _LAZY_PAUSED += 1
+    try:
+        yield
+    finally:
+        _LAZY_PAUSED -= 1
 
 
 def _pack_bytes(w: Tensor) -> int:

@@ -179,6 +179,13 @@ def test_lazy_packs_follow_the_row_counts_that_run():
         seen |= {bucket} - {None}
         assert packed_bytes(target.model) == len(seen) * weight_bytes, rows
     assert all(sorted(m._packs) == [4, 9, 65] for m in lins.values())
+    with cpu_gemm.lazy_packing_paused():  # a start-up sweep: packs nothing new, uses what is packed
+        for rows in (17, 33, 9):
+            ids = torch.randint(0, target.vocab_size, (1, rows))
+            with torch.inference_mode():
+                torch.testing.assert_close(target.model(input_ids=ids).logits, ref.model(input_ids=ids).logits,
+                                           rtol=1e-4, atol=1e-4)
+    assert packed_bytes(target.model) == 3 * weight_bytes
 
 
 @needs_mkl
