@@ -561,7 +561,10 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
         log.info("compiled steps ready in %.1f s", engine.runner.warm_up(rows))
     from services.verifier.policy import attach_policy  # after packing: the sweep times the packed forwards
 
-    with phase("verifier", "step cost model ready"):
+    from services.cpu_gemm import lazy_packing_paused
+
+    # the sweep times row counts serving may never run: it packs none (real steps pack what they use)
+    with phase("verifier", "step cost model ready"), lazy_packing_paused():
         attach_policy(engine, config.spec_policy, target_dir.name, target.weights, config.device,
                       max_budget=config.spec_max_budget or None, sweep=config.cost_sweep)
     log_memory(target, engine)
