@@ -70,17 +70,6 @@ def memory_line(process: str, parts: dict[str, int | str]) -> str:
     return f"resident memory {process}: RSS {mb(rss_bytes())} ({shown})"
 
 
-def release_freed_memory() -> None:
-    """Return the C heap's freed pages to the operating system (glibc ``malloc_trim``; a no-op
-    elsewhere). Loading a model frees more than it keeps (a dense copy cast to bfloat16, the GGUF's
-    unpacked 4-bit blocks), and glibc keeps freed heap pages resident otherwise: 270 MB of the
-    SmolLM2 q4 verifier's RSS."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 def module_bytes(module) -> int:
     """Bytes of a torch module's parameters and buffers, each storage once (tied weights once)."""
     seen, total = set(), 0

@@ -87,23 +87,21 @@ def cpu_capabilities() -> dict:
     (``torch.backends.cpu.get_cpu_capability()``: e.g. ``AVX2``, ``AVX512``), the bf16 / AMX / VNNI
     flags present, native bf16, MKL packing, oneDNN bf16, the int4 kernel, threads and cores."""
     from services.cpu_gemm import onednn_bf16_available, packing_available
-    from services.weights import int4_kernel_available
 
+    int4_kernel_available = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
     name, flags = cpu_info()
     return {"cpu": name, "isa": torch.backends.cpu.get_cpu_capability(),
             "flags": sorted(f for f in flags if f.startswith(("avx512", "amx", "avx_vnni", "bf16")) or f == "avx2"),
             "native_bf16": native_bf16(flags), "mkl_packing": packing_available(),
-            "onednn_bf16": onednn_bf16_available(), "int4_kernel": int4_kernel_available(),
+            "onednn_bf16": onednn_bf16_available(), "int4_kernel": int4_kernel_available,
             "threads": torch.get_num_threads(), "cores": os.cpu_count()}
 
 
-def candidate_formats(target_dir: str | Path, device: str = "cpu") -> list[str]:
-    """The formats worth measuring here: :func:`services.weights.available_formats` without
-    ``bfloat16`` where the CPU lacks native bf16 (:func:`native_bf16`)."""
-    from services.weights import available_formats
-
-    formats = available_formats(target_dir, device)
-    return [f for f in formats if f != "bfloat16" or native_bf16()]
+def candidate_formats(available: list[str]) -> list[str]:
+    """The formats worth measuring here: the ``available`` ones
+    (:func:`services.weights.available_formats`) without ``bfloat16`` where the CPU lacks native
+    bf16 (:func:`native_bf16`)."""
+    return [f for f in available if f != "bfloat16" or native_bf16()]
 
 
 def rule_choice(candidates: list[str]) -> tuple[str, str]:
@@ -252,11 +250,10 @@ def step_callables(model, context: int = 64, rows: tuple[int, ...] = MEASURE_ROW
     return {r: make(r) for r in rows}
 
 
-def _load_for_timing(target_dir: Path, fmt: str, device: str):
-    """A model of ``fmt`` as the engine serves it (float32 with its 9-row GEMMs packed)."""
-    from services.weights import load_causal_lm
-
-    model = load_causal_lm(target_dir, fmt, device)
+def _load_for_timing(load: Callable, target_dir: Path, fmt: str, device: str):
+    """A model of ``fmt`` (``load(target_dir, fmt, device)``) as the engine serves it (float32 with
+    its 9-row GEMMs packed)."""
+    model = load(target_dir, fmt, device)
     if fmt == "float32":
         from services.cpu_gemm import pack_linears
 
@@ -264,16 +261,17 @@ def _load_for_timing(target_dir: Path, fmt: str, device: str):
     return model
 
 
-def measure_formats(target_dir: Path, formats: list[str], device: str = "cpu", repeats: int = 5,
+def measure_formats(target_dir: Path, formats: list[str], load: Callable, device: str = "cpu", repeats: int = 5,
                     tries: int = 2, budget_s: float = 60.0) -> tuple[dict[str, dict[int, float]] | None, str]:
-    """Load ``formats`` together, time them interleaved, judge; up to ``tries`` times, and no new
-    try once ``budget_s`` seconds of timing have passed (a machine that slow is busy).
+    """Load ``formats`` together (``load(target_dir, fmt, device)``: :func:`services.weights.load_causal_lm`),
+    time them interleaved, judge; up to ``tries`` times, and no new try once ``budget_s`` seconds of
+    timing have passed (a machine that slow is busy).
 
     Returns:
         ``(median ms per format and row count, "")`` for a trusted measurement, else
         ``(None, why the last one was rejected)``. The models are freed before returning.
     """
-    models = {f: _load_for_timing(target_dir, f, device) for f in formats}
+    models = {f: _load_for_timing(load, target_dir, f, device) for f in formats}
     try:
         steps = {f: step_callables(m) for f, m in models.items()}
         limits = {f: step_limit_ms(m) for f, m in models.items()}
@@ -293,16 +291,14 @@ def measure_formats(target_dir: Path, formats: list[str], device: str = "cpu", r
 
 # ------------------------------------------------------------------------------------- choice
 
-def machine_key(target_dir: Path, threads: int) -> str:
+def machine_key(target_dir: Path, threads: int, kernels_version: int) -> str:
     """What a cached choice depends on: CPU model and its AVX-512/AMX flags, torch, threads,
-    kernels version, model."""
-    from services.weights import KERNELS_VERSION
-
+    kernels version (:data:`services.weights.KERNELS_VERSION`), model."""
     cpu, flags = cpu_info()
     simd = ",".join(sorted(f for f in flags if f.startswith(("avx512", "amx"))))
     cfg = (target_dir / "config.json").read_bytes() if (target_dir / "config.json").exists() else b""
     return (f"{cpu}|{hashlib.sha1(simd.encode()).hexdigest()[:8]}|torch {torch.__version__}|threads {threads}|"
-            f"kernels {KERNELS_VERSION}|{target_dir.name}:{hashlib.sha1(cfg).hexdigest()[:10]}")
+            f"kernels {kernels_version}|{target_dir.name}:{hashlib.sha1(cfg).hexdigest()[:10]}")
 
 
 def choice_cache_path() -> Path:
@@ -335,25 +331,28 @@ def _save_choice(key: str, entry: dict) -> None:
         log.warning("could not cache the weights choice in %s: %s", path, e)
 
 
-def choose_auto(target_dir: Path, device: str = "cpu", *, cache: bool = True, remeasure: bool = False) -> str:
-    """The CPU ``auto`` format (module doc): candidates by capability, a cached accepted measurement,
-    else an interleaved measurement that must pass :func:`judge`, else the rule's answer (not cached).
-    Logs one line with the choice and the reason. ``remeasure`` ignores the cached entry."""
+def choose_auto(target_dir: Path, available: list[str], load: Callable, kernels_version: int, device: str = "cpu",
+                *, cache: bool = True, remeasure: bool = False) -> str:
+    """The CPU ``auto`` format (module doc): candidates by capability among ``available``, a cached
+    accepted measurement, else an interleaved measurement of models made by ``load(target_dir, fmt,
+    device)`` that must pass :func:`judge`, else the rule's answer (not cached). Logs one line with
+    the choice and the reason. ``remeasure`` ignores the cached entry; ``kernels_version`` is part
+    of the cache key."""
     t0 = time.perf_counter()
-    cands = candidate_formats(target_dir, device)
+    cands = candidate_formats(available)
     rule, why_rule = rule_choice(cands)
     dropped = "" if "bfloat16" in cands else "; bfloat16 ruled out (no native bf16 on this CPU)"
     if len(cands) == 1:
         log.info("weights auto: %s (the only candidate%s)", rule, dropped)
         return rule
     threads = torch.get_num_threads()
-    key = machine_key(target_dir, threads)
+    key = machine_key(target_dir, threads, kernels_version)
     hit = read_choices().get(key) if cache and not remeasure else None
     if isinstance(hit, dict) and hit.get("choice") in cands:
         log.info("weights auto: %s (cached measurement of %s, ms %s%s)", hit["choice"], hit.get("when"),
                  hit.get("ms"), dropped)
         return hit["choice"]
-    ms, rejected = measure_formats(target_dir, cands, device)
+    ms, rejected = measure_formats(target_dir, cands, load, device)
     took = time.perf_counter() - t0
     if ms is None:
         log.warning("weights auto: %s by rule (%s); measurement rejected twice (%s; machine busy?), not cached, "

@@ -204,13 +204,13 @@ def _scripted(monkeypatch, per_round: list[float], outliers: dict[int, float] | 
 
 def test_no_bfloat16_candidate_without_native_bf16(gguf_dir, monkeypatch):
     monkeypatch.setattr(WC, "cpu_info", lambda: ("Test EPYC", {"avx2", "fma", "avx512f"}))
-    assert not WC.native_bf16() and WC.candidate_formats(gguf_dir) == ["float32", "q4"]
+    assert not WC.native_bf16() and WC.candidate_formats(W.available_formats(gguf_dir)) == ["float32", "q4"]
     assert not WC.cpu_capabilities()["native_bf16"]
     for flag in ("avx512_bf16", "amx_bf16"):
         monkeypatch.setattr(WC, "cpu_info", lambda flag=flag: ("Test Xeon", {"avx2", "avx512f", flag}))
-        assert WC.candidate_formats(gguf_dir) == ["float32", "bfloat16", "q4"]
+        assert WC.candidate_formats(W.available_formats(gguf_dir)) == ["float32", "bfloat16", "q4"]
     monkeypatch.setattr(WC, "cpu_info", lambda: ("Test EPYC", {"avx2"}))
-    assert WC.rule_choice(WC.candidate_formats(gguf_dir))[0] == "q4"
+    assert WC.rule_choice(WC.candidate_formats(W.available_formats(gguf_dir)))[0] == "q4"
     assert WC.rule_choice(["float32", "bfloat16"])[0] == "bfloat16" and WC.rule_choice(["float32"])[0] == "float32"
 
 
@@ -244,7 +244,7 @@ def test_a_busy_machine_gets_the_rules_answer_and_caches_nothing(gguf_dir, avx2_
 
 
 def test_a_cached_emulated_bfloat16_choice_is_measured_again(gguf_dir, avx2_only, monkeypatch):
-    key = WC.machine_key(gguf_dir, torch.get_num_threads())
+    key = WC.machine_key(gguf_dir, torch.get_num_threads(), W.KERNELS_VERSION)
     avx2_only.parent.mkdir(parents=True)
     avx2_only.write_text(json.dumps({key: {"choice": "bfloat16", "ms": {}, "when": "2026-12-01T00:00:00"}}))
     got = _scripted(monkeypatch, [5.0, 10.0, 2.0, 4.0])
