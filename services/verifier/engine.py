@@ -29,6 +29,7 @@ from services.tree.batch import Segment, causal_segment
 from services.verifier.drafter_client import DraftJob, DrafterClient
 from services.verifier.policy import Drafted, FixedPolicy, RoundInfo
 from services.verifier.runner import ModelRunner
+from services.verifier.scheduler import Candidate, StepPlan, plan_step
 from services.verifier.schedule import MAX_BUDGET, check_tree_knobs
 
 
@@ -362,10 +363,10 @@ class SpecEngine:
 
     def step_batch(self, request_ids: list[str], tree_knobs: tuple[int, int] | None = None
                    ) -> dict[str, RoundOutput | BaseException | None]:
-        """One step: draft for the decoding requests, one target forward for every scheduled row,
-        then walk / commit / emit per request.
+        """One step: plan (:meth:`plan_step`), draft for the decoding requests, one target forward
+        for every scheduled row, then walk / commit / emit per request.
 
-        Requests are taken in the given order while the step has rows left (``max_step_tokens``;
+        Requests are taken in the plan's order while the step has rows left (``max_step_tokens``;
         the first always runs): decoding requests' verify rows first, then prompt chunks of
         requests being prefilled (``prefill_chunk`` each at most).
 
@@ -381,62 +382,61 @@ class SpecEngine:
             request of the step is freed).
         """
         t_step = time.perf_counter()
-        reqs = [(rid, self._reqs[rid]) for rid in dict.fromkeys(request_ids)]
-        left = self.config.max_step_tokens
-        plan: list[_Planned] = []
+        plan = self.plan_step(request_ids)
+        reqs = {e.rid: self._reqs[e.rid] for e in plan.entries}
+        left = plan.max_step_tokens
+        items: list[_Planned] = []
         results: dict[str, RoundOutput | BaseException | None] = {}
-        infos = {rid: RoundInfo(rid, req.spec.method, req.sampling.temperature,
-                                can_draft=req.spec.method != "ar" and self.drafter is not None
-                                and self.draft_depth(req.start) > 0, explicit_budget=req.spec.budget is not None,
-                                owed=len(req.ctx_ids))
-                 for rid, req in reqs if req.decoding}
-        chunks = sum(min(self.config.prefill_chunk, len(req.prompt_ids) - req.prefilled)
-                     for _, req in reqs if not req.decoding)
-        self.policy.begin_step(list(infos.values()), extra_rows=min(chunks, self.config.max_step_tokens))
+        infos = {e.rid: RoundInfo(e.rid, reqs[e.rid].spec.method, reqs[e.rid].sampling.temperature,
+                                  can_draft=e.can_draft, explicit_budget=reqs[e.rid].spec.budget is not None,
+                                  owed=e.owed)
+                 for e in plan.decodes}
+        self.policy.begin_step(list(infos.values()), extra_rows=plan.chunk_rows)
         t_sub = time.perf_counter()
         pairs = []  # every drafting request's draft in one drafter call
-        for rid, req in reqs:
-            if req.decoding and req.pending is None and infos[rid].can_draft:
-                job = self._draft_job(rid, req, tree_knobs)
+        for e in plan.decodes:
+            req = reqs[e.rid]
+            if req.pending is None and e.can_draft:
+                job = self._draft_job(e.rid, req, tree_knobs)
                 if job is None:
                     req.skip_round = True  # the policy chose a plain round: no drafter call
                 else:
                     pairs.append((req, job))
         self._submit(pairs)
         submit_wait = time.perf_counter() - t_sub  # an in-process drafter drafts right here
-        for rid, req in reqs:
-            if req.decoding and (left > 0 or not plan):
+        for e in plan.decodes:
+            if left > 0 or not items:
                 try:
-                    item = self._plan_round(rid, req, tree_knobs)
+                    item = self._plan_round(e.rid, reqs[e.rid], tree_knobs)
                 except Exception as exc:
-                    self.abort(rid)
-                    results[rid] = exc
+                    self.abort(e.rid)
+                    results[e.rid] = exc
                     continue
-                plan.append(item)
+                items.append(item)
                 left -= item.tree.num_nodes + 1
-        if plan:  # the policy cuts each tree to its budget (prefix-closed), then the rows are laid out
-            chosen = self.policy.select([Drafted(infos[p.rid], p.tree, p.drafted) for p in plan])
-            for p in plan:
+        if items:  # the policy cuts each tree to its budget (prefix-closed), then the rows are laid out
+            chosen = self.policy.select([Drafted(infos[p.rid], p.tree, p.drafted) for p in items])
+            for p in items:
                 sel = chosen[p.rid]
                 p.tree, p.predicted_tau = sel.tree, sel.predicted_tau
                 p.buffers = derive_buffers(p.tree, p.req.root)
                 b = p.buffers
                 p.segment = Segment(b.input_ids, b.position_offsets, b.tree_mask, p.req.start, p.req.slot)
-            left = self.config.max_step_tokens - sum(p.segment.num_rows for p in plan)
-        for rid, req in reqs:
-            if not req.decoding and (left > 0 or not plan):
-                n = min(self.config.prefill_chunk, len(req.prompt_ids) - req.prefilled, max(left, 1))
-                ids = req.prompt_ids[req.prefilled:req.prefilled + n]
-                plan.append(_Planned(rid, req, causal_segment(ids, req.prefilled, req.slot),
-                                     final_chunk=req.prefilled + n == len(req.prompt_ids), knobs=tree_knobs))
+            left = plan.max_step_tokens - sum(p.segment.num_rows for p in items)
+        for e in plan.chunks:
+            if left > 0 or not items:
+                req, (first, most) = reqs[e.rid], e.chunk
+                n = min(most, max(left, 1))
+                items.append(_Planned(e.rid, req, causal_segment(req.prompt_ids[first:first + n], first, e.slot),
+                                      final_chunk=first + n == len(req.prompt_ids), knobs=tree_knobs))
                 left -= n
-        if not plan:
+        if not items:
             return results
         self._next_jobs: list[tuple[_Request, DraftJob]] = []
-        draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in plan)
-        wait_s = submit_wait + sum(p.timings.get("draft_wait", 0.0) for p in plan)
-        out = self._forward(plan)
-        for item, (logits, feats) in zip(plan, out):
+        draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in items)
+        wait_s = submit_wait + sum(p.timings.get("draft_wait", 0.0) for p in items)
+        out = self._forward(items)
+        for item, (logits, feats) in zip(items, out):
             try:
                 results[item.rid] = self._finish(item, logits, feats)
             except Exception as exc:
@@ -446,17 +446,33 @@ class SpecEngine:
             if isinstance(results[item.rid], RoundOutput) and results[item.rid].finish_reason is not None:
                 self.abort(item.rid)
         self._submit(self._next_jobs)
-        self.last_step = StepStats(len(plan), sum(p.segment.num_rows for p in plan),
-                                   sum(p.segment.num_rows for p in plan if p.buffers is None),
-                                   plan[0].timings["verify"], draft_s, wait_s,
-                                   decoding=sum(1 for p in plan if p.buffers is not None),
-                                   drafting=sum(1 for p in plan if p.drafted),
-                                   draft_owed=sum(infos[p.rid].owed for p in plan if p.drafted),
-                                   speculating=sum(1 for p in plan if p.tree is not None and p.tree.num_nodes),
+        self.last_step = StepStats(len(items), sum(p.segment.num_rows for p in items),
+                                   sum(p.segment.num_rows for p in items if p.buffers is None),
+                                   items[0].timings["verify"], draft_s, wait_s,
+                                   decoding=sum(1 for p in items if p.buffers is not None),
+                                   drafting=sum(1 for p in items if p.drafted),
+                                   draft_owed=sum(infos[p.rid].owed for p in items if p.drafted),
+                                   speculating=sum(1 for p in items if p.tree is not None and p.tree.num_nodes),
                                    wall_seconds=time.perf_counter() - t_step,
                                    predicted_seconds=self.policy.predicted_step_seconds())
         self.policy.observe_step(self.last_step)
         return results
+
+    def plan_step(self, request_ids: list[str]) -> StepPlan:
+        """The :class:`StepPlan` of a step over ``request_ids`` (priority order; repeats ignored):
+        each request's slot, prompt progress, whether a decode round may draft, and its drafter's
+        owed context (:func:`services.verifier.scheduler.plan_step`).
+
+        Raises:
+            KeyError: unknown request id.
+        """
+        cands = []
+        for rid in dict.fromkeys(request_ids):
+            req = self._reqs[rid]
+            can_draft = req.decoding and req.spec.method != "ar" and self.drafter is not None \
+                and self.draft_depth(req.start) > 0
+            cands.append(Candidate(rid, req.slot, len(req.prompt_ids), req.prefilled, can_draft, len(req.ctx_ids)))
+        return plan_step(cands, self.config.max_step_tokens, self.config.prefill_chunk)
 
     def _forward(self, plan: list[_Planned]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The step's one target forward: ``(logits [rows needing logits, V], features [R_i, F])`` per item."""

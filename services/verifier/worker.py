@@ -40,6 +40,7 @@ from services.runtime import WEIGHT_CHOICES, check_dtype
 from services.spec import DEFAULT_METHOD, DEFAULT_POLICY, POLICIES
 from services.verifier.remote_drafter import DrafterError, DrafterUnavailable
 from services.verifier.schedule import MAX_BUDGET, parse_tree_schedule
+from services.verifier.scheduler import OverlapGroups
 from services.wire import Decoded
 
 log = logging.getLogger("verifier")
@@ -201,8 +202,7 @@ class VerifierWorker:
         self._waiting: deque[_Entry] = deque()
         self._running: dict[str, _Entry] = {}
         self._order: deque[str] = deque()  # round-robin order of running ids
-        self._group: dict[str, int] = {}   # overlap: the group (0 / 1) of each running id
-        self._turn = 0
+        self._groups = OverlapGroups()     # overlap: the two groups of drafting requests that take turns
         self._handlers = {MessageType.GENERATE: self._on_generate, MessageType.ABORT: self._on_abort}
 
     # ------------------------------------------------------------------------------ I/O thread
@@ -346,27 +346,11 @@ class VerifierWorker:
         hold them all (``max_step_tokens``) starts from a different request next time (no starvation).
         With ``overlap``: the drafting requests form two balanced groups that take turns (``ar``
         requests join every step)."""
-        order = snapshot = list(self._order)
+        order = list(self._order)
         self._order.rotate(-1)
-        drafting = [r for r in order if self._running[r].method != "ar"]
-        if not self.config.overlap or len(drafting) < 2:
+        if not self.config.overlap:
             return order
-        plain = {r for r in order if r not in drafting}  # ar requests draft nothing: they run every step
-        order = drafting
-        sizes = [sum(1 for r in order if self._group.get(r) == g) for g in (0, 1)]
-        for r in order:  # newcomers join the smaller group
-            if r not in self._group:
-                self._group[r] = int(sizes[1] < sizes[0])
-                sizes[self._group[r]] += 1
-        for r in order:  # finished / aborted requests unbalance the groups: move one at a time
-            big = int(sizes[1] > sizes[0])
-            if sizes[big] - sizes[1 - big] <= 1:
-                break
-            if self._group[r] == big:
-                self._group[r] = 1 - big
-                sizes[big], sizes[1 - big] = sizes[big] - 1, sizes[1 - big] + 1
-        g, self._turn = self._turn, self._turn ^ 1
-        return [r for r in snapshot if r in plain or (r in self._group and self._group[r] == g)]
+        return self._groups.pick(order, {r for r in order if self._running[r].method != "ar"})
 
     def _step_batch(self, order: list[str]) -> None:
         """One engine step for ``order``; each request's result is sent as its own chunk."""
@@ -445,7 +429,7 @@ class VerifierWorker:
     def _drop(self, rid: str) -> None:
         if self._running.pop(rid, None) is not None:
             self._order.remove(rid)
-            self._group.pop(rid, None)
+            self._groups.forget(rid)
         self._update_gauges()
 
     def _error(self, entry: _Entry, status: int, message: str, param: str | None, code: str) -> None:

@@ -452,7 +452,7 @@ def test_overlap_schedule_alternates_two_balanced_groups():
         g1, g2 = w._schedule(), w._schedule()
         assert set(g1) | set(g2) == set("abcde") and not set(g1) & set(g2)
         assert abs(len(g1) - len(g2)) <= 1
-    for rid in [r for r in "abcde" if w._group[r] == 0]:
+    for rid in [r for r in "abcde" if w._groups.group[r] == 0]:
         w._drop(rid)  # a whole group finishes: the rest must be split again
     g1, g2 = w._schedule(), w._schedule()
     assert g1 and g2 and not set(g1) & set(g2) and set(g1) | set(g2) == set(w._running)
