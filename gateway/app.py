@@ -46,6 +46,7 @@ def create_app(config: GatewayConfig, engine: EngineClient, text: TextModel,
         await engine.start()
         yield
         await engine.close()
+        gw.requests.close()
 
     app = FastAPI(title="DARTree Serve", version="1", lifespan=lifespan)
     app.state.gateway = gw

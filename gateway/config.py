@@ -16,7 +16,10 @@ class GatewayConfig:
         verifier_endpoint: ZMQ endpoint of the verifier ("" = the default ipc:// socket).
         api_key: if set, ``Authorization: Bearer <key>`` is required on /v1/* (health stays open).
         metrics_auth: also require the key on /metrics.
-        max_concurrent_requests: requests in flight before 429 (the gateway's admission limit).
+        max_concurrent_requests: requests in flight before 429 (the gateway's admission limit). A request
+            holds its slot from the end of its body on: while it is tokenized, queued and generated.
+        tokenizer_threads: worker threads that validate, render and tokenize request bodies off the
+            event loop (bodies of 256 KiB or more share one more thread of their own).
         max_body_bytes: largest request body accepted (413 beyond).
         body_timeout: seconds from a request's headers to the end of its body; a client still sending
             then gets 408 and the connection is closed (0 = no limit).
@@ -42,6 +45,7 @@ class GatewayConfig:
     api_key: str = ""
     metrics_auth: bool = False
     max_concurrent_requests: int = 64
+    tokenizer_threads: int = 2
     max_body_bytes: int = 4 * 1024 * 1024
     body_timeout: float = 10.0
     max_prompt_tokens: int = 0
@@ -60,7 +64,7 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} is not a TCP port")
-        for name in ("max_concurrent_requests", "max_body_bytes", "default_max_tokens"):
+        for name in ("max_concurrent_requests", "max_body_bytes", "default_max_tokens", "tokenizer_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("body_timeout", "request_timeout_s", "drain_timeout_s", "ping_interval_s", "ping_timeout_s"):

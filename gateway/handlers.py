@@ -125,18 +125,22 @@ class Gateway:
     async def handle(self, request: Request, kind: str) -> Response:
         """Serve ``POST /v1/completions`` (kind "completion") or ``/v1/chat/completions`` ("chat")."""
         arrival = time.monotonic()
+        lease = None
         try:
             body = await read_body(request, self.config.max_body_bytes)
-            prep = self.requests.prepare(body, kind, request.state.request_id, arrival)
             if self.in_flight >= self.config.max_concurrent_requests:
                 raise ApiError(429, "the server is at its concurrent request limit; retry later", None,
                                "overloaded", headers={"Retry-After": str(self.config.retry_after_s)})
-        except ApiError as err:
-            self.metrics.rejected.labels(_reject_reason(err.status)).inc()
+            lease = _Lease(self)  # held while the body is tokenized off the loop: floods stay bounded
+            prep = await self.requests.prepare_async(body, kind, request.state.request_id, arrival)
+        except BaseException as err:
+            if lease is not None:
+                lease.release()
+            if isinstance(err, ApiError):
+                self.metrics.rejected.labels(_reject_reason(err.status)).inc()
             raise
         log.info("%s: %d prompt tokens, max_tokens %d, stream %s, spec %s", kind, len(prep.gen.prompt_ids),
                  prep.gen.sampling.max_tokens, prep.stream, prep.gen.spec.method or "default")
-        lease = _Lease(self)
         deltas = self._deltas(prep)
         try:
             if prep.stream:

@@ -1,5 +1,11 @@
 """Turn an HTTP body into a validated, tokenized engine request (or an OpenAI-shaped error).
 
+The work (JSON validation, chat-template rendering, tokenization: seconds for a multi-megabyte
+prompt) runs on worker threads, never on the event loop, so health checks and running streams do
+not wait for it (:meth:`RequestBuilder.prepare_async`). Tokenization releases the GIL
+(:data:`gateway.text.GIL_FREE_MIN`). Bodies over :data:`LARGE_BODY_BYTES` have a lane of their own
+(one thread): a flood of huge prompts queues there while ordinary requests keep their threads.
+
 Checks, in order: JSON schema and types (400), unsupported output-changing fields (400), logprobs
 combinations (400), model (404), readiness (503), prompt (empty, out-of-vocabulary ids, too long),
 max_tokens against the limits and the context window, speculative settings against what the
@@ -8,9 +14,11 @@ verifier serves.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pydantic import ValidationError
@@ -29,6 +37,8 @@ from gateway.schemas import (
 )
 from gateway.text import TemplateError, TextModel
 from services.protocol import METHODS, Generate, SamplingSpec, SpecSpec
+
+LARGE_BODY_BYTES = 256 * 1024  # bodies at least this big are prepared on the one-thread large lane
 
 
 @dataclass
@@ -56,9 +66,29 @@ class RequestBuilder:
                  readiness: Callable[[], tuple[bool, str]]):
         self.config, self.engine, self.text = config, engine, text
         self.model_name, self.readiness = model_name, readiness
+        self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="gateway-prepare")
+        self._large = ThreadPoolExecutor(1, thread_name_prefix="gateway-prepare-large")
 
-    def prepare(self, body: bytes, kind: str, log_id: str, arrival: float) -> Prepared:
-        """Parse and validate a body into a :class:`Prepared` request (raises :class:`ApiError`)."""
+    async def prepare_async(self, body: bytes, kind: str, log_id: str, arrival: float) -> Prepared:
+        """:meth:`prepare` on a worker thread (bodies of :data:`LARGE_BODY_BYTES` or more: the large
+        lane); readiness is read here, on the event loop. Raises :class:`ApiError`."""
+        ready = self.readiness()
+        pool = self._large if len(body) >= LARGE_BODY_BYTES else self._pool
+        return await asyncio.get_running_loop().run_in_executor(pool, self.prepare, body, kind, log_id, arrival,
+                                                                ready)
+
+    def close(self) -> None:
+        """Stop the worker threads (work already queued still runs)."""
+        self._pool.shutdown(wait=False)
+        self._large.shutdown(wait=False)
+
+    def prepare(self, body: bytes, kind: str, log_id: str, arrival: float,
+                ready: tuple[bool, str] | None = None) -> Prepared:
+        """Parse and validate a body into a :class:`Prepared` request (raises :class:`ApiError`).
+
+        ``ready``: the readiness ``(ok, why)`` to apply (None: ask ``readiness`` now). CPU-heavy for
+        big prompts: call it through :meth:`prepare_async` from the event loop.
+        """
         cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:
             req = cls.model_validate_json(body)
@@ -75,7 +105,7 @@ class RequestBuilder:
         logprobs = requested_logprobs(req)
         if req.stream_options is not None and not req.stream:
             raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
-        ready, why = self.readiness()
+        ready, why = self.readiness() if ready is None else ready
         if not ready:
             raise ApiError(503, f"the server is not ready: {why}", None, "service_unavailable")
         prompt_ids, prompt_text = self._prompt(req)

@@ -109,3 +109,120 @@ def test_raw_completion_prompts_keep_special_tokens(bl_harness):
     h = bl_harness
     run(h.complete(prompt="<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", max_tokens=1))
     assert [i for i in h.engine.generated[0].prompt_ids if i in SPECIAL] == [1, 2, 1]
+
+
+# ------------------------------------------------------------------ CPU-heavy prompts off the event loop
+
+BIG_PROMPT = "The quick brown fox jumps over the lazy dog 你好 " * 30000  # ~1.5 MB, about a second to tokenize
+
+
+async def _loop_gaps(stop: asyncio.Event, gaps: list[float]) -> None:
+    """Record how late a 10 ms sleep wakes up: a blocked event loop shows as one long gap."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        t = loop.time()
+        await asyncio.sleep(0.01)
+        gaps.append(loop.time() - t - 0.01)
+
+
+class AsgiCall:
+    """One POST driven straight through the ASGI app (httpx's ASGI transport buffers whole responses):
+    every message the app sends, with the loop time it was sent at."""
+
+    def __init__(self, app, path: str, body: dict):
+        self.app, self.path, self.data = app, path, json.dumps(body).encode()
+        self.messages: list[tuple[float, dict]] = []
+        self.disconnect = asyncio.Event()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": self.path, "raw_path": self.path.encode(),
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5000), "server": ("test", 80),
+                 "headers": [(b"content-type", b"application/json"),
+                             (b"content-length", str(len(self.data)).encode())]}
+        body_sent = False
+
+        async def receive():
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": self.data, "more_body": False}
+            await self.disconnect.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            self.messages.append((loop.time(), message))
+
+        await self.app(scope, receive, send)
+
+    @property
+    def status(self) -> int | None:
+        return next((m["status"] for _, m in self.messages if m["type"] == "http.response.start"), None)
+
+    def chunks(self) -> list[tuple[float, bytes]]:
+        return [(t, m.get("body", b"")) for t, m in self.messages if m["type"] == "http.response.body"]
+
+    def text(self) -> str:
+        return b"".join(b for _, b in self.chunks()).decode()
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_huge_prompt_does_not_block_health_or_running_streams(bytelevel_dir, kind):
+    h = GatewayHarness(bytelevel_dir, max_body_bytes=8 * 1024 * 1024)
+    h.script = lambda gen: Script(list(range(10, 400)), round_sizes=[1], delay_s=0.03)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        stop, gaps = asyncio.Event(), []
+        ticker = asyncio.ensure_future(_loop_gaps(stop, gaps))
+        stream = AsgiCall(h.app, "/v1/completions", {"prompt": "x", "max_tokens": 250, "stream": True})
+        streaming = asyncio.ensure_future(stream.run())
+        while len(stream.chunks()) < 2 and not streaming.done():  # the stream is running
+            await asyncio.sleep(0.01)
+        assert stream.status == 200 and not streaming.done()
+        t0 = loop.time()
+        big = asyncio.ensure_future(h.complete(prompt=BIG_PROMPT, max_tokens=1) if kind == "completion"
+                                    else h.chat(messages=[{"role": "user", "content": BIG_PROMPT}], max_tokens=1))
+        health = []
+        while not big.done():
+            t = loop.time()
+            assert (await h.client.get("/health/live")).status_code == 200
+            health.append(loop.time() - t)
+            await asyncio.sleep(0.02)
+        t1 = loop.time()
+        stream.disconnect.set()
+        await streaming
+        stop.set()
+        await ticker
+        events = sum(t0 <= t <= t1 for t, _ in stream.chunks())
+        return big.result(), t1 - t0, max(gaps), max(health), events
+
+    big, took, worst_gap, worst_health, events = run(go())
+    assert big.status_code == 400 and big.json()["error"]["code"] == "context_length_exceeded"
+    assert took > 0.3, "the prompt was too small to show a stall"
+    assert worst_gap < took / 2 and worst_health < took / 2, (worst_gap, worst_health, took)
+    assert events >= 3  # the running stream kept streaming meanwhile
+
+
+def test_a_flood_of_huge_prompts_does_not_starve_small_requests(bytelevel_dir):
+    h = GatewayHarness(bytelevel_dir, max_body_bytes=8 * 1024 * 1024)
+
+    async def go():
+        done = []
+
+        async def post(name, prompt):
+            r = await h.complete(prompt=prompt, max_tokens=1)
+            done.append(name)
+            return r
+
+        bigs = [asyncio.ensure_future(post(f"big{i}", BIG_PROMPT)) for i in range(3)]
+        await asyncio.sleep(0.05)  # the huge bodies are read and queued
+        small = await post("small", "x")
+        await asyncio.gather(*bigs)
+        return small, done
+
+    small, done = run(go())
+    assert small.status_code == 200
+    assert done.index("small") < 2, done  # it did not wait behind the queued huge prompts
+    assert h.gateway.in_flight == 0
