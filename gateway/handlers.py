@@ -144,9 +144,17 @@ class Gateway:
         deltas = self._deltas(prep)
         try:
             if prep.stream:
-                first = await _race_disconnect(request, deltas.__anext__(), self._cut_waiter)
+                grace = min(STREAM_START_GRACE_S, self.config.sse_keepalive_s or STREAM_START_GRACE_S)
+                first = await _race_disconnect(request, deltas.__anext__(), self._cut_waiter, timeout=grace)
+
+                async def close_deltas() -> None:
+                    if isinstance(first, asyncio.Task) and not first.done():  # the response never started
+                        first.cancel()
+                        await asyncio.gather(first, return_exceptions=True)
+                    await deltas.aclose()
+
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-                response = _SSEResponse(self._sse(prep, first, deltas), on_close=(deltas.aclose, lease.release),
+                response = _SSEResponse(self._sse(prep, first, deltas), on_close=(close_deltas, lease.release),
                                         media_type="text/event-stream", headers=headers)
                 lease = None  # handed to the response
                 return response
@@ -238,12 +246,18 @@ class Gateway:
         return {"id": prep.response_id, "object": obj, "created": prep.created, "model": prep.model,
                 "choices": [choice], "usage": usage}
 
-    async def _sse(self, prep: Prepared, first: Delta, deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
-        """SSE events: one per round with text (or a finish), an optional usage event, then [DONE]."""
+    async def _sse(self, prep: Prepared, first: Delta | asyncio.Task,
+                   deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
+        """SSE events: one per round with text (or a finish), an optional usage event, then [DONE].
+
+        ``first``: the first delta, or the task still waiting for it (the response started before the
+        first round, see :data:`STREAM_START_GRACE_S`): a keep-alive comment is sent at once then.
+        """
         num_tokens, sent_first, carried = 0, False, []
-        events = _with_keepalive(deltas, self.config.sse_keepalive_s, self._cut_waiter)
+        pending = first if isinstance(first, asyncio.Task) else None
+        events = _with_keepalive(deltas, self.config.sse_keepalive_s, self._cut_waiter, pending)
         try:
-            d: Delta | None = first
+            d: Delta | None = _KEEPALIVE if pending is not None else first
             while d is not None:
                 if d is _KEEPALIVE:
                     yield b": keep-alive\n\n"
@@ -316,6 +330,10 @@ def _shutdown_error() -> ApiError:
 
 
 _KEEPALIVE = Delta("")
+# A stream's status line and headers go out when its first round arrives or this long after it was
+# admitted, whichever is first (a queued request is not silent). An engine refusal within it keeps
+# its HTTP status (429, 400, 503); a later one is an SSE error event in the OpenAI shape, then [DONE].
+STREAM_START_GRACE_S = 0.5
 
 
 def _logprob_rows(chunk: RoundChunk) -> list[tuple[float, list[tuple[int, float]]]]:
@@ -389,17 +407,21 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _race_disconnect(request: Request, awaitable, cut: Callable[[], asyncio.Future]):
+async def _race_disconnect(request: Request, awaitable, cut: Callable[[], asyncio.Future],
+                           timeout: float | None = None):
     """Await ``awaitable``; if the client disconnects first, cancel it and raise :class:`_Disconnected`;
-    if ``cut()`` completes first (drain timeout), cancel it and raise a 503 ``server_shutdown`` :class:`ApiError`."""
+    if ``cut()`` completes first (drain timeout), cancel it and raise a 503 ``server_shutdown`` :class:`ApiError`.
+    With ``timeout`` (seconds): if none of these happened by then, return the still running task."""
     task = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     cutter = cut()
     try:
-        await asyncio.wait({task, watcher, cutter}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watcher, cutter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         cutter.cancel()
+    if not done:
+        return task
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -411,12 +433,14 @@ async def _race_disconnect(request: Request, awaitable, cut: Callable[[], asynci
     return task.result()
 
 
-async def _with_keepalive(it: AsyncIterator, interval: float, cut: Callable[[], asyncio.Future]) -> AsyncIterator:
+async def _with_keepalive(it: AsyncIterator, interval: float, cut: Callable[[], asyncio.Future],
+                          pending: asyncio.Task | None = None) -> AsyncIterator:
     """Items of ``it``; ``_KEEPALIVE`` every ``interval`` seconds of silence (``it`` keeps running).
 
+    ``pending``: a task already running ``it.__anext__()`` (its result comes first).
     Raises :class:`_ServerShutdown` (after cancelling ``it``'s pending step) once ``cut()`` completes.
     """
-    task = asyncio.ensure_future(it.__anext__())
+    task = pending or asyncio.ensure_future(it.__anext__())
     cutter = cut()
     try:
         while True:

@@ -226,3 +226,70 @@ def test_a_flood_of_huge_prompts_does_not_starve_small_requests(bytelevel_dir):
     assert small.status_code == 200
     assert done.index("small") < 2, done  # it did not wait behind the queued huge prompts
     assert h.gateway.in_flight == 0
+
+
+# --------------------------------------------------------------- a queued stream is not silent
+
+def _first(call: AsgiCall, pred) -> float:
+    return next(t for t, body in call.chunks() if pred(body))
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}),
+])
+def test_a_queued_stream_gets_headers_and_keepalives_before_its_first_token(bytelevel_dir, path, body):
+    h = GatewayHarness(bytelevel_dir, sse_keepalive_s=0.3)
+    h.script = lambda gen: Script(h.text.encode("Hello world", add_special_tokens=False), delay_s=2.0)
+
+    async def go():
+        call = AsgiCall(h.app, path, {**body, "stream": True})
+        t0 = asyncio.get_running_loop().time()
+        await call.run()
+        return call, t0
+
+    call, t0 = run(go())
+    start = next(t for t, m in call.messages if m["type"] == "http.response.start")
+    first_data = _first(call, lambda b: b.startswith(b"data: {"))
+    first_comment = _first(call, lambda b: b.startswith(b":"))
+    assert call.status == 200
+    assert start - t0 < 1.0 and first_comment - t0 < 1.0, (start - t0, first_comment - t0)
+    assert first_data - t0 > 1.5  # the engine's first round came 2 s later
+    comments = [b for t, b in call.chunks() if b.startswith(b":") and t < first_data]
+    assert len(comments) >= 3  # the stream start plus one every 0.3 s of silence
+    events = sse_events(call.text())
+    assert "".join(c.get("text", c.get("delta", {}).get("content", "")) for e in events for c in e["choices"])
+
+
+@pytest.mark.parametrize("status", [429, 503, 400])
+def test_a_refusal_after_the_stream_started_is_an_error_event_then_done(bytelevel_dir, status):
+    h = GatewayHarness(bytelevel_dir, sse_keepalive_s=0.3)
+    h.script = lambda gen: Script([5], error_after_rounds=0, error_status=status, delay_s=1.0)
+
+    async def go():
+        call = AsgiCall(h.app, "/v1/completions", {"prompt": "x", "max_tokens": 4, "stream": True})
+        await call.run()
+        return call
+
+    call = run(go())
+    assert call.status == 200
+    events = sse_events(call.text())
+    assert len(events) == 1 and set(events[0]["error"]) == {"message", "type", "param", "code"}
+    assert events[0]["error"]["message"] == "scripted failure"
+    assert h.gateway.in_flight == 0
+
+
+def test_a_stream_cancelled_before_its_first_round_aborts_the_engine_request(bytelevel_dir):
+    h = GatewayHarness(bytelevel_dir, sse_keepalive_s=0.2)
+    h.script = lambda gen: Script([5, 6], delay_s=5.0)
+
+    async def go():
+        call = AsgiCall(h.app, "/v1/completions", {"prompt": "x", "max_tokens": 4, "stream": True})
+        task = asyncio.ensure_future(call.run())
+        await asyncio.sleep(1.0)
+        assert call.status == 200 and not task.done()
+        call.disconnect.set()
+        await asyncio.wait_for(task, 5)
+
+    run(go())
+    assert [a.reason for a in h.engine.aborts] == ["client"] and h.gateway.in_flight == 0
