@@ -253,7 +253,7 @@ class Gateway:
         ``first``: the first delta, or the task still waiting for it (the response started before the
         first round, see :data:`STREAM_START_GRACE_S`): a keep-alive comment is sent at once then.
         """
-        num_tokens, sent_first, carried = 0, False, []
+        num_tokens, num_sent, sent_first, carried = 0, 0, False, []
         pending = first if isinstance(first, asyncio.Task) else None
         events = _with_keepalive(deltas, self.config.sse_keepalive_s, self._cut_waiter, pending)
         try:
@@ -267,9 +267,9 @@ class Gateway:
                     text = (prep.prompt_text if prep.echo and not sent_first else "") + d.text
                     if text or d.finish_reason or not sent_first:
                         sent = len(carried)
-                        yield _event(self._chunk(prep, text, d, carried, first_event=not sent_first))
+                        yield _event(self._chunk(prep, text, d, carried, not sent_first, num_sent + sent))
                         self.metrics.generation_tokens.inc(sent)  # the event was written to the client
-                        sent_first, carried = True, []
+                        sent_first, carried, num_sent = True, [], num_sent + sent
                     if d.finish_reason:
                         break
                 d = await anext(events, None)
@@ -290,7 +290,10 @@ class Gateway:
             await deltas.aclose()
         yield SSE_DONE
 
-    def _chunk(self, prep: Prepared, text: str, d: Delta, tokens: list[TokenOut], first_event: bool) -> dict:
+    def _chunk(self, prep: Prepared, text: str, d: Delta, tokens: list[TokenOut], first_event: bool,
+               num_sent: int) -> dict:
+        """One stream chunk carrying ``text`` and ``tokens``; ``num_sent``: completion tokens sent so far,
+        these included (the chunk's cumulative ``usage`` with ``continuous_usage_stats``)."""
         logprobs = self._logprobs(prep, tokens)
         if prep.kind == "chat":
             delta = {"role": "assistant", "content": text} if first_event else {"content": text}
@@ -304,7 +307,7 @@ class Gateway:
         out = {"id": prep.response_id, "object": _chunk_object(prep), "created": prep.created,
                "model": prep.model, "choices": [choice]}
         if prep.include_usage:
-            out["usage"] = None
+            out["usage"] = _usage(len(prep.gen.prompt_ids), num_sent) if prep.continuous_usage else None
         return out
 
     def _logprobs(self, prep: Prepared, tokens: list[TokenOut]) -> dict | None:

@@ -56,6 +56,7 @@ class Prepared:
     include_usage: bool
     return_token_ids: bool
     arrival: float
+    continuous_usage: bool = False  # cumulative usage in every stream chunk (stream_options.continuous_usage_stats)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -105,6 +106,10 @@ class RequestBuilder:
         logprobs = requested_logprobs(req)
         if req.stream_options is not None and not req.stream:
             raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+        opts = req.stream_options
+        if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
+            raise ApiError(400, "'stream_options.continuous_usage_stats' requires 'include_usage': true",
+                           "stream_options.continuous_usage_stats", "invalid_value")
         ready, why = self.readiness() if ready is None else ready
         if not ready:
             raise ApiError(503, f"the server is not ready: {why}", None, "service_unavailable")
@@ -120,8 +125,9 @@ class RequestBuilder:
         return Prepared(kind=kind, response_id=f"{prefix}-{log_id}", model=self.model_name,
                         gen=Generate(f"{log_id}-{uuid.uuid4().hex[:8]}", prompt_ids, sampling, self._spec(req)),
                         prompt_text=prompt_text, stop=stop, echo=bool(getattr(req, "echo", False)),
-                        stream=req.stream, include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                        return_token_ids=req.return_token_ids, arrival=arrival)
+                        stream=req.stream, include_usage=bool(opts and opts.include_usage),
+                        return_token_ids=req.return_token_ids, arrival=arrival,
+                        continuous_usage=bool(opts and opts.continuous_usage_stats))
 
     def _prompt(self, req) -> tuple[list[int], str]:
         if isinstance(req, ChatCompletionRequest):

@@ -293,3 +293,38 @@ def test_a_stream_cancelled_before_its_first_round_aborts_the_engine_request(byt
 
     run(go())
     assert [a.reason for a in h.engine.aborts] == ["client"] and h.gateway.in_flight == 0
+
+
+# ------------------------------------------------------------- accepted fields do what they say
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("sizes", [[1], [3, 1, 4]])
+def test_continuous_usage_stats_puts_cumulative_usage_in_every_chunk(bl_harness, chat, sizes):
+    h = bl_harness
+    ids = h.text.encode("Hello world, 你好世界 😀 done.", add_special_tokens=False)
+    h.script = lambda gen: Script(ids, round_sizes=sizes)
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    r = run(h.chat(messages=[{"role": "user", "content": "x"}], max_tokens=100, stream=True, stream_options=opts,
+                   return_token_ids=True) if chat else
+            h.complete(prompt="x", max_tokens=100, stream=True, stream_options=opts, return_token_ids=True))
+    events = sse_events(r.text)
+    final, chunks = events[-1], events[:-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == len(ids)
+    prompt = final["usage"]["prompt_tokens"]
+    sent = 0
+    for e in chunks:
+        sent += len(e["choices"][0]["token_ids"])
+        assert e["usage"] == {"prompt_tokens": prompt, "completion_tokens": sent, "total_tokens": prompt + sent}
+    assert sent == len(ids)
+
+
+def test_usage_is_null_in_chunks_without_continuous_usage_stats(bl_harness):
+    r = run(bl_harness.complete(prompt="x", max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    events = sse_events(r.text)
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_continuous_usage_stats_without_include_usage_is_refused(bl_harness):
+    r = run(bl_harness.complete(prompt="x", max_tokens=5, stream=True,
+                                stream_options={"continuous_usage_stats": True}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
