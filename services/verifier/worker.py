@@ -81,8 +81,9 @@ class VerifierWorkerConfig:
             its whole tree every round (the behaviour before the policy existed).
         spec_max_budget: the goodput policy's B_max, the budget of its drafter calls and the most nodes
             it verifies per request (0 = the drafter's default budget).
-        cost_sweep: with ``goodput``, time a few target forwards at start-up (1-33 rows, a few
-            seconds, cached per machine / model / dtype in ``~/.cache/dartree/cost_model.json``).
+        cost_sweep: with ``goodput``, time a few target forwards at start-up (1-8, 9, 17, 33 rows, a
+            few seconds, cached per machine / model / dtype in ``~/.cache/dartree/cost_model.json``
+            when its repeats agree; on a busy machine a rule-based curve, not cached).
         tree_schedule: manual override, load-dependent tree budget/width, ``"1:16x12,2:12x8,4:8x6,8:4x4"``
             (``N:BxW`` = at >= N running requests, B nodes and width W; only for requests that leave
             budget/width unset). "" = off. With ``goodput`` the pick is the drafter call's budget and the
@@ -93,9 +94,10 @@ class VerifierWorkerConfig:
             while requests run; ``DrafterHeartbeat``).
         drain_timeout_s: on SIGTERM, how long running requests may finish.
         cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC pool for features (CUDA devices only).
-        packed_gemm: on a float32 CPU, pre-pack the target's GEMM weights for a verify of the
-            drafter's default tree (B + 1 rows) and of a chain method (block + 1 rows)
-            (``services/cpu_gemm.py``: same numerics; SmolLM2: +~1 GB RAM).
+        packed_gemm: on a float32 CPU, pack the target's GEMM weights for the step sizes of the
+            batched steps (4, B + 1 doubling up to max_running x (B + 1), a chain method's block + 1
+            rows), each on the first step of that size (``services/cpu_gemm.py``: same numerics;
+            SmolLM2: ~0.5 GB per step size used).
         verifier_metrics_port, metrics_host: Prometheus endpoint (port 0 = off).
     """
 
