@@ -384,16 +384,38 @@ class SpecEngine:
         t_step = time.perf_counter()
         plan = self.plan_step(request_ids)
         reqs = {e.rid: self._reqs[e.rid] for e in plan.entries}
-        left = plan.max_step_tokens
-        items: list[_Planned] = []
-        results: dict[str, RoundOutput | BaseException | None] = {}
         infos = {e.rid: RoundInfo(e.rid, reqs[e.rid].spec.method, reqs[e.rid].sampling.temperature,
                                   can_draft=e.can_draft, explicit_budget=reqs[e.rid].spec.budget is not None,
                                   owed=e.owed)
                  for e in plan.decodes}
         self.policy.begin_step(list(infos.values()), extra_rows=plan.chunk_rows)
+        results: dict[str, RoundOutput | BaseException | None] = {}
         t_sub = time.perf_counter()
-        pairs = []  # every drafting request's draft in one drafter call
+        self._submit_drafts(plan, reqs, tree_knobs)
+        submit_wait = time.perf_counter() - t_sub  # an in-process drafter drafts right here
+        items = self._decode_rounds(plan, reqs, infos, tree_knobs, results)
+        items += self._prompt_chunks(plan, reqs, items, tree_knobs)
+        if not items:
+            return results
+        self._execute(items, results)
+        draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in items)
+        wait_s = submit_wait + sum(p.timings.get("draft_wait", 0.0) for p in items)
+        self.last_step = StepStats(len(items), sum(p.segment.num_rows for p in items),
+                                   sum(p.segment.num_rows for p in items if p.buffers is None),
+                                   items[0].timings["verify"], draft_s, wait_s,
+                                   decoding=sum(1 for p in items if p.buffers is not None),
+                                   drafting=sum(1 for p in items if p.drafted),
+                                   draft_owed=sum(infos[p.rid].owed for p in items if p.drafted),
+                                   speculating=sum(1 for p in items if p.tree is not None and p.tree.num_nodes),
+                                   wall_seconds=time.perf_counter() - t_step,
+                                   predicted_seconds=self.policy.predicted_step_seconds())
+        self.policy.observe_step(self.last_step)
+        return results
+
+    def _submit_drafts(self, plan: StepPlan, reqs: dict[str, _Request], tree_knobs: tuple[int, int] | None) -> None:
+        """Every decode round's draft that is not already in flight, as ONE drafter call (a request
+        the policy gives a plain round is marked to skip its drafter call)."""
+        pairs = []
         for e in plan.decodes:
             req = reqs[e.rid]
             if req.pending is None and e.can_draft:
@@ -403,7 +425,14 @@ class SpecEngine:
                 else:
                     pairs.append((req, job))
         self._submit(pairs)
-        submit_wait = time.perf_counter() - t_sub  # an in-process drafter drafts right here
+
+    def _decode_rounds(self, plan: StepPlan, reqs: dict[str, _Request], infos: dict[str, RoundInfo],
+                       tree_knobs: tuple[int, int] | None, results: dict) -> list[_Planned]:
+        """The decode rounds that fit (``nodes + 1`` rows each while rows are left; the first always
+        runs) with their trees collected, cut by the policy and laid out as verify segments. A round
+        whose draft failed is freed and its error put in ``results``."""
+        items: list[_Planned] = []
+        left = plan.max_step_tokens
         for e in plan.decodes:
             if left > 0 or not items:
                 try:
@@ -422,19 +451,27 @@ class SpecEngine:
                 p.buffers = derive_buffers(p.tree, p.req.root)
                 b = p.buffers
                 p.segment = Segment(b.input_ids, b.position_offsets, b.tree_mask, p.req.start, p.req.slot)
-            left = plan.max_step_tokens - sum(p.segment.num_rows for p in items)
+        return items
+
+    def _prompt_chunks(self, plan: StepPlan, reqs: dict[str, _Request], rounds: list[_Planned],
+                       tree_knobs: tuple[int, int] | None) -> list[_Planned]:
+        """The prompt chunks, each shrunk to the rows the decode ``rounds`` left (at least one row
+        each while any are left; the first entry of a step always runs)."""
+        items: list[_Planned] = []
+        left = plan.max_step_tokens - sum(p.segment.num_rows for p in rounds)
         for e in plan.chunks:
-            if left > 0 or not items:
+            if left > 0 or not (rounds or items):
                 req, (first, most) = reqs[e.rid], e.chunk
                 n = min(most, max(left, 1))
                 items.append(_Planned(e.rid, req, causal_segment(req.prompt_ids[first:first + n], first, e.slot),
                                       final_chunk=first + n == len(req.prompt_ids), knobs=tree_knobs))
                 left -= n
-        if not items:
-            return results
+        return items
+
+    def _execute(self, items: list[_Planned], results: dict) -> None:
+        """The step's one forward, then walk / commit / emit per request into ``results`` (a finished
+        or failed request is freed), then the overlapped next drafts as one submission."""
         self._next_jobs: list[tuple[_Request, DraftJob]] = []
-        draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in items)
-        wait_s = submit_wait + sum(p.timings.get("draft_wait", 0.0) for p in items)
         out = self._forward(items)
         for item, (logits, feats) in zip(items, out):
             try:
@@ -446,17 +483,6 @@ class SpecEngine:
             if isinstance(results[item.rid], RoundOutput) and results[item.rid].finish_reason is not None:
                 self.abort(item.rid)
         self._submit(self._next_jobs)
-        self.last_step = StepStats(len(items), sum(p.segment.num_rows for p in items),
-                                   sum(p.segment.num_rows for p in items if p.buffers is None),
-                                   items[0].timings["verify"], draft_s, wait_s,
-                                   decoding=sum(1 for p in items if p.buffers is not None),
-                                   drafting=sum(1 for p in items if p.drafted),
-                                   draft_owed=sum(infos[p.rid].owed for p in items if p.drafted),
-                                   speculating=sum(1 for p in items if p.tree is not None and p.tree.num_nodes),
-                                   wall_seconds=time.perf_counter() - t_step,
-                                   predicted_seconds=self.policy.predicted_step_seconds())
-        self.policy.observe_step(self.last_step)
-        return results
 
     def plan_step(self, request_ids: list[str]) -> StepPlan:
         """The :class:`StepPlan` of a step over ``request_ids`` (priority order; repeats ignored):
