@@ -131,15 +131,8 @@ class RequestBuilder:
 
     def _prompt(self, req) -> tuple[list[int], str]:
         if isinstance(req, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                        for m in req.messages]
-            kwargs = dict(req.chat_template_kwargs or {})
-            reserved = sorted(kwargs.keys() & {"messages", "add_generation_prompt"})
-            if reserved:  # these are the request's own fields; as template kwargs they would collide
-                raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs",
-                               "invalid_value")
             try:
-                ids, text = self.text.chat_prompt(messages, req.add_generation_prompt, **kwargs)
+                ids, text = self._chat_prompt(req)
             except TemplateError as exc:
                 raise ApiError(400, str(exc), "messages", "invalid_messages") from None
             param = "messages"
@@ -161,6 +154,40 @@ class RequestBuilder:
         if limit and len(ids) > limit:
             raise ApiError(400, f"the prompt has {len(ids)} tokens, over the limit of {limit}", param,
                            "context_length_exceeded")
+        return ids, text
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
+        """The conversation's ids and text; every field the client set must reach the template.
+
+        Raises:
+            ApiError: a message field the template never receives (``tool_calls``...), ``name``s the
+                template ignores, a ``chat_template_kwargs`` key it does not read or that collides
+                with the request's own fields.
+            TemplateError: the template failed.
+        """
+        for i, m in enumerate(req.messages):
+            for key, value in (m.model_extra or {}).items():
+                if value not in (None, "", [], {}):
+                    raise ApiError(400, f"'messages[{i}].{key}' is not supported by this server (the chat "
+                                   f"template does not receive it)", f"messages[{i}].{key}", "unsupported_parameter")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        reserved = sorted(kwargs.keys() & {"messages", "add_generation_prompt"})
+        if reserved:  # these are the request's own fields; as template kwargs they would collide
+            raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs",
+                           "invalid_value")
+        unread = sorted(kwargs.keys() - self.text.template_variables())
+        if unread:
+            raise ApiError(400, f"'chat_template_kwargs.{unread[0]}' is not used by this model's chat template",
+                           f"chat_template_kwargs.{unread[0]}", "unsupported_parameter")
+        ids, text = self.text.chat_prompt(messages, req.add_generation_prompt, **kwargs)
+        named = next((i for i, m in enumerate(messages) if "name" in m), None)
+        if named is not None:
+            plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+            if self.text.render_chat(plain, req.add_generation_prompt, **kwargs) == text:
+                raise ApiError(400, f"'messages[{named}].name' is not used by this model's chat template",
+                               f"messages[{named}].name", "unsupported_parameter")
         return ids, text
 
     def _check_ids(self, ids: list[int], param: str) -> list[int]:

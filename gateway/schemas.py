@@ -4,6 +4,8 @@ Types are strict (``"5"`` is not an int) and ranges are checked here, so the ver
 sees well-formed requests. Fields that would change the output but are not implemented exactly
 under tree speculation are rejected by :func:`unsupported_field` with a 400 naming the field,
 never silently ignored (docs/design.md "Refuse, never ignore"). Unknown fields that do not change the output are ignored.
+Message fields the chat template would never see are refused where the prompt is built
+(:mod:`gateway.requests`).
 """
 
 from __future__ import annotations
@@ -146,8 +148,14 @@ _UNSUPPORTED_EXTRA = {
     "truncate_prompt_tokens": (None,), "include_stop_str_in_output": (False, None),
     "skip_special_tokens": (True, None), "spaces_between_special_tokens": (True, None),
     "top_a": (None, 0), "typical_p": (None, 1, 1.0), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,), "reasoning_effort": (None,),
+    "prediction": (None,), "reasoning_effort": (None,), "continue_final_message": (False, None),
+    "chat_template": (None, ""), "documents": (None, []), "detokenize": (True, None),
+    "return_tokens_as_token_ids": (False, None), "prompt_embeds": (None,), "vllm_xargs": (None, {}),
+    "web_search_options": (None,), "verbosity": (None,),
 }
+# The same, per endpoint: fields of the other endpoint (or vLLM extensions) that would be ignored here.
+_UNSUPPORTED_EXTRA_COMPLETION = {"max_completion_tokens": (None,), "add_special_tokens": (True, None)}
+_UNSUPPORTED_EXTRA_CHAT = {"echo": (False, None), "add_special_tokens": (False, None)}
 
 
 def unsupported_field(req: _Sampling) -> tuple[str, str] | None:
@@ -163,8 +171,10 @@ def unsupported_field(req: _Sampling) -> tuple[str, str] | None:
     for name, value, off in checks:
         if not any(value == o and type(value) is type(o) for o in off):
             return name, f"'{name}' = {value!r} is not supported by this server (it would change the output)"
+    extra = {**_UNSUPPORTED_EXTRA,
+             **(_UNSUPPORTED_EXTRA_COMPLETION if isinstance(req, CompletionRequest) else _UNSUPPORTED_EXTRA_CHAT)}
     for name, value in (req.model_extra or {}).items():
-        if name in _UNSUPPORTED_EXTRA and value not in _UNSUPPORTED_EXTRA[name]:
+        if name in extra and value not in extra[name]:
             return name, f"'{name}' is not supported by this server (it would change the output)"
     return None
 

@@ -98,6 +98,7 @@ class TextModel:
         self.eos_token_id = eos
         self.chat_template = self._load_template()
         self._compiled = None
+        self._variables: tuple[str, frozenset[str]] | None = None  # (template, names it reads)
         spec = json.loads(path.read_text())
         self._added = {int(t["id"]): t["content"] for t in spec.get("added_tokens", [])}
         self._special = {t["content"]: int(t["id"]) for t in spec.get("added_tokens", []) if t.get("special")}
@@ -185,6 +186,25 @@ class TextModel:
             raise
         except Exception as exc:  # jinja errors: a bad conversation for this template
             raise TemplateError(f"chat template failed: {exc}") from None
+
+    def template_variables(self) -> frozenset[str]:
+        """Names the chat template reads from its context (``messages``, ``add_generation_prompt``, the
+        options a ``chat_template_kwargs`` key may set...); empty without a template.
+
+        Raises:
+            TemplateError: the template does not parse.
+        """
+        if self.chat_template is None:
+            return frozenset()
+        if self._variables is None or self._variables[0] != self.chat_template:
+            from jinja2 import TemplateSyntaxError, meta
+
+            try:
+                names = meta.find_undeclared_variables(_environment().parse(self.chat_template))
+            except TemplateSyntaxError as exc:
+                raise TemplateError(f"chat template failed: {exc}") from None
+            self._variables = (self.chat_template, frozenset(names))
+        return self._variables[1]
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of a rendered conversation (see :meth:`chat_prompt`)."""
@@ -275,6 +295,10 @@ def _decoder_types(decoder: dict | None) -> set[str]:
 
 
 def _compile(source: str):
+    return _environment().from_string(source)
+
+
+def _environment():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str):
@@ -285,7 +309,7 @@ def _compile(source: str):
                                                                                ensure_ascii=ensure_ascii)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env
 
 
 class IncrementalDetokenizer:

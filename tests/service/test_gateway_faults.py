@@ -328,3 +328,50 @@ def test_continuous_usage_stats_without_include_usage_is_refused(bl_harness):
     r = run(bl_harness.complete(prompt="x", max_tokens=5, stream=True,
                                 stream_options={"continuous_usage_stats": True}))
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+
+
+USER = {"role": "user", "content": "hi"}
+IGNORED_FIELDS = [
+    # (path, body, param): fields that were accepted and silently dropped
+    ("/v1/chat/completions", {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[1].tool_calls"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "42", "tool_call_id": "c1"}]},
+     "messages[0].tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{**USER, "name": "bob"}]}, "messages[0].name"),
+    ("/v1/chat/completions", {"messages": [USER], "chat_template_kwargs": {"enable_thinking": False}},
+     "chat_template_kwargs.enable_thinking"),
+    ("/v1/chat/completions", {"messages": [USER], "echo": True}, "echo"),
+    ("/v1/chat/completions", {"messages": [USER], "continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"messages": [USER], "chat_template": "{{ messages }}"}, "chat_template"),
+    ("/v1/chat/completions", {"messages": [USER], "add_special_tokens": True}, "add_special_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_completion_tokens": 3}, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
+    ("/v1/completions", {"prompt": "x", "detokenize": False}, "detokenize"),
+    ("/v1/completions", {"prompt": "x", "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", IGNORED_FIELDS, ids=[c[2] for c in IGNORED_FIELDS])
+def test_fields_that_would_be_ignored_are_refused_with_their_name(bl_harness, path, body, param):
+    r = run(bl_harness.client.post(path, json={"max_tokens": 2, **body}))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "unsupported_parameter"
+    assert bl_harness.engine.generated == []
+
+
+def test_off_values_of_message_fields_are_accepted(bl_harness):
+    messages = [USER, {"role": "assistant", "content": "ok", "tool_calls": [], "refusal": None, "audio": None}, USER]
+    r = run(bl_harness.chat(messages=messages, max_tokens=2, add_special_tokens=False))
+    assert r.status_code == 200, r.text
+
+
+def test_names_and_template_kwargs_the_template_reads_reach_the_prompt(bytelevel_dir):
+    h = GatewayHarness(bytelevel_dir)
+    h.text.chat_template = ("{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}\n"
+                            "{{ m.content }}<|im_end|>\n{% endfor %}{% if mood %}({{ mood }}){% endif %}"
+                            "<|im_start|>assistant\n")
+    h.text._compiled = None
+    r = run(h.chat(messages=[{**USER, "name": "bob"}], chat_template_kwargs={"mood": "calm"}, max_tokens=2))
+    assert r.status_code == 200, r.text
+    prompt = h.text.decode(h.engine.generated[0].prompt_ids, skip_special_tokens=False)
+    assert "<|im_start|>user:bob" in prompt and "(calm)<|im_start|>assistant" in prompt
