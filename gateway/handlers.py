@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, EngineError
@@ -158,9 +158,9 @@ class Gateway:
                                         media_type="text/event-stream", headers=headers)
                 lease = None  # handed to the response
                 return response
-            body = await _race_disconnect(request, self._collect(prep, deltas), self._cut_waiter)
-            self.metrics.generation_tokens.inc(body["usage"]["completion_tokens"])  # handed to the client
-            return JSONResponse(body)
+            body, num_tokens = await _race_disconnect(request, self._collect(prep, deltas), self._cut_waiter)
+            self.metrics.generation_tokens.inc(num_tokens)  # handed to the client
+            return Response(body, media_type="application/json")
         except _Disconnected:
             return Response(status_code=499)
         except EngineError as err:
@@ -225,13 +225,18 @@ class Gateway:
             log.info("finished: %s, %d completion tokens, %.3f s", finish or "abort", text.num_tokens,
                      time.monotonic() - prep.arrival)
 
-    async def _collect(self, prep: Prepared, deltas: AsyncIterator[Delta]) -> dict:
+    async def _collect(self, prep: Prepared, deltas: AsyncIterator[Delta]) -> tuple[bytes, int]:
+        """The whole response's JSON body and its number of completion tokens. The body is built and
+        encoded on a worker thread: with logprobs a long answer is megabytes of JSON."""
         parts, tokens, last = [prep.prompt_text] if prep.echo else [], [], Delta("")
         async for d in deltas:
             parts.append(d.text)
             tokens.extend(d.tokens)
             last = d
-        text = "".join(parts)
+        body = await self.requests.offload(self._body, prep, "".join(parts), tokens, last)
+        return body, len(tokens)
+
+    def _body(self, prep: Prepared, text: str, tokens: list[TokenOut], last: Delta) -> bytes:
         usage = _usage(len(prep.gen.prompt_ids), len(tokens))
         logprobs = self._logprobs(prep, tokens)
         if prep.kind == "chat":
@@ -243,8 +248,8 @@ class Gateway:
         if prep.return_token_ids:
             choice["token_ids"] = [t.token_id for t in tokens]
         obj = "chat.completion" if prep.kind == "chat" else "text_completion"
-        return {"id": prep.response_id, "object": obj, "created": prep.created, "model": prep.model,
-                "choices": [choice], "usage": usage}
+        return _JSON.encode({"id": prep.response_id, "object": obj, "created": prep.created, "model": prep.model,
+                             "choices": [choice], "usage": usage})
 
     async def _sse(self, prep: Prepared, first: Delta | asyncio.Task,
                    deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:

@@ -78,6 +78,10 @@ class RequestBuilder:
         return await asyncio.get_running_loop().run_in_executor(pool, self.prepare, body, kind, log_id, arrival,
                                                                 ready)
 
+    async def offload(self, fn: Callable, *args):
+        """``fn(*args)`` on a worker thread (other CPU-heavy work: building a big response body)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
     def close(self) -> None:
         """Stop the worker threads (work already queued still runs)."""
         self._pool.shutdown(wait=False)

@@ -375,3 +375,29 @@ def test_names_and_template_kwargs_the_template_reads_reach_the_prompt(bytelevel
     assert r.status_code == 200, r.text
     prompt = h.text.decode(h.engine.generated[0].prompt_ids, skip_special_tokens=False)
     assert "<|im_start|>user:bob" in prompt and "(calm)<|im_start|>assistant" in prompt
+
+
+def test_a_long_answer_with_logprobs_is_built_off_the_event_loop(bytelevel_dir):
+    """8000 tokens with 20 alternatives each is megabytes of JSON: built and encoded on a worker thread."""
+    from .fakes import verifier_info
+
+    h = GatewayHarness(bytelevel_dir)
+    h.engine.info = verifier_info(h.text.vocab_size, max_context=20000)
+    ids = h.text.encode("Hello world, 你好世界 😀 done. " * 700, add_special_tokens=False)[:8000]
+    h.script = lambda gen: Script(ids, round_sizes=[64])
+
+    async def go():
+        stop, gaps = asyncio.Event(), []
+        ticker = asyncio.ensure_future(_loop_gaps(stop, gaps))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        r = await h.chat(messages=[USER], max_tokens=8000, logprobs=True, top_logprobs=20)
+        took = loop.time() - t0
+        stop.set()
+        await ticker
+        return r, took, max(gaps)
+
+    r, took, worst_gap = run(go())
+    body = r.json()
+    assert len(body["choices"][0]["logprobs"]["content"]) == body["usage"]["completion_tokens"] == 8000
+    assert worst_gap < took / 4, (worst_gap, took)
