@@ -35,7 +35,7 @@ from gateway.schemas import (
     unsupported_field,
     validation_error,
 )
-from gateway.text import TemplateError, TextModel
+from gateway.text import PromptTooLong, TemplateError, TextModel
 from services.protocol import METHODS, Generate, SamplingSpec, SpecSpec
 
 LARGE_BODY_BYTES = 256 * 1024  # bodies at least this big are prepared on the one-thread large lane
@@ -139,6 +139,8 @@ class RequestBuilder:
                 ids, text = self._chat_prompt(req)
             except TemplateError as exc:
                 raise ApiError(400, str(exc), "messages", "invalid_messages") from None
+            except PromptTooLong as exc:
+                raise ApiError(400, str(exc), "messages", "context_length_exceeded") from None
             param = "messages"
         else:
             prompt = req.prompt
@@ -147,6 +149,10 @@ class RequestBuilder:
                     raise ApiError(400, "only one prompt per request is supported", "prompt", "batch_not_supported")
                 prompt = prompt[0]
             if isinstance(prompt, str):
+                try:
+                    self.text.check_length(prompt, self._prompt_limit())  # a huge prompt: refused untokenized
+                except PromptTooLong as exc:
+                    raise ApiError(400, str(exc), "prompt", "context_length_exceeded") from None
                 ids, text = self.text.encode(prompt), prompt
             else:
                 ids = self._check_ids(prompt, "prompt")
@@ -177,7 +183,7 @@ class RequestBuilder:
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
-        reserved = sorted(kwargs.keys() & {"messages", "add_generation_prompt"})
+        reserved = sorted(kwargs.keys() & {"messages", "add_generation_prompt", "token_limit"})
         if reserved:  # these are the request's own fields; as template kwargs they would collide
             raise ApiError(400, f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs",
                            "invalid_value")
@@ -185,7 +191,7 @@ class RequestBuilder:
         if unread:
             raise ApiError(400, f"'chat_template_kwargs.{unread[0]}' is not used by this model's chat template",
                            f"chat_template_kwargs.{unread[0]}", "unsupported_parameter")
-        ids, text = self.text.chat_prompt(messages, req.add_generation_prompt, **kwargs)
+        ids, text = self.text.chat_prompt(messages, req.add_generation_prompt, self._prompt_limit(), **kwargs)
         named = next((i for i, m in enumerate(messages) if "name" in m), None)
         if named is not None:
             plain = [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -193,6 +199,13 @@ class RequestBuilder:
                 raise ApiError(400, f"'messages[{named}].name' is not used by this model's chat template",
                                f"messages[{named}].name", "unsupported_parameter")
         return ids, text
+
+    def _prompt_limit(self) -> int:
+        """Most prompt tokens a request may have (0: unknown): the prompt limit, and the context
+        window less the one token to generate."""
+        ctx = self.engine.info.max_context if self.engine.info else 0
+        values = [v for v in (self._limit("max_prompt_tokens", self.config.max_prompt_tokens), ctx - 1) if v > 0]
+        return min(values) if values else 0
 
     def _check_ids(self, ids: list[int], param: str) -> list[int]:
         vocab = (self.engine.info.vocab_size if self.engine.info else 0) or self.text.vocab_size

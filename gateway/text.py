@@ -61,6 +61,14 @@ class TemplateError(ValueError):
     """The chat template is missing or failed on these messages (a 400 for the client)."""
 
 
+class PromptTooLong(ValueError):
+    """A prompt refused before tokenizing it: it has at least ``min_tokens`` tokens, over the limit."""
+
+    def __init__(self, min_tokens: int, limit: int):
+        super().__init__(f"the prompt has at least {min_tokens} tokens, over the limit of {limit}")
+        self.min_tokens, self.limit = min_tokens, limit
+
+
 def _token_content(value) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
@@ -107,6 +115,10 @@ class TextModel:
                             if self._special else None)
         self._decoders = _decoder_types(spec.get("decoder"))
         self._byte_fallback = bool((spec.get("model") or {}).get("byte_fallback"))
+        # byte-level BPE without a normalizer: every token stands for at most _max_token_bytes bytes of text
+        self._bounded = (spec.get("normalizer") is None and "ByteLevel" in self._decoders
+                         and (spec.get("model") or {}).get("type") == "BPE" and _keeps_text(spec.get("pre_tokenizer")))
+        self._max_token_bytes = 0
         self._token_bytes: dict[int, bytes] = {}
 
     def _load_template(self) -> str | None:
@@ -117,6 +129,23 @@ class TextModel:
         if isinstance(tpl, list):  # named templates: use "default"
             tpl = next((t["template"] for t in tpl if t.get("name") == "default"), None)
         return tpl
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the number of tokens of ``text`` (either way of treating special-token
+        text), without tokenizing it: its UTF-8 length over the longest token's. 0 when the tokenizer
+        gives no such bound (a normalizer may shrink text; a model may fold unknown text into one token)."""
+        if not self._bounded:
+            return 0
+        if not self._max_token_bytes:
+            self._max_token_bytes = max(len(self._raw_bytes(i)) for i in range(self.vocab_size)) or 1
+        return -(-len(text.encode("utf-8", errors="surrogatepass")) // self._max_token_bytes)
+
+    def check_length(self, text: str, limit: int) -> None:
+        """Raise :class:`PromptTooLong` when ``text`` surely has more than ``limit`` tokens (0: no limit)."""
+        if limit and len(text) > limit:  # (shorter texts are left to the exact count: cheap to tokenize)
+            n = self.min_tokens(text)
+            if n > limit:
+                raise PromptTooLong(n, limit)
 
     def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``.
@@ -210,7 +239,7 @@ class TextModel:
         """Token ids of a rendered conversation (see :meth:`chat_prompt`)."""
         return self.chat_prompt(messages, add_generation_prompt, **kwargs)[0]
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, token_limit: int = 0,
                     **kwargs) -> tuple[list[int], str]:
         """``(token ids, text)`` of a conversation under the chat template; only the template's own
         markers are special tokens.
@@ -224,11 +253,16 @@ class TextModel:
         placeholders turned back into the text the client wrote. The template's own BOS/EOS markers
         come from it; the tokenizer adds none.
 
+        ``token_limit`` (0: none): a rendered prompt that surely has more tokens is refused before it
+        is tokenized (:meth:`check_length`).
+
         Raises:
             TemplateError: no template, or the template raised on these messages.
+            PromptTooLong: see ``token_limit``.
         """
         guard = _SpecialTextGuard(self._special_re)
         rendered = self.render_chat(guard.protect(messages), add_generation_prompt, **guard.protect(kwargs))
+        self.check_length(rendered, token_limit)
         if not guard.used:
             return self.encode(rendered, add_special_tokens=False), rendered
         ids: list[int] = []
@@ -283,6 +317,15 @@ class _SpecialTextGuard:
             n = self._index[m.group()] = len(self._texts)
             self._texts.append(m.group())
         return f"\ue000{self._nonce}{n}\ue001"
+
+
+def _keeps_text(pre: dict | None) -> bool:
+    """Whether a ``tokenizer.json`` pre-tokenizer only splits (never drops) text."""
+    if not pre:
+        return True
+    if pre.get("type") == "Sequence":
+        return all(_keeps_text(p) for p in pre.get("pretokenizers", []))
+    return pre.get("type") in ("ByteLevel", "Split", "Digits", "Punctuation") and pre.get("behavior") != "Removed"
 
 
 def _decoder_types(decoder: dict | None) -> set[str]:
