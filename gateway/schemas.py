@@ -21,6 +21,10 @@ MAX_STOP_CHARS = 256
 MAX_COMPLETION_LOGPROBS = 5   # OpenAI's limit for /v1/completions ``logprobs``
 MAX_CHAT_TOP_LOGPROBS = 20    # OpenAI's limit for /v1/chat/completions ``top_logprobs`` (== MAX_TOP_LOGPROBS)
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+# Lists stop at their first bad item (``fail_fast``): a 4 MB body of a million bad items is one error,
+# not millions (each union member would report every item: seconds of CPU to build and shape them).
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(fail_fast=True)]
+Strings = Annotated[list[str], Field(fail_fast=True)]
 WIRE_INT_MAX = 2**31 - 1  # integers that travel to the verifier must fit msgpack (2**64 - 1 would; keep margin)
 
 
@@ -74,18 +78,18 @@ class _Sampling(BaseModel):
     top_p: Finite = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=WIRE_INT_MAX)     # extension (vLLM): 0 or -1 = disabled
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
-    stop: str | list[str] | None = None
+    stop: str | Strings | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
     user: str | None = None
     speculative: SpeculativeOptions | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None   # extension (vLLM)
+    stop_token_ids: TokenIds | None = None   # extension (vLLM)
     ignore_eos: bool = False                                          # extension (vLLM)
     return_token_ids: bool = False                                    # extension: token ids in choices
     presence_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Finite] | None = None
+    logit_bias: dict[str, Any] | None = None  # refused unless empty: its values need no validation
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -94,7 +98,7 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a string or a list of token ids (one prompt)."""
 
-    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]]
+    prompt: str | TokenIds | Strings | Annotated[list[TokenIds], Field(fail_fast=True)]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)  # raw target logprobs + top-k
     best_of: int | None = None
@@ -110,7 +114,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
     name: str | None = None
 
     @model_validator(mode="after")
@@ -129,7 +133,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` is an alias of ``max_tokens``."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, fail_fast=True)]
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None                                           # raw target logprobs
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)  # alternatives per token
@@ -202,7 +206,7 @@ def validation_error(exc: ValidationError) -> ApiError:
     For a union (``prompt``, ``stop``) pydantic reports one error per member; the deepest one is
     the most specific (``prompt[1]`` rather than "not a string").
     """
-    errors = exc.errors(include_url=False)
+    errors = exc.errors(include_url=False, include_input=exc.error_count() <= 16)  # inputs may be megabytes
     err = max(errors, key=lambda e: len(_clean_loc(e["loc"])))
     if err["type"] == "json_invalid":
         return ApiError(400, _json_problem(err.get("input", b""), (err.get("ctx") or {}).get("error", "")), None,

@@ -455,3 +455,24 @@ def test_min_tokens_holds_for_every_vocabulary_entry_repeated(bytelevel_dir):
 
 def test_no_bound_without_a_byte_level_tokenizer(bytefallback_dir):
     assert TextModel(bytefallback_dir).min_tokens(BIG_PROMPT) == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [1] * 1_000_000 + [-1]}, "prompt[1000000]"),
+    ({"prompt": "x", "stop": [1] * 1_000_000}, "stop[0]"),
+    ({"prompt": [[1, 2]] * 300_000 + [[-1]]}, "prompt[300000][0]"),
+    ({"prompt": "x", "stop_token_ids": [-1] * 1_000_000}, "stop_token_ids[0]"),
+])
+def test_a_huge_body_with_bad_items_is_one_quick_error(bytelevel_dir, body, param):
+    """Every union member used to report every bad item: millions of errors, seconds of CPU (GIL held)."""
+    h = GatewayHarness(bytelevel_dir, max_body_bytes=8 * 1024 * 1024)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        r = await h.client.post("/v1/completions", json={"max_tokens": 1, **body})
+        return r, loop.time() - t0
+
+    r, took = run(go())
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert len(r.content) < 1000 and took < 5.0, took
