@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 128             # OpenAI's limit for ``n``
 MAX_STOP_CHARS = 256
 MAX_COMPLETION_LOGPROBS = 5   # OpenAI's limit for /v1/completions ``logprobs``
 MAX_CHAT_TOP_LOGPROBS = 20    # OpenAI's limit for /v1/chat/completions ``top_logprobs`` (== MAX_TOP_LOGPROBS)
@@ -81,7 +82,7 @@ class _Sampling(BaseModel):
     stop: str | Strings | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = None
     speculative: SpeculativeOptions | None = None
     stop_token_ids: TokenIds | None = None   # extension (vLLM)
@@ -89,7 +90,10 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False                                    # extension: token ids in choices
     presence_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: Finite | None = Field(None, ge=-2.0, le=2.0)
-    logit_bias: dict[str, Any] | None = None  # refused unless empty: its values need no validation
+    logit_bias: dict[str, Any] | None = None  # checked entry by entry (gateway.requests: the first bad one fails)
+    repetition_penalty: Finite | None = Field(None, gt=0.0)           # extension (vLLM): prompt + output
+    min_tokens: int = Field(0, ge=0, le=WIRE_INT_MAX)                 # extension (vLLM)
+    min_p: Finite = Field(0.0, ge=0.0, le=1.0)                        # extension (vLLM)
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -143,7 +147,6 @@ class ChatCompletionRequest(_Sampling):
 
 # Output-changing fields we do not implement exactly: value that means "off" for each.
 _UNSUPPORTED_EXTRA = {
-    "min_tokens": (0, None), "min_p": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
     "length_penalty": (1, 1.0, None), "use_beam_search": (False, None), "prompt_logprobs": (None, 0),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "response_format": (None, {"type": "text"}), "tools": (None, []),
@@ -158,20 +161,17 @@ _UNSUPPORTED_EXTRA = {
     "web_search_options": (None,), "verbosity": (None,),
 }
 # The same, per endpoint: fields of the other endpoint (or vLLM extensions) that would be ignored here.
-_UNSUPPORTED_EXTRA_COMPLETION = {"max_completion_tokens": (None,), "add_special_tokens": (True, None)}
-_UNSUPPORTED_EXTRA_CHAT = {"echo": (False, None), "add_special_tokens": (False, None)}
+_UNSUPPORTED_EXTRA_COMPLETION = {"max_completion_tokens": (None,), "add_special_tokens": (True, None),
+                                 "top_logprobs": (None,), "messages": (None,)}
+_UNSUPPORTED_EXTRA_CHAT = {"echo": (False, None), "add_special_tokens": (False, None), "prompt": (None,),
+                           "suffix": (None, ""), "best_of": (None, 1)}
 
 
 def unsupported_field(req: _Sampling) -> tuple[str, str] | None:
     """``(param, message)`` for the first output-changing field that is set but not implemented."""
-    checks: list[tuple[str, Any, tuple]] = [
-        ("n", req.n, (1,)),
-        ("presence_penalty", req.presence_penalty, (None, 0, 0.0)),
-        ("frequency_penalty", req.frequency_penalty, (None, 0, 0.0)),
-        ("logit_bias", req.logit_bias, (None, {})),
-    ]
-    if isinstance(req, CompletionRequest):
-        checks += [("best_of", req.best_of, (None, 1)), ("suffix", req.suffix, (None, ""))]
+    checks: list[tuple[str, Any, tuple]] = []
+    if isinstance(req, CompletionRequest):  # best_of == n returns every candidate: no ranking needed
+        checks += [("best_of", req.best_of, (None, 1, req.n)), ("suffix", req.suffix, (None, ""))]
     for name, value, off in checks:
         if not any(value == o and type(value) is type(o) for o in off):
             return name, f"'{name}' = {value!r} is not supported by this server (it would change the output)"
