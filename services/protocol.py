@@ -40,6 +40,7 @@ PROTOCOL_VERSION = 4
 
 MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (OpenAI chat's top_logprobs limit)
 LOGPROB_FLOOR = -9999.0     # logprobs are clamped to [LOGPROB_FLOOR, 0] (finite, JSON-safe; vLLM's floor)
+MAX_LOGIT_BIAS = 300        # logit_bias entries a request may send (OpenAI's limit)
 
 # Allowed tensor dtypes on the wire and their item sizes (names as torch/numpy spell them).
 DTYPE_SIZES: dict[str, int] = {
@@ -132,7 +133,8 @@ class SpecSpec(Struct, **_opts()):
 
 
 class SamplingSpec(Struct, **_opts()):
-    """Sampling settings, mirrors ``SamplingParams`` (the engine validates ranges again)."""
+    """Sampling settings, mirrors ``SamplingParams`` (the engine validates ranges again). The fields
+    after ``logprobs`` (penalties, logit_bias, min_tokens, min_p) are new in protocol v5."""
 
     max_tokens: Annotated[int, Meta(ge=1)] = 128
     temperature: float = 0.0
@@ -142,6 +144,13 @@ class SamplingSpec(Struct, **_opts()):
     stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False
     logprobs: TopK | None = None   # None: no logprobs; k: each token's logprob plus its top-k alternatives
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]],
+                          Meta(max_length=MAX_LOGIT_BIAS)] = {}
+    min_tokens: NonNeg = 0
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
 
 
 class PeerInfo(Struct, **_opts()):

@@ -8,7 +8,8 @@ with the other requests' rounds. Commit is token by token: EOS, stop token ids a
 emitted, counted in usage, or counted in the round statistics. Clock rules: algorithms.md §6.
 
 Logprobs (only when a request asks): the raw target distribution, ``log_softmax`` of the logits
-before temperature / top-p / top-k (vLLM's default), at the row that produced each emitted token:
+before the logit processors, temperature / top-p / top-k / min_p (vLLM's default), at the row that
+produced each emitted token:
 an accepted draft's parent row on the accepted path, the last accepted row for the bonus token,
 the prompt's last position for the first token (bug-classes B19: never the draft's q or a constant).
 """
@@ -26,6 +27,7 @@ from services.protocol import LOGPROB_FLOOR, MAX_TOP_LOGPROBS
 from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
 from services.tree.accept import position_uniforms
 from services.tree.batch import Segment, causal_segment
+from services.tree.logit_processors import LogitOptions, path_counts, process_logits, sample_processed, token_counts
 from services.verifier.drafter_client import DraftJob, DrafterClient
 from services.verifier.policy import Drafted, FixedPolicy, RoundInfo
 from services.verifier.runner import ModelRunner
@@ -49,6 +51,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: each emitted token's raw logprob and its top-k alternatives
+    presence_penalty: float = 0.0    # [-2, 2], over output tokens (logit_processors.py, as every option below)
+    frequency_penalty: float = 0.0   # [-2, 2], times each output token's count
+    repetition_penalty: float = 1.0  # > 0, over prompt + output tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
+    min_tokens: int = 0              # EOS / stop ids masked before this many output tokens
+    min_p: float = 0.0               # [0, 1], relative probability floor (T > 0)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -66,6 +74,22 @@ class SamplingParams:
         if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None (got {lp!r})")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        for name, lo, hi in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not isfinite(v) or not lo <= v <= hi:
+                raise ValueError(f"{name} must be a number in [{lo}, {hi}] (got {v!r})")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (got {r!r})")
+        m = self.min_tokens
+        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens] (got {m!r})")
+        self.logit_bias = dict(self.logit_bias)
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0 (got {t!r})")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not isfinite(b) or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias[{t}] must be a number in [-100, 100] (got {b!r})")
 
 
 @dataclass
@@ -158,6 +182,9 @@ class _Request:
     prefill_seconds: float = 0.0
     generated: int = 0
     sample_seed: int = 0               # T > 0: the token at position t is drawn with position_uniforms(sample_seed, t)
+    logit_opts: LogitOptions | None = None  # None: the raw logits are sampled (no processor is on)
+    out_counts: torch.Tensor | None = None  # [V] float, emitted tokens (with a penalty on)
+    prompt_mask: torch.Tensor | None = None  # [V] bool, prompt tokens (with repetition_penalty)
 
     @property
     def decoding(self) -> bool:
@@ -327,13 +354,31 @@ class SpecEngine:
                              f"context window of {self.max_context} tokens")
         if spec.method != "ar" and self.drafter is None:
             raise ValueError(f"method {spec.method!r} needs a drafter; this server runs without one")
+        bad = [t for t in sampling.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if self.runner.cache.num_free() == 0:
             raise ValueError(f"all {self.config.max_running} KV slots are in use (max_running)")
         seed = sampling.seed  # unseeded T > 0: a seed from torch's global RNG (torch.manual_seed fixes it)
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item()) if sampling.temperature > 0 else 0
-        self._reqs[request_id] = _Request(list(prompt_ids), sampling, spec, slot=self.runner.cache.alloc(),
-                                          sample_seed=seed)
+        req = _Request(list(prompt_ids), sampling, spec, slot=self.runner.cache.alloc(), sample_seed=seed)
+        self._set_logit_opts(req)
+        self._reqs[request_id] = req
+
+    def _set_logit_opts(self, req: _Request) -> None:
+        """The request's :class:`LogitOptions` and count tensors (left None when nothing is on)."""
+        s = req.sampling
+        terminators = tuple(dict.fromkeys((() if s.ignore_eos else tuple(self.eos_token_ids)) + s.stop_token_ids))
+        opts = LogitOptions(float(s.presence_penalty), float(s.frequency_penalty), float(s.repetition_penalty),
+                            tuple((int(t), float(b)) for t, b in s.logit_bias.items()), s.min_tokens, terminators,
+                            float(s.min_p))
+        if not (opts.changes_logits or opts.min_p > 0):
+            return
+        req.logit_opts = opts
+        if opts.needs_counts:
+            req.out_counts = token_counts([], self.vocab_size)
+            req.prompt_mask = token_counts(req.prompt_ids, self.vocab_size) > 0
 
     def abort(self, request_id: str) -> None:
         """Free a request's KV slot and drafter context (idempotent)."""
@@ -522,13 +567,33 @@ class SpecEngine:
         return [(step.logits[s:e], step.features[a:b]) for (s, e), a, b in zip(spans, cu[:-1], cu[1:])]
 
     @staticmethod
-    def _sample(req: _Request, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _sample(req: _Request, logits: torch.Tensor, positions: torch.Tensor, buffers=None) -> torch.Tensor:
         """One token per row of ``logits [R, V]``; row i predicts the token at absolute position
         ``positions[i]`` (``[R]`` long) and, at T > 0, draws it with that position's uniform, so a
-        seeded request's tokens do not depend on how many rows a round verifies (accept.py)."""
+        seeded request's tokens do not depend on how many rows a round verifies (accept.py).
+
+        With logit processors on, each row's logits are processed as if its path had been emitted
+        token by token (``buffers``: the round's verify buffers; None for the prompt's last row).
+        """
         s = req.sampling
         u = None if s.temperature == 0 else position_uniforms(req.sample_seed, positions)
-        return sample_target_tokens(logits, s.temperature, s.top_p, s.top_k, uniforms=u)
+        opts = req.logit_opts
+        if opts is None:
+            return sample_target_tokens(logits, s.temperature, s.top_p, s.top_k, uniforms=u)
+        counts = None
+        if opts.needs_counts:
+            counts = (req.out_counts[None, :] if buffers is None
+                      else path_counts(req.out_counts, buffers.input_ids, buffers.tree_mask))
+            counts = counts.to(logits.device)
+        out_index = positions - len(req.prompt_ids)
+        x = process_logits(logits, opts, counts, None if req.prompt_mask is None else req.prompt_mask, out_index)
+        return sample_processed(x, s.temperature, s.top_p, s.top_k, opts.min_p, uniforms=u)
+
+    @staticmethod
+    def _count(req: _Request, ids: list[int]) -> None:
+        """Add emitted ``ids`` to the request's output counts (a penalty is on)."""
+        if req.out_counts is not None and ids:
+            req.out_counts += token_counts(ids, req.out_counts.shape[0])
 
     def _emit(self, req: _Request, tokens: list[int]) -> tuple[list[int], str | None]:
         """Commit semantics: cut at the first terminator (excluded) or when max_tokens is reached."""
@@ -626,12 +691,13 @@ class SpecEngine:
             return self._finish_chunk(item, logits, feats)
         t2 = time.perf_counter()
         buffers, timings = item.buffers, item.timings
-        target_tokens = self._sample(req, logits, req.start + 1 + buffers.position_offsets)
+        target_tokens = self._sample(req, logits, req.start + 1 + buffers.position_offsets, buffers)
         res = walk(buffers, target_tokens.cpu())
         self.runner.cache.commit(req.slot, req.start, res.accepted_rows)
         rows = res.accepted_rows
         accepted = buffers.input_ids[rows[1:]].tolist()
         ids, finish = self._emit(req, accepted + [res.bonus_token])
+        self._count(req, ids)
         new_ids, new_feats = buffers.input_ids[rows].tolist(), feats[rows.to(feats.device)]
         if item.skipped and req.ctx_feats is not None:  # no drafter call: its context still owes these
             req.ctx_ids.extend(new_ids)
@@ -668,6 +734,7 @@ class SpecEngine:
         req.ctx_feats = torch.cat(req.chunk_feats) if len(req.chunk_feats) > 1 else req.chunk_feats[0]
         req.chunk_feats = []
         ids, finish = self._emit(req, [first])
+        self._count(req, ids)
         if finish is None:
             self._queue_next(item.rid, req, item.knobs)
         dt = req.prefill_seconds + time.perf_counter() - t0

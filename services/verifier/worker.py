@@ -170,7 +170,9 @@ def default_params(gen: Generate, method: str):
     s, p = gen.sampling, gen.spec
     sampling = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                               seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                              logprobs=s.logprobs)
+                              logprobs=s.logprobs, presence_penalty=s.presence_penalty,
+                              frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
+                              logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, min_p=s.min_p)
     spec = SpecParams(method=method, budget=p.budget, width=p.width, depth_bonus=p.depth_bonus,
                       candidates=p.candidates)
     return sampling, spec
