@@ -262,11 +262,17 @@ class ZmqEngineClient(_QueueClient):
 
     async def _ping(self) -> None:
         while True:
+            slept = time.monotonic()
             await asyncio.sleep(self.ping_interval_s)
+            # Woken this late, this process's own loop was blocked: pongs may be waiting unread in the
+            # socket, so the silence says nothing about the verifier; judge at the next ping.
+            stalled = time.monotonic() - slept - self.ping_interval_s > self.ping_timeout_s / 2
             if not self._handshaken:
                 self._send(Hello(PROTOCOL_VERSION, self.local))
                 continue
-            if time.monotonic() - self._last_pong > self.ping_timeout_s:
+            if stalled:
+                log.warning("the gateway's event loop was blocked for %.1f s", time.monotonic() - slept)
+            elif time.monotonic() - self._last_pong > self.ping_timeout_s:
                 self._lost(f"the verifier did not answer for {self.ping_timeout_s:g} s")
                 continue
             self._send(Ping(next(self._nonce)))

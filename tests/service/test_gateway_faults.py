@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -480,3 +481,32 @@ def test_a_huge_body_with_bad_items_is_one_quick_error(bytelevel_dir, body, para
     r, took = run(go())
     assert r.status_code == 400 and r.json()["error"]["param"] == param
     assert len(r.content) < 1000 and took < 5.0, took
+
+
+def test_a_stalled_gateway_loop_is_not_taken_for_a_dead_verifier(tmp_path):
+    """Pongs that arrived while this process's loop was blocked are not a verifier that stopped answering."""
+    import shutil
+    import tempfile
+
+    from tests.doubles import FakeEngine
+
+    from .test_workers import connected_client, gen, running_verifier
+
+    sockdir = tempfile.mkdtemp(prefix="dt-", dir="/tmp")
+    try:
+        engine = FakeEngine(rounds=[[5]] * 40, step_delay_s=0.05)
+        with running_verifier(sockdir, engine) as (_, _, endpoint):
+            async def go():
+                client = await connected_client(endpoint)  # pings every 0.05 s, 1 s timeout
+                chunks = []
+                async for chunk in client.generate(gen("r1", max_tokens=40)):
+                    chunks.append(chunk)
+                    if len(chunks) == 3:
+                        time.sleep(1.5)  # something CPU-bound held the loop for longer than the ping timeout
+                await client.close()
+                return chunks
+
+            chunks = asyncio.run(go())
+        assert chunks[-1].finish_reason is not None and sum(len(c.token_ids) for c in chunks) == 40
+    finally:
+        shutil.rmtree(sockdir, ignore_errors=True)
