@@ -23,7 +23,7 @@ from starlette.responses import Response, StreamingResponse
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, EngineError
 from gateway.logprobs import TokenOut, chat_logprobs, completion_logprobs
-from gateway.requests import Prepared, RequestBuilder, model_name, read_body
+from gateway.requests import Prepared, RequestBuilder, choice_requests, model_name, read_body
 from gateway.schemas import ApiError
 from gateway.text import CompletionText, TextModel
 from services.metrics import GatewayMetrics
@@ -43,6 +43,7 @@ class Delta:
     tokens: list[TokenOut] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | None = None
+    index: int = 0  # the choice it belongs to (``n`` > 1)
 
     @property
     def token_ids(self) -> list[int]:
@@ -141,7 +142,8 @@ class Gateway:
             raise
         log.info("%s: %d prompt tokens, max_tokens %d, stream %s, spec %s", kind, len(prep.gen.prompt_ids),
                  prep.gen.sampling.max_tokens, prep.stream, prep.gen.spec.method or "default")
-        deltas = self._deltas(prep)
+        choices = choice_requests(prep)
+        deltas = self._deltas(prep) if len(choices) == 1 else self._merged(choices)
         try:
             if prep.stream:
                 grace = min(STREAM_START_GRACE_S, self.config.sse_keepalive_s or STREAM_START_GRACE_S)
@@ -225,31 +227,68 @@ class Gateway:
             log.info("finished: %s, %d completion tokens, %.3f s", finish or "abort", text.num_tokens,
                      time.monotonic() - prep.arrival)
 
-    async def _collect(self, prep: Prepared, deltas: AsyncIterator[Delta]) -> tuple[bytes, int]:
-        """The whole response's JSON body and its number of completion tokens. The body is built and
-        encoded on a worker thread: with logprobs a long answer is megabytes of JSON."""
-        parts, tokens, last = [prep.prompt_text] if prep.echo else [], [], Delta("")
-        async for d in deltas:
-            parts.append(d.text)
-            tokens.extend(d.tokens)
-            last = d
-        body = await self.requests.offload(self._body, prep, "".join(parts), tokens, last)
-        return body, len(tokens)
+    async def _merged(self, choices: list[Prepared]) -> AsyncIterator[Delta]:
+        """The deltas of ``n`` choices run concurrently, each tagged with its choice's ``index``, in
+        arrival order; the first error of any choice ends them all (every choice is aborted)."""
+        queue: asyncio.Queue = asyncio.Queue()
 
-    def _body(self, prep: Prepared, text: str, tokens: list[TokenOut], last: Delta) -> bytes:
-        usage = _usage(len(prep.gen.prompt_ids), len(tokens))
-        logprobs = self._logprobs(prep, tokens)
-        if prep.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": last.finish_reason,
-                      "stop_reason": last.stop_reason}
-        if prep.return_token_ids:
-            choice["token_ids"] = [t.token_id for t in tokens]
+        async def pump(choice: Prepared) -> None:
+            try:
+                async for d in self._deltas(choice):
+                    d.index = choice.index
+                    await queue.put(d)
+                await queue.put(None)
+            except Exception as exc:  # handed to the consumer, which raises it
+                await queue.put(exc)
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            done = 0
+            while done < len(choices):
+                item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _collect(self, prep: Prepared, deltas: AsyncIterator[Delta]) -> tuple[bytes, int]:
+        """The whole response's JSON body and its number of completion tokens (all choices). The body
+        is built and encoded on a worker thread: with logprobs a long answer is megabytes of JSON."""
+        parts = [[prep.prompt_text] if prep.echo else [] for _ in range(prep.n)]
+        tokens: list[list[TokenOut]] = [[] for _ in range(prep.n)]
+        last = [Delta("") for _ in range(prep.n)]
+        async for d in deltas:
+            parts[d.index].append(d.text)
+            tokens[d.index].extend(d.tokens)
+            last[d.index] = d
+        body = await self.requests.offload(self._body, prep, ["".join(p) for p in parts], tokens, last)
+        return body, sum(len(t) for t in tokens)
+
+    def _body(self, prep: Prepared, texts: list[str], tokens: list[list[TokenOut]], last: list[Delta]) -> bytes:
+        """The response body: one choice per entry of ``texts`` / ``tokens`` / ``last``; usage counts the
+        prompt once and every choice's completion tokens."""
+        usage = _usage(len(prep.gen.prompt_ids), sum(len(t) for t in tokens))
+        choices = []
+        for i, (text, toks, end) in enumerate(zip(texts, tokens, last)):
+            logprobs = self._logprobs(prep, toks)
+            if prep.kind == "chat":
+                choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                          "finish_reason": end.finish_reason, "stop_reason": end.stop_reason}
+            else:
+                choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": end.finish_reason,
+                          "stop_reason": end.stop_reason}
+            if prep.return_token_ids:
+                choice["token_ids"] = [t.token_id for t in toks]
+            choices.append(choice)
         obj = "chat.completion" if prep.kind == "chat" else "text_completion"
         return _JSON.encode({"id": prep.response_id, "object": obj, "created": prep.created, "model": prep.model,
-                             "choices": [choice], "usage": usage})
+                             "choices": choices, "usage": usage})
 
     async def _sse(self, prep: Prepared, first: Delta | asyncio.Task,
                    deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
@@ -258,7 +297,9 @@ class Gateway:
         ``first``: the first delta, or the task still waiting for it (the response started before the
         first round, see :data:`STREAM_START_GRACE_S`): a keep-alive comment is sent at once then.
         """
-        num_tokens, num_sent, sent_first, carried = 0, 0, False, []
+        num_tokens, num_sent, finished = 0, 0, 0
+        sent_first: set[int] = set()                  # choices whose first event was sent
+        carried: dict[int, list[TokenOut]] = {}      # per choice: tokens of deltas without text
         pending = first if isinstance(first, asyncio.Task) else None
         events = _with_keepalive(deltas, self.config.sse_keepalive_s, self._cut_waiter, pending)
         try:
@@ -268,15 +309,21 @@ class Gateway:
                     yield b": keep-alive\n\n"
                 else:
                     num_tokens += len(d.tokens)
-                    carried += d.tokens  # tokens of a delta without text (none expected) ride with the next event
-                    text = (prep.prompt_text if prep.echo and not sent_first else "") + d.text
-                    if text or d.finish_reason or not sent_first:
-                        sent = len(carried)
-                        yield _event(self._chunk(prep, text, d, carried, not sent_first, num_sent + sent))
+                    # tokens of a delta without text (none expected) ride with the choice's next event
+                    carried.setdefault(d.index, []).extend(d.tokens)
+                    first_event = d.index not in sent_first
+                    text = (prep.prompt_text if prep.echo and first_event else "") + d.text
+                    if text or d.finish_reason or first_event:
+                        toks = carried.pop(d.index)
+                        sent = len(toks)
+                        yield _event(self._chunk(prep, text, d, toks, first_event, num_sent + sent))
                         self.metrics.generation_tokens.inc(sent)  # the event was written to the client
-                        sent_first, carried, num_sent = True, [], num_sent + sent
+                        sent_first.add(d.index)
+                        num_sent += sent
                     if d.finish_reason:
-                        break
+                        finished += 1
+                        if finished == prep.n:
+                            break
                 d = await anext(events, None)
             if prep.include_usage:
                 yield _event({"id": prep.response_id, "object": _chunk_object(prep), "created": prep.created,
@@ -302,9 +349,9 @@ class Gateway:
         logprobs = self._logprobs(prep, tokens)
         if prep.kind == "chat":
             delta = {"role": "assistant", "content": text} if first_event else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            choice = {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            choice = {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
         if d.finish_reason:
             choice["stop_reason"] = d.stop_reason
         if prep.return_token_ids:

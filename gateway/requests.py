@@ -15,12 +15,14 @@ verifier serves.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgspec
 from pydantic import ValidationError
 from starlette.requests import Request
 
@@ -36,7 +38,7 @@ from gateway.schemas import (
     validation_error,
 )
 from gateway.text import PromptTooLong, TemplateError, TextModel
-from services.protocol import METHODS, Generate, SamplingSpec, SpecSpec
+from services.protocol import MAX_LOGIT_BIAS, METHODS, Generate, SamplingSpec, SpecSpec
 
 LARGE_BODY_BYTES = 256 * 1024  # bodies at least this big are prepared on the one-thread large lane
 
@@ -57,6 +59,8 @@ class Prepared:
     return_token_ids: bool
     arrival: float
     continuous_usage: bool = False  # cumulative usage in every stream chunk (stream_options.continuous_usage_stats)
+    n: int = 1                      # choices; each runs as its own engine request (:func:`choice_requests`)
+    index: int = 0                  # this choice's ``index`` in the response
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -124,14 +128,18 @@ class RequestBuilder:
             temperature=self.config.default_temperature if req.temperature is None else req.temperature,
             top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
             stop_token_ids=tuple(self._check_ids(req.stop_token_ids or [], "stop_token_ids")),
-            ignore_eos=req.ignore_eos, logprobs=logprobs)
+            ignore_eos=req.ignore_eos, logprobs=logprobs,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=self._logit_bias(req.logit_bias or {}), min_tokens=self._min_tokens(req, max_tokens),
+            min_p=req.min_p)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Prepared(kind=kind, response_id=f"{prefix}-{log_id}", model=self.model_name,
                         gen=Generate(f"{log_id}-{uuid.uuid4().hex[:8]}", prompt_ids, sampling, self._spec(req)),
                         prompt_text=prompt_text, stop=stop, echo=bool(getattr(req, "echo", False)),
                         stream=req.stream, include_usage=bool(opts and opts.include_usage),
                         return_token_ids=req.return_token_ids, arrival=arrival,
-                        continuous_usage=bool(opts and opts.continuous_usage_stats))
+                        continuous_usage=bool(opts and opts.continuous_usage_stats), n=req.n)
 
     def _prompt(self, req) -> tuple[list[int], str]:
         if isinstance(req, ChatCompletionRequest):
@@ -215,6 +223,37 @@ class RequestBuilder:
                                "invalid_token_id")
         return list(ids)
 
+    def _logit_bias(self, bias: dict) -> dict[int, float]:
+        """``logit_bias`` with token-id keys (OpenAI sends them as strings), checked entry by entry.
+
+        Raises:
+            ApiError: more than :data:`MAX_LOGIT_BIAS` entries, a key that is not a token id of the
+                vocabulary, or a value that is not a number in [-100, 100] (``param`` names the key).
+        """
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ApiError(400, f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                           "logit_bias", "invalid_value")
+        vocab = (self.engine.info.vocab_size if self.engine.info else 0) or self.text.vocab_size
+        out = {}
+        for key, value in bias.items():
+            param = f"logit_bias.{key[:32]}"
+            if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab):
+                raise ApiError(400, f"'logit_bias' key {key[:32]!r} is not a token id in [0, {vocab})", param,
+                               "invalid_token_id")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ApiError(400, f"'logit_bias' value of {key[:32]!r} must be a number in [-100, 100]", param,
+                               "invalid_value")
+            out[int(key)] = float(value)
+        return out
+
+    @staticmethod
+    def _min_tokens(req, max_tokens: int) -> int:
+        """``min_tokens``, at most ``max_tokens`` (a 400 naming it otherwise)."""
+        if req.min_tokens > max_tokens:
+            raise ApiError(400, f"'min_tokens' = {req.min_tokens} is over 'max_tokens' = {max_tokens}", "min_tokens",
+                           "invalid_value")
+        return req.min_tokens
+
     def _limit(self, name: str, local: int) -> int:
         limits = self.engine.info.limits if self.engine.info else None
         values = [v for v in (local, getattr(limits, name, 0) if limits else 0) if v]
@@ -256,6 +295,21 @@ class RequestBuilder:
                            "speculative.budget", "invalid_value")
         return SpecSpec(method=opts.method, budget=opts.budget, width=opts.width, depth_bonus=opts.depth_bonus,
                         candidates=opts.candidates)
+
+
+def choice_requests(prep: Prepared) -> list[Prepared]:
+    """The ``n`` choices of a request, each its own engine request: choice ``i`` has ``index = i``
+    and, when a seed was given, seed ``seed + i`` (wrapped to the signed 64-bit range)."""
+    if prep.n == 1:
+        return [prep]
+    out = []
+    for i in range(prep.n):
+        s = prep.gen.sampling
+        seed = None if s.seed is None else (s.seed + i + 2**63) % 2**64 - 2**63
+        gen = msgspec.structs.replace(prep.gen, request_id=f"{prep.gen.request_id}-{i}",
+                                      sampling=msgspec.structs.replace(s, seed=seed))
+        out.append(dataclasses.replace(prep, gen=gen, index=i))
+    return out
 
 
 def model_name(target: str) -> str:

@@ -87,8 +87,8 @@ def test_openai_client_completions_and_chat_stream_equals_non_stream(bytelevel_d
         assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
         assert [m.id for m in client.models.list().data] == ["tiny"]
         with pytest.raises(openai.BadRequestError) as info:
-            client.completions.create(model="tiny", prompt="x", max_tokens=5, extra_body={"n": 2})
-        assert info.value.body["param"] == "n"
+            client.completions.create(model="tiny", prompt="x", max_tokens=5, extra_body={"best_of": 3})
+        assert info.value.body["param"] == "best_of"
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="x")
 
