@@ -483,7 +483,7 @@ def test_a_huge_body_with_bad_items_is_one_quick_error(bytelevel_dir, body, para
     assert len(r.content) < 1000 and took < 5.0, took
 
 
-def test_a_stalled_gateway_loop_is_not_taken_for_a_dead_verifier(tmp_path):
+def test_a_stalled_gateway_loop_is_not_taken_for_a_dead_verifier():
     """Pongs that arrived while this process's loop was blocked are not a verifier that stopped answering."""
     import shutil
     import tempfile
