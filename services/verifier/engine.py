@@ -582,9 +582,10 @@ class SpecEngine:
             return sample_target_tokens(logits, s.temperature, s.top_p, s.top_k, uniforms=u)
         counts = None
         if opts.needs_counts:
+            if req.out_counts.device != logits.device:  # once: the counts live with the logits
+                req.out_counts, req.prompt_mask = req.out_counts.to(logits.device), req.prompt_mask.to(logits.device)
             counts = (req.out_counts[None, :] if buffers is None
                       else path_counts(req.out_counts, buffers.input_ids, buffers.tree_mask))
-            counts = counts.to(logits.device)
         out_index = positions - len(req.prompt_ids)
         x = process_logits(logits, opts, counts, None if req.prompt_mask is None else req.prompt_mask, out_index)
         return sample_processed(x, s.temperature, s.top_p, s.top_k, opts.min_p, uniforms=u)
@@ -593,7 +594,7 @@ class SpecEngine:
     def _count(req: _Request, ids: list[int]) -> None:
         """Add emitted ``ids`` to the request's output counts (a penalty is on)."""
         if req.out_counts is not None and ids:
-            req.out_counts += token_counts(ids, req.out_counts.shape[0])
+            req.out_counts += token_counts(ids, req.out_counts.shape[0], device=req.out_counts.device)
 
     def _emit(self, req: _Request, tokens: list[int]) -> tuple[list[int], str | None]:
         """Commit semantics: cut at the first terminator (excluded) or when max_tokens is reached."""
