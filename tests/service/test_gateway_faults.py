@@ -510,3 +510,34 @@ def test_a_stalled_gateway_loop_is_not_taken_for_a_dead_verifier():
         assert chunks[-1].finish_reason is not None and sum(len(c.token_ids) for c in chunks) == 40
     finally:
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def test_a_queued_stream_gets_bytes_over_real_http_before_its_first_token(bytelevel_dir):
+    """The same over a real uvicorn socket: status line, headers and a keep-alive comment arrive
+    while the engine has not answered yet (a proxy with an idle timeout sees traffic)."""
+    import socket
+
+    from services.testing import run_uvicorn
+
+    h = GatewayHarness(bytelevel_dir, sse_keepalive_s=0.3)
+    h.script = lambda gen: Script(h.text.encode("Hello world", add_special_tokens=False), delay_s=2.5)
+    body = json.dumps({"prompt": "x", "max_tokens": 4, "stream": True}).encode()
+    with run_uvicorn(h.app) as base:
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json"
+                         f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+            sock.settimeout(1.5)
+            early = b""
+            try:
+                while b": keep-alive" not in early:
+                    early += sock.recv(65536)
+            except TimeoutError:
+                pass
+            sock.settimeout(10)
+            rest = b""
+            while chunk := sock.recv(65536):
+                rest += chunk
+    assert early.startswith(b"HTTP/1.1 200 ") and b"text/event-stream" in early, early[:300]
+    assert b": keep-alive" in early and b"data: {" not in early
+    assert b"data: {" in rest and b"data: [DONE]" in rest  # (chunked transfer encoding around the events)
