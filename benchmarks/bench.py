@@ -316,8 +316,6 @@ class Bench:
     def ensure_engine(self) -> None:
         if self.engine is not None:
             return
-        import torch
-
         from services.generate import build_inprocess
 
         kw = {}
@@ -330,24 +328,24 @@ class Bench:
                                                            packed_gemm=self.cfg.get("packed_gemm", True),
                                                            weights=fmt, compile=self.cfg.get("compile", False), **kw)
         svc = getattr(self.engine.drafter, "service", None)
-        d = getattr(svc, "defaults", None)
-        self.defaults = {k: getattr(d, k) for k in ("budget", "width", "depth_bonus", "candidates")} if d else {}
+        d = self.engine.policy.defaults  # the knobs a request leaves unset (the verifier's defaults)
+        self.defaults = {k: getattr(d, k) for k in ("budget", "width", "depth_bonus", "candidates")}
         if self.cfg.get("packed_gemm", True):  # before any cell: every cell sees the same packs whatever the order
             self.engine.target.pack_for_rounds(int(self.knobs()["budget"]), self.engine.max_draft_depth)
         if self.cfg.get("spec_policy", "fixed") != "fixed":  # after packing: its cost sweep times the packed forwards
             from services.verifier.policy import attach_policy
 
             attach_policy(self.engine, self.cfg["spec_policy"], self.target_dir.name, self.engine.target.weights,
-                          self.cfg["device"])
+                          self.cfg["device"], defaults=self.engine.policy.defaults)
         if svc is not None and hasattr(svc, "info"):
             self.supported = set(svc.info()["methods"]) | set(PEERS)
 
     def knobs(self, overrides: dict | None = None) -> dict:
         """Effective tree knobs: flags, else the engine defaults (needs the engine for the defaults)."""
-        from services.drafter.service import TreeDefaults
+        from services.spec import DEFAULT_KNOBS
 
-        base = self.defaults or {k: getattr(TreeDefaults(), k) for k in ("budget", "width", "depth_bonus",
-                                                                         "candidates")}
+        base = self.defaults or {k: getattr(DEFAULT_KNOBS, k) for k in ("budget", "width", "depth_bonus",
+                                                                        "candidates")}
         flags = {"budget": self.a.budget, "width": self.a.width, "depth_bonus": self.a.depth_bonus,
                  "candidates": self.a.candidates}
         out = {k: (flags[k] if flags[k] is not None else base[k]) for k in base}

@@ -340,9 +340,8 @@ def replay_turn(engine, tok, prompt_ids: list[int], ref: list[int], finish: str 
         The sample record of :func:`engine_turn` with ``replay: True``.
     """
     from services.verifier.engine import SpecParams
-    from services.verifier.policy import fill_knobs
 
-    spec = fill_knobs(SpecParams(method, **knobs), None)
+    spec = SpecParams(method, **knobs)  # replay_rounds resolves the unset knobs as the engine's policy does
     taus: list[int] = []
     for r in replay_rounds(engine, prompt_ids, ref, finish, spec, request_id):
         taus.append(r.emitted)

@@ -71,9 +71,11 @@ def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, 
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from services.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
-    from services.drafter.service import DrafterService, default_tree_knobs
+    from services.drafter.service import DrafterService
+    from services.spec import default_tree_knobs
     from services.verifier.drafter_client import InprocDrafterClient
     from services.verifier.engine import EngineConfig, SpecEngine
+    from services.verifier.policy import FixedPolicy
     from services.verifier.target import TargetModel
 
     t = spec["target"]
@@ -97,11 +99,11 @@ def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, 
                          **spec["drafter"])
     with torch.device(device):
         drafter = DFlashDrafter(dcfg).to(dtype).eval()
-    service = DrafterService(drafter, target.embed_tokens(), target.lm_head(), default_tree_knobs(device),
+    service = DrafterService(drafter, target.embed_tokens(), target.lm_head(),
                              description="random weights (gpu_check)", packed_gemm=False)
     engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(max_running=1, max_context=max_context,
                                                                        cuda_graphs=graphs),
-                        max_draft_depth=dcfg.num_draft_slots)
+                        max_draft_depth=dcfg.num_draft_slots, policy=FixedPolicy(defaults=default_tree_knobs(device)))
     if device.startswith("cuda"):
         synchronize_phases(engine, service)
     return engine

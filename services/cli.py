@@ -38,8 +38,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
     p.add_argument("--seed", type=_seed, default=None, help="sampling seed, 64-bit (default: random)")
-    p.add_argument("--budget", type=int, default=None, help="tree budget B: nodes per draft tree "
-                   "(default: the drafter's, 8 on CPU, 64 on CUDA)")
+    p.add_argument("--budget", type=int, default=None, help="default tree budget B, as serve's: the tree of "
+                   "every round under --spec-policy fixed, the policy's maximum B_max under goodput "
+                   "(default: 8 on CPU, 64 on CUDA)")
     p.add_argument("--width", type=int, default=None, help="tree width W: children kept per node (default: 12)")
     p.add_argument("--depth-bonus", type=float, default=None, help="depth bonus beta <= 0 of the pruned "
                    "DARTree score (default: -0.2)")

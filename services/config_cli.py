@@ -131,7 +131,7 @@ HELP_GROUPS = {
     "Verifier: scheduling": ("max_running", "max_waiting", "max_context", "prefill_chunk", "max_step_tokens",
                              "kv_bucket", "overlap"),
     "Verifier: speculation": ("default_method", "spec_policy", "spec_max_budget", "cost_sweep", "tree_schedule"),
-    "Drafter: tree defaults": ("budget", "width", "depth_bonus", "candidates"),
+    "Verifier: tree defaults": ("budget", "width", "depth_bonus", "candidates"),
     "Links between the processes": ("verifier_endpoint", "drafter_endpoint", "draft_timeout_s", "drafter_wait_s",
                                     "health_interval_s", "cuda_ipc", "ipc_slots", "ipc_slot_bytes",
                                     "max_tensor_bytes"),

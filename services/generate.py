@@ -7,7 +7,6 @@ import re
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import torch
 
@@ -17,6 +16,9 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
                     compile_drafter: bool | None = None):
     """Load target + drafter in one process: ``(engine, tokenizer, drafter_note)``.
 
+    ``defaults``: the engine's default tree knobs (a :class:`services.spec.TreeKnobs`, every one set;
+    None = :func:`services.spec.default_tree_knobs` on CPU), what a request leaves unset is taken from
+    them by the engine's policy (:class:`services.verifier.policy.FixedPolicy`).
     ``packed_gemm``: pre-pack float32 CPU weights for the default tree's verify rows (B + 1), a chain
     method's (draft slots + 1) and the drafter's block (:mod:`services.cpu_gemm`).
 
@@ -36,11 +38,13 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     from services.hf_compat import quiet_progress_bars
 
     from services.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
-    from services.drafter.service import borrow_target_io, default_tree_knobs, make_service
+    from services.drafter.service import borrow_target_io, make_service
     from services.drafter.worker import check_drafter_dir
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
+    from services.spec import default_tree_knobs
     from services.verifier.drafter_client import InprocDrafterClient
     from services.verifier.engine import SpecEngine
+    from services.verifier.policy import FixedPolicy
     from services.verifier.target import TargetModel
     from services.weights import drafter_dtype
 
@@ -65,12 +69,12 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype, weights=weights)
     defaults = defaults or default_tree_knobs("cpu")
     embed, head = borrow_target_io(target.embed_tokens(), target.lm_head(), ddtype)
-    service = make_service(drafter, embed, head, defaults, description=note,
+    service = make_service(drafter, embed, head, description=note,
                            packed_gemm=packed_gemm, compile=compile and compile_drafter is not False)
     from services.verifier.engine import EngineConfig
 
     engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(compile=compile),
-                        max_draft_depth=drafter.config.num_draft_slots)
+                        max_draft_depth=drafter.config.num_draft_slots, policy=FixedPolicy(defaults=defaults))
     if packed_gemm:
         target.pack_for_rounds(defaults.budget, engine.max_draft_depth, lazy=True)  # packed on first use
     if compile:
@@ -97,14 +101,23 @@ def round_tokens(out) -> int:
 
 
 def run_generate(a) -> int:
-    """Entry of ``dartree generate``."""
+    """Entry of ``dartree generate``.
+
+    ``--budget`` / ``--width`` / ``--depth-bonus`` / ``--candidates`` are the engine's default tree
+    knobs, as ``dartree serve``'s are the verifier's: under ``--spec-policy fixed`` every round
+    verifies a whole tree of ``--budget`` nodes; under ``goodput`` ``--budget`` is the policy's B_max
+    (its drafter call's budget, the most nodes it verifies). Unset: :func:`services.spec.default_tree_knobs`.
+    """
+    from services.spec import TreeKnobs, check_tree_knobs, default_tree_knobs
     from services.verifier.engine import SamplingParams, SpecParams
 
     sampling = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
     try:
-        spec = SpecParams(a.method, a.budget, a.width, a.depth_bonus, a.candidates)
+        check_tree_knobs(a.budget, a.width, a.depth_bonus, a.candidates)
+        spec = SpecParams(a.method)
     except ValueError as e:  # the knob checks name the request fields (speculative.budget): name the flags
         raise ValueError(re.sub(r"speculative\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(e))) from None
+    defaults = TreeKnobs(a.budget, a.width, a.depth_bonus, a.candidates).filled_from(default_tree_knobs("cpu"))
     if not a.prompt.strip() and not a.chat:
         raise ValueError("the prompt is empty")
     packed = getattr(a, "packed_gemm", True)
@@ -112,21 +125,17 @@ def run_generate(a) -> int:
     from services.weights import resolve_cli_weights
 
     weights, dtype = resolve_cli_weights(getattr(a, "weights", None), a.dtype, resolve_target(a.target))
-    engine, tok, note = build_inprocess(a.target, a.drafter, dtype, packed_gemm=packed, weights=weights,
+    engine, tok, note = build_inprocess(a.target, a.drafter, dtype, defaults, packed_gemm=packed, weights=weights,
                                         compile=getattr(a, "compile", False),
                                         compile_drafter=a.method != "ar")  # ar never calls the drafter
     served = engine.drafter.info()["methods"]  # services.protocol.served_methods of its kind, "ar" included
     if a.method not in served:  # before any text is printed
         raise ValueError(f"method {a.method!r} is not served by this drafter ({note}); it serves {', '.join(served)}")
-    if packed and a.budget and a.method not in ("ar", "dflash", "domino"):
-        engine.target.pack_gemm([a.budget + 1], lazy=True)  # this run's verify rows
     policy = getattr(a, "spec_policy", "fixed")
     if policy != "fixed":
-        from services.models.registry import resolve_target
         from services.verifier.policy import attach_policy
 
-        attach_policy(engine, policy, resolve_target(a.target).name, engine.target.weights, max_budget=a.budget)
-        spec = SpecParams(a.method, None, a.width, a.depth_bonus, a.candidates)  # --budget is the policy's B_max
+        attach_policy(engine, policy, resolve_target(a.target).name, engine.target.weights, defaults=defaults)
     svc = getattr(engine.drafter, "service", None)
     steps_warmed = engine.runner.compiled or engine.runner.graphed
     drafter_compiled = getattr(svc, "compiled", False)

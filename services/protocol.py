@@ -35,8 +35,9 @@ from services.spec import (DFLASH_METHODS, EAGLE3_METHODS, HEAD_METHODS, MARKOV_
                            METHODS, served_methods)
 
 # v2: SamplingSpec.logprobs, RoundChunk.logprobs; v3: DraftBatch; v4: drafts travel only in DraftBatch
-# (DraftRequest is its job, no longer a message of its own: tag 20 is unused)
-PROTOCOL_VERSION = 4
+# (DraftRequest is its job, no longer a message of its own: tag 20 is unused); v5: PeerInfo.default_spec
+# is gone (the verifier owns the tree defaults; every draft job carries resolved knobs)
+PROTOCOL_VERSION = 5
 
 MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (OpenAI chat's top_logprobs limit)
 LOGPROB_FLOOR = -9999.0     # logprobs are clamped to [LOGPROB_FLOOR, 0] (finite, JSON-safe; vLLM's floor)
@@ -169,7 +170,6 @@ class PeerInfo(Struct, **_opts()):
     max_context: NonNeg = 0                 # target context window (prompt + generated tokens)
     model: ShortStr = ""                    # served model name
     methods: tuple[ShortStr, ...] = ()      # speculative methods this peer serves
-    default_spec: SpecSpec | None = None    # server defaults (verifier -> gateway)
     limits: Limits | None = None
     device: ShortStr = ""                   # "cpu", "cuda:0", ...
     pool: PoolHandle | None = None          # this peer's CUDA-IPC send pool
@@ -279,7 +279,7 @@ class DraftRequest(Struct, **_opts()):
     features: TensorMeta                # [len(committed_ids), F] target features at those positions
     root_token: TokenId                 # last committed token (root of the tree)
     start: NonNeg                       # position of the root
-    spec: SpecSpec                      # method always set (the verifier resolved the defaults)
+    spec: SpecSpec                      # method and every tree knob set (resolved by the verifier's policy)
     max_depth: NonNeg | None = None     # cap on tree depth (context-window limit)
 
 

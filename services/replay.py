@@ -60,15 +60,19 @@ def replay_rounds(engine, prompt_ids: list[int], ref: list[int], finish: str | N
 
     Args:
         engine: anything with ``target`` (``teacher_forced``), ``drafter`` (a drafter client: ``submit``,
-            ``collect``, ``release``) and ``draft_depth(start)``, e.g. :class:`services.verifier.engine.SpecEngine`.
+            ``collect``, ``release``), ``draft_depth(start)`` and ``policy.defaults`` (the resolved
+            default knobs), e.g. :class:`services.verifier.engine.SpecEngine`.
         ref: the ``ar`` output token ids (terminator excluded, as the engine returns them).
-        spec: the request's speculation knobs (``method, budget, width, depth_bonus, candidates``).
+        spec: the request's speculation knobs (``method, budget, width, depth_bonus, candidates``;
+            an unset knob takes the engine policy's default: every round drafts the whole tree).
     Yields:
         :class:`ReplayRound` per round; the drafter context is released when the generator ends or closes.
     """
     from services.tree import DraftTree
     from services.verifier.drafter_client import DraftJob
+    from services.verifier.policy import resolve_knobs
 
+    knobs = resolve_knobs(spec, engine.policy.defaults)
     seq = list(ref)
     argmax, feats = engine.target.teacher_forced(list(prompt_ids) + seq)
     if finish == "stop":
@@ -82,7 +86,7 @@ def replay_rounds(engine, prompt_ids: list[int], ref: list[int], finish: str | N
             depth = engine.draft_depth(start)
             tree, dt = DraftTree.empty(), {}
             if depth > 0:
-                job = DraftJob(request_id, ctx_ids, ctx_feats, seq[i], start, spec, depth)
+                job = DraftJob(request_id, ctx_ids, ctx_feats, seq[i], start, spec.method, knobs, depth)
                 tree, dt = engine.drafter.collect(engine.drafter.submit([job])[0])
             a = len(walk_reference(tree, seq, i))
             emitted = min(a + 1, len(seq) - (i + 1))

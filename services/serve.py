@@ -455,7 +455,7 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
     # fails here, in one line, with nothing to clean up
     config_from_args(GatewayConfig, args)
     config_from_args(VerifierWorkerConfig, args)
-    config_from_args(DrafterWorkerConfig, args)  # its tree knobs are checked even when no drafter runs
+    config_from_args(DrafterWorkerConfig, args)
     preflight(args, use_drafter)
     with phase("supervisor", "target and weight format resolved"):
         target, fmt, act_dtype, drafter_dtype = _resolve_model(args)

@@ -1,4 +1,5 @@
-"""Speculation settings, torch-free: the methods, the tree knobs with their limits, the policy names.
+"""Speculation settings, torch-free: the methods, the tree knobs with their limits and defaults, the
+load-dependent tree schedule, the policy names.
 
 Every other module takes these names from here (the wire protocol, the CLIs, the workers, the
 benchmarks and the test doubles), so a method or a policy is spelled in one place.
@@ -7,6 +8,7 @@ benchmarks and the test doubles), so a method or a policy is spelled in one plac
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from math import isfinite
 
@@ -164,3 +166,84 @@ class TreeKnobs:
     def astuple(self) -> tuple:
         """``(budget, width, depth_bonus, candidates)``."""
         return (self.budget, self.width, self.depth_bonus, self.candidates)
+
+    def is_resolved(self) -> bool:
+        """Whether every knob is set (what a drafter call needs)."""
+        return None not in self.astuple()
+
+
+# The paper's tree knobs (B=64, W=12, beta=-0.2, K=64): the CUDA default, and the engine's when it is
+# given no policy.
+DEFAULT_KNOBS = TreeKnobs(budget=64, width=12, depth_bonus=-0.2, candidates=64)
+
+
+def default_tree_knobs(device: str = "cpu") -> TreeKnobs:
+    """The verifier's default tree knobs on ``device``: :data:`DEFAULT_KNOBS` on CUDA, B=8 on CPU.
+
+    On CPU a tree verify costs 1.5-3.4 one-token steps (4-64 nodes, weights pre-packed), so small
+    trees win: in ``dartree bench --skip-main --datasets gsm8k --sweep-grid --sweep-budget 4 8 12 16
+    24 32 --sweep-width 4 8 12 --sweep-prompts 6`` on a 2-core machine
+    (benchmarks/results/2026-11-30-cpu2-packed-sweep) B=4..12 were within 2 % of each other
+    (0.86-0.90x of ``ar``) and larger B slower; B=8, W=12 (0.89x, tau 1.89) is the middle of that
+    plateau.
+    """
+    if str(device).startswith("cuda"):
+        return DEFAULT_KNOBS
+    return TreeKnobs(budget=8, width=12, depth_bonus=-0.2, candidates=64)
+
+
+# ------------------------------------------------------------------------------------ tree schedule
+
+_STEP_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class TreeSchedule:
+    """``--tree-schedule``: ``steps`` are ``(min_running, budget, width)`` with strictly increasing
+    ``min_running``; the verifier's policy picks a step per round from the running count
+    (docs/configuration.md, "Tree defaults")."""
+
+    steps: tuple[tuple[int, int, int], ...]
+
+    def pick(self, num_running: int) -> tuple[int, int] | None:
+        """``(budget, width)`` of the last step whose threshold is <= ``num_running`` (None: below all)."""
+        chosen = None
+        for min_running, budget, width in self.steps:
+            if num_running < min_running:
+                break
+            chosen = (budget, width)
+        return chosen
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}:{b}x{w}" for n, b, w in self.steps)
+
+
+def parse_tree_schedule(text: str, max_budget: int = MAX_BUDGET, max_running: int | None = None
+                        ) -> TreeSchedule | None:
+    """Parse ``"N:BxW,N:BxW,..."`` ("" or "none" = no schedule).
+
+    Raises:
+        ValueError: one line naming the bad step: malformed, threshold < 1 or not increasing
+            (or above ``max_running``, where it could never apply), budget outside
+            ``[1, max_budget]``, width outside ``[1, MAX_WIDTH]``.
+    """
+    if text.strip().lower() in ("", "none"):
+        return None
+    steps: list[tuple[int, int, int]] = []
+    for part in text.split(","):
+        m = _STEP_RE.match(part)
+        if m is None:
+            raise ValueError(f"tree_schedule: {part.strip()!r} is not MIN_RUNNING:BUDGETxWIDTH "
+                             f"(example: 1:16x12,4:8x6)")
+        n, b, w = (int(g) for g in m.groups())
+        if n < 1 or (steps and n <= steps[-1][0]):
+            raise ValueError(f"tree_schedule: thresholds must be >= 1 and strictly increasing (got {n} "
+                             f"after {steps[-1][0] if steps else 'nothing'})")
+        if max_running is not None and n > max_running:
+            raise ValueError(f"tree_schedule: threshold {n} exceeds max_running {max_running} (it could never apply)")
+        if not 1 <= b <= max_budget:
+            raise ValueError(f"tree_schedule: budget {b} (at {n} running) must be in [1, {max_budget}]")
+        if not 1 <= w <= MAX_WIDTH:
+            raise ValueError(f"tree_schedule: width {w} (at {n} running) must be in [1, {MAX_WIDTH}]")
+        steps.append((n, b, w))
+    return TreeSchedule(tuple(steps))

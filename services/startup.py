@@ -105,7 +105,7 @@ def kv_committed_bytes(cache) -> int:
 def kv_capacity(max_context: int, target_max_context: int, prefill_chunk: int) -> int:
     """Positions per KV slot, as :class:`services.verifier.engine.SpecEngine` sizes them: the context
     allowed plus room for the widest step segment past it."""
-    from services.verifier.schedule import MAX_BUDGET
+    from services.spec import MAX_BUDGET
 
     ctx = min(max_context or target_max_context, target_max_context)
     return ctx + max(MAX_BUDGET + 1, prefill_chunk)

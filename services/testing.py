@@ -205,24 +205,35 @@ def tiny_eagle3(target, seed: int = 1, std: float = 0.2, draft_vocab_size: int |
     return d.to(target.dtype).eval()
 
 
-def tiny_service(target, drafter=None, defaults=None, **kw):
+def tiny_service(target, drafter=None, **kw):
     """A :class:`DrafterService` borrowing ``target``'s embedding and lm_head."""
-    from services.drafter.service import TreeDefaults, make_service
+    from services.drafter.service import make_service
 
     drafter = drafter if drafter is not None else tiny_drafter(target, **kw)
-    return make_service(drafter, target.embed_tokens(), target.lm_head(), defaults or TreeDefaults())
+    return make_service(drafter, target.embed_tokens(), target.lm_head())
+
+
+def draft_job(request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int, spec,
+              max_depth: int | None = None):
+    """A :class:`services.verifier.drafter_client.DraftJob` for ``spec`` (anything with ``method,
+    budget, width, depth_bonus, candidates``), its unset knobs taken from
+    :data:`services.spec.DEFAULT_KNOBS` (as the engine's default policy resolves them)."""
+    from services.spec import DEFAULT_KNOBS, TreeKnobs
+    from services.verifier.drafter_client import DraftJob
+
+    knobs = TreeKnobs(spec.budget, spec.width, spec.depth_bonus, spec.candidates).filled_from(DEFAULT_KNOBS)
+    return DraftJob(request_id, committed_ids, features, root_token, start, spec.method, knobs, max_depth)
 
 
 def draft_one(service, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int,
               spec, max_depth: int | None = None) -> tuple[DraftTree, dict[str, float]]:
-    """One request's draft as a batch of one (``service.draft_batch``): ``(tree, timings in s)``.
+    """One request's draft as a batch of one (``service.draft_batch``, the job from :func:`draft_job`):
+    ``(tree, timings in s)``.
 
     Raises:
         whatever the job raised (e.g. ValueError for an inconsistent context).
     """
-    from services.verifier.drafter_client import DraftJob
-
-    out = service.draft_batch([DraftJob(request_id, committed_ids, features, root_token, start, spec, max_depth)])[0]
+    out = service.draft_batch([draft_job(request_id, committed_ids, features, root_token, start, spec, max_depth)])[0]
     if isinstance(out, BaseException):
         raise out
     return out

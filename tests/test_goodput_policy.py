@@ -99,8 +99,8 @@ def test_a_long_catch_up_keeps_a_request_plain():
         st.last_tree, st.fresh, st.interval = tree, False, 10 ** 6
     pol.begin_step([RoundInfo("near", "dartree-pruned", 0.0, True, owed=2),
                     RoundInfo("far", "dartree-pruned", 0.0, True, owed=400)])
-    assert pol.draft_spec("near", _Spec(), None) is not None
-    assert pol.draft_spec("far", _Spec(), None) is None
+    assert pol.draft_knobs("near", _Spec()) is not None
+    assert pol.draft_knobs("far", _Spec()) is None
 
 
 def test_calibration_sweep_and_cache(tmp_path):
@@ -327,7 +327,7 @@ def _drive(pol, trees_by_round, accept, rid="r"):
     for k, tree in enumerate(trees_by_round):
         info = RoundInfo(rid, "dartree-pruned", 0.0, can_draft=True)
         pol.begin_step([info])
-        spec = pol.draft_spec(rid, _Spec(), None)
+        spec = pol.draft_knobs(rid, _Spec())
         drafted = spec is not None
         sel = pol.select([Drafted(info, tree if drafted else DraftTree.empty(), drafted)])[rid]
         budgets.append(sel.budget if drafted else -1)
@@ -387,7 +387,7 @@ def _drive_timed(pol, rounds, draft_s, step_s=0.02, rid="t"):
     for k in range(rounds):
         info = RoundInfo(rid, "dartree-pruned", 0.0, can_draft=True)
         pol.begin_step([info])
-        drafted = pol.draft_spec(rid, _Spec(), None) is not None
+        drafted = pol.draft_knobs(rid, _Spec()) is not None
         sel = pol.select([Drafted(info, tree if drafted else DraftTree.empty(), drafted)])[rid]
         pol.observe_round(rid, [99] * (tree.max_depth + 1))
         w = step_s + (draft_s if drafted else 0.0)
@@ -427,13 +427,13 @@ def test_a_prompt_chunk_in_the_step_does_not_make_a_draft_look_cheap():
     decisions = []
     for extra in (0, 500):
         pol.begin_step([RoundInfo("r", "dartree-pruned", 0.0, True, owed=1)], extra_rows=extra)
-        decisions.append(pol.draft_spec("r", _Spec(), None) is not None)
+        decisions.append(pol.draft_knobs("r", _Spec()) is not None)
     assert decisions == [False, False], decisions
     # and a forecast that pays without the chunk still pays with it
     pol._sorted_p = lambda *a, **k: (torch.full((8,), 0.95, dtype=torch.float64), torch.arange(8))
     for extra in (0, 500):
         pol.begin_step([RoundInfo("r", "dartree-pruned", 0.0, True, owed=1)], extra_rows=extra)
-        assert pol.draft_spec("r", _Spec(), None) is not None
+        assert pol.draft_knobs("r", _Spec()) is not None
 
 
 def test_explorations_due_in_one_step_share_the_time_budget():
@@ -449,7 +449,7 @@ def test_explorations_due_in_one_step_share_the_time_budget():
         st.last_tree, st.fresh, st.interval, st.since_draft = tree, False, 4, 10
     pol._sorted_p = lambda *a, **k: (torch.zeros(8, dtype=torch.float64), torch.arange(8))  # forecasts never pay
     pol.begin_step([RoundInfo(r, "dartree-pruned", 0.0, True, owed=1) for r in rids])
-    drafting = [r for r in rids if pol.draft_spec(r, _Spec(), None) is not None]
+    drafting = [r for r in rids if pol.draft_knobs(r, _Spec()) is not None]
     assert len(drafting) == 1, drafting
 
 
@@ -533,7 +533,7 @@ def _simulate(policy, c, cond, steps=400, budget=8, seed=0):
         infos = [RoundInfo(r, "dartree-pruned", 0.0, can_draft=policy is not None) for r in rids]
         if isinstance(policy, GoodputPolicy):
             policy.begin_step(infos)
-            drafted = {r: policy.draft_spec(r, _Spec(), None) is not None for r in rids}
+            drafted = {r: policy.draft_knobs(r, _Spec()) is not None for r in rids}
             sel = policy.select([Drafted(i, tree if drafted[i.rid] else DraftTree.empty(), drafted[i.rid])
                                  for i in infos])
             verified = {r: sel[r].tree for r in rids}

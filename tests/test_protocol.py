@@ -19,8 +19,7 @@ def _info(**kw) -> p.PeerInfo:
 
 EXAMPLES = [
     p.Hello(p.PROTOCOL_VERSION, _info()),
-    p.HelloAck(p.PROTOCOL_VERSION, True, _info(role="drafter", limits=p.Limits(max_context=2048),
-                                               default_spec=p.SpecSpec(method="ar", budget=8))),
+    p.HelloAck(p.PROTOCOL_VERSION, True, _info(role="drafter", limits=p.Limits(max_context=2048))),
     p.Ping(7),
     p.Pong(7, "e1", True, num_running=2, num_waiting=1),
     p.Generate("r1", [1, 2, 3], p.SamplingSpec(max_tokens=5, temperature=0.5, seed=3, stop_token_ids=(9,), logprobs=5),
@@ -131,7 +130,7 @@ def test_bad_logprobs_are_refused(parts):
 
 
 def test_a_whole_round_with_top_20_logprobs_fits_the_body_limit():
-    from services.verifier.schedule import MAX_BUDGET
+    from services.spec import MAX_BUDGET
 
     n, k = MAX_BUDGET + 1, p.MAX_TOP_LOGPROBS  # every draft node accepted plus the bonus
     lp = p.TokenLogprobs([-1234.5678901] * n, [[2**31 - 1] * k] * n, [[-1234.5678901] * k] * n)

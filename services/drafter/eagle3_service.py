@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from services.drafter.eagle3 import Eagle3Drafter
-from services.drafter.tree_defaults import TreeDefaults
 from services.protocol import MARKOV_METHODS, METHODS, served_methods
 from services.tree import DraftTree
 from services.tree.eagle import eagle_tree
@@ -30,23 +29,23 @@ from services.tree.eagle import eagle_tree
 class Eagle3Service:
     """Owns an EAGLE-3 drafter, the borrowed target embedding, and per-request drafter caches.
 
-    Tree knobs: ``budget`` (B, nodes kept; the paper's Table 4 uses 64); ``width``, ``depth_bonus`` and
-    ``candidates`` are DARTree's and not used; k and the depth are the drafter config's ``top_k`` / ``depth``.
+    Tree knobs (each job's, resolved by the verifier): ``budget`` (B, nodes kept; the paper's Table 4
+    uses 64); ``width``, ``depth_bonus`` and ``candidates`` are DARTree's and not used; k and the
+    depth are the drafter config's ``top_k`` / ``depth``.
 
     Args:
         drafter: :class:`Eagle3Drafter` (eval mode); embed: the target's ``embed_tokens``.
-        defaults: server defaults of the tree knobs; description: shown in the handshake.
+        description: shown in the handshake.
         packed_gemm: pre-pack the float32 CPU linears for the frontier / block row counts.
     """
 
     kind = "eagle3"
 
-    def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Module, defaults: TreeDefaults = TreeDefaults(),
-                 description: str = "", packed_gemm: bool = True):
+    def __init__(self, drafter: Eagle3Drafter, embed: torch.nn.Module, description: str = "",
+                 packed_gemm: bool = True):
         self.drafter, self.embed = drafter.eval(), embed
         self.cfg = drafter.config
         self.d2t = drafter.draft_to_target()
-        self.defaults = defaults
         self.description = description
         self.dtype = next(drafter.parameters()).dtype
         if packed_gemm:
@@ -77,17 +76,19 @@ class Eagle3Service:
         for d in (self._k, self._v, self._len, self._last):
             d.pop(request_id, None)
 
-    def _check_job(self, committed_ids, features: Tensor, spec) -> None:
+    def _check_job(self, committed_ids, features: Tensor, method: str, spec) -> None:
         if features.shape[0] != len(committed_ids):
             raise ValueError("features must have one row per committed token")
         if features.ndim != 2 or features.shape[1] != self.cfg.feature_dim:
             raise ValueError(f"features must be [n, {self.cfg.feature_dim}], got {tuple(features.shape)}")
-        if spec.method not in METHODS or spec.method == "ar":
-            raise ValueError(f"method {spec.method!r} does not draft (choose from {METHODS[1:]})")
-        if spec.method != "eagle3":
-            need = "a DSpark (Markov head) drafter" if spec.method in MARKOV_METHODS else "a DFlash-family drafter"
-            raise ValueError(f"method {spec.method!r} needs {need}; this eagle3 drafter serves "
+        if method not in METHODS or method == "ar":
+            raise ValueError(f"method {method!r} does not draft (choose from {METHODS[1:]})")
+        if method != "eagle3":
+            need = "a DSpark (Markov head) drafter" if method in MARKOV_METHODS else "a DFlash-family drafter"
+            raise ValueError(f"method {method!r} needs {need}; this eagle3 drafter serves "
                              f"{', '.join(served_methods('eagle3'))}")
+        if not spec.is_resolved():
+            raise ValueError(f"a draft job's tree knobs must all be set by the verifier (got {spec})")
 
     def _append(self, request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int) -> None:
         """Append the pairs ``(fc(f_i), token_{i+1})`` of positions ``[start - n, start)`` to the cache."""
@@ -113,7 +114,7 @@ class Eagle3Service:
 
     def _tree(self, request_id: str, start: int, spec, max_depth: int | None) -> DraftTree:
         c, m = self.cfg, self.drafter
-        budget = spec.budget if spec.budget is not None else self.defaults.budget
+        budget = spec.budget
         top_k = c.top_k
         depth = c.depth if max_depth is None else max(0, min(max_depth, c.depth))
         if depth == 0 or budget == 0:
@@ -155,7 +156,7 @@ class Eagle3Service:
     def _draft_one(self, job) -> tuple[DraftTree, dict[str, float]]:
         """One job's tree: ``(tree, {"draft": s, "tree_build": s})``; ``draft`` = appending the
         context rows, ``tree_build`` = the expansion (drafter calls included) and the rerank."""
-        self._check_job(job.committed_ids, job.features, job.spec)
+        self._check_job(job.committed_ids, job.features, job.method, job.spec)
         t0 = time.perf_counter()
         self._append(job.request_id, job.committed_ids, job.features, job.root_token, job.start)
         t1 = time.perf_counter()

@@ -3,7 +3,7 @@
 One call per step, for every drafting request at once (:meth:`DrafterService.draft_batch`): append
 each request's newly committed target features to its drafter context (K/V only), run the blocks
 ``[root, MASK x (block_size - 1)]`` of all requests in one forward, project to logits with the
-target's lm_head, and build each request's tree (algorithms.md §1.3, §2.2, §2.3, §4).
+target's lm_head, and build each request's tree (docs/algorithms.md §1.3, §2.2, §2.3, §4).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services.drafter.model import DFlashDrafter
-from services.drafter.tree_defaults import TreeDefaults, default_tree_knobs  # noqa: F401 (re-exported)
 from services.protocol import (DFLASH_METHODS, EAGLE3_METHODS, HEAD_METHODS, MARKOV_METHODS,  # noqa: F401 (re-exported)
                                METHODS, served_methods)
 from services.tree import DraftTree, MarkovScorer, chain, chain_rollout, dartree, ddtree, domino_ddtree, seqheap
@@ -27,7 +26,7 @@ class DominoScorer:
     """Domino correction head for one round, as a :class:`services.tree.TreeScorer`.
 
     ``score = cand_vals + SiLU(W_z h_d[slot] + W_s h) . W_out[cand]^T``; states are GRU states
-    after ``[root, d_1 .. d_i]`` (algorithms.md §2.3).
+    after ``[root, d_1 .. d_i]`` (docs/algorithms.md §2.3).
 
     Args:
         drafter: a drafter with a Domino head; embed: target embedding; hd: ``[D, H]`` drafter rows.
@@ -66,7 +65,6 @@ class DrafterService:
     Args:
         drafter: DFlash drafter (with or without a Domino head), eval mode.
         embed: the target's ``embed_tokens``; lm_head: the target's output projection (full vocabulary).
-        defaults: server defaults of the tree knobs.
         packed_gemm: on a float32 CPU drafter, pre-pack the drafter's linears for its block rows and
             the lm_head for its draft rows (:mod:`services.cpu_gemm`; numerics unchanged).
         compile: run the drafter's block forward (its layers over the ``block_size`` rows against the
@@ -77,8 +75,7 @@ class DrafterService:
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
-                 defaults: TreeDefaults = TreeDefaults(), description: str = "", packed_gemm: bool = True,
-                 compile: bool = False):
+                 description: str = "", packed_gemm: bool = True, compile: bool = False):
         if drafter.has_markov:  # DSpark carries its own (frozen) copies of the target's embedding and lm_head
             if drafter.needs_target_io:  # saved without them: they ARE the target's, refill from it
                 drafter.copy_target_io(embed.weight.detach().to(self._dtype_of(drafter)),
@@ -97,7 +94,6 @@ class DrafterService:
             pack_linears(lm_head, [self.cfg.num_draft_slots])
             pack_linears_bf16(drafter)  # bfloat16 drafters: oneDNN's pre-packed kernel (no-op in float32)
             pack_linears_bf16(lm_head)
-        self.defaults = defaults
         self.description = description
         self._ctx: dict[str, list[tuple[Tensor, Tensor]]] = {}
         self._ctx_len: dict[str, int] = {}
@@ -223,24 +219,24 @@ class DrafterService:
         """Draft several requests with ONE block forward, then build each request's tree.
 
         Args:
-            jobs: objects with ``request_id, committed_ids, features, root_token, start, spec,
-                max_depth`` (``services.verifier.drafter_client.DraftJob``, or a wire job with its
-                features tensor attached): ``committed_ids`` are the tokens committed since the
-                request's last draft (first draft: the prompt), ``features [len(committed_ids), F]``
-                their target features, ``root_token`` the last committed token at position
-                ``start``; ``spec`` has ``method, budget, width, depth_bonus, candidates`` (None =
-                default); ``max_depth`` caps the tree's depth (None = every draft slot).
+            jobs: ``services.verifier.drafter_client.DraftJob`` s (the drafter worker builds them
+                from the wire): ``committed_ids`` are the tokens committed since the request's last
+                draft (first draft: the prompt), ``features [len(committed_ids), F]`` their target
+                features, ``root_token`` the last committed token at position ``start``; ``method``
+                the speculative method; ``spec`` its :class:`~services.spec.TreeKnobs`, every one set
+                (the verifier's policy resolved them); ``max_depth`` caps the tree's depth (None =
+                every draft slot).
         Returns:
             per job ``(tree, {"draft": s, "tree_build": s})`` (the shared forward's time split evenly)
             or the exception that job raised (the others are unaffected): ValueError for an unknown
-            method, a method needing a head this drafter lacks, an inconsistent context, a request
-            twice in the batch.
+            method, a method needing a head this drafter lacks, an unset tree knob, an inconsistent
+            context, a request twice in the batch.
         """
         out: list = [None] * len(jobs)
         ok = []
         for i, j in enumerate(jobs):
             try:
-                self._check_job(j.request_id, j.committed_ids, j.features, j.spec)
+                self._check_job(j.committed_ids, j.features, j.method, j.spec)
                 if j.request_id in {jobs[k].request_id for k in ok}:
                     raise ValueError(f"request {j.request_id!r} appears twice in one draft batch")
                 self.append_context(j.request_id, j.features, j.start)
@@ -262,7 +258,7 @@ class DrafterService:
             t1 = time.perf_counter()
             try:
                 depth = base.shape[0] if j.max_depth is None else max(0, min(j.max_depth, base.shape[0]))
-                tree = self._build(j.spec.method, j.spec, hd[:depth], base[:depth], j.root_token) if depth \
+                tree = self._build(j.method, j.spec, hd[:depth], base[:depth], j.root_token) if depth \
                     else DraftTree.empty()
                 if self.d2t is not None and tree.num_nodes:  # draft ids -> target ids
                     tree = dataclasses.replace(tree, draft_tokens=self._to_target_ids(tree.draft_tokens))
@@ -275,10 +271,9 @@ class DrafterService:
         """``[N]`` draft-vocabulary ids -> target ids (CPU, as every tree's tensors)."""
         return self.d2t[draft_ids.long().to(self.d2t.device)].cpu()
 
-    def _check_job(self, request_id: str, committed_ids, features: Tensor, spec) -> None:
+    def _check_job(self, committed_ids, features: Tensor, method: str, spec) -> None:
         if features.shape[0] != len(committed_ids):
             raise ValueError("features must have one row per committed token")
-        method = spec.method
         if method not in METHODS or method == "ar":
             raise ValueError(f"method {method!r} does not draft (choose from {METHODS[1:]})")
         if method not in served_methods(self.kind):
@@ -286,13 +281,11 @@ class DrafterService:
                     if method in MARKOV_METHODS else "an EAGLE-3 drafter")
             raise ValueError(f"method {method!r} needs {need}; this {self.kind} drafter serves "
                              f"{', '.join(served_methods(self.kind))}")
+        if not spec.is_resolved():
+            raise ValueError(f"a draft job's tree knobs must all be set by the verifier (got {spec})")
 
     def _build(self, method: str, spec, hd: Tensor, base: Tensor, root: int) -> DraftTree:
-        d = self.defaults
-        budget = spec.budget if spec.budget is not None else d.budget
-        width = spec.width if spec.width is not None else d.width
-        beta = spec.depth_bonus if spec.depth_bonus is not None else d.depth_bonus
-        k = spec.candidates if spec.candidates is not None else d.candidates
+        budget, width, beta, k = spec.astuple()
         prefix = self.cfg.pure_draft_prefix_len
         if method == "dflash":  # scores: the chain's path log-probabilities (the goodput policy calibrates them)
             toks = torch.argmax(base, dim=-1)
@@ -338,8 +331,8 @@ def _frozen_linear(weight: Tensor) -> torch.nn.Linear:
     return lin
 
 
-def make_service(drafter, embed: torch.nn.Module, lm_head: torch.nn.Module, defaults: TreeDefaults = TreeDefaults(),
-                 description: str = "", packed_gemm: bool = True, compile: bool = False):
+def make_service(drafter, embed: torch.nn.Module, lm_head: torch.nn.Module, description: str = "",
+                 packed_gemm: bool = True, compile: bool = False):
     """The drafter service for any drafter :func:`services.drafter.model.load_drafter` returns:
     :class:`services.drafter.eagle3_service.Eagle3Service` for EAGLE-3 (it needs only the embedding;
     never compiled), :class:`DrafterService` otherwise (DFlash, Domino, DSpark; ``compile``: its
@@ -349,8 +342,8 @@ def make_service(drafter, embed: torch.nn.Module, lm_head: torch.nn.Module, defa
     if isinstance(drafter, Eagle3Drafter):
         from services.drafter.eagle3_service import Eagle3Service
 
-        return Eagle3Service(drafter, embed, defaults, description=description, packed_gemm=packed_gemm)
-    return DrafterService(drafter, embed, lm_head, defaults, description=description, packed_gemm=packed_gemm,
+        return Eagle3Service(drafter, embed, description=description, packed_gemm=packed_gemm)
+    return DrafterService(drafter, embed, lm_head, description=description, packed_gemm=packed_gemm,
                           compile=compile)
 
 

@@ -15,8 +15,6 @@ signal) stops it at once.
 
 from __future__ import annotations
 
-import dataclasses
-
 import logging
 import queue
 import threading
@@ -33,7 +31,6 @@ from services.protocol import (
     HelloAck,
     MessageType,
     PeerInfo,
-    SpecSpec,
     Pong,
     check_compatible,
     check_hello_version,
@@ -42,7 +39,7 @@ from services.protocol import (
     tokenizer_hash,
 )
 from services.runtime import check_dtype
-from services.spec import check_tree_knobs
+from services.spec import TreeKnobs
 from services.wire import Decoded
 
 log = logging.getLogger("drafter")
@@ -59,9 +56,8 @@ class DrafterWorkerConfig:
         target: target model (name or local HF dir) whose embedding / lm_head the drafter borrows.
         drafter: drafter checkpoint directory ("" = the shipped default drafter).
         drafter_endpoint: where the drafter listens ("" = the default ipc:// socket).
-        device, dtype: where and in which precision the drafter runs.
-        budget, width, depth_bonus, candidates: server defaults of the tree knobs (None = the
-            drafter service's defaults).
+        device, dtype: where and in which precision the drafter runs (every draft job carries
+            its tree knobs, resolved by the verifier).
         cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC tensor pool (used only on a CUDA device).
         packed_gemm: on a float32 CPU, pre-pack GEMM weights for the round's fixed row counts
             (``services/cpu_gemm.py``: same numerics, ~1.2x faster rounds on the CI CPU).
@@ -78,10 +74,6 @@ class DrafterWorkerConfig:
     drafter_endpoint: str = ""
     device: str = "cpu"
     dtype: str = "float32"
-    budget: int | None = None
-    width: int | None = None
-    depth_bonus: float | None = None
-    candidates: int | None = None
     cuda_ipc: bool = True
     ipc_slots: int = 16
     ipc_slot_bytes: int = 8 << 20
@@ -97,7 +89,6 @@ class DrafterWorkerConfig:
         check_dtype(self.dtype)
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
-        check_tree_knobs(self.budget, self.width, self.depth_bonus, self.candidates, prefix="")
 
 
 class DrafterWorker:
@@ -194,7 +185,7 @@ class DrafterWorker:
         except Exception as exc:  # malformed frames: every job fails, the drafter keeps serving
             results = [exc] * len(jobs)
         else:
-            results = self.service.draft_batch([_Job(j, f) for j, f in zip(jobs, feats)])
+            results = self._draft_jobs(jobs, feats)
         for j, res in zip(jobs, results):
             frames: list = []
             if isinstance(res, BaseException):
@@ -211,6 +202,22 @@ class DrafterWorker:
                     self.metrics.seconds.labels(phase).observe(seconds)
             self.send(identity, reply, frames)
 
+    def _draft_jobs(self, jobs: list, feats: list) -> list:
+        """``service.draft_batch`` over the wire jobs whose knobs are valid; a job with a bad knob
+        gets its ValueError (the others are drafted)."""
+        results: list = [None] * len(jobs)
+        ok: list[tuple[int, _Job]] = []
+        for i, (j, f) in enumerate(zip(jobs, feats)):
+            try:
+                knobs = TreeKnobs(j.spec.budget, j.spec.width, j.spec.depth_bonus, j.spec.candidates)
+            except ValueError as exc:
+                results[i] = exc
+                continue
+            ok.append((i, _Job(j, f, knobs)))
+        for (i, _), res in zip(ok, self.service.draft_batch([job for _, job in ok]) if ok else []):
+            results[i] = res
+        return results
+
     def _release(self, identity: bytes, dec: Decoded) -> None:
         self._forget(dec.msg.request_id)
 
@@ -220,11 +227,13 @@ class DrafterWorker:
 
 
 class _Job:
-    """A wire :class:`DraftRequest` with its features tensor attached (``DrafterService.draft_batch``'s job)."""
+    """A wire :class:`DraftRequest` as ``DrafterService.draft_batch``'s job: its features tensor
+    attached, its method and its :class:`TreeKnobs` apart (the fields of the verifier's ``DraftJob``)."""
 
-    def __init__(self, msg, features):
+    def __init__(self, msg, features, knobs: TreeKnobs):
         self.request_id, self.committed_ids, self.root_token = msg.request_id, msg.committed_ids, msg.root_token
-        self.start, self.spec, self.max_depth, self.features = msg.start, msg.spec, msg.max_depth, features
+        self.start, self.max_depth, self.features = msg.start, msg.max_depth, features
+        self.method, self.spec = msg.spec.method or "", knobs
 
 
 # ------------------------------------------------------------------------------------ process entry
@@ -242,7 +251,7 @@ def build_drafter_service(config: DrafterWorkerConfig):
     import torch
 
     from services.drafter.model import load_drafter
-    from services.drafter.service import default_tree_knobs, load_borrowed_weights, make_service
+    from services.drafter.service import load_borrowed_weights, make_service
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
 
     dtype = getattr(torch, config.dtype)
@@ -250,24 +259,12 @@ def build_drafter_service(config: DrafterWorkerConfig):
     drafter_dir = Path(config.drafter) if config.drafter else DEFAULT_DRAFTER_DIR
     drafter = load_drafter(drafter_dir, dtype=dtype, device=config.device)
     embed, head = load_borrowed_weights(target_dir, dtype)
-    knobs = {k: getattr(config, k) for k in ("budget", "width", "depth_bonus", "candidates")
-             if getattr(config, k) is not None}
-    defaults = dataclasses.replace(default_tree_knobs(config.device), **knobs)
-    service = make_service(drafter, embed.to(config.device), head.to(config.device), defaults,
+    service = make_service(drafter, embed.to(config.device), head.to(config.device),
                            description=str(drafter_dir), packed_gemm=config.packed_gemm, compile=config.compile)
     if getattr(service, "compiled", False):
         log.info("compiling the drafter's block forward (torch.compile) ...")
         log.info("compiled drafter block ready in %.1f s", service.warm_up())
     return service, target_dir
-
-
-def _default_spec(service) -> SpecSpec | None:
-    """The drafter's server defaults of the tree knobs (the verifier sizes its packed GEMMs by them)."""
-    d = getattr(service, "defaults", None)
-    if d is None:
-        return None
-    return SpecSpec(budget=int(d.budget), width=int(d.width), depth_bonus=float(d.depth_bonus),
-                    candidates=int(d.candidates))
 
 
 def drafter_info(service, target_dir: Path, epoch: str, device: str, transport) -> PeerInfo:
@@ -280,7 +277,6 @@ def drafter_info(service, target_dir: Path, epoch: str, device: str, transport) 
                     target_layer_ids=tuple(int(i) for i in info.get("target_layer_ids") or
                                            getattr(getattr(service, "cfg", None), "target_layer_ids", ())),
                     model=str(info.get("description", "")), methods=tuple(info["methods"]), device=device,
-                    default_spec=_default_spec(service),
                     pool=transport.export())
 
 

@@ -68,15 +68,14 @@ def replayed_tau(drafter, target, turns: list[HeldoutTurn], method: str = "dartr
     The drafter is used in eval mode and put back in its previous mode; its weights are not copied
     (a fresh :class:`DrafterService` without GEMM packing each call).
     """
-    from services.drafter.service import TreeDefaults, make_service
+    from services.drafter.service import make_service
     from services.replay import replay_tau
     from services.verifier.drafter_client import InprocDrafterClient
     from services.verifier.engine import SpecEngine, SpecParams
 
     was_training = drafter.training
     try:
-        svc = make_service(drafter, target.embed_tokens(), target.lm_head(), TreeDefaults(budget=budget, width=width),
-                           packed_gemm=False)
+        svc = make_service(drafter, target.embed_tokens(), target.lm_head(), packed_gemm=False)
         engine = SpecEngine(target, InprocDrafterClient(svc), max_draft_depth=max_draft_depth)
         spec = SpecParams(method, budget=budget, width=width)
         rounds = emitted = 0

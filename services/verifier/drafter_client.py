@@ -15,6 +15,7 @@ from typing import Protocol
 
 from torch import Tensor
 
+from services.spec import TreeKnobs
 from services.tree import DraftTree
 
 
@@ -25,9 +26,9 @@ class DraftJob:
     Attributes:
         request_id; committed_ids: tokens committed since the request's last draft (first draft:
         the prompt); features: ``[len(committed_ids), F]`` target features at those positions;
-        root_token: the last committed token, at position ``start`` (not in the context); spec:
-        resolved method and knobs (``method, budget, width, depth_bonus, candidates``); max_depth:
-        cap on the tree's depth (None = the drafter's slots).
+        root_token: the last committed token, at position ``start`` (not in the context); method:
+        the speculative method (one that drafts); spec: the tree knobs, every one resolved by the
+        verifier's policy; max_depth: cap on the tree's depth (None = the drafter's slots).
     """
 
     request_id: str
@@ -35,7 +36,8 @@ class DraftJob:
     features: Tensor
     root_token: int
     start: int
-    spec: object
+    method: str
+    spec: TreeKnobs
     max_depth: int | None = None
 
 

@@ -22,7 +22,7 @@ from math import isfinite
 
 import torch
 
-from services.spec import METHODS
+from services.spec import MAX_BUDGET, METHODS, check_tree_knobs
 from services.protocol import LOGPROB_FLOOR, MAX_TOP_LOGPROBS
 from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
 from services.tree.accept import position_uniforms
@@ -32,7 +32,6 @@ from services.verifier.drafter_client import DraftJob, DrafterClient
 from services.verifier.policy import Drafted, FixedPolicy, RoundInfo
 from services.verifier.runner import ModelRunner
 from services.verifier.scheduler import Candidate, StepPlan, plan_step
-from services.verifier.schedule import MAX_BUDGET, check_tree_knobs
 
 
 @dataclass
@@ -269,7 +268,6 @@ class _Planned:
     tree: DraftTree | None = None
     timings: dict = field(default_factory=dict)
     final_chunk: bool = False
-    knobs: tuple[int, int] | None = None  # the step's tree_knobs (also used for an overlapped next draft)
     drafted: bool = False              # the drafter was called (or its overlapped draft collected)
     skipped: bool = False              # the policy chose a plain round for a drafting method
     predicted_tau: float | None = None
@@ -286,8 +284,9 @@ class SpecEngine:
         target: the verifier's target model; drafter: drafter client (None = AR only).
         max_draft_depth: deepest draft (the drafter's slots); drafter_max_position: no draft token
             at a position >= this (None: from ``drafter.info()`` when it has one).
-        policy: who drafts, with which knobs, which nodes are verified (``services.verifier.policy``;
-            default :class:`FixedPolicy`: every drafting request drafts its whole tree).
+        policy: who drafts, with which resolved knobs, which nodes are verified
+            (``services.verifier.policy``; default :class:`FixedPolicy` over
+            :data:`services.spec.DEFAULT_KNOBS`: every drafting request drafts its whole tree).
     Raises:
         MemoryError: the slot KV cache does not fit (one line).
     """
@@ -392,7 +391,7 @@ class SpecEngine:
         if self.drafter is not None and req.spec.method != "ar" and req.decoding:
             self.drafter.release(request_id)
 
-    def step(self, request_id: str, tree_knobs: tuple[int, int] | None = None) -> RoundOutput:
+    def step(self, request_id: str) -> RoundOutput:
         """Run one request alone until it emits (its first call prefills, in chunks, and emits the
         first token; later calls run one round).
 
@@ -400,14 +399,13 @@ class SpecEngine:
             KeyError: unknown request id; whatever its round raised (the request is then freed).
         """
         while True:
-            out = self.step_batch([request_id], tree_knobs)[request_id]
+            out = self.step_batch([request_id])[request_id]
             if isinstance(out, BaseException):
                 raise out
             if out is not None:
                 return out
 
-    def step_batch(self, request_ids: list[str], tree_knobs: tuple[int, int] | None = None
-                   ) -> dict[str, RoundOutput | BaseException | None]:
+    def step_batch(self, request_ids: list[str]) -> dict[str, RoundOutput | BaseException | None]:
         """One step: plan (:meth:`plan_step`), draft for the decoding requests, one target forward
         for every scheduled row, then walk / commit / emit per request.
 
@@ -417,7 +415,6 @@ class SpecEngine:
 
         Args:
             request_ids: candidates in priority order (each at most once).
-            tree_knobs: ``(budget, width)`` for this step, filling what a request leaves unset.
         Returns:
             For each request that ran: its :class:`RoundOutput`, ``None`` for a prompt chunk that
             emitted nothing yet, or the exception its round raised (that request is freed; the
@@ -433,13 +430,13 @@ class SpecEngine:
                                   can_draft=e.can_draft, explicit_budget=reqs[e.rid].spec.budget is not None,
                                   owed=e.owed)
                  for e in plan.decodes}
-        self.policy.begin_step(list(infos.values()), extra_rows=plan.chunk_rows)
+        self.policy.begin_step(list(infos.values()), extra_rows=plan.chunk_rows, num_running=len(self._reqs))
         results: dict[str, RoundOutput | BaseException | None] = {}
         t_sub = time.perf_counter()
-        self._submit_drafts(plan, reqs, tree_knobs)
+        self._submit_drafts(plan, reqs)
         submit_wait = time.perf_counter() - t_sub  # an in-process drafter drafts right here
-        items = self._decode_rounds(plan, reqs, infos, tree_knobs, results)
-        items += self._prompt_chunks(plan, reqs, items, tree_knobs)
+        items = self._decode_rounds(plan, reqs, infos, results)
+        items += self._prompt_chunks(plan, reqs, items)
         if not items:
             return results
         self._execute(items, results)
@@ -457,14 +454,14 @@ class SpecEngine:
         self.policy.observe_step(self.last_step)
         return results
 
-    def _submit_drafts(self, plan: StepPlan, reqs: dict[str, _Request], tree_knobs: tuple[int, int] | None) -> None:
+    def _submit_drafts(self, plan: StepPlan, reqs: dict[str, _Request]) -> None:
         """Every decode round's draft that is not already in flight, as ONE drafter call (a request
         the policy gives a plain round is marked to skip its drafter call)."""
         pairs = []
         for e in plan.decodes:
             req = reqs[e.rid]
             if req.pending is None and e.can_draft:
-                job = self._draft_job(e.rid, req, tree_knobs)
+                job = self._draft_job(e.rid, req)
                 if job is None:
                     req.skip_round = True  # the policy chose a plain round: no drafter call
                 else:
@@ -472,7 +469,7 @@ class SpecEngine:
         self._submit(pairs)
 
     def _decode_rounds(self, plan: StepPlan, reqs: dict[str, _Request], infos: dict[str, RoundInfo],
-                       tree_knobs: tuple[int, int] | None, results: dict) -> list[_Planned]:
+                       results: dict) -> list[_Planned]:
         """The decode rounds that fit (``nodes + 1`` rows each while rows are left; the first always
         runs) with their trees collected, cut by the policy and laid out as verify segments. A round
         whose draft failed is freed and its error put in ``results``."""
@@ -481,7 +478,7 @@ class SpecEngine:
         for e in plan.decodes:
             if left > 0 or not items:
                 try:
-                    item = self._plan_round(e.rid, reqs[e.rid], tree_knobs)
+                    item = self._plan_round(e.rid, reqs[e.rid])
                 except Exception as exc:
                     self.abort(e.rid)
                     results[e.rid] = exc
@@ -498,8 +495,7 @@ class SpecEngine:
                 p.segment = Segment(b.input_ids, b.position_offsets, b.tree_mask, p.req.start, p.req.slot)
         return items
 
-    def _prompt_chunks(self, plan: StepPlan, reqs: dict[str, _Request], rounds: list[_Planned],
-                       tree_knobs: tuple[int, int] | None) -> list[_Planned]:
+    def _prompt_chunks(self, plan: StepPlan, reqs: dict[str, _Request], rounds: list[_Planned]) -> list[_Planned]:
         """The prompt chunks, each shrunk to the rows the decode ``rounds`` left (at least one row
         each while any are left; the first entry of a step always runs)."""
         items: list[_Planned] = []
@@ -509,7 +505,7 @@ class SpecEngine:
                 req, (first, most) = reqs[e.rid], e.chunk
                 n = min(most, max(left, 1))
                 items.append(_Planned(e.rid, req, causal_segment(req.prompt_ids[first:first + n], first, e.slot),
-                                      final_chunk=first + n == len(req.prompt_ids), knobs=tree_knobs))
+                                      final_chunk=first + n == len(req.prompt_ids)))
                 left -= n
         return items
 
@@ -624,7 +620,7 @@ class SpecEngine:
             room = min(room, self.drafter_max_position - start - 1)
         return min(room, self.max_draft_depth)
 
-    def _plan_round(self, rid: str, req: _Request, tree_knobs: tuple[int, int] | None) -> _Planned:
+    def _plan_round(self, rid: str, req: _Request) -> _Planned:
         """Collect the request's submitted draft (none: ``ar``, no room, or the policy chose a plain
         round: an empty tree); the verify rows are laid out by ``step_batch`` once the policy has
         cut the tree."""
@@ -643,19 +639,19 @@ class SpecEngine:
             req.skip_round, skipped = False, True
         timings["draft_wait"] = time.perf_counter() - t0
         timings["_t0"] = t0
-        return _Planned(rid, req, None, tree=tree, timings=timings, knobs=tree_knobs, drafted=drafted,
-                        skipped=skipped)
+        return _Planned(rid, req, None, tree=tree, timings=timings, drafted=drafted, skipped=skipped)
 
-    def _draft_job(self, rid: str, req: _Request, tree_knobs: tuple[int, int] | None) -> DraftJob | None:
+    def _draft_job(self, rid: str, req: _Request) -> DraftJob | None:
         """The next draft of a decoding request (None: ``ar``, no room left for a draft, or the
         policy chose a plain round)."""
         depth = self.draft_depth(req.start)
         if req.spec.method == "ar" or depth <= 0 or self.drafter is None:
             return None
-        spec = self.policy.draft_spec(rid, req.spec, tree_knobs)  # None: the policy chose a plain round
-        if spec is None:
+        knobs = self.policy.draft_knobs(rid, req.spec)  # resolved; None: the policy chose a plain round
+        if knobs is None:
             return None
-        return DraftJob(rid, list(req.ctx_ids), self._ctx_feats(req), req.root, req.start, spec, depth)
+        return DraftJob(rid, list(req.ctx_ids), self._ctx_feats(req), req.root, req.start, req.spec.method, knobs,
+                        depth)
 
     @staticmethod
     def _ctx_feats(req: _Request) -> torch.Tensor | None:
@@ -678,10 +674,10 @@ class SpecEngine:
         for (req, _), h in zip(pairs, handles):
             req.pending = h
 
-    def _queue_next(self, rid: str, req: _Request, tree_knobs: tuple[int, int] | None) -> None:
+    def _queue_next(self, rid: str, req: _Request) -> None:
         """With overlap: queue the request's next draft, submitted for the whole step at its end."""
         if self.config.overlap:
-            job = self._draft_job(rid, req, tree_knobs)
+            job = self._draft_job(rid, req)
             if job is not None:
                 self._next_jobs.append((req, job))
 
@@ -709,7 +705,7 @@ class SpecEngine:
         self.policy.observe_round(item.rid, accepted + [res.bonus_token])
         req.root = res.bonus_token
         if finish is None:
-            self._queue_next(item.rid, req, item.knobs)
+            self._queue_next(item.rid, req)
         t3 = time.perf_counter()
         n_acc = min(len(ids), len(accepted))
         t0 = timings.pop("_t0")
@@ -737,7 +733,7 @@ class SpecEngine:
         ids, finish = self._emit(req, [first])
         self._count(req, ids)
         if finish is None:
-            self._queue_next(item.rid, req, item.knobs)
+            self._queue_next(item.rid, req)
         dt = req.prefill_seconds + time.perf_counter() - t0
         return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True,
                            logprobs=self._logprobs(req, logits, torch.zeros(1, dtype=torch.long), ids))

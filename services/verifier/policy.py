@@ -3,8 +3,11 @@
 The engine calls a policy at four points of a step (``SpecEngine.step_batch``):
 
 1. :meth:`begin_step` with the step's decoding requests (before any drafting);
-2. :meth:`draft_spec` per request: the resolved knobs of its drafter call, or ``None`` for a
-   plain-decoding round (B = 0: no drafter call at all);
+2. :meth:`draft_knobs` per request: the fully resolved :class:`~services.spec.TreeKnobs` of its
+   drafter call, or ``None`` for a plain-decoding round (B = 0: no drafter call at all). This is
+   the one place a request's knobs are resolved: its explicit ``speculative`` values, then the
+   ``--tree-schedule`` pick at the current running count (:class:`TreeSchedule`), then (goodput)
+   ``max_budget`` for the budget, then the verifier's defaults;
 3. :meth:`select` after drafting: how many nodes of each tree to verify (a prefix-closed top-b by
    calibrated acceptance, so the cut tree stays a valid tree);
 4. :meth:`observe_round` / :meth:`observe_step` after the forward: the committed tokens (labels for
@@ -12,9 +15,8 @@ The engine calls a policy at four points of a step (``SpecEngine.step_batch``):
 
 Two policies (``--spec-policy``):
 
-- :class:`FixedPolicy` is today's behaviour exactly: explicit request values, then the manual
-  ``--tree-schedule`` pick, then the drafter's defaults; every drafting request drafts every round
-  and the whole tree is verified.
+- :class:`FixedPolicy`: explicit request values, then the manual ``--tree-schedule`` pick, then the
+  verifier's defaults; every drafting request drafts every round and the whole tree is verified.
 - :class:`GoodputPolicy` maximises expected emitted tokens per second of the whole step:
   ``sum_r E[emitted_r] / predicted step seconds``, with ``E`` from :class:`AcceptanceCalibrator`
   (``1 + sum`` of the calibrated P of the verified nodes) and the seconds from
@@ -33,7 +35,6 @@ target's tokens are chosen (greedy argmax / one target sample per row, then the 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,7 +42,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from services.spec import MAX_BUDGET, POLICIES
+from services.spec import DEFAULT_KNOBS, MAX_BUDGET, POLICIES, TreeKnobs, TreeSchedule
+from services.spec import parse_tree_schedule  # noqa: F401 (the policies' input, re-exported)
 from services.tree import DraftTree
 from services.tree.dartree import select_nodes
 from services.verifier.calibration import AcceptanceCalibrator, regime_of
@@ -50,13 +52,15 @@ from services.verifier.cost_model import StepCostModel
 log = logging.getLogger("verifier.policy")
 
 
-def fill_knobs(spec, tree_knobs: tuple[int, int] | None):
-    """``spec`` with its unset budget / width taken from ``tree_knobs`` (explicit values win)."""
-    if tree_knobs is None or (spec.budget is not None and spec.width is not None):
-        return spec
-    budget, width = tree_knobs
-    return dataclasses.replace(spec, budget=budget if spec.budget is None else spec.budget,
-                               width=width if spec.width is None else spec.width)
+def resolve_knobs(spec, defaults: TreeKnobs, schedule: TreeSchedule | None = None, num_running: int = 1,
+                  max_budget: int | None = None) -> TreeKnobs:
+    """A request's fully resolved knobs. ``spec`` has ``budget, width, depth_bonus, candidates``
+    (``None`` = unset); each unset one comes from the schedule's pick at ``num_running`` (budget and
+    width), then ``max_budget`` (budget), then ``defaults`` (which must be resolved)."""
+    pick = schedule.pick(num_running) if schedule is not None else None
+    budget, width = pick if pick is not None else (None, None)
+    asked = TreeKnobs(spec.budget, spec.width, spec.depth_bonus, spec.candidates)
+    return asked.filled_from(TreeKnobs(budget if budget is not None else max_budget, width)).filled_from(defaults)
 
 
 def truncate_tree(tree: DraftTree, keep_order: torch.Tensor, b: int) -> DraftTree:
@@ -116,9 +120,9 @@ class SpecPolicy(Protocol):
 
     name: str
 
-    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0) -> None: ...
+    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0, num_running: int = 1) -> None: ...
 
-    def draft_spec(self, rid: str, spec, tree_knobs: tuple[int, int] | None): ...
+    def draft_knobs(self, rid: str, spec) -> TreeKnobs | None: ...
 
     def select(self, items: list[Drafted]) -> dict[str, Selection]: ...
 
@@ -132,16 +136,30 @@ class SpecPolicy(Protocol):
 
 
 class FixedPolicy:
-    """Today's behaviour: every drafting request drafts with the filled knobs; nothing is cut."""
+    """Every drafting request drafts with its resolved knobs; nothing is cut.
+
+    Args:
+        schedule: ``--tree-schedule`` (None = off): budget / width by running count.
+        defaults: the verifier's default knobs, every one set (:func:`services.spec.default_tree_knobs`).
+    Raises:
+        ValueError: ``defaults`` with an unset knob.
+    """
 
     name = "fixed"
 
-    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0) -> None:
-        """Nothing to plan."""
+    def __init__(self, schedule: TreeSchedule | None = None, defaults: TreeKnobs = DEFAULT_KNOBS):
+        if not defaults.is_resolved():
+            raise ValueError(f"the default tree knobs must all be set (got {defaults})")
+        self.schedule, self.defaults = schedule, defaults
+        self._running = 1
 
-    def draft_spec(self, rid: str, spec, tree_knobs: tuple[int, int] | None):
-        """The request's knobs filled from ``tree_knobs`` (never ``None``: always draft)."""
-        return fill_knobs(spec, tree_knobs)
+    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0, num_running: int = 1) -> None:
+        """Remember the running count (the schedule's pick)."""
+        self._running = num_running
+
+    def draft_knobs(self, rid: str, spec) -> TreeKnobs | None:
+        """The request's resolved knobs (never ``None``: always draft)."""
+        return resolve_knobs(spec, self.defaults, self.schedule, self._running)
 
     def select(self, items: list[Drafted]) -> dict[str, Selection]:
         """Every tree whole."""
@@ -177,7 +195,7 @@ class GoodputPolicy:
     Args:
         cost: the step cost model (seeded by a start-up sweep, refreshed by :meth:`observe_step`).
         calibrator: acceptance calibration (refreshed by :meth:`observe_round`).
-        max_budget: B_max, the budget of a drafter call (None = the drafter's default) and the most
+        max_budget: B_max, the budget of a drafter call (None = ``defaults.budget``) and the most
             nodes one request verifies.
         explore_every: a request not drafting for this many rounds drafts once anyway (its tree
             is labelled by the tokens that follow, verified or not); while such drafts are cut to
@@ -195,21 +213,29 @@ class GoodputPolicy:
         optimism: the forecast before drafting uses calibrated P plus this many posterior standard
             deviations (an upper confidence bound), so a map made pessimistic by a few unlucky rounds
             is retried instead of trusted; the cut after drafting uses the plain posterior mean.
+        schedule: ``--tree-schedule`` (None = off): the drafter call's budget / width by running
+            count (before ``max_budget``); the policy may still verify fewer nodes.
+        defaults: the verifier's default knobs, every one set.
     Raises:
-        ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]`` or ``explore_every < 1``.
+        ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]``, ``explore_every < 1`` or
+            ``defaults`` with an unset knob.
     """
 
     name = "goodput"
 
     def __init__(self, cost: StepCostModel | None = None, calibrator: AcceptanceCalibrator | None = None,
                  max_budget: int | None = None, explore_every: int = 16, explore_max: int = 128,
-                 optimism: float = 0.5, explore_fraction: float = 0.01):
+                 optimism: float = 0.5, explore_fraction: float = 0.01, schedule: TreeSchedule | None = None,
+                 defaults: TreeKnobs = DEFAULT_KNOBS):
+        if not defaults.is_resolved():
+            raise ValueError(f"the default tree knobs must all be set (got {defaults})")
         if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
             raise ValueError(f"max_budget must be in [1, {MAX_BUDGET}] (got {max_budget})")
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1 (got {explore_every})")
         if not 0 <= explore_fraction <= 1:
             raise ValueError(f"explore_fraction must be in [0, 1] (got {explore_fraction})")
+        self.schedule, self.defaults, self._running = schedule, defaults, 1
         self.cost = cost or StepCostModel()
         self.cal = calibrator or AcceptanceCalibrator()
         self.max_budget, self.explore_every = max_budget, explore_every
@@ -263,15 +289,17 @@ class GoodputPolicy:
                 best = (k, g, t)
         return best
 
-    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0) -> None:
+    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0, num_running: int = 1) -> None:
         """Decide which requests call the drafter this step, from each request's forecast (its last
         tree under the current calibration): for m = 0, 1, ... of the requests with the largest
         forecast gain, the best number of nodes over their pooled forecasts, paying m drafter calls;
         the m with the most tokens per predicted second drafts.
 
         Args:
-            rounds: the step's decoding requests; extra_rows: other rows of the step (prompt chunks).
+            rounds: the step's decoding requests; extra_rows: other rows of the step (prompt chunks);
+            num_running: requests holding state (the schedule's pick).
         """
+        self._running = num_running
         c = self.cost
         forced_s, planned, self._unforecast = 0.0, 0.0, 0
         curves: list[tuple[float, str, list[float], float]] = []
@@ -312,19 +340,16 @@ class GoodputPolicy:
         drafting = {rid for _, rid, _, _ in curves[:best_m]}
         self._skip = {rid for _, rid, _, _ in curves if rid not in drafting}
 
-    def draft_spec(self, rid: str, spec, tree_knobs: tuple[int, int] | None):
+    def draft_knobs(self, rid: str, spec) -> TreeKnobs | None:
         """``None`` (plain round, no drafter call) for a request :meth:`begin_step` left out; else the
-        request's knobs with the budget set to ``max_budget`` where the request left it unset."""
+        request's resolved knobs (an unset budget: the schedule's pick, else ``max_budget``)."""
         st = self._state(rid)
         if rid in self._skip:
             st.since_draft += 1
             self.cal.relax(rid)
             return None
         st.since_draft = 0
-        spec = fill_knobs(spec, tree_knobs)
-        if spec.budget is None and self.max_budget is not None:
-            spec = dataclasses.replace(spec, budget=self.max_budget)
-        return spec
+        return resolve_knobs(spec, self.defaults, self.schedule, self._running, self.max_budget)
 
     # ------------------------------------------------------------ after drafting
     def select(self, items: list[Drafted]) -> dict[str, Selection]:
@@ -462,7 +487,8 @@ def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sw
 
 
 def attach_policy(engine, name: str, model: str, dtype: str, device: str = "cpu", max_budget: int | None = None,
-                  sweep: bool = True) -> None:
+                  sweep: bool = True, schedule: TreeSchedule | None = None,
+                  defaults: TreeKnobs = DEFAULT_KNOBS) -> None:
     """Give ``engine`` (a ``SpecEngine``) the named policy; ``goodput`` times its start-up sweep on
     the engine's own runner (``engine.time_forward``), cached per machine / ``model`` / ``dtype``.
 
@@ -473,20 +499,22 @@ def attach_policy(engine, name: str, model: str, dtype: str, device: str = "cpu"
 
     if name == "goodput":
         key = cache_key(model, dtype, device, torch.get_num_threads())
-        engine.policy = goodput_with_sweep(engine.time_forward, key, max_budget, sweep, dtype=dtype)
+        engine.policy = goodput_with_sweep(engine.time_forward, key, max_budget, sweep, dtype=dtype,
+                                           schedule=schedule, defaults=defaults)
     else:
-        engine.policy = make_policy(name)
+        engine.policy = make_policy(name, schedule=schedule, defaults=defaults)
     log.info("speculation policy: %s", engine.policy.name)
 
 
 def make_policy(name: str, **kw):
-    """``"fixed"`` -> :class:`FixedPolicy`; ``"goodput"`` -> :class:`GoodputPolicy` (kwargs passed on).
+    """``"fixed"`` -> :class:`FixedPolicy` (``schedule`` and ``defaults`` passed on);
+    ``"goodput"`` -> :class:`GoodputPolicy` (every kwarg passed on).
 
     Raises:
         ValueError: unknown policy name.
     """
     if name == "fixed":
-        return FixedPolicy()
+        return FixedPolicy(**{k: v for k, v in kw.items() if k in ("schedule", "defaults")})
     if name == "goodput":
         return GoodputPolicy(**kw)
     raise ValueError(f"unknown spec policy {name!r} (choose from {', '.join(POLICIES)})")

@@ -134,7 +134,7 @@ class ZmqDrafterClient:
         for j, meta in zip(jobs, metas):
             round_id = next(self._round)
             msgs.append(DraftRequest(j.request_id, round_id, list(j.committed_ids), meta, int(j.root_token),
-                                     int(j.start), _spec_msg(j.spec), max_depth=j.max_depth))
+                                     int(j.start), _spec_msg(j.method, j.spec), max_depth=j.max_depth))
             handles.append((round_id, j.request_id, t0))
         self._sock.send_multipart(encode(DraftBatch(msgs), frames), copy=False)
         self._pending.update(h[0] for h in handles)
@@ -254,9 +254,9 @@ class ZmqDrafterClient:
         return DraftTree(tokens.long(), parents.long(), depths.long(), scores.float())
 
 
-def _spec_msg(spec) -> SpecSpec:
-    """The wire form of a request's resolved speculation knobs."""
-    return SpecSpec(method=spec.method, budget=spec.budget, width=spec.width, depth_bonus=spec.depth_bonus,
+def _spec_msg(method: str, spec) -> SpecSpec:
+    """The wire form of a job's method and resolved tree knobs (``spec``: a ``TreeKnobs``)."""
+    return SpecSpec(method=method, budget=spec.budget, width=spec.width, depth_bonus=spec.depth_bonus,
                     candidates=spec.candidates)
 
 

@@ -2,8 +2,8 @@
 
 Loop (R11), on the compute thread: recv (drain the inbox filled by the gateway I/O thread) ->
 schedule (admit FIFO while fewer than ``max_running`` run; every running request, in an order
-that rotates each step) -> run one ``engine.step_batch`` (tree budget/width from
-``--tree-schedule`` at the current running count, if set) -> send each request's
+that rotates each step) -> run one ``engine.step_batch`` (the engine's policy resolves each
+request's tree knobs) -> send each request's
 :class:`RoundChunk`. Aborts take effect at the next step boundary and free the engine's KV cache
 and the drafter context. Hello and Ping are answered on the I/O thread (readiness never waits
 behind a step). Torch is imported by :func:`run_verifier_process` only.
@@ -37,9 +37,8 @@ from services.protocol import (
     check_hello_version,
 )
 from services.runtime import WEIGHT_CHOICES, check_dtype
-from services.spec import DEFAULT_METHOD, DEFAULT_POLICY, POLICIES
+from services.spec import DEFAULT_METHOD, DEFAULT_POLICY, MAX_BUDGET, POLICIES, check_tree_knobs, parse_tree_schedule
 from services.verifier.remote_drafter import DrafterError, DrafterUnavailable
-from services.verifier.schedule import MAX_BUDGET, parse_tree_schedule
 from services.verifier.scheduler import OverlapGroups
 from services.wire import Decoded
 
@@ -80,14 +79,18 @@ class VerifierWorkerConfig:
             (``services/verifier/policy.py``); ``fixed``: every drafting request drafts and verifies
             its whole tree every round (the behaviour before the policy existed).
         spec_max_budget: the goodput policy's B_max, the budget of its drafter calls and the most nodes
-            it verifies per request (0 = the drafter's default budget).
+            it verifies per request (0 = ``budget``, the default tree budget).
         cost_sweep: with ``goodput``, time a few target forwards at start-up (1-8, 9, 17, 33 rows, a
             few seconds, cached per machine / model / dtype in ``~/.cache/dartree/cost_model.json``
             when its repeats agree; on a busy machine a rule-based curve, not cached).
         tree_schedule: manual override, load-dependent tree budget/width, ``"1:16x12,2:12x8,4:8x6,8:4x4"``
             (``N:BxW`` = at >= N running requests, B nodes and width W; only for requests that leave
             budget/width unset). "" = off. With ``goodput`` the pick is the drafter call's budget and the
-            policy may still verify fewer nodes (``services/verifier/schedule.py``).
+            policy may still verify fewer nodes (docs/configuration.md, "Tree defaults").
+        budget, width, depth_bonus, candidates: the default tree knobs, for what a request leaves
+            unset (None = :func:`services.spec.default_tree_knobs` of ``device``: B=8 on CPU, 64 on
+            CUDA; W=12, beta=-0.2, K=64). The policy resolves every draft's knobs from them and
+            the drafter receives resolved knobs only; the GEMM packs are sized by ``budget``.
         draft_timeout_s: deadline of one drafter round trip; drafter_wait_s: how long to wait for the
             drafter at start; health_interval_s: period of the drafter heartbeat (a thread of its own,
             so a hung drafter makes the verifier unready within ``health_interval_s`` + 2 s even
@@ -120,6 +123,10 @@ class VerifierWorkerConfig:
     spec_max_budget: int = 0
     cost_sweep: bool = True
     tree_schedule: str = ""
+    budget: int | None = None
+    width: int | None = None
+    depth_bonus: float | None = None
+    candidates: int | None = None
     draft_timeout_s: float = 30.0
     drafter_wait_s: float = 600.0
     health_interval_s: float = 1.0
@@ -144,6 +151,7 @@ class VerifierWorkerConfig:
         if self.default_method not in METHODS:
             raise ValueError(f"unknown default_method {self.default_method!r} (choose from {', '.join(METHODS)})")
         parse_tree_schedule(self.tree_schedule, MAX_BUDGET, self.max_running)  # ValueError: one line
+        check_tree_knobs(self.budget, self.width, self.depth_bonus, self.candidates, prefix="")
         if self.spec_policy not in POLICIES:
             raise ValueError(f"unknown spec_policy {self.spec_policy!r} (choose from {', '.join(POLICIES)})")
         if not 0 <= self.spec_max_budget <= MAX_BUDGET:
@@ -359,7 +367,7 @@ class VerifierWorker:
     def _step_batch(self, order: list[str]) -> None:
         """One engine step for ``order``; each request's result is sent as its own chunk."""
         try:
-            results = self.engine.step_batch(order, tree_knobs=self.tree_knobs())
+            results = self.engine.step_batch(order)
         except Exception as exc:  # the shared forward failed: the engine freed every request of the step
             log.exception("batched step failed for %d requests", len(order))
             for rid in order:
@@ -404,7 +412,8 @@ class VerifierWorker:
                                              logprobs=_wire_logprobs(out.logprobs)))
 
     def tree_knobs(self) -> tuple[int, int] | None:
-        """``(budget, width)`` the schedule picks at the current running count (None = drafter defaults)."""
+        """``(budget, width)`` the schedule picks at the current running count (None = no pick), for
+        the gauges (the engine's policy applies the same schedule to each request)."""
         return self.tree_schedule.pick(len(self._running)) if self.tree_schedule else None
 
     def _step_failed(self, entry: _Entry, exc: Exception) -> None:
@@ -476,7 +485,7 @@ def _wire_logprobs(lp) -> TokenLogprobs | None:
 def verifier_info(target_dir, engine, target, epoch: str, config: VerifierWorkerConfig, methods: tuple[str, ...],
                   drafter: PeerInfo | None) -> PeerInfo:
     """This verifier's handshake info (for the gateway)."""
-    from services.protocol import Limits, SpecSpec, special_token_ids, tokenizer_hash
+    from services.protocol import Limits, special_token_ids, tokenizer_hash
 
     limits = Limits(max_context=engine.max_context, max_prompt_tokens=engine.max_context - 1,
                     max_tokens=engine.max_context - 1, max_budget=MAX_BUDGET, max_running=config.max_running,
@@ -486,8 +495,7 @@ def verifier_info(target_dir, engine, target, epoch: str, config: VerifierWorker
                     else -1, special_token_ids=special_token_ids(target_dir),
                     block_size=drafter.block_size if drafter else 0, feature_dim=target.feature_dim,
                     target_layer_ids=tuple(target.target_layer_ids), max_context=engine.max_context,
-                    model=target_dir.name, methods=methods, default_spec=SpecSpec(method=config.default_method),
-                    limits=limits, device=config.device)
+                    model=target_dir.name, methods=methods, limits=limits, device=config.device)
 
 
 def _connect_drafter(config: VerifierWorkerConfig, target_dir, ctx, epoch: str):
@@ -539,7 +547,8 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     cache = engine.runner.cache
     log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; pages committed as used)",
              cache.num_slots, cache.capacity, cache.nbytes() / 2**30, target.weights, config.device)
-    budget = drafter.default_spec.budget if drafter is not None and drafter.default_spec is not None else None
+    defaults = default_knobs(config)
+    budget = defaults.budget if drafter is not None else None
     if config.packed_gemm and budget:  # each row count packed on its first step: memory follows use
         target.pack_for_steps(budget, engine.max_draft_depth, config.max_running, lazy=True)
     if config.compile:  # after packing (the packs are part of what is compiled), before the cost sweep
@@ -554,9 +563,19 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     # the sweep times row counts serving may never run: it packs none (real steps pack what they use)
     with phase("verifier", "step cost model ready"), lazy_packing_paused():
         attach_policy(engine, config.spec_policy, target_dir.name, target.weights, config.device,
-                      max_budget=config.spec_max_budget or None, sweep=config.cost_sweep)
+                      max_budget=config.spec_max_budget or None, sweep=config.cost_sweep,
+                      schedule=parse_tree_schedule(config.tree_schedule), defaults=defaults)
     log_memory(target, engine)
     return engine, target, target_dir
+
+
+def default_knobs(config: VerifierWorkerConfig):
+    """The verifier's default :class:`~services.spec.TreeKnobs`: the config's, each unset one from
+    :func:`services.spec.default_tree_knobs` of its device."""
+    from services.spec import TreeKnobs, default_tree_knobs
+
+    knobs = TreeKnobs(config.budget, config.width, config.depth_bonus, config.candidates)
+    return knobs.filled_from(default_tree_knobs(config.device))
 
 
 def log_memory(target, engine) -> None:

@@ -51,7 +51,7 @@ class FakeEngine:
 
     Attributes:
         batches: the request ids of each step; steps: the same, flattened (one entry per round);
-        knobs: ``(active requests, tree_knobs)`` per step; aborted: freed request ids, in order.
+        aborted: freed request ids, in order.
     """
 
     vocab_size, max_context, eos_token_ids = 400, 256, (2,)
@@ -64,7 +64,6 @@ class FakeEngine:
         self.active: dict[str, int] = {}
         self.batches: list[list[str]] = []
         self.steps: list[str] = []
-        self.knobs: list[tuple[int, tuple[int, int] | None]] = []
         self.aborted: list[str] = []
         self.last_step = FakeStepStats()
         self.lock = threading.Lock()
@@ -74,11 +73,10 @@ class FakeEngine:
             raise ValueError("prompt (1 tokens) + max_tokens (9999) exceeds the context window of 256 tokens")
         self.active[request_id] = 0
 
-    def step_batch(self, request_ids: list[str], tree_knobs: tuple[int, int] | None = None) -> dict:
+    def step_batch(self, request_ids: list[str]) -> dict:
         """One round of each request: ``{rid: FakeRound | exception}`` (a failed request is freed)."""
         time.sleep(self.step_delay_s)
         self.batches.append(list(request_ids))
-        self.knobs.append((len(self.active), tree_knobs))
         results: dict = {}
         for rid in request_ids:
             try:
@@ -139,9 +137,9 @@ class FakeDrafterService:
             raise ValueError(f"scripted failure of {job.request_id}" if not self.fail else "scripted drafter failure")
         assert job.features.shape == (len(job.committed_ids), 8)
         self.calls.append((job.request_id, list(job.committed_ids), job.features.clone(), job.root_token, job.start,
-                           job.spec.method, job.max_depth))
+                           job.method, job.max_depth))
         self.contexts[job.request_id] = job.start
-        n = min(job.spec.budget or 3, job.max_depth or 99)
+        n = min(job.spec.budget, job.max_depth or 99)
         tree = tree_from_parents([job.root_token + 1 + i for i in range(n)], list(range(-1, n - 1)))
         return tree, {"draft": 0.0005, "tree_build": 0.0001}
 

@@ -322,7 +322,7 @@ def test_drafter_batch_equals_one_request_at_a_time(target):
     lengths (padded + masked) gives every request the tree it gets alone, for every method, over
     several rounds (contexts grow); a bad job fails alone."""
     from services.drafter.service import DFLASH_METHODS as DRAFT_METHODS
-    from services.verifier.drafter_client import DraftJob
+    from services.testing import draft_job
 
     a, b = (tiny_service(target, tiny_drafter(target, seed=5, block_size=6)) for _ in range(2))
     rng = random.Random(1)
@@ -334,9 +334,9 @@ def test_drafter_batch_equals_one_request_at_a_time(target):
             n = rng.randrange(1, 9) + (6 * i if rnd == 0 else 0)
             ids = [rng.randrange(3, V - 1) for _ in range(n)]
             starts[m] += n
-            jobs.append(DraftJob(m, ids, torch.randn(n, target.feature_dim), rng.randrange(3, V - 1), starts[m],
+            jobs.append(draft_job(m, ids, torch.randn(n, target.feature_dim), rng.randrange(3, V - 1), starts[m],
                                  SpecParams(m, budget=7, width=3), 5))
-        bad = DraftJob("bad", [1], torch.randn(2, target.feature_dim), 1, 1, SpecParams("ddtree"), 5)
+        bad = draft_job("bad", [1], torch.randn(2, target.feature_dim), 1, 1, SpecParams("ddtree"), 5)
         got = a.draft_batch(jobs[:2] + [bad] + jobs[2:])
         assert isinstance(got.pop(2), ValueError)
         for j, res in zip(jobs, got):

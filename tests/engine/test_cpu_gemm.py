@@ -13,10 +13,12 @@ from torch import nn
 
 from services import cpu_gemm
 from services.cpu_gemm import PackedLinear, pack_linears, packed_bytes, packing_available
-from services.drafter.service import DFLASH_METHODS as METHODS, TreeDefaults
+from services.drafter.service import DFLASH_METHODS as METHODS
+from services.spec import TreeKnobs
 from services.testing import greedy_reference, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+from services.verifier.policy import FixedPolicy
 
 needs_mkl = pytest.mark.skipif(not packing_available(), reason="this torch build has no MKL packed sgemm")
 
@@ -122,9 +124,10 @@ def test_engine_with_packed_target_and_drafter_equals_greedy(method):
     service packed for its block (trees of 5..9 rows use the pack, larger ones the plain path)."""
     target = tiny_target("llama")
     assert target.pack_gemm([9]) > 0
-    service = tiny_service(target, defaults=TreeDefaults(budget=8, width=4, candidates=8))
+    service = tiny_service(target)
     assert any(isinstance(m, PackedLinear) and m._packs for m in service.drafter.modules())
-    engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=service.cfg.num_draft_slots)
+    engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=service.cfg.num_draft_slots,
+                        policy=FixedPolicy(defaults=TreeKnobs(budget=8, width=4, depth_bonus=-0.2, candidates=8)))
     rng = random.Random(7)
     V = target.vocab_size
     for k in range(2):

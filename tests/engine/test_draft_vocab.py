@@ -96,7 +96,7 @@ def test_reduced_layout_round_trips_strictly_and_full_layout_is_unchanged(target
 
 def test_reduced_vocab_batched_drafts_equal_single_drafts_in_target_ids(target):
     """``draft_batch`` maps draft ids to target ids for several requests at once exactly as for one."""
-    from services.verifier.drafter_client import DraftJob
+    from services.testing import draft_job
 
     keep = torch.randperm(V, generator=torch.Generator().manual_seed(3))[:30]
     a, b = (tiny_service(target, reduce_draft_vocab(tiny_drafter(target, seed=2), keep)) for _ in range(2))
@@ -104,7 +104,7 @@ def test_reduced_vocab_batched_drafts_equal_single_drafts_in_target_ids(target):
     jobs = []
     for i, m in enumerate(DRAFT_METHODS):
         ids = [rng.randrange(3, V - 1) for _ in range(3 + i)]
-        jobs.append(DraftJob(m, ids, torch.randn(len(ids), a.cfg.feature_dim), ids[-1], len(ids),
+        jobs.append(draft_job(m, ids, torch.randn(len(ids), a.cfg.feature_dim), ids[-1], len(ids),
                              SpecParams(m, budget=10, width=4), None))
     for j, (tree, _) in zip(jobs, a.draft_batch(jobs)):
         want, _ = b.draft_batch([j])[0]

@@ -18,14 +18,16 @@ import torch
 from safetensors.torch import save_file
 
 from services.drafter.model import DFlashDrafter, load_drafter, save_drafter
-from services.drafter.service import TreeDefaults, make_service
+from services.drafter.service import make_service
 from services.protocol import served_methods
-from services.testing import (block_logits_one, draft_one, greedy_reference, tiny_drafter, tiny_dspark, tiny_eagle3,
+from services.testing import (block_logits_one, draft_job, draft_one, greedy_reference, tiny_drafter, tiny_dspark, tiny_eagle3,
                               tiny_service, tiny_target)
 from services.tree import MarkovScorer, dartree
 from services.tree.eagle import eagle_tree
-from services.verifier.drafter_client import DraftJob, InprocDrafterClient
+from services.verifier.drafter_client import InprocDrafterClient
+from services.spec import TreeKnobs
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.verifier.policy import FixedPolicy
 from tests.engine.conftest import TARGET_KW, V
 from tests.engine.test_batched import _run_batched
 from tests.engine.test_sampling import assert_target_distribution, sample_counts
@@ -322,7 +324,7 @@ def test_eagle3_inference_rows_equal_training_time_test_rows(target3, monkeypatc
     from services.training.train_eagle3 import Eagle3Trainer
 
     d = tiny_eagle3(target3, seed=9, std=0.3, draft_vocab_size=V, depth=3, top_k=1)
-    svc = make_service(d, target3.embed_tokens(), target3.lm_head(), TreeDefaults(budget=3))
+    svc = make_service(d, target3.embed_tokens(), target3.lm_head())
     prompt = _prompt(2, 9)
     s = len(prompt) - 1
     _, feats = target3.teacher_forced(prompt)
@@ -338,7 +340,7 @@ def test_eagle3_inference_rows_equal_training_time_test_rows(target3, monkeypatc
         return real(root_logp, wrapped, **kw)
 
     monkeypatch.setattr(es, "eagle_tree", spy)
-    tree, _ = draft_one(svc, "r", prompt[:s], feats[:s], prompt[s], s, SpecParams("eagle3"))
+    tree, _ = draft_one(svc, "r", prompt[:s], feats[:s], prompt[s], s, SpecParams("eagle3", budget=3))
     assert tree.num_nodes == 3 and tree.parents.tolist() == [-1, 0, 1]  # k = 1: a chain
     ids = torch.tensor(prompt + tree.draft_tokens.tolist()[:2])
     _, feats_full = target3.teacher_forced(ids.tolist())
@@ -426,7 +428,7 @@ def test_draft_batch_equals_one_at_a_time(target, target3):
             rid = f"{m}-{i}"
             n = rng.randrange(2, 12)
             start[rid] = n
-            jobs.append(DraftJob(rid, [rng.randrange(3, V - 1) for _ in range(n)], torch.randn(n, tgt.feature_dim),
+            jobs.append(draft_job(rid, [rng.randrange(3, V - 1) for _ in range(n)], torch.randn(n, tgt.feature_dim),
                                  rng.randrange(3, V - 1), n, SpecParams(m, budget=7, width=3), 5))
         for j, res in zip(jobs, a.draft_batch(jobs)):
             want, _ = b.draft_batch([j])[0]
@@ -449,8 +451,9 @@ def test_first_three_tokens_match_plain_sampling(target8, method):
     wrong distributions."""
     drafter = tiny_eagle3(target8, seed=1, std=0.6, draft_vocab_size=6, depth=3, top_k=2) if method == "eagle3" \
         else tiny_dspark(target8, seed=1, std=0.6, block_size=3)
-    svc = tiny_service(target8, drafter, defaults=TreeDefaults(budget=6, width=3, candidates=4))
-    engine = SpecEngine(target8, InprocDrafterClient(svc), max_draft_depth=3)
+    svc = tiny_service(target8, drafter)
+    engine = SpecEngine(target8, InprocDrafterClient(svc), max_draft_depth=3,
+                        policy=FixedPolicy(defaults=TreeKnobs(budget=6, width=3, depth_bonus=-0.2, candidates=4)))
     import tests.engine.test_sampling as ts
 
     assert ts.V == V8

@@ -11,6 +11,7 @@ import torch
 from services import hf_compat
 from services.testing import ARCHS, greedy_reference, tiny_target, tree_from_nodes
 from services.tree import derive_buffers, walk
+from services.spec import DEFAULT_KNOBS
 from services.verifier.drafter_client import DraftJob
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
 from tests.doubles import OracleDrafter
@@ -56,7 +57,7 @@ def test_cache_after_many_branching_rounds_equals_fresh_prefill(arch):
     ctx_ids, ctx_feats = list(prompt), feats
     gathered = lengths = 0
     for rnd in range(20):
-        tree, _ = oracle.draft_job(DraftJob("r", ctx_ids, ctx_feats, root, start, None))
+        tree, _ = oracle.draft_job(DraftJob("r", ctx_ids, ctx_feats, root, start, "dartree-pruned", DEFAULT_KNOBS))
         buffers = derive_buffers(tree, root)
         logits, feats = target.verify(buffers, cache, start)
         res = walk(buffers, logits.argmax(-1))

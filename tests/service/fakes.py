@@ -12,14 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.engine_client import _QueueClient
-from services.protocol import Abort, Generate, Limits, PeerInfo, RequestError, RoundChunk, SpecSpec, TokenLogprobs
+from services.protocol import Abort, Generate, Limits, PeerInfo, RequestError, RoundChunk, TokenLogprobs
 from services.spec import DFLASH_METHODS
 from services.tiny_models import CHAT_TEMPLATE, bytefallback_model_dir, bytelevel_model_dir  # noqa: F401
 
 METHODS = DFLASH_METHODS  # a Domino drafter's methods
 def verifier_info(vocab_size: int, max_context: int = 256, **kw) -> PeerInfo:
     base = dict(role="verifier", epoch="fake", vocab_size=vocab_size, eos_token_id=2, max_context=max_context,
-                model="tiny", methods=METHODS, default_spec=SpecSpec(method="dartree-pruned", budget=8),
+                model="tiny", methods=METHODS,
                 limits=Limits(max_context=max_context, max_budget=64, max_running=4, max_waiting=8))
     base.update(kw)
     return PeerInfo(**base)

@@ -36,7 +36,7 @@ def test_every_flag_has_a_help_text(command):
 def test_serve_help_is_grouped_by_concern_with_the_docstrings_words():
     parser = _sub("serve")
     groups = {g.title: [a.dest for a in g._group_actions] for g in parser._action_groups}
-    for title in ("Gateway", "Verifier: scheduling", "Verifier: speculation", "Drafter: tree defaults",
+    for title in ("Gateway", "Verifier: scheduling", "Verifier: speculation", "Verifier: tree defaults",
                   "Start, restart and drain", "Observability"):
         assert groups.get(title), title
     assert "spec_policy" in groups["Verifier: speculation"] and "max_running" in groups["Verifier: scheduling"]

@@ -1,12 +1,14 @@
-"""The verifier's load-dependent tree budget/width schedule (``--tree-schedule``): parser, per-round
-pick by running count, explicit request values winning, the gauges, and losslessness under it."""
+"""The verifier's load-dependent tree budget/width schedule (``--tree-schedule``): parser, the
+policy's per-round pick by running count, explicit request values winning, the gauges, and
+losslessness under it."""
 
 from __future__ import annotations
 
 import pytest
 
 from services import protocol as p
-from services.verifier.schedule import TreeSchedule, parse_tree_schedule
+from services.spec import DEFAULT_KNOBS, TreeSchedule, parse_tree_schedule
+from services.verifier.policy import FixedPolicy, GoodputPolicy, RoundInfo
 from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
 
 from tests.doubles import FakeEngine, ScriptedDrafterClient
@@ -52,7 +54,7 @@ def test_pick_by_running_count():
     s = parse_tree_schedule(SCHEDULE)
     assert {n: s.pick(n) for n in range(1, 9)} == EXPECTED
     assert s.pick(100) == (4, 4)
-    assert parse_tree_schedule("3:8x4").pick(2) is None  # below the first threshold: drafter defaults
+    assert parse_tree_schedule("3:8x4").pick(2) is None  # below the first threshold: the defaults
 
 
 @pytest.mark.parametrize("argv_env", [(["--tree-schedule", "1:8x4,1:4x2"], {}),
@@ -82,9 +84,29 @@ def _gen(rid: str) -> p.Generate:
     return p.Generate(rid, [5, 6], p.SamplingSpec(max_tokens=64), p.SpecSpec())
 
 
-def test_worker_picks_budget_width_from_the_running_count_each_round():
-    """Requests arrive one by one (1 -> 8 running) and finish one by one (8 -> 1): every round gets
-    the step of the running count at that round, and the gauges follow."""
+class _Unset:
+    budget = width = depth_bonus = candidates = None
+
+
+@pytest.mark.parametrize("policy", [FixedPolicy, GoodputPolicy])
+def test_the_policy_picks_budget_width_from_the_running_count(policy):
+    """The knobs of a request that leaves them unset follow the running count the step reports;
+    the other knobs come from the defaults."""
+    pol = policy(schedule=parse_tree_schedule(SCHEDULE))
+    for n in list(range(1, 9)) + [100]:
+        pol.begin_step([RoundInfo("r", "dartree-pruned", 0.0, True)], num_running=n)
+        knobs = pol.draft_knobs("r", _Unset())
+        if knobs is not None:  # goodput may choose a plain round; when it drafts, the pick applies
+            assert (knobs.budget, knobs.width) == EXPECTED[min(n, 8)]
+            assert (knobs.depth_bonus, knobs.candidates) == (DEFAULT_KNOBS.depth_bonus, DEFAULT_KNOBS.candidates)
+    below = FixedPolicy(schedule=parse_tree_schedule("3:8x4"))
+    below.begin_step([], num_running=2)
+    assert below.draft_knobs("r", _Unset()) == DEFAULT_KNOBS  # below the first threshold: the defaults
+
+
+def test_worker_gauges_follow_the_running_count():
+    """Requests arrive one by one (1 -> 8 running) and finish: the gauges show the schedule's step
+    at the running count, and 0 once idle."""
     engine = FakeEngine(rounds=[[1]] * 20)  # every step runs every request: none finishes before the 8th arrives
     worker, sent = _worker(engine, SCHEDULE)
     for i in range(8):
@@ -95,22 +117,17 @@ def test_worker_picks_budget_width_from_the_running_count_each_round():
         assert worker.metrics.registry.get_sample_value("dartree_spec_scheduled_width") == EXPECTED[i + 1][1]
     while engine.num_active():
         worker.run_once(idle_timeout=0)
-    seen = {n for n, _ in engine.knobs}
-    assert seen == set(range(1, 9))
-    assert all(knobs == EXPECTED[n] for n, knobs in engine.knobs), engine.knobs
-    assert len({n for n, _ in engine.knobs[-30:]}) > 2  # the tail really shrank back through several counts
     assert worker.metrics.registry.get_sample_value("dartree_spec_scheduled_budget") == 0  # idle: no pick
     assert sum(isinstance(m, p.RoundChunk) and m.finish_reason == "stop" for m in sent) == 8
 
 
-def test_no_schedule_passes_no_knobs():
+def test_no_schedule_shows_no_pick():
     engine = FakeEngine()
     worker, _ = _worker(engine, "")
     for rid in "ab":
         worker.post(b"gw", _gen(rid))
     while engine.num_active() or not engine.steps:
         worker.run_once(idle_timeout=0)
-    assert engine.knobs and all(k is None for _, k in engine.knobs)
     assert worker.metrics.registry.get_sample_value("dartree_spec_scheduled_budget") == 0
 
 
@@ -165,13 +182,13 @@ def test_explicit_request_values_override_the_schedule(tiny):
 
     target, service = tiny
     spy = SpyDrafter(service)
-    engine = SpecEngine(target, spy, max_draft_depth=8)
+    engine = SpecEngine(target, spy, max_draft_depth=8, policy=FixedPolicy(schedule=parse_tree_schedule("1:5x4")))
     cases = {"none": SpecParams("dartree-pruned"), "b": SpecParams("dartree-pruned", budget=9),
              "w": SpecParams("dartree-pruned", width=2), "bw": SpecParams("dartree-pruned", budget=3, width=1)}
     for rid, spec in cases.items():
         engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), spec)
-        engine.step(rid, tree_knobs=(5, 4))  # prefill: no draft
-        engine.step(rid, tree_knobs=(5, 4))
+        engine.step(rid)  # prefill: no draft
+        engine.step(rid)
         engine.abort(rid)
     assert [s[:3] for s in spy.seen] == [("none", 5, 4), ("b", 9, 4), ("w", 5, 2), ("bw", 3, 1)]
     assert all(nodes <= budget for _, budget, _, nodes in spy.seen)
@@ -197,9 +214,9 @@ def test_greedy_output_is_unchanged_under_the_schedule(tiny, drafter):
         spy = TrimmedOracle(OracleDrafter({rid: prompts[rid] + refs[rid] for rid in prompts}, depth=4, seed=5))
     else:
         spy = SpyDrafter(service)
-    engine = SpecEngine(target, spy, max_draft_depth=8)
-    sent: list = []
     config = VerifierWorkerConfig(tree_schedule="1:12x4,2:6x2,3:2x1", max_running=3)
+    engine = SpecEngine(target, spy, max_draft_depth=8, policy=FixedPolicy(schedule=parse_tree_schedule(config.tree_schedule)))
+    sent: list = []
     worker = VerifierWorker(engine, verifier_info(128), config, send=lambda ident, msg: sent.append(msg),
                             params=default_params)
     for rid, prompt in prompts.items():

@@ -317,14 +317,14 @@ def drafter_client(endpoint, timeout_s=5.0, **kw):
     return ZmqDrafterClient(endpoint, local, FrameTransport(), timeout_s)
 
 
-def _spec(method="dartree-pruned", budget=None):
+def _spec(method="dartree-pruned", budget=3):
     return p.SpecSpec(method=method, budget=budget)
 
 
 def _job(request_id, committed_ids, features, root_token, start, spec, max_depth=None):
-    from services.verifier.drafter_client import DraftJob
+    from services.testing import draft_job
 
-    return DraftJob(request_id, committed_ids, features, root_token, start, spec, max_depth)
+    return draft_job(request_id, committed_ids, features, root_token, start, spec, max_depth)
 
 
 def _draft(client, *job, **kw):
@@ -565,16 +565,14 @@ def test_draft_batch_over_zmq_one_message_one_reply_per_job(sockdir):
     """``submit`` sends one DraftBatch; the drafter drafts the jobs in one
     ``draft_batch`` call and answers each job on its own, a failing job with its own error."""
     torch = pytest.importorskip("torch")
-    from types import SimpleNamespace as NS
-
     from services.verifier.remote_drafter import DrafterError
 
     service = FakeDrafterService(fail_ids=("bad",))
     with running_drafter(sockdir, service) as (worker, io, endpoint):
         client = drafter_client(endpoint)
         client.connect(wait_s=5)
-        jobs = [NS(request_id=rid, committed_ids=[7, 8], features=torch.randn(2, 8), root_token=9 + i, start=2,
-                   spec=_spec(budget=2 + i), max_depth=3) for i, rid in enumerate(["a", "bad", "c"])]
+        jobs = [_job(rid, [7, 8], torch.randn(2, 8), 9 + i, 2, _spec(budget=2 + i), max_depth=3)
+                for i, rid in enumerate(["a", "bad", "c"])]
         handles = client.submit(jobs)
         assert client.collect(handles[2])[0].draft_tokens.tolist() == [12, 13, 14]
         with pytest.raises(DrafterError, match="scripted failure of bad"):
