@@ -326,17 +326,13 @@ class Bench:
         fmt = self.cfg["weights"] if self.cfg["weights"] in ("float32", "bfloat16", "q4") else None
         self.engine, self.tok, self.note = build_inprocess(self.a.target, self.a.drafter, self.engine_dtype,
                                                            packed_gemm=self.cfg.get("packed_gemm", True),
-                                                           weights=fmt, compile=self.cfg.get("compile", False), **kw)
+                                                           weights=fmt, compile=self.cfg.get("compile", False),
+                                                           spec_policy=self.cfg.get("spec_policy", "fixed"), **kw)
         svc = getattr(self.engine.drafter, "service", None)
         d = self.engine.policy.defaults  # the knobs a request leaves unset (the verifier's defaults)
         self.defaults = {k: getattr(d, k) for k in ("budget", "width", "depth_bonus", "candidates")}
         if self.cfg.get("packed_gemm", True):  # before any cell: every cell sees the same packs whatever the order
-            self.engine.target.pack_for_rounds(int(self.knobs()["budget"]), self.engine.max_draft_depth)
-        if self.cfg.get("spec_policy", "fixed") != "fixed":  # after packing: its cost sweep times the packed forwards
-            from services.verifier.policy import attach_policy
-
-            attach_policy(self.engine, self.cfg["spec_policy"], self.target_dir.name, self.engine.target.weights,
-                          self.cfg["device"], defaults=self.engine.policy.defaults)
+            self.engine.target.pack_gemm([int(self.knobs()["budget"]) + 1, self.engine.max_draft_depth + 1])
         if svc is not None and hasattr(svc, "info"):
             self.supported = set(svc.info()["methods"]) | set(PEERS)
 

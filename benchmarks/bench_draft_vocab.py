@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> dict:
     from services.training.heldout import greedy_turns, heldout_prompt_ids
     from services.training.vocab import coverage, top_ids
     from services.verifier.drafter_client import InprocDrafterClient
-    from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+    from services.spec import DEFAULT_KNOBS, TreeKnobs
+    from services.verifier.build import build_engine
+    from services.verifier.engine import SamplingParams, SpecParams
     from services.verifier.target import TargetModel
     from services.weights import compute_dtype, drafter_dtype
 
@@ -83,7 +85,6 @@ def main(argv: list[str] | None = None) -> dict:
         target = TargetModel.from_pretrained(tdir, full.config.target_layer_ids, weights=a.weights)
     except ValueError as e:  # a format this machine cannot run (one line)
         raise SystemExit(f"bench_draft_vocab: {e}") from None
-    target.pack_for_rounds(a.budget, full.config.num_draft_slots)
     embed, head = borrow_target_io(target.embed_tokens(), target.lm_head(), ddtype)  # as the drafter worker does
     saved = torch.load(a.counts)
     counts = saved["counts"]
@@ -93,8 +94,9 @@ def main(argv: list[str] | None = None) -> dict:
             full, top_ids(counts, n, target.eos_token_ids, secondary=saved.get("secondary")))
         maps[n] = d.draft_to_target()
         svc = DrafterService(d, embed, head)  # the requests set --budget / --width themselves
-        engines[n] = SpecEngine(target, InprocDrafterClient(svc), max_draft_depth=full.config.num_draft_slots)
-    ar = SpecEngine(target, None)
+        engines[n] = build_engine(target, InprocDrafterClient(svc), max_draft_depth=full.config.num_draft_slots,
+                                  defaults=TreeKnobs(a.budget, a.width).filled_from(DEFAULT_KNOBS))
+    ar = build_engine(target, None, packed_gemm=False)
     turns = greedy_turns(target, heldout_prompt_ids(tdir, a.prompts), a.max_tokens,
                          Path(a.turns_cache) if a.turns_cache else None)
     spec = SpecParams("dartree-pruned", budget=a.budget, width=a.width)

@@ -170,8 +170,9 @@ def main(argv=None) -> int:
     import torch
 
     from services.generate import build_inprocess
-    from services.verifier.engine import EngineConfig, SpecEngine
-    from services.verifier.policy import FixedPolicy, attach_policy
+    from services.verifier.build import build_engine
+    from services.verifier.engine import EngineConfig
+    from services.verifier.policy import FixedPolicy
 
     from services.models.registry import resolve_target
     from services.weights import choose_weights, compute_dtype, default_weights
@@ -189,11 +190,11 @@ def main(argv=None) -> int:
                     p.add_(torch.randn_like(p) * p.std() * 1.0)
         note += " (weights perturbed: weak drafter)"
     c_max = max(a.concurrency)
-    engine = SpecEngine(engine0.target, engine0.drafter, EngineConfig(max_running=c_max),
-                        max_draft_depth=engine0.max_draft_depth)
-    engine.target.pack_for_steps(8, engine.max_draft_depth, c_max)
-    fixed = FixedPolicy()
-    attach_policy(engine, "goodput", "smollm2-135m-instruct", weights)
+    defaults = engine0.policy.defaults  # the CPU defaults dartree generate uses
+    engine = build_engine(engine0.target, engine0.drafter, EngineConfig(max_running=c_max),
+                          max_draft_depth=engine0.max_draft_depth, policy="goodput", defaults=defaults,
+                          cost_key=("smollm2-135m-instruct", weights, "cpu"))
+    fixed = FixedPolicy(defaults=defaults)
     goodput = engine.policy
     if a.optimism is not None:
         goodput.optimism = a.optimism

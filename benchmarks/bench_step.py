@@ -102,13 +102,16 @@ def measure_format(fmt: str, ids_prompt: str, a, compile: bool = False, peer=Non
     engine, tok, _ = build_inprocess(None, None, compute_dtype(fmt), weights=fmt)
     engine.target.pack_gemm([17])  # float32: the 17-row verify packed too (no-op for other formats)
     if compile:
-        from services.verifier.engine import EngineConfig, SpecEngine
+        from services.verifier.build import build_engine
+        from services.verifier.engine import EngineConfig
 
         torch._dynamo.reset()  # a fresh recompile budget per model (the HF forward frame is shared)
 
-        engine = SpecEngine(engine.target, engine.drafter, EngineConfig(compile=True),
-                            max_draft_depth=engine.max_draft_depth)
-        warm_s = engine.runner.warm_up((1, 9, 17))
+        engine = build_engine(engine.target, engine.drafter, EngineConfig(compile=True),
+                              max_draft_depth=engine.max_draft_depth, defaults=engine.policy.defaults,
+                              packed_gemm=False)  # packed above; the build warms up rows 1 and B + 1
+        engine.runner.warm_up((1, 9, 17))
+        warm_s = engine.runner.warm_up_seconds
     load_s = time.perf_counter() - t0
     ids = encode(tok, ids_prompt, chat=True)
     engine_stats(engine, ids, 8, "ar")  # warm-up

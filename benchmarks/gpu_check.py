@@ -74,8 +74,8 @@ def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, 
     from services.drafter.service import DrafterService
     from services.spec import default_tree_knobs
     from services.verifier.drafter_client import InprocDrafterClient
-    from services.verifier.engine import EngineConfig, SpecEngine
-    from services.verifier.policy import FixedPolicy
+    from services.verifier.build import build_engine
+    from services.verifier.engine import EngineConfig
     from services.verifier.target import TargetModel
 
     t = spec["target"]
@@ -101,9 +101,9 @@ def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, 
         drafter = DFlashDrafter(dcfg).to(dtype).eval()
     service = DrafterService(drafter, target.embed_tokens(), target.lm_head(),
                              description="random weights (gpu_check)", packed_gemm=False)
-    engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(max_running=1, max_context=max_context,
-                                                                       cuda_graphs=graphs),
-                        max_draft_depth=dcfg.num_draft_slots, policy=FixedPolicy(defaults=default_tree_knobs(device)))
+    engine = build_engine(target, InprocDrafterClient(service), EngineConfig(max_running=1, max_context=max_context,
+                                                                         cuda_graphs=graphs),
+                          max_draft_depth=dcfg.num_draft_slots, defaults=default_tree_knobs(device), packed_gemm=False)
     if device.startswith("cuda"):
         synchronize_phases(engine, service)
     return engine

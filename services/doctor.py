@@ -94,18 +94,19 @@ def remeasure(target_ref: str | None) -> list[str]:
 
     from services.models.registry import resolve_target
     from services.verifier.cost_model import cache_key, forget_cached, startup_sweep
-    from services.verifier.engine import EngineConfig, SpecEngine
+    from services.verifier.build import make_runner, time_forward
+    from services.verifier.engine import EngineConfig
     from services.verifier.target import TargetModel
     from services.weights import choose_weights
 
     target_dir = resolve_target(target_ref)
     fmt = choose_weights("auto", target_dir, remeasure=True)
     target = TargetModel.from_pretrained(target_dir, [0], weights=fmt)  # taps unused here
-    engine = SpecEngine(target, None, EngineConfig(max_running=1, max_context=256))
+    runner = make_runner(target, EngineConfig(max_running=1, max_context=256))
     target.pack_for_steps(8, 16, 1, lazy=True)
     key = cache_key(target_dir.name, fmt, "cpu", torch.get_num_threads())
     forget_cached(key)
-    samples, source = startup_sweep(engine.time_forward, key, fmt)
+    samples, source = startup_sweep(lambda rows: time_forward(runner, rows), key, fmt)
     pts = " ".join(f"{r}:{s * 1e3:.1f}" for r, s in samples)
     return [f"weights auto -> {fmt}", f"cost sweep ({source}): rows:ms {pts}"]
 

@@ -13,14 +13,15 @@ import torch
 
 def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torch.dtype, defaults=None,
                     packed_gemm: bool = True, weights: str | None = None, compile: bool = False,
-                    compile_drafter: bool | None = None):
-    """Load target + drafter in one process: ``(engine, tokenizer, drafter_note)``.
+                    compile_drafter: bool | None = None, spec_policy: str = "fixed"):
+    """Load target + drafter in one process: ``(engine, tokenizer, drafter_note)``; the engine is
+    assembled by :func:`services.verifier.build.build_engine`, as the verifier's is.
 
     ``defaults``: the engine's default tree knobs (a :class:`services.spec.TreeKnobs`, every one set;
     None = :func:`services.spec.default_tree_knobs` on CPU), what a request leaves unset is taken from
-    them by the engine's policy (:class:`services.verifier.policy.FixedPolicy`).
-    ``packed_gemm``: pre-pack float32 CPU weights for the default tree's verify rows (B + 1), a chain
-    method's (draft slots + 1) and the drafter's block (:mod:`services.cpu_gemm`).
+    them by the engine's policy, ``spec_policy`` (``goodput``: its cost sweep runs here).
+    ``packed_gemm``: pre-pack float32 CPU weights for the target's steps
+    (:func:`services.verifier.build.pack_rule`) and the drafter's block (:mod:`services.cpu_gemm`).
 
     ``compile``: the target's steps and the drafter's block forward through ``torch.compile`` (both
     warmed up here, after packing); ``compile_drafter`` (None = ``compile``) can leave the drafter
@@ -42,9 +43,8 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     from services.drafter.worker import check_drafter_dir
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.spec import default_tree_knobs
+    from services.verifier.build import build_engine
     from services.verifier.drafter_client import InprocDrafterClient
-    from services.verifier.engine import SpecEngine
-    from services.verifier.policy import FixedPolicy
     from services.verifier.target import TargetModel
     from services.weights import drafter_dtype
 
@@ -73,14 +73,11 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
                            packed_gemm=packed_gemm, compile=compile and compile_drafter is not False)
     from services.verifier.engine import EngineConfig
 
-    engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(compile=compile),
-                        max_draft_depth=drafter.config.num_draft_slots, policy=FixedPolicy(defaults=defaults))
-    if packed_gemm:
-        target.pack_for_rounds(defaults.budget, engine.max_draft_depth, lazy=True)  # packed on first use
-    if compile:
-        engine.runner.warm_up((1, defaults.budget + 1))
-        if getattr(service, "compiled", False):
-            service.warm_up()
+    engine = build_engine(target, InprocDrafterClient(service), EngineConfig(compile=compile),
+                          max_draft_depth=drafter.config.num_draft_slots, policy=spec_policy, defaults=defaults,
+                          cost_key=(tdir.name, str(target.weights), "cpu"), packed_gemm=packed_gemm)
+    if compile and getattr(service, "compiled", False):
+        service.warm_up()
     return engine, tok, note
 
 
@@ -125,17 +122,14 @@ def run_generate(a) -> int:
     from services.weights import resolve_cli_weights
 
     weights, dtype = resolve_cli_weights(getattr(a, "weights", None), a.dtype, resolve_target(a.target))
+    policy = getattr(a, "spec_policy", "fixed")
     engine, tok, note = build_inprocess(a.target, a.drafter, dtype, defaults, packed_gemm=packed, weights=weights,
                                         compile=getattr(a, "compile", False),
-                                        compile_drafter=a.method != "ar")  # ar never calls the drafter
+                                        compile_drafter=a.method != "ar",  # ar never calls the drafter
+                                        spec_policy=policy)
     served = engine.drafter.info()["methods"]  # services.protocol.served_methods of its kind, "ar" included
     if a.method not in served:  # before any text is printed
         raise ValueError(f"method {a.method!r} is not served by this drafter ({note}); it serves {', '.join(served)}")
-    policy = getattr(a, "spec_policy", "fixed")
-    if policy != "fixed":
-        from services.verifier.policy import attach_policy
-
-        attach_policy(engine, policy, resolve_target(a.target).name, engine.target.weights, defaults=defaults)
     svc = getattr(engine.drafter, "service", None)
     steps_warmed = engine.runner.compiled or engine.runner.graphed
     drafter_compiled = getattr(svc, "compiled", False)

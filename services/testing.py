@@ -264,10 +264,11 @@ def greedy_reference(model, prompt_ids: list[int], n: int) -> list[int]:
 # ----------------------------------------------------------------------------------------------
 def served_ar_reference(target_dir, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """Plain greedy decoding of a saved target in this process (what a served greedy answer equals)."""
-    from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+    from services.verifier.build import build_engine
+    from services.verifier.engine import SamplingParams, SpecParams
     from services.verifier.target import TargetModel
 
-    engine = SpecEngine(TargetModel.from_pretrained(target_dir, [1, 2]), None)
+    engine = build_engine(TargetModel.from_pretrained(target_dir, [1, 2]), None, packed_gemm=False)
     out = []
     for r in engine.generate("ref", prompt_ids, SamplingParams(max_tokens=max_tokens), SpecParams(method="ar")):
         out += r.token_ids

@@ -347,15 +347,15 @@ def main(argv: list[str] | None = None) -> None:
         bar.set_postfix(tok_s=f"{rate:.0f}", new_tokens=new_tokens)
 
     if a.backend == "engine":
-        from services.verifier.engine import EngineConfig, SpecEngine
+        from services.verifier.build import build_engine
+        from services.verifier.engine import EngineConfig
         from services.verifier.target import TargetModel
 
         target = TargetModel.from_pretrained(path, weights=weights)
         in_flight = a.in_flight or a.batch_size
-        target.pack_for_steps(1, 1, in_flight)
-        engine = SpecEngine(target, None, EngineConfig(max_running=in_flight,
-                                                       max_context=a.max_prompt_tokens + a.max_new_tokens),
-                            max_draft_depth=1)
+        engine = build_engine(target, None, EngineConfig(max_running=in_flight,
+                                                         max_context=a.max_prompt_tokens + a.max_new_tokens),
+                              max_draft_depth=1)
         generate_engine(engine, {b: batches[b] for b in todo}, a.max_new_tokens, a.sampled_every, in_flight, save)
     else:
         from transformers import AutoModelForCausalLM

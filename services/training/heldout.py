@@ -42,14 +42,15 @@ def greedy_turns(target, prompts: list[tuple[str, list[int]]], max_tokens: int, 
 
     The cache is reused only when its prompts and ``max_tokens`` equal these.
     """
-    from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+    from services.verifier.build import build_engine
+    from services.verifier.engine import SamplingParams, SpecParams
 
     key = {"prompts": [list(p) for _, p in prompts], "max_tokens": max_tokens}
     if cache is not None and cache.exists():
         saved = torch.load(cache, weights_only=False)
         if saved.get("key") == key:
             return [HeldoutTurn(**t) for t in saved["turns"]]
-    engine = SpecEngine(target, None)
+    engine = build_engine(target, None, packed_gemm=False)
     turns = []
     for uid, ids in prompts:
         outs = list(engine.generate(f"heldout-{uid}", list(ids), SamplingParams(max_tokens=max_tokens),
@@ -71,12 +72,13 @@ def replayed_tau(drafter, target, turns: list[HeldoutTurn], method: str = "dartr
     from services.drafter.service import make_service
     from services.replay import replay_tau
     from services.verifier.drafter_client import InprocDrafterClient
-    from services.verifier.engine import SpecEngine, SpecParams
+    from services.verifier.build import build_engine
+    from services.verifier.engine import SpecParams
 
     was_training = drafter.training
     try:
         svc = make_service(drafter, target.embed_tokens(), target.lm_head(), packed_gemm=False)
-        engine = SpecEngine(target, InprocDrafterClient(svc), max_draft_depth=max_draft_depth)
+        engine = build_engine(target, InprocDrafterClient(svc), max_draft_depth=max_draft_depth, packed_gemm=False)
         spec = SpecParams(method, budget=budget, width=width)
         rounds = emitted = 0
         for k, t in enumerate(turns):

@@ -287,12 +287,15 @@ class SpecEngine:
         policy: who drafts, with which resolved knobs, which nodes are verified
             (``services.verifier.policy``; default :class:`FixedPolicy` over
             :data:`services.spec.DEFAULT_KNOBS`: every drafting request drafts its whole tree).
+        runner: the :class:`ModelRunner` (None = a new one for ``config``); servers, tools and
+            benchmarks build theirs with :func:`services.verifier.build.build_engine`.
     Raises:
         MemoryError: the slot KV cache does not fit (one line).
     """
 
     def __init__(self, target, drafter: DrafterClient | None, config: EngineConfig = EngineConfig(),
-                 max_draft_depth: int = 16, drafter_max_position: int | None = None, policy=None):
+                 max_draft_depth: int = 16, drafter_max_position: int | None = None, policy=None,
+                 runner: ModelRunner | None = None):
         self.target, self.drafter = target, drafter
         self.policy = policy if policy is not None else FixedPolicy()
         if drafter_max_position is None and drafter is not None:
@@ -303,28 +306,18 @@ class SpecEngine:
         self.max_context = min(config.max_context or target.max_context, target.max_context)
         self.eos_token_ids = target.eos_token_ids
         self.max_draft_depth = max_draft_depth
-        # verify rows sit past the committed length: room for the widest tree a request may ask for
-        self.row_headroom = max(MAX_BUDGET + 1, config.prefill_chunk)
-        self.runner = ModelRunner(target, config.max_running, self.max_context + self.row_headroom, config.kv_bucket,
-                                  compile=config.compile, cuda_graphs=config.cuda_graphs)
+        self.runner = runner if runner is not None else ModelRunner(
+            target, config.max_running, self.kv_positions(target, config), config.kv_bucket, compile=config.compile,
+            cuda_graphs=config.cuda_graphs)
         self._reqs: dict[str, _Request] = {}
         self.last_step = StepStats()
 
-    def time_forward(self, rows: int) -> float:
-        """Seconds of one target forward of ``rows`` causal rows in a free slot, leaving no state
-        (the goodput policy's start-up cost sweep).
-
-        Raises:
-            ValueError: no free KV slot, or ``rows`` beyond a slot's capacity.
-        """
-        if self.runner.cache.num_free() == 0:
-            raise ValueError("no free KV slot to time a forward in")
-        slot = self.runner.cache.alloc()
-        try:
-            step = self.runner.execute([causal_segment([0] * rows, 0, slot)], torch.tensor([rows - 1]))
-        finally:
-            self.runner.cache.free(slot)
-        return step.seconds
+    @staticmethod
+    def kv_positions(target, config: EngineConfig) -> int:
+        """Positions per KV slot: the context window plus room past it for the widest step segment
+        (verify rows sit past the committed length: the widest tree a request may ask for)."""
+        max_context = min(config.max_context or target.max_context, target.max_context)
+        return max_context + max(MAX_BUDGET + 1, config.prefill_chunk)
 
     def num_active(self) -> int:
         """Requests holding state (KV slot or pending prefill)."""

@@ -486,26 +486,6 @@ def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sw
     return policy
 
 
-def attach_policy(engine, name: str, model: str, dtype: str, device: str = "cpu", max_budget: int | None = None,
-                  sweep: bool = True, schedule: TreeSchedule | None = None,
-                  defaults: TreeKnobs = DEFAULT_KNOBS) -> None:
-    """Give ``engine`` (a ``SpecEngine``) the named policy; ``goodput`` times its start-up sweep on
-    the engine's own runner (``engine.time_forward``), cached per machine / ``model`` / ``dtype``.
-
-    Raises:
-        ValueError: unknown policy name.
-    """
-    from services.verifier.cost_model import cache_key
-
-    if name == "goodput":
-        key = cache_key(model, dtype, device, torch.get_num_threads())
-        engine.policy = goodput_with_sweep(engine.time_forward, key, max_budget, sweep, dtype=dtype,
-                                           schedule=schedule, defaults=defaults)
-    else:
-        engine.policy = make_policy(name, schedule=schedule, defaults=defaults)
-    log.info("speculation policy: %s", engine.policy.name)
-
-
 def make_policy(name: str, **kw):
     """``"fixed"`` -> :class:`FixedPolicy` (``schedule`` and ``defaults`` passed on);
     ``"goodput"`` -> :class:`GoodputPolicy` (every kwarg passed on).

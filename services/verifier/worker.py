@@ -522,7 +522,8 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     import torch
 
     from services.models.registry import resolve_target
-    from services.verifier.engine import EngineConfig, SpecEngine
+    from services.verifier.build import build_engine as assemble
+    from services.verifier.engine import EngineConfig
     from services.verifier.target import TargetModel
 
     from services.startup import phase
@@ -540,31 +541,18 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     engine_config = EngineConfig(max_context=config.max_context or None, max_running=config.max_running,
                                  prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
                                  kv_bucket=config.kv_bucket, overlap=config.overlap, compile=config.compile)
-    with phase("verifier", "engine and KV cache reserved"):
-        engine = SpecEngine(target, drafter_client, engine_config,
-                            max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
-                            drafter_max_position=(drafter.max_position or None) if drafter else None)
+    with phase("verifier", "engine built (KV cache, GEMM packs, step cost model)"):
+        engine = assemble(target, drafter_client, engine_config,
+                          max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
+                          drafter_max_position=(drafter.max_position or None) if drafter else None,
+                          policy=config.spec_policy, defaults=default_knobs(config),
+                          schedule=parse_tree_schedule(config.tree_schedule),
+                          max_budget=config.spec_max_budget or None, cost_sweep=config.cost_sweep,
+                          cost_key=(target_dir.name, str(target.weights), config.device),
+                          packed_gemm=config.packed_gemm)
     cache = engine.runner.cache
     log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; pages committed as used)",
              cache.num_slots, cache.capacity, cache.nbytes() / 2**30, target.weights, config.device)
-    defaults = default_knobs(config)
-    budget = defaults.budget if drafter is not None else None
-    if config.packed_gemm and budget:  # each row count packed on its first step: memory follows use
-        target.pack_for_steps(budget, engine.max_draft_depth, config.max_running, lazy=True)
-    if config.compile:  # after packing (the packs are part of what is compiled), before the cost sweep
-        rows = (1, budget + 1 if budget else 2)
-        log.info("compiling the target's steps (%s, rows %s) ...",
-                 "CUDA graphs" if engine.runner.graphed else "torch.compile", rows)
-        log.info("compiled steps ready in %.1f s", engine.runner.warm_up(rows))
-    from services.verifier.policy import attach_policy  # after packing: the sweep times the packed forwards
-
-    from services.cpu_gemm import lazy_packing_paused
-
-    # the sweep times row counts serving may never run: it packs none (real steps pack what they use)
-    with phase("verifier", "step cost model ready"), lazy_packing_paused():
-        attach_policy(engine, config.spec_policy, target_dir.name, target.weights, config.device,
-                      max_budget=config.spec_max_budget or None, sweep=config.cost_sweep,
-                      schedule=parse_tree_schedule(config.tree_schedule), defaults=defaults)
     log_memory(target, engine)
     return engine, target, target_dir
 
