@@ -217,11 +217,13 @@ def packed_bytes(module: nn.Module) -> int:
 # (``mkldnn._reorder_linear_weight`` / ``mkldnn._linear_pointwise``).
 #
 # Exactness: packed for a batch-size hint of 1, the kernel gave every row bitwise the result of that
-# row alone for every row count 1..128 and every SmolLM2 linear shape, at 1 and 2 threads; beyond
-# ~130 rows oneDNN switched blocking for the 576 x 1536 down projection and rows changed in their
-# last bits. So a call is cut into pieces of at most ``ONEDNN_MAX_ROWS`` rows: batched == solo and
-# a tree verify == each path alone stay exact (tests/engine/test_cpu_gemm.py checks this on the
-# machine that runs the tests; :func:`pack_linears_bf16` re-checks the model's own shapes at load).
+# row alone for every row count 1..128 and every SmolLM2 linear shape on a Sapphire Rapids machine;
+# beyond ~130 rows oneDNN switched blocking for the 576 x 1536 down projection. On an AVX-512-bf16
+# AMD EPYC the same down projection changes rows in their last bits from 2-row calls on, for some
+# inputs. So :func:`pack_linears_bf16` finds each shape's :func:`invariant_rows` on the machine at
+# load and cuts calls into pieces of that many rows (at most ``ONEDNN_MAX_ROWS``): batched == solo
+# and a tree verify == each path alone stay exact (tests/engine/test_cpu_gemm.py checks this on the
+# machine that runs the tests).
 # Results equal ``F.linear`` on the same bf16 weight (the same kernel, without the per-call reorder).
 
 ONEDNN_MAX_ROWS = 128
@@ -314,20 +316,61 @@ def _(x, weight, bias):
 
 
 def rows_are_independent(lin: OneDNNLinear, rows: Iterable[int] = (2, 9, 17, 33, 64, ONEDNN_MAX_ROWS),
-                         probe: int = 4, seed: int = 0) -> bool:
-    """Whether ``lin`` gives rows bitwise the results of those rows alone, for a call of each row
-    count ``m`` in ``rows`` (checked on the first ``probe`` rows and row ``m - 1``; oneDNN picks
-    kernels per shape and CPU, see the section doc)."""
+                         samples: int = 256, seed: int = 0) -> bool:
+    """Whether ``lin`` gives every row of a call of each row count ``m`` in ``rows`` bitwise the result
+    of that row alone (oneDNN picks kernels per shape and CPU, see the section doc).
+
+    Whether a kernel's blocking changes a row shows only for some inputs (a last-bit rounding
+    difference), so each count is tried on ``samples`` random rows (``samples // m`` calls of ``m``
+    rows, at least one).
+
+    Args:
+        lin: a packed module; its calls are made through its own ``forward`` (so its ``max_rows``
+            cut applies).
+        rows: the row counts to try.
+        samples: random input rows per count.
+        seed: seed of the random inputs.
+    """
     rows = sorted(set(int(m) for m in rows))
+    n = max(samples, max(rows))
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(max(rows), lin.in_features, generator=g).to(torch.bfloat16)
+    x = torch.randn(n, lin.in_features, generator=g).to(torch.bfloat16)
     with torch.inference_mode():
-        solo = {i: lin(x[i:i + 1])[0] for i in set(range(min(probe, max(rows)))) | {m - 1 for m in rows}}
+        solo = torch.cat([lin(x[i:i + 1]) for i in range(n)])
         for m in rows:
-            y = lin(x[:m])
-            if not all(torch.equal(y[i], solo[i]) for i in solo if i < m):
+            used = max(m, n - n % m)
+            y = torch.cat([lin(x[i:i + m]) for i in range(0, used, m)])
+            if not torch.equal(y, solo[:used]):
                 return False
     return True
+
+
+def invariant_rows(lin: OneDNNLinear, limit: int = ONEDNN_MAX_ROWS, dense: int = 9) -> int:
+    """The largest row count ``r <= limit`` for which every call of 1..r rows gives each row bitwise the
+    result of that row alone, as far as random probes show, on this CPU and thread count.
+
+    The counts 2..``dense`` are tried one by one, then 16, 17, 32, 33, 64, 65 and ``limit``
+    (:func:`rows_are_independent`); the answer is the last count before the first failure (1 when
+    two-row calls already differ). A call cut into pieces of ``r`` rows is then batch-invariant: a
+    request's rows never depend on which other rows share the step. Seen on an AVX-512-bf16 AMD
+    EPYC: SmolLM2's 576 x 1536 down projection differs from 2-row calls on for some inputs (so
+    ``r = 1``), every other shape keeps ``r = limit``.
+
+    Args:
+        lin: a packed module (its ``max_rows`` is set to ``limit`` while checking).
+        limit: the largest row count of interest (>= 1).
+        dense: the counts tried one by one.
+    Returns:
+        ``r`` in ``[1, limit]``.
+    """
+    lin.max_rows = limit
+    counts = list(range(2, min(dense, limit) + 1)) + [m for m in (16, 17, 32, 33, 64, 65, limit) if dense < m <= limit]
+    best = 1
+    for m in sorted(set(counts)):
+        if not rows_are_independent(lin, rows=[m]):
+            break
+        best = m
+    return best
 
 
 def pack_linears_bf16(module: nn.Module, max_rows: int = ONEDNN_MAX_ROWS, check: bool = True) -> int:
@@ -337,8 +380,10 @@ def pack_linears_bf16(module: nn.Module, max_rows: int = ONEDNN_MAX_ROWS, check:
     Args:
         module: a model (changed in place; parameters and state-dict keys untouched).
         max_rows: the largest row count one kernel call gets (larger calls are cut into pieces).
-        check: test each distinct weight shape with :func:`rows_are_independent`; a shape that fails
-            is left on ``F.linear`` (logged), so exactness never depends on the pack.
+        check: find each distinct weight shape's :func:`invariant_rows` on this CPU and cut that
+            shape's calls into pieces of that many rows (logged when below ``max_rows``), so batched ==
+            solo never depends on the kernel's blocking (on an AVX-512-bf16 EPYC the 576 x 1536 down
+            projection changes rows from 2-row calls on for some inputs: its calls go row by row).
     Returns:
         Bytes of packed weights added (0 when oneDNN bf16 is unavailable or nothing qualified).
     Raises:
@@ -363,12 +408,11 @@ def pack_linears_bf16(module: nn.Module, max_rows: int = ONEDNN_MAX_ROWS, check:
         shape = tuple(m.weight.shape)
         if check:
             if shape not in verdict:
-                verdict[shape] = rows_are_independent(m, rows=[r for r in (2, 9, 17, 33, 64, max_rows) if r <= max_rows])
-                if not verdict[shape]:
-                    log.warning("oneDNN bf16 linear %s: rows depend on the row count here; left on F.linear", list(shape))
-            if not verdict[shape]:
-                m._onednn_pack = None
-                continue
+                verdict[shape] = invariant_rows(m, limit=max_rows)
+                if verdict[shape] < max_rows:
+                    log.info("oneDNN bf16 linear %s: rows depend on the row count past %d rows here; "
+                             "calls are cut into pieces of %d rows", list(shape), verdict[shape], verdict[shape])
+            m.max_rows = verdict[shape]
         added += size
     if added:
         log.info("packed bfloat16 GEMM weights (oneDNN, <= %d rows per call): %.0f MB", max_rows, added / 2**20)

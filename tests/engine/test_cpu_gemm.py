@@ -234,9 +234,11 @@ def test_onednn_packed_equals_f_linear(m):
 @pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (1536, 576), (576, 1536)])
 def test_onednn_rows_equal_the_row_alone_for_every_row_count(n, k):
     """Batched == solo at the kernel: on SmolLM2's linear shapes every row of a call of 1..130 rows
-    (and of 300, cut into pieces of ONEDNN_MAX_ROWS) is bitwise the result of that row alone."""
+    (and of 300) is bitwise the result of that row alone, once the load-time check has cut the
+    shape's calls into pieces of the row count where this CPU's kernel is row-invariant."""
     lin = _bf16_linear(k, n, bias=False, seed=1)
-    cpu_gemm.pack_linears_bf16(lin, check=False)
+    cpu_gemm.pack_linears_bf16(lin)
+    assert 1 <= lin.max_rows <= cpu_gemm.ONEDNN_MAX_ROWS
     x = torch.randn(300, k).to(torch.bfloat16)
     with torch.inference_mode():
         solo = torch.cat([lin(x[i:i + 1]) for i in range(300)])
@@ -306,13 +308,34 @@ def test_onednn_state_dict_tied_weights_and_float32_untouched():
 
 
 @needs_onednn
-def test_a_shape_whose_rows_depend_on_the_row_count_stays_on_f_linear(monkeypatch):
-    monkeypatch.setattr(cpu_gemm, "rows_are_independent", lambda lin, rows: False)
+def test_a_shape_whose_rows_depend_on_the_row_count_is_cut_into_invariant_pieces(monkeypatch):
+    """A shape whose kernel changes rows from 3-row calls on (as the 576 x 1536 down projection does
+    on some CPUs) is packed with 2-row pieces: every call is made of 2-row calls."""
+    monkeypatch.setattr(cpu_gemm, "rows_are_independent", lambda lin, rows: max(rows) < 3)
     lin = _bf16_linear()
-    assert cpu_gemm.pack_linears_bf16(lin) == 0 and lin._onednn_pack is None
+    assert cpu_gemm.pack_linears_bf16(lin) > 0 and lin.max_rows == 2
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    orig = cpu_gemm.torch.ops.mkldnn
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(orig, name)
+
+        def _linear_pointwise(self, a, *rest):
+            calls.append(a.shape[0])
+            return real(a, *rest)
+
     x = torch.randn(5, 64).to(torch.bfloat16)
+    try:
+        cpu_gemm.torch.ops.mkldnn = Spy()
+        with torch.inference_mode():
+            y = lin(x)
+    finally:
+        cpu_gemm.torch.ops.mkldnn = orig
+    assert calls == [2, 2, 1]
     with torch.inference_mode():
-        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+        assert torch.equal(y, torch.cat([lin(x[i:i + 1]) for i in range(5)]))
 
 
 def test_no_onednn_means_no_change(monkeypatch):
