@@ -235,7 +235,7 @@ def render_markdown(res: dict) -> str:
               f"device {res['machine'].get('device')}, torch threads {res['machine'].get('torch_threads')}",
               "- Kernels: " + (_KERNELS.get(cfg.get("weights"), _KERNELS["float32"]) if cfg.get("packed_gemm", True)
                                else "plain F.linear (--no-packed-gemm)"),
-              f"- Versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items())]
+              "- Versions: " + ", ".join(f"{k} {v}" for k, v in res["versions"].items())]
     if cfg.get("llama_cpp"):
         lc = cfg["llama_cpp"]
         lines.append(f"- llama.cpp peer: `{lc['gguf']}`, {lc['threads']} threads, n_ctx {lc['n_ctx']}")

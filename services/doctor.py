@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 
 def add_doctor_args(p: argparse.ArgumentParser) -> None:
@@ -122,14 +121,6 @@ def doctor_main(args: argparse.Namespace) -> int:
     lines += [""] + cache_lines()
     print("\n".join(lines), flush=True)
     return 0
-
-
-def add_doctor_args(p: argparse.ArgumentParser) -> None:
-    """Flags of ``dartree doctor``."""
-    p.add_argument("--remeasure", action="store_true",
-                   help="measure the weight choice and the step-cost sweep again (a minute or two; cached only "
-                        "when the machine was quiet enough to trust the figures)")
-    p.add_argument("--target", default=None, help="target for --remeasure (default: SmolLM2-135M-Instruct)")
 
 
 if __name__ == "__main__":  # pragma: no cover - python -m services.doctor == dartree doctor

@@ -179,6 +179,7 @@ def test_near_the_context_end_the_tree_shrinks(target, service, method, remainin
     assert tokens == greedy_reference(target.model, prompt, max_tokens)
     assert outs[-1].finish_reason == "length"
     assert engine.num_active() == 0 and service.num_contexts() == 0
+    assert checked.max_rows and checked.max_pos < CTX  # every step went through the window check
 
 
 @pytest.mark.parametrize("remaining", [1, 2, 3])

@@ -38,7 +38,7 @@ from services.metrics import VerifierMetrics
 from services.protocol import PeerInfo
 from services.testing import greedy_reference, tiny_target
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
-from services.verifier.worker import VerifierWorker, VerifierWorkerConfig, verifier_info
+from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
 
 from .scripted import ScriptedDrafter
 

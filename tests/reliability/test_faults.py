@@ -19,7 +19,6 @@ import asyncio
 import json
 import random
 import signal
-import socket
 import time
 
 import httpx
