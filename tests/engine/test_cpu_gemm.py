@@ -4,6 +4,7 @@ weight changes, transparent to state dicts and tied weights; and the engine stay
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -246,29 +247,36 @@ def test_onednn_rows_equal_the_row_alone_for_every_row_count(n, k):
             assert torch.equal(lin(x[:m]), solo[:m]), m
 
 
+@contextlib.contextmanager
+def _onednn_call_rows():
+    """Collects the row count of every oneDNN packed-linear call made inside the block."""
+    calls, orig = [], cpu_gemm.torch.ops.mkldnn
+    real = orig._linear_pointwise
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(orig, name)
+
+        def _linear_pointwise(self, a, *rest):
+            calls.append(a.shape[0])
+            return real(a, *rest)
+
+    cpu_gemm.torch.ops.mkldnn = Spy()
+    try:
+        yield calls
+    finally:
+        cpu_gemm.torch.ops.mkldnn = orig
+
+
 @needs_onednn
 def test_onednn_calls_past_max_rows_are_cut_into_pieces():
     lin = _bf16_linear()
     cpu_gemm.pack_linears_bf16(lin, max_rows=8)
-    calls = []
-    real = torch.ops.mkldnn._linear_pointwise
-
     x = torch.randn(20, 64).to(torch.bfloat16)
     with torch.inference_mode():
         want = torch.cat([lin(x[i:i + 8]) for i in range(0, 20, 8)])
-        orig = cpu_gemm.torch.ops.mkldnn
-        try:
-            class Spy:
-                def __getattr__(self, name):
-                    return getattr(orig, name)
-
-                def _linear_pointwise(self, a, *rest):
-                    calls.append(a.shape[0])
-                    return real(a, *rest)
-            cpu_gemm.torch.ops.mkldnn = Spy()
+        with _onednn_call_rows() as calls:
             y = lin(x)
-        finally:
-            cpu_gemm.torch.ops.mkldnn = orig
     assert calls == [8, 8, 4] and torch.equal(y, want)
 
 
@@ -314,25 +322,9 @@ def test_a_shape_whose_rows_depend_on_the_row_count_is_cut_into_invariant_pieces
     monkeypatch.setattr(cpu_gemm, "rows_are_independent", lambda lin, rows: max(rows) < 3)
     lin = _bf16_linear()
     assert cpu_gemm.pack_linears_bf16(lin) > 0 and lin.max_rows == 2
-    calls = []
-    real = torch.ops.mkldnn._linear_pointwise
-    orig = cpu_gemm.torch.ops.mkldnn
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(orig, name)
-
-        def _linear_pointwise(self, a, *rest):
-            calls.append(a.shape[0])
-            return real(a, *rest)
-
     x = torch.randn(5, 64).to(torch.bfloat16)
-    try:
-        cpu_gemm.torch.ops.mkldnn = Spy()
-        with torch.inference_mode():
-            y = lin(x)
-    finally:
-        cpu_gemm.torch.ops.mkldnn = orig
+    with torch.inference_mode(), _onednn_call_rows() as calls:
+        y = lin(x)
     assert calls == [2, 2, 1]
     with torch.inference_mode():
         assert torch.equal(y, torch.cat([lin(x[i:i + 1]) for i in range(5)]))
