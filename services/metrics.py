@@ -92,6 +92,10 @@ PREFILL_CHUNK_TOKENS = "dartree_prefill_chunk_tokens_total"
 DRAFTER_WAIT = "dartree_verifier_drafter_wait_seconds_total"
 DRAFTER_BUSY = "dartree_verifier_drafter_busy_seconds_total"
 KV_SLOTS = "dartree_kv_slots"
+PREFIX_QUERIED = "dartree_prefix_cache_queried_tokens_total"
+PREFIX_HITS = "dartree_prefix_cache_hit_tokens_total"
+PREFIX_EVICTIONS = "dartree_prefix_cache_evictions_total"
+PREFIX_CACHED = "dartree_prefix_cache_cached_tokens"
 STEP_REQUEST_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0)
 STEP_ROW_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
 DRAFTER_CALLS = "dartree_drafter_calls_total"
@@ -195,6 +199,14 @@ class VerifierMetrics:
         self.drafter_busy = Counter(DRAFTER_BUSY, "Drafter compute seconds (draft + tree build) behind the "
                                     "verifier's steps; 1 - wait / busy = the fraction hidden by overlap.", registry=r)
         self.kv_slots = Gauge(KV_SLOTS, "KV-cache slots by state (used / free).", ["state"], registry=r)
+        self.prefix_queried = Counter(PREFIX_QUERIED, "Prompt tokens of admitted requests looked up in the prefix "
+                                      "cache.", registry=r)
+        self.prefix_hits = Counter(PREFIX_HITS, "Prompt tokens served from a cached prefix (not prefilled); "
+                                   "hit / queried = the prefix-cache hit rate.", registry=r)
+        self.prefix_evictions = Counter(PREFIX_EVICTIONS, "Cached prefixes dropped to give their slot to another "
+                                        "request.", registry=r)
+        self.prefix_cached = Gauge(PREFIX_CACHED, "Positions cached in free KV slots.", registry=r)
+        self._prefix_seen = (0, 0, 0)
         self.policy_budget = Histogram(POLICY_BUDGET, "Draft nodes verified per decode round, as the speculation "
                                        "policy chose them (0 = plain decoding).", ["method"], buckets=BUDGET_BUCKETS,
                                        registry=r)
@@ -211,6 +223,17 @@ class VerifierMetrics:
                                     ["speculation"], registry=r)
         self.ipc_errors = _ipc_errors(r)
         _info(r, role="verifier", **info)
+
+    def observe_prefix_cache(self, queried: int, hits: int, evictions: int, cached: int) -> None:
+        """The prefix cache's running totals (:class:`services.verifier.prefix_cache.PrefixStats`):
+        the counters advance by what changed since the last call; ``cached`` positions set the gauge."""
+        seen = self._prefix_seen
+        for counter, now, before in zip((self.prefix_queried, self.prefix_hits, self.prefix_evictions),
+                                        (queried, hits, evictions), seen):
+            if now > before:
+                counter.inc(now - before)
+        self._prefix_seen = (max(queried, seen[0]), max(hits, seen[1]), max(evictions, seen[2]))
+        self.prefix_cached.set(cached)
 
     def observe_policy_round(self, method: str, num_draft_tokens: int, predicted_tau: float | None,
                              realised_tau: int) -> None:

@@ -176,6 +176,8 @@ class _Request:
     ctx_feats: torch.Tensor | None = None              # [len(ctx_ids) - owed rows, F]
     owed_feats: list[torch.Tensor] = field(default_factory=list)  # rows of plain rounds, concatenated at the next draft
     chunk_feats: list[torch.Tensor] = field(default_factory=list)
+    hist_ids: list[int] = field(default_factory=list)  # ids of the committed positions (from the prompt on)
+    hist_feats: list[torch.Tensor] = field(default_factory=list)  # their features (kept only with a drafter)
     pending: object = None             # a submitted draft for the next round (overlap), or None
     skip_round: bool = False           # the policy chose a plain round (decided before the batched draft)
     prefill_seconds: float = 0.0
@@ -210,6 +212,9 @@ class EngineConfig:
         cuda_graphs: pad every step to a bucket and run it through CUDA graphs (:class:`ModelRunner`'s
             ``cuda_graphs``; None = on with ``compile`` on CUDA; True off CUDA runs the padded steps
             eagerly, the CPU test of the padding).
+        prefix_cache: a finished request's slot keeps its committed KV (and target features) as a
+            cached prefix; a new request takes the free slot sharing the longest prefix with its
+            prompt and prefills only the rest (:mod:`services.verifier.prefix_cache`). Same tokens.
     """
 
     max_context: int | None = None
@@ -220,6 +225,7 @@ class EngineConfig:
     overlap: bool = False
     compile: bool = False
     cuda_graphs: bool | None = None
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_chunk", "max_step_tokens", "kv_bucket"):
@@ -309,6 +315,7 @@ class SpecEngine:
         self.runner = runner if runner is not None else ModelRunner(
             target, config.max_running, self.kv_positions(target, config), config.kv_bucket, compile=config.compile,
             cuda_graphs=config.cuda_graphs)
+        self.runner.cache.prefix.enabled = bool(config.prefix_cache)
         self._reqs: dict[str, _Request] = {}
         self.last_step = StepStats()
 
@@ -327,9 +334,17 @@ class SpecEngine:
         """KV slots not held by a request."""
         return self.runner.cache.num_free()
 
+    def prefix_cache_stats(self) -> tuple[int, int, int, int]:
+        """``(queried, hits, evictions, cached)``: prompt tokens looked up in the prefix cache, those
+        served from a cached prefix, prefixes evicted (running totals), positions cached now."""
+        pc = self.runner.cache.prefix
+        return pc.stats.queried_tokens, pc.stats.hit_tokens, pc.stats.evictions, pc.cached_tokens()
+
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     spec: SpecParams) -> None:
-        """Admit a request and give it a KV slot (prefill happens over its first steps).
+        """Admit a request and give it a KV slot (prefill happens over its first steps). With the
+        prefix cache, the slot is the free one sharing the longest prefix with the prompt and only
+        the rest of the prompt is prefilled (:meth:`SlotKVCache.alloc_prefix`).
 
         Raises:
             ValueError: empty prompt, ids outside the vocabulary, prompt + max_tokens beyond the
@@ -354,7 +369,12 @@ class SpecEngine:
         seed = sampling.seed  # unseeded T > 0: a seed from torch's global RNG (torch.manual_seed fixes it)
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item()) if sampling.temperature > 0 else 0
-        req = _Request(list(prompt_ids), sampling, spec, slot=self.runner.cache.alloc(), sample_seed=seed)
+        # with a drafter, cached prefixes carry their target features: the drafter's context of a
+        # request reusing a prefix is rebuilt from exactly the rows a cold prefill would produce
+        slot, reused, feats = self.runner.cache.alloc_prefix(list(prompt_ids), need_features=self.drafter is not None)
+        req = _Request(list(prompt_ids), sampling, spec, slot=slot, prefilled=reused, sample_seed=seed)
+        if reused and feats is not None:
+            req.chunk_feats.append(feats)
         self._set_logit_opts(req)
         self._reqs[request_id] = req
 
@@ -373,11 +393,21 @@ class SpecEngine:
             req.prompt_mask = token_counts(req.prompt_ids, self.vocab_size) > 0
 
     def abort(self, request_id: str) -> None:
-        """Free a request's KV slot and drafter context (idempotent)."""
+        """Free a request's KV slot and drafter context (idempotent); the slot caches nothing."""
+        self._release(request_id, keep=False)
+
+    def _release(self, request_id: str, keep: bool) -> None:
+        """Free a request's KV slot and drafter context (idempotent). ``keep``: a finished request
+        leaves its committed positions (ids, KV, features) as the slot's cached prefix."""
         req = self._reqs.pop(request_id, None)
         if req is None:
             return
-        self.runner.cache.free(req.slot)
+        tokens = feats = None
+        if keep and req.decoding and req.hist_ids:
+            tokens = req.hist_ids
+            if self.drafter is not None:
+                feats = torch.cat(req.hist_feats)  # a copy: never a view pinning a whole step's features
+        self.runner.cache.free(req.slot, tokens, feats)
         self.policy.release(request_id)
         if req.pending is not None and not isinstance(req.pending, BaseException):
             self.drafter.discard(req.pending)
@@ -515,7 +545,7 @@ class SpecEngine:
                 results[item.rid] = exc
                 continue
             if isinstance(results[item.rid], RoundOutput) and results[item.rid].finish_reason is not None:
-                self.abort(item.rid)
+                self._release(item.rid, keep=True)
         self._submit(self._next_jobs)
 
     def plan_step(self, request_ids: list[str]) -> StepPlan:
@@ -694,6 +724,9 @@ class SpecEngine:
             req.owed_feats.append(new_feats)
         else:
             req.ctx_ids, req.ctx_feats, req.owed_feats = new_ids, new_feats, []
+        req.hist_ids.extend(new_ids)
+        if self.drafter is not None:
+            req.hist_feats.append(new_feats)
         req.start += rows.numel()
         self.policy.observe_round(item.rid, accepted + [res.bonus_token])
         req.root = res.bonus_token
@@ -723,6 +756,8 @@ class SpecEngine:
         req.ctx_ids = list(req.prompt_ids)
         req.ctx_feats = torch.cat(req.chunk_feats) if len(req.chunk_feats) > 1 else req.chunk_feats[0]
         req.chunk_feats = []
+        req.hist_ids = list(req.prompt_ids)
+        req.hist_feats = [req.ctx_feats] if self.drafter is not None else []
         ids, finish = self._emit(req, [first])
         self._count(req, ids)
         if finish is None:

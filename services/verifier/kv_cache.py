@@ -9,12 +9,19 @@ never sees uninitialised memory — a NaN there would survive a zero attention w
 each slot's committed length on (:mod:`services.tree.batch`), :meth:`SlotKVCache.commit` then
 compacts the accepted rows in place (DART/DDT ``compact_dynamic_cache``, docs/algorithms.md §5) and
 sets the slot's length. Freeing a slot only resets its length: nothing is read past a length.
+
+Prefix caching (:mod:`services.verifier.prefix_cache`): a slot freed with its committed token ids
+keeps its KV as a cached prefix; :meth:`SlotKVCache.alloc_prefix` hands a new request the free slot
+with the longest common prefix and starts its length there, :meth:`SlotKVCache.alloc` (no prompt)
+takes a slot caching nothing before evicting the least recently used prefix.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from services.verifier.prefix_cache import PrefixCache
 
 
 class KVCacheTooLarge(MemoryError, ValueError):
@@ -58,6 +65,7 @@ class SlotKVCache:
         self._lengths = [0] * num_slots
         self._clean = [0] * num_slots  # columns [0, _clean) of a slot hold finite values
         self._free = list(range(num_slots))
+        self.prefix = PrefixCache()  # cached prefixes of free slots (filled only by free(..., tokens))
 
     @staticmethod
     def estimate_bytes(num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, capacity: int,
@@ -81,17 +89,44 @@ class SlotKVCache:
         return len(self._free)
 
     def alloc(self) -> int:
-        """Take the lowest free slot (its length is 0).
+        """Take a free slot with length 0: the lowest caching no prefix, else the least recently
+        used one (its cached prefix is evicted).
 
         Raises:
             RuntimeError: every slot is in use.
         """
         if not self._free:
             raise RuntimeError(f"all {self.num_slots} KV slots are in use")
-        slot = min(self._free)
+        slot = self.prefix.victim(self._free)
+        self.prefix.drop(slot, eviction=True)
         self._free.remove(slot)
         self._lengths[slot] = 0
         return slot
+
+    def alloc_prefix(self, prompt: list[int], need_features: bool = False) -> tuple[int, int, Tensor | None]:
+        """Take the free slot whose cached prefix shares the most leading tokens with ``prompt``
+        (:meth:`PrefixCache.match`: at most ``len(prompt) - 1``; LRU among ties), its length set to
+        the reused positions; without a match, :meth:`alloc`'s slot.
+
+        Returns:
+            ``(slot, reused, features)``: ``reused`` positions ``[0, reused)`` already hold the
+            prompt's KV; ``features [reused, F]`` their cached target features (None when
+            ``reused == 0`` or none were cached; with ``need_features`` a slot without cached
+            features is never matched).
+        Raises:
+            RuntimeError: every slot is in use.
+        """
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} KV slots are in use")
+        slot, reused = self.prefix.match(self._free, prompt, need_features)
+        if reused == 0:
+            return self.alloc(), 0, None
+        entry = self.prefix.entry(slot)
+        feats = entry.features[:reused] if entry.features is not None else None
+        self.prefix.drop(slot)  # owned by the request now; its finish may cache the slot again
+        self._free.remove(slot)
+        self._lengths[slot] = reused
+        return slot, reused, feats
 
     def reserve(self, slot: int) -> None:
         """Take ``slot`` out of the free list for good (a runner's scratch slot for padding rows).
@@ -101,13 +136,22 @@ class SlotKVCache:
         """
         if slot not in self._free:
             raise ValueError(f"slot {slot} is not free")
+        self.prefix.drop(slot, eviction=True)
         self._free.remove(slot)
 
-    def free(self, slot: int) -> None:
-        """Return a slot (idempotent)."""
-        if slot not in self._free:
-            self._lengths[slot] = 0
-            self._free.append(slot)
+    def free(self, slot: int, tokens: list[int] | None = None, features: Tensor | None = None) -> None:
+        """Return a slot (idempotent). With ``tokens`` (the ids of its committed positions, exactly
+        :meth:`length` of them) and optionally their ``features [len(tokens), F]``, the slot keeps
+        its KV as a cached prefix; otherwise it caches nothing (a mismatched length caches nothing)."""
+        if slot in self._free:
+            return
+        if tokens is not None and len(tokens) == self._lengths[slot] and \
+                (features is None or features.shape[0] == len(tokens)):
+            self.prefix.store(slot, tokens, features)
+        else:
+            self.prefix.drop(slot)
+        self._lengths[slot] = 0
+        self._free.append(slot)
 
     def length(self, slot: int) -> int:
         """Committed positions of ``slot``."""

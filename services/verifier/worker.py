@@ -102,6 +102,9 @@ class VerifierWorkerConfig:
             rows), each on the first step of that size (``services/cpu_gemm.py``: same numerics;
             SmolLM2: ~0.5 GB per step size used).
         verifier_metrics_port, metrics_host: Prometheus endpoint (port 0 = off).
+        prefix_cache: a finished request's KV slot keeps its conversation (KV and target features);
+            a request whose prompt starts with it prefills only the rest (chat turns resend the whole
+            conversation). Same tokens as a cold prefill, speculation included.
     """
 
     target: str = "smollm2-135m-instruct"
@@ -138,6 +141,7 @@ class VerifierWorkerConfig:
     verifier_metrics_port: int = 8001
     metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_waiting < 0:
@@ -454,6 +458,9 @@ class VerifierWorker:
         nfree = self.engine.num_free_slots()
         self.metrics.kv_slots.labels("free").set(nfree)
         self.metrics.kv_slots.labels("used").set(self.config.max_running - nfree)
+        prefix = getattr(self.engine, "prefix_cache_stats", None)
+        if prefix is not None:
+            self.metrics.observe_prefix_cache(*prefix())
         budget, width = self.tree_knobs() or (0, 0)
         self.metrics.scheduled_budget.set(budget)
         self.metrics.scheduled_width.set(width)
@@ -540,7 +547,8 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
     engine_config = EngineConfig(max_context=config.max_context or None, max_running=config.max_running,
                                  prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
-                                 kv_bucket=config.kv_bucket, overlap=config.overlap, compile=config.compile)
+                                 kv_bucket=config.kv_bucket, overlap=config.overlap, compile=config.compile,
+                                 prefix_cache=config.prefix_cache)
     with phase("verifier", "engine built (KV cache, GEMM packs, step cost model)"):
         engine = assemble(target, drafter_client, engine_config,
                           max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,

@@ -1,0 +1,164 @@
+"""Prefix caching over the slot KV cache: a finished request's slot keeps its conversation.
+
+llama.cpp server's ``cache_prompt`` shape. When a request finishes, its slot's committed positions
+(prompt + the tokens whose KV was written, including rows past a terminator the emit cut) stay in
+the slot, with their token ids and target features, as a *cached prefix*. A new request is given
+the free slot whose cached tokens share the longest prefix with its prompt (least recently used
+among ties); only the rest of the prompt is prefilled, from the match length on. A slot without a
+match is taken from the free slots that cache nothing first, then the least recently used (an
+*eviction*).
+
+Why per slot, not vLLM's hashed blocks or SGLang's radix tree: the KV layout is one contiguous
+``[S, H_kv, C, Dh]`` row per slot (:class:`~services.verifier.kv_cache.SlotKVCache`), verify rows
+are written and compacted in place past the committed length, and a slot is owned by one running
+request at a time. Reusing a slot's own leading columns needs no block table, no copy, no reference
+counts, and no request ever writes columns another request reads (the speculative rows of a tree
+verify land past the committed length of the slot's only owner). The cost: two conversations that
+share a system prompt do not share its KV at the same time; a chat client resending its growing
+conversation hits in full.
+
+Speculation stays intact because the cache keeps, next to each committed position's KV, the target
+features the drafter's context is built from: a request that reuses ``m`` positions hands the
+drafter the features of the whole prompt (``m`` cached rows + the freshly prefilled ones), exactly
+the rows a cold prefill would hand it, and the drafter rebuilds its context from them (its context
+for a position depends only on that position's features and, for EAGLE-3, the next token, which the
+prompt carries). Only positions a request committed are kept; an aborted or failed request leaves
+nothing reusable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+
+@dataclass
+class PrefixEntry:
+    """What a free slot caches.
+
+    Attributes:
+        tokens: token ids of the slot's committed positions ``[0, len(tokens))``.
+        features: ``[len(tokens), F]`` target features at those positions, or None (kept only when
+            a drafter may need them).
+        last_used: tick of the last store or reuse (LRU order).
+    """
+
+    tokens: list[int]
+    features: Tensor | None
+    last_used: int
+
+
+@dataclass
+class PrefixStats:
+    """Counters since start: ``queried_tokens`` prompt tokens looked up, ``hit_tokens`` of them
+    served from a cached prefix, ``hits`` requests with a non-empty hit, ``evictions`` cached
+    prefixes dropped to give their slot to another request (or to scratch work)."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect on slice equality (C speed)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class PrefixCache:
+    """The cached prefixes of free slots and the slot choice for a new request.
+
+    Args:
+        enabled: False: nothing is stored and every lookup misses (cold prefill every request).
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = bool(enabled)
+        self._entries: dict[int, PrefixEntry] = {}
+        self._tick = 0
+        self.stats = PrefixStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entry(self, slot: int) -> PrefixEntry | None:
+        """The cached prefix of ``slot`` (None: nothing cached)."""
+        return self._entries.get(slot)
+
+    def cached_tokens(self) -> int:
+        """Positions cached in all free slots."""
+        return sum(len(e.tokens) for e in self._entries.values())
+
+    def store(self, slot: int, tokens: list[int], features: Tensor | None) -> None:
+        """Cache ``tokens`` (the slot's committed positions) and their ``features [len(tokens), F]``
+        (or None) in ``slot``, most recently used. A no-op when disabled or ``tokens`` is empty.
+
+        Raises:
+            ValueError: ``features`` has not one row per token.
+        """
+        if features is not None and features.shape[0] != len(tokens):
+            raise ValueError(f"{features.shape[0]} feature rows for {len(tokens)} cached tokens")
+        if not self.enabled or not tokens:
+            self._entries.pop(slot, None)
+            return
+        self._tick += 1
+        self._entries[slot] = PrefixEntry(list(tokens), features, self._tick)
+
+    def drop(self, slot: int, eviction: bool = False) -> None:
+        """Forget ``slot``'s cached prefix (idempotent); ``eviction`` counts it as an eviction."""
+        if self._entries.pop(slot, None) is not None and eviction:
+            self.stats.evictions += 1
+
+    def victim(self, free_slots: list[int]) -> int:
+        """The free slot to give to a request without a match: the lowest one caching nothing, else
+        the least recently used.
+
+        Raises:
+            ValueError: ``free_slots`` is empty.
+        """
+        if not free_slots:
+            raise ValueError("no free slot")
+        empty = [s for s in free_slots if s not in self._entries]
+        if empty:
+            return min(empty)
+        return min(free_slots, key=lambda s: self._entries[s].last_used)
+
+    def match(self, free_slots: list[int], prompt: list[int], need_features: bool) -> tuple[int, int]:
+        """``(slot, reused)``: the free slot whose cached tokens share the longest prefix with
+        ``prompt`` (least recently used among ties), and how many leading positions the request may
+        reuse: the common prefix, capped at ``len(prompt) - 1`` (the last prompt token is always
+        prefilled, so the first token's logits are computed) and, when ``need_features``, at the
+        cached features (none: 0). ``reused == 0``: :meth:`victim`'s slot. Counts the lookup.
+
+        Raises:
+            ValueError: ``free_slots`` is empty.
+        """
+        if not free_slots:
+            raise ValueError("no free slot")
+        best, best_len, best_tick = -1, 0, 0
+        cap = len(prompt) - 1
+        if self.enabled and cap > 0:
+            for slot in free_slots:
+                e = self._entries.get(slot)
+                if e is None or (need_features and e.features is None):
+                    continue
+                n = min(common_prefix(e.tokens, prompt), cap)
+                if n > best_len or (n == best_len and n > 0 and e.last_used < best_tick):
+                    best, best_len, best_tick = slot, n, e.last_used
+        self.stats.queried_tokens += len(prompt)
+        if best_len == 0:
+            return self.victim(free_slots), 0
+        self.stats.hit_tokens += best_len
+        self.stats.hits += 1
+        return best, best_len
