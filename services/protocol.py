@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary (gateway <-> verifier <-> drafter), versioned.
 
-Torch-free by design (the gateway imports it). Rules (style.md R13/R14):
+Torch-free by design (the gateway imports it). Rules (docs/design.md, "Wire protocol" and "Handshake"):
 
 - Each message is a ``msgspec.Struct`` (``array_like=True, omit_defaults=True, gc=False``) encoded
   as msgpack. Nothing on a socket is ever pickled.

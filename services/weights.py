@@ -71,7 +71,7 @@ def drafter_dtype(act_dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
 
     On a CPU without native bfloat16 GEMMs (oneDNN reports no bf16 support: e.g. an AVX2-only CPU,
     where bfloat16 is emulated) float32: there the drafter's 16-row block and the tree build's small
-    ops ran 2.4-2.7x slower in bfloat16 (2026-12-02, an AMD EPYC VM with AVX2 only,
+    ops ran 2.4-2.7x slower in bfloat16 (on an AMD EPYC with AVX2 only,
     ``python -m benchmarks.bench_draft_vocab --weights q4 --drafter-dtype {float32,bfloat16}``:
     draft phase 36 vs 94 ms per B = 8 round next to a 58-75 ms q4 ``ar`` step); its weights are small
     (~60 MB in float32). On a CPU with them (AVX-512-bf16 / AMX), and on CUDA, the target's activation
@@ -323,7 +323,7 @@ def _release_freed_memory() -> None:
     """Collect garbage and return the C heap's freed pages to the operating system (glibc
     ``malloc_trim``; a no-op elsewhere). Loading frees more than it keeps (a dense copy cast to
     bfloat16, the GGUF's unpacked 4-bit blocks) and glibc keeps freed heap pages resident otherwise:
-    270 MB of the SmolLM2 q4 verifier's RSS (2026-12-03)."""
+    270 MB of the SmolLM2 q4 verifier's RSS."""
     import ctypes
     import gc
 

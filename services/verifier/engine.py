@@ -1,17 +1,19 @@
 """The speculative decode loop in batched steps: draft -> one target forward -> walk -> commit.
 
-One loop for every method (architecture.md). A *step* is one forward of the target for every
+One loop for every method (docs/design.md, "One engine loop"). A *step* is one forward of the
+target for every
 scheduled request (:class:`ModelRunner` over a slot KV cache); a *round* is one request's
 draft -> verify -> walk -> commit inside a step; prompts are prefilled in chunks that ride along
 with the other requests' rounds. Commit is token by token: EOS, stop token ids and
 ``max_tokens`` take effect at the exact token; nothing after (and including) a terminator is
-emitted, counted in usage, or counted in the round statistics. Clock rules: algorithms.md §6.
+emitted, counted in usage, or counted in the round statistics. Clock rules: docs/algorithms.md §6.
 
 Logprobs (only when a request asks): the raw target distribution, ``log_softmax`` of the logits
 before the logit processors, temperature / top-p / top-k / min_p (vLLM's default), at the row that
 produced each emitted token:
 an accepted draft's parent row on the accepted path, the last accepted row for the bonus token,
-the prompt's last position for the first token (bug-classes B19: never the draft's q or a constant).
+the prompt's last position for the first token (docs/design.md, "Logprobs come from the
+target": never the draft's q or a constant).
 """
 
 from __future__ import annotations

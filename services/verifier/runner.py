@@ -23,7 +23,7 @@ alone. What remains is the linears, which run on all ``R`` flattened rows at onc
 row depends on ``R`` is the GEMM kernel's property (measured at 1 and 2 threads):
 
 - ``q4`` (torch's int4 kernel, plus the dense bfloat16 lm_head): every row bitwise equal to its
-  1-row result for ``R`` = 1..33 on SmolLM2-135M's shapes (2026-12-03, an AVX2-only AMD EPYC VM).
+  1-row result for ``R`` = 1..33 on SmolLM2-135M's shapes (on an AVX2-only AMD EPYC).
 - ``bfloat16`` (oneDNN-packed, :mod:`services.cpu_gemm`): the same for every SmolLM2 shape but the
   ``576 x 1536`` down projection, whose rows change in their last bits from ``R`` ~ 10-20 on that
   CPU (oneDNN picks its blocking per row count; its unpacked ``F.linear`` from ``R`` = 3). So on
@@ -41,7 +41,7 @@ row depends on ``R`` is the GEMM kernel's property (measured at 1 and 2 threads)
 Cost: ``n`` SDPA calls per layer instead of one, but no K/V gather, no row scatter and no
 padding to the widest segment and longest context. SmolLM2's attention shape, 1-8 requests mixing
 ``ar`` rows and 9 / 17-row trees at 200-700 positions (a probe on a loaded 2-core AVX2 VM, one
-thread, 2026-12-03): bfloat16 within 0.8-1.25x of the padded call, float32 ~0.5x (the padded call
+thread, under load): bfloat16 within 0.8-1.25x of the padded call, float32 ~0.5x (the padded call
 read every slot up to the longest context).
 """
 
@@ -150,7 +150,7 @@ def _step_guards(entries) -> list[bool]:
     model's parameters and module attributes. The model is frozen once the runner exists (packs are
     made before it, or added inside modules whose opaque op picks them at run time), so those guards
     can only pass, and checking them cost 1.7 ms of a ~25 ms q4 step (0.2 ms without them; ad-hoc
-    torch.profiler run, 2026-12-01, one thread, data generation and training running on the other core). Guards on the inputs (row counts, the graphs' 0/1
+    torch.profiler run of 32 ar steps at one thread). Guards on the inputs (row counts, the graphs' 0/1
     specialisations) and on global state stay."""
     return [not ((e.guard_type == "TENSOR_MATCH" and isinstance(e.value, torch.nn.Parameter))
                  or e.orig_guard.source.is_unspecialized_nn_module()) for e in entries]

@@ -1,6 +1,7 @@
 """The verifier process: request table, FIFO admission, one batched ``SpecEngine.step_batch`` per loop.
 
-Loop (R11), on the compute thread: recv (drain the inbox filled by the gateway I/O thread) ->
+Loop (docs/design.md, "Worker processes"), on the compute thread: recv (drain the inbox filled by
+the gateway I/O thread) ->
 schedule (admit FIFO while fewer than ``max_running`` run; every running request, in an order
 that rotates each step) -> run one ``engine.step_batch`` (the engine's policy resolves each
 request's tree knobs) -> send each request's
@@ -224,7 +225,8 @@ class VerifierWorker:
     # ------------------------------------------------------------------------------ I/O thread
 
     def post(self, identity: bytes, msg) -> None:
-        """Queue a Generate/Abort for the compute loop without a socket (in-process transport, R15)."""
+        """Queue a Generate/Abort for the compute loop without a socket (the in-process transport,
+        docs/design.md "Two transports")."""
         from services.protocol import MESSAGE_TYPES
 
         self.inbox.put((identity, Decoded(MESSAGE_TYPES[type(msg)], msg, [])))
