@@ -57,8 +57,9 @@ def bytefallback_model_dir(path: Path) -> Path:
     return _write_dir(path, tok, "<|im_end|>", 2)
 
 
-def make_tiny_models(root: Path, seed: int = 0) -> tuple[Path, Path]:
-    """``(target_dir, drafter_dir)`` under ``root`` (created once; reused if present)."""
+def make_tiny_models(root: Path, seed: int = 0, context: int | None = None) -> tuple[Path, Path]:
+    """``(target_dir, drafter_dir)`` under ``root`` (created once; reused if present); ``context``: both
+    models' position limit (None = :data:`CONTEXT`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -70,12 +71,13 @@ def make_tiny_models(root: Path, seed: int = 0) -> tuple[Path, Path]:
     bytelevel_model_dir(target_dir)
     vocab = json.loads((target_dir / "config.json").read_text())["vocab_size"]
     torch.manual_seed(seed)
+    ctx = CONTEXT if context is None else context
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=ctx,
                       bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(target_dir)
     dcfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, vocab_size=vocab, max_position_embeddings=CONTEXT,
+                         num_key_value_heads=2, head_dim=16, vocab_size=vocab, max_position_embeddings=ctx,
                          block_size=4, num_target_layers=4, target_hidden_size=64, mask_token_id=3,
                          target_layer_ids=[1, 2], projector_type="domino", gru_hidden_dim=32, emb_dim=32)
     save_drafter(DFlashDrafter(dcfg), drafter_dir)

@@ -199,12 +199,7 @@ def short_server(tmp_path_factory):
     from tests.service import tiny
 
     root = tmp_path_factory.mktemp("short")
-    saved = tiny.CONTEXT
-    tiny.CONTEXT = TARGET_CTX
-    try:
-        target_dir, drafter_dir = tiny.make_tiny_models(root)
-    finally:
-        tiny.CONTEXT = saved
+    target_dir, drafter_dir = tiny.make_tiny_models(root, context=TARGET_CTX)
     cfg_path = Path(drafter_dir) / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["max_position_embeddings"] = DRAFTER_CTX  # same weights; RoPE is computed, so only the limit changes
