@@ -73,7 +73,7 @@ def test_openai_client_stream_and_not_through_ray(app):
     stream = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
     with pytest.raises(openai.BadRequestError):  # the unit's validation reaches the client unchanged
-        client.completions.create(model="tiny", prompt="x", max_tokens=4, n=2)
+        client.completions.create(model="tiny", prompt="x", max_tokens=4, best_of=2)
 
 
 def test_requests_spread_over_both_replicas(app):
