@@ -393,7 +393,7 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
     if use_drafter and args.drafter:
         check_drafter_dir(args.drafter)
     if use_drafter:  # the drafter's kind fixes the methods served: refuse an unserved default before spawning
-        from services.drafter.model import drafter_kind
+        from services.drafter.kind import drafter_kind
         from services.models.registry import DEFAULT_DRAFTER_DIR
         from services.protocol import served_methods
 
@@ -419,8 +419,9 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, str, str, str]:
     both workers agree (:func:`services.weights.resolve_cli_weights`; a non-default ``--dtype`` pins
     the format). ``auto`` on CPU (the default) runs in a throw-away child process
     (:func:`services.startup.choose_in_child`: it may convert the default target and load every
-    candidate format to time them), so the supervisor never holds a model. Raises ValueError (one
-    line) for a format that cannot run here."""
+    candidate format to time them), so the supervisor never holds a model and, with the default
+    settings, never imports torch (~200 MB of RSS); a concrete ``--weights`` / ``--dtype`` or a
+    non-CPU device is resolved here. Raises ValueError (one line) for a format that cannot run here."""
     from services.models.registry import resolve_target
 
     dtype = args.dtype if args.dtype != "float32" else None

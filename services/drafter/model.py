@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from services.drafter.kind import drafter_kind as drafter_kind  # re-export: torch-free, the supervisor's
 from services.drafter.layers import MLP, RMSNorm, read_model_safetensors, rope
 from services.models.layers import default_target_layer_ids
 
@@ -463,35 +464,6 @@ def save_drafter(model, out_dir: str | Path, extra: dict | None = None, omit_tar
     sd = {k: (v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()).contiguous()
           for k, v in model.state_dict().items() if k not in skip}
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
-def drafter_kind(path: str | Path) -> str:
-    """The kind of drafter a directory holds, from its ``config.json`` alone (no weights loaded):
-    ``"eagle3"``, ``"dspark"``, ``"domino"`` or ``"dflash"`` (:func:`services.protocol.served_methods`).
-
-    Raises:
-        FileNotFoundError: no config.json. ValueError: a config.json that is not valid JSON or not a
-            drafter's (a target model's ``*ForCausalLM`` included).
-    """
-    p = Path(path)
-    try:
-        raw = json.loads((p / "config.json").read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{p / 'config.json'} is not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{p / 'config.json'} is not a drafter config (not a JSON object)")
-    archs = raw.get("architectures") or []
-    archs = archs if isinstance(archs, list) else [archs]
-    if "LlamaForCausalLMEagle3" in archs:
-        return "eagle3"
-    plain = [a for a in archs if isinstance(a, str) and a.endswith("ForCausalLM")]
-    if plain:  # e.g. a target model's directory passed as --drafter
-        raise ValueError(f"{p} holds a {plain[0]} model, not a drafter (DFlash / Domino / DSpark / EAGLE-3)")
-    try:
-        cfg = DrafterConfig.from_hf(raw)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ValueError(f"{p / 'config.json'} is not a drafter config ({type(exc).__name__}: {exc})") from None
-    return cfg.kind
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):

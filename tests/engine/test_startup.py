@@ -141,3 +141,41 @@ def test_doctor_remeasure_on_a_tiny_target(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "re-measured:" in r.stdout and "weights auto -> " in r.stdout and "cost sweep (" in r.stdout
     assert "rows:ms 1:" in r.stdout and " 8:" in r.stdout
+
+
+_PLAN_SCRIPT = """
+import argparse, json, sys
+
+from services.serve import add_serve_args, plan
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(sys.argv[1:])  # every setting at its default but the model paths and ports
+    _sup, _gw, verifier, drafter, rt = plan(args)
+    print(json.dumps({"torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules,
+                      "weights": verifier.weights, "drafter_dtype": drafter.dtype}))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_the_supervisor_resolves_the_default_configuration_without_torch(tiny, tmp_path):
+    """``dartree serve`` with the default settings (``--weights auto``, a drafter) resolves its whole
+    plan (drafter kind, weight format in a throw-away process, the fit check) and never imports torch
+    itself: torch's ~200 MB of RSS belong to the workers only."""
+    target_dir, drafter_dir = tiny
+    script = tmp_path / "plan.py"
+    script.write_text(_PLAN_SCRIPT)
+    env = {"PATH": "/usr/bin:/bin", "DARTREE_CACHE": str(tmp_path / "c"), "DARTREE_CACHE_DIR": str(tmp_path / "c"),
+           "XDG_RUNTIME_DIR": str(tmp_path), "OMP_NUM_THREADS": "1", "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, str(script), "--target", str(target_dir), "--drafter", str(drafter_dir),
+                        "--port", "18461", "--verifier-metrics-port", "18462", "--drafter-metrics-port", "18463",
+                        "--log-level", "WARNING"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["weights"] in ("float32", "bfloat16") and got["drafter_dtype"] in ("float32", "bfloat16")
+    assert not got["torch"] and not got["transformers"], got
