@@ -129,7 +129,7 @@ HELP_GROUPS = {
     "Model and device": ("target", "drafter", "device", "dtype", "weights", "compile", "packed_gemm"),
     "Gateway": (),
     "Verifier: scheduling": ("max_running", "max_waiting", "max_context", "prefill_chunk", "max_step_tokens",
-                             "kv_bucket", "overlap", "prefix_cache"),
+                             "kv_bucket", "overlap", "prefix_cache", "prefix_cache_mib"),
     "Verifier: speculation": ("default_method", "spec_policy", "spec_max_budget", "cost_sweep", "tree_schedule"),
     "Verifier: tree defaults": ("budget", "width", "depth_bonus", "candidates"),
     "Links between the processes": ("verifier_endpoint", "drafter_endpoint", "draft_timeout_s", "drafter_wait_s",

@@ -96,6 +96,7 @@ PREFIX_QUERIED = "dartree_prefix_cache_queried_tokens_total"
 PREFIX_HITS = "dartree_prefix_cache_hit_tokens_total"
 PREFIX_EVICTIONS = "dartree_prefix_cache_evictions_total"
 PREFIX_CACHED = "dartree_prefix_cache_cached_tokens"
+PREFIX_BYTES = "dartree_prefix_cache_bytes"
 STEP_REQUEST_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0)
 STEP_ROW_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
 DRAFTER_CALLS = "dartree_drafter_calls_total"
@@ -204,8 +205,10 @@ class VerifierMetrics:
         self.prefix_hits = Counter(PREFIX_HITS, "Prompt tokens served from a cached prefix (not prefilled); "
                                    "hit / queried = the prefix-cache hit rate.", registry=r)
         self.prefix_evictions = Counter(PREFIX_EVICTIONS, "Cached prefixes dropped to give their slot to another "
-                                        "request.", registry=r)
+                                        "request or to stay within --prefix-cache-mib.", registry=r)
         self.prefix_cached = Gauge(PREFIX_CACHED, "Positions cached in free KV slots.", registry=r)
+        self.prefix_bytes = Gauge(PREFIX_BYTES, "Bytes cached prefixes hold beyond the reserved KV slots (target "
+                                  "feature rows and token ids), bounded by --prefix-cache-mib.", registry=r)
         self._prefix_seen = (0, 0, 0)
         self.policy_budget = Histogram(POLICY_BUDGET, "Draft nodes verified per decode round, as the speculation "
                                        "policy chose them (0 = plain decoding).", ["method"], buckets=BUDGET_BUCKETS,

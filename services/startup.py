@@ -100,6 +100,16 @@ def kv_committed_bytes(cache) -> int:
     return per_col * sum(getattr(cache, "_clean", [0]))
 
 
+def prefix_cache_part(prefix) -> str:
+    """``"X MB of <= Y MB"``: what a :class:`~services.verifier.prefix_cache.PrefixCache` holds beyond
+    the reserved KV slots (feature rows and token ids of cached prefixes) and its bound; ``"off"``
+    when disabled, ``"no bound"`` without one."""
+    if not prefix.enabled:
+        return "off"
+    bound = "no bound" if prefix.max_bytes is None else f"<= {mb(prefix.max_bytes)}"
+    return f"{mb(prefix.nbytes())} of {bound}"
+
+
 # ---------------------------------------------------------------------------------- footprint
 
 def kv_capacity(max_context: int, target_max_context: int, prefill_chunk: int) -> int:

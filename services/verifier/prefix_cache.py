@@ -24,6 +24,15 @@ the rows a cold prefill would hand it, and the drafter rebuilds its context from
 for a position depends only on that position's features and, for EAGLE-3, the next token, which the
 prompt carries). Only positions a request committed are kept; an aborted or failed request leaves
 nothing reusable.
+
+Memory: a cached prefix's KV lives in its slot's columns, which are reserved for the slot whether
+it caches anything or not, so keeping it costs nothing extra. What the cache holds *beyond* the slots
+is, per cached position, its target feature row (``F`` values in the target's activation dtype:
+SmolLM2-135M with the 5-layer DARTree drafter taps ``F = 5 x 576``, 11.25 KiB a position in float32)
+and its token id (counted as :data:`ID_BYTES`). That is :meth:`PrefixCache.nbytes`; ``max_bytes``
+(``--prefix-cache-mib``) bounds it: storing a prefix that takes the total past the bound evicts the
+least recently used prefixes (the new one last) until it fits. Only free slots cache prefixes, so a
+running request's KV is never evicted.
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import Tensor
+
+ID_BYTES = 8  # bytes counted per cached token id (one list slot; small ids are shared int objects)
 
 
 @dataclass
@@ -53,12 +64,14 @@ class PrefixEntry:
 class PrefixStats:
     """Counters since start: ``queried_tokens`` prompt tokens looked up, ``hit_tokens`` of them
     served from a cached prefix, ``hits`` requests with a non-empty hit, ``evictions`` cached
-    prefixes dropped to give their slot to another request (or to scratch work)."""
+    prefixes dropped to give their slot to another request (or to scratch work) or to keep the
+    cache within its memory bound (``bound_evictions`` of them)."""
 
     queried_tokens: int = 0
     hit_tokens: int = 0
     hits: int = 0
     evictions: int = 0
+    bound_evictions: int = 0
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -81,13 +94,53 @@ class PrefixCache:
 
     Args:
         enabled: False: nothing is stored and every lookup misses (cold prefill every request).
+        max_bytes: bound on :meth:`nbytes` (feature rows + token ids of every cached prefix; the
+            KV sits in reserved slot columns and is not counted); None: no bound. A prefix larger
+            than the bound on its own is not kept.
+    Raises:
+        ValueError: ``max_bytes`` < 0.
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, max_bytes: int | None = None):
         self.enabled = bool(enabled)
         self._entries: dict[int, PrefixEntry] = {}
         self._tick = 0
+        self._bytes = 0
+        self.max_bytes = max_bytes
         self.stats = PrefixStats()
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The bound on :meth:`nbytes` (None: none). Setting a lower one evicts LRU prefixes to fit.
+
+        Raises:
+            ValueError: set below 0.
+        """
+        return self._max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int | None) -> None:
+        if value is not None and value < 0:
+            raise ValueError(f"the prefix cache's memory bound must be >= 0 bytes (got {value})")
+        self._max_bytes = None if value is None else int(value)
+        self._fit()
+
+    @staticmethod
+    def entry_bytes(tokens: list[int], features: Tensor | None) -> int:
+        """Bytes a prefix of ``tokens`` with ``features [len(tokens), F]`` (or None) holds beyond its
+        slot: the feature rows plus :data:`ID_BYTES` per token."""
+        return ID_BYTES * len(tokens) + (features.numel() * features.element_size() if features is not None else 0)
+
+    def nbytes(self) -> int:
+        """Bytes held by every cached prefix beyond the reserved KV slots (:meth:`entry_bytes`)."""
+        return self._bytes
+
+    def _fit(self) -> None:
+        """Evict least recently used prefixes until :meth:`nbytes` is within the bound."""
+        while self._max_bytes is not None and self._bytes > self._max_bytes and self._entries:
+            lru = min(self._entries, key=lambda s: self._entries[s].last_used)
+            self.drop(lru, eviction=True)
+            self.stats.bound_evictions += 1
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -102,23 +155,30 @@ class PrefixCache:
 
     def store(self, slot: int, tokens: list[int], features: Tensor | None) -> None:
         """Cache ``tokens`` (the slot's committed positions) and their ``features [len(tokens), F]``
-        (or None) in ``slot``, most recently used. A no-op when disabled or ``tokens`` is empty.
+        (or None) in ``slot``, most recently used; then evict least recently used prefixes (this one
+        last) while :meth:`nbytes` exceeds ``max_bytes``. Caches nothing when disabled or ``tokens``
+        is empty.
 
         Raises:
             ValueError: ``features`` has not one row per token.
         """
         if features is not None and features.shape[0] != len(tokens):
             raise ValueError(f"{features.shape[0]} feature rows for {len(tokens)} cached tokens")
+        self.drop(slot)
         if not self.enabled or not tokens:
-            self._entries.pop(slot, None)
             return
         self._tick += 1
         self._entries[slot] = PrefixEntry(list(tokens), features, self._tick)
+        self._bytes += self.entry_bytes(tokens, features)
+        self._fit()
 
     def drop(self, slot: int, eviction: bool = False) -> None:
         """Forget ``slot``'s cached prefix (idempotent); ``eviction`` counts it as an eviction."""
-        if self._entries.pop(slot, None) is not None and eviction:
-            self.stats.evictions += 1
+        e = self._entries.pop(slot, None)
+        if e is not None:
+            self._bytes -= self.entry_bytes(e.tokens, e.features)
+            if eviction:
+                self.stats.evictions += 1
 
     def victim(self, free_slots: list[int]) -> int:
         """The free slot to give to a request without a match: the lowest one caching nothing, else

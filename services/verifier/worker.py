@@ -106,6 +106,10 @@ class VerifierWorkerConfig:
         prefix_cache: a finished request's KV slot keeps its conversation (KV and target features);
             a request whose prompt starts with it prefills only the rest (chat turns resend the whole
             conversation). Same tokens as a cold prefill, speculation included.
+        prefix_cache_mib: memory bound, in MiB, on what cached prefixes hold beyond the reserved KV
+            slots: one target feature row per cached position (SmolLM2-135M with the default
+            drafter: 11.25 KiB a position in float32) plus its token id; past it the least recently
+            used prefixes are evicted (a running request's KV never is). 0 keeps no prefix.
     """
 
     target: str = "smollm2-135m-instruct"
@@ -143,10 +147,13 @@ class VerifierWorkerConfig:
     metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
     prefix_cache: bool = True
+    prefix_cache_mib: int = 256
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_waiting < 0:
             raise ValueError("max_running must be >= 1 and max_waiting >= 0")
+        if self.prefix_cache_mib < 0:
+            raise ValueError(f"prefix_cache_mib must be >= 0 (got {self.prefix_cache_mib})")
         for name in ("prefill_chunk", "max_step_tokens", "kv_bucket"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
@@ -463,6 +470,7 @@ class VerifierWorker:
         prefix = getattr(self.engine, "prefix_cache_stats", None)
         if prefix is not None:
             self.metrics.observe_prefix_cache(*prefix())
+            self.metrics.prefix_bytes.set(self.engine.runner.cache.prefix.nbytes())
         budget, width = self.tree_knobs() or (0, 0)
         self.metrics.scheduled_budget.set(budget)
         self.metrics.scheduled_width.set(width)
@@ -561,6 +569,7 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
                           cost_key=(target_dir.name, str(target.weights), config.device),
                           packed_gemm=config.packed_gemm)
     cache = engine.runner.cache
+    cache.prefix.max_bytes = config.prefix_cache_mib * 2**20
     log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; pages committed as used)",
              cache.num_slots, cache.capacity, cache.nbytes() / 2**30, target.weights, config.device)
     log_memory(target, engine)
@@ -577,15 +586,16 @@ def default_knobs(config: VerifierWorkerConfig):
 
 
 def log_memory(target, engine) -> None:
-    """One line: the verifier's resident memory by part (weights, GEMM packs, KV cache)."""
+    """One line: the verifier's resident memory by part (weights, GEMM packs, KV cache, prefix cache)."""
     from services.cpu_gemm import packed_bytes
-    from services.startup import kv_committed_bytes, mb, memory_line, module_bytes
+    from services.startup import kv_committed_bytes, mb, memory_line, module_bytes, prefix_cache_part
 
     cache = engine.runner.cache
     log.info("%s", memory_line("verifier", {
         "weights": module_bytes(target.model), "GEMM packs": packed_bytes(target.model),
         "KV cache": f"{mb(kv_committed_bytes(cache))} written of {mb(cache.nbytes())} reserved in "
-                    f"{str(cache.dtype).removeprefix('torch.')}"}))
+                    f"{str(cache.dtype).removeprefix('torch.')}",
+        "prefix cache": prefix_cache_part(cache.prefix)}))
 
 
 def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = None) -> None:

@@ -291,6 +291,7 @@ def test_verifier_metrics_export_the_prefix_cache(llama):
     assert r.get_sample_value(m.PREFIX_HITS) == 12
     assert r.get_sample_value(m.PREFIX_EVICTIONS) == 0
     assert r.get_sample_value(m.PREFIX_CACHED) == 12 + 1 + 4 - 1
+    assert r.get_sample_value(m.PREFIX_BYTES) == 8 * (12 + 1 + 4 - 1)  # no drafter: token ids only
     _run(engine, "c", [(prompt[0] + 1) % V] * 3, sampling, spec)
     worker._update_gauges()
     assert r.get_sample_value(m.PREFIX_EVICTIONS) == 1
@@ -314,3 +315,90 @@ def test_goodput_policy_with_a_hit_emits_the_cold_tokens(llama, temperature):
                       EngineConfig(max_running=2, prefill_chunk=CHUNK, prefix_cache=False),
                       max_draft_depth=5, policy=_goodput())
     assert hit == len(committed) and got == _run(cold, "b", prompt, sampling, spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory bound (--prefix-cache-mib)
+# ---------------------------------------------------------------------------------------------
+
+def test_bound_evicts_least_recently_used_prefixes():
+    from services.verifier.prefix_cache import ID_BYTES
+
+    row = 4 * 4  # one float32 feature row of F = 4
+    pc = PrefixCache(max_bytes=3 * (row + ID_BYTES) * 4)  # room for 12 positions
+    feats = lambda n: torch.zeros(n, 4)  # noqa: E731
+    pc.store(0, [1] * 4, feats(4))
+    pc.store(1, [2] * 4, feats(4))
+    pc.store(2, [3] * 4, feats(4))
+    assert len(pc) == 3 and pc.nbytes() == 12 * (row + ID_BYTES) == pc.max_bytes
+    pc.match([0, 1, 2], [1, 1, 1, 7], True)  # a lookup does not refresh; reuse re-stores
+    pc.store(3, [4] * 2, feats(2))           # past the bound: the LRU prefix (slot 0) goes
+    assert sorted(pc._entries) == [1, 2, 3] and pc.stats.evictions == pc.stats.bound_evictions == 1
+    pc.store(1, [2] * 4, feats(4))           # re-stored: most recent, no eviction
+    pc.store(0, [5] * 3, feats(3))           # evicts slot 2 (now the least recently used)
+    assert sorted(pc._entries) == [0, 1, 3] and pc.nbytes() == 9 * (row + ID_BYTES)
+    pc.store(4, [6] * 13, feats(13))         # larger than the bound alone: evicts all, keeps nothing
+    assert len(pc) == 0 and pc.nbytes() == 0 and pc.stats.bound_evictions == 6  # 3 others + itself
+    pc.store(0, [1] * 4, feats(4))
+    pc.store(1, [2] * 4, None)               # no features: ids only
+    assert pc.nbytes() == 4 * (row + ID_BYTES) + 4 * ID_BYTES
+    pc.max_bytes = 4 * ID_BYTES              # a lower bound evicts at once (slot 0 is older)
+    assert list(pc._entries) == [1] and pc.nbytes() == 4 * ID_BYTES
+    pc.drop(1)
+    assert pc.nbytes() == 0
+    pc.max_bytes = 0
+    pc.store(0, [1], None)
+    assert len(pc) == 0
+    with pytest.raises(ValueError, match=">= 0"):
+        PrefixCache(max_bytes=-1)
+
+
+@pytest.mark.parametrize("method", ["dartree-pruned", "ar"])
+def test_bounded_cache_stays_within_its_bound_and_keeps_the_tokens(target, service, method):
+    """Three conversations take turns on three slots under a bound that holds one conversation but
+    never two: every store past the first evicts, the footprint never exceeds the bound, the most
+    recent conversation still hits in full, and every request emits the tokens of a cold run."""
+    rng = random.Random(21)
+    sampling, spec = SamplingParams(max_tokens=8, ignore_eos=True), SpecParams(method, budget=6)
+    engine = _engine(target, service, max_running=3)
+    pc = engine.runner.cache.prefix
+    per_position = target.feature_dim * 4 + 8  # float32 feature row + id (a drafter is configured)
+    pc.max_bytes = 70 * per_position  # conversations hold 37..66 positions: one fits, two never do
+    convs = [_prompt(rng, 30 + 3 * i) for i in range(3)]
+    for turn in range(3):
+        for i in range(3):
+            prompt = convs[i]
+            got, hit = _hit(engine, f"{i}-{turn}", prompt, sampling, spec)
+            assert hit == 0 and got == _cold(target, service, prompt, sampling, spec), (i, turn)
+            (slot, cached), = _cached(engine).items()  # only this request's conversation is kept
+            assert cached[:len(prompt)] == prompt and pc.nbytes() == len(cached) * per_position <= pc.max_bytes
+            convs[i] = cached + _prompt(rng, 3)  # the next turn resends the conversation
+    assert pc.stats.bound_evictions == pc.stats.evictions == 8
+    got, hit = _hit(engine, "last", convs[2], sampling, spec)  # the latest conversation hits in full
+    assert hit == len(convs[2]) - 3 and got == _cold(target, service, convs[2], sampling, spec)
+
+
+def test_startup_prints_the_prefix_cache_bound():
+    from services.startup import prefix_cache_part
+
+    pc = PrefixCache(max_bytes=256 * 2**20)
+    pc.store(0, [1, 2], torch.zeros(2, 2**17))  # 1 MiB of features
+    assert prefix_cache_part(pc) == "1 MB of <= 256 MB"
+    assert prefix_cache_part(PrefixCache()) == "0 MB of no bound"
+    assert prefix_cache_part(PrefixCache(enabled=False)) == "off"
+
+
+def test_prefix_cache_mib_flag():
+    import argparse
+
+    from services.config_cli import add_config_args, config_from_args
+    from services.verifier.worker import VerifierWorkerConfig
+
+    parser = argparse.ArgumentParser()
+    add_config_args(parser, VerifierWorkerConfig)
+    assert config_from_args(VerifierWorkerConfig, parser.parse_args([])).prefix_cache_mib == 256
+    cfg = config_from_args(VerifierWorkerConfig, parser.parse_args(["--prefix-cache-mib", "64"]))
+    assert cfg.prefix_cache_mib == 64
+    assert "--prefix-cache-mib" in parser.format_help()
+    with pytest.raises(ValueError, match="prefix_cache_mib"):
+        VerifierWorkerConfig(prefix_cache_mib=-1)
