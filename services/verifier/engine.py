@@ -29,6 +29,7 @@ from services.protocol import LOGPROB_FLOOR, MAX_TOP_LOGPROBS
 from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
 from services.tree.accept import position_uniforms
 from services.tree.batch import Segment, causal_segment
+from services.tree.grammar import GrammarState, mask_logits
 from services.tree.logit_processors import LogitOptions, path_counts, process_logits, sample_processed, token_counts
 from services.verifier.drafter_client import DraftJob, DrafterClient
 from services.verifier.policy import Drafted, FixedPolicy, RoundInfo
@@ -58,6 +59,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
     min_tokens: int = 0              # EOS / stop ids masked before this many output tokens
     min_p: float = 0.0               # [0, 1], relative probability floor (T > 0)
+    grammar: str | None = None       # an llguidance grammar the output must match (services/tree/grammar.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -146,6 +148,7 @@ class RoundOutput:
         prefill_seconds: > 0 only for the prefill step (which emits the first token).
         is_prefill: this step ran the prompt and emitted the first token (not a speculative round).
         logprobs: one row per ``token_ids`` entry when the request asked for logprobs, else None.
+        grammar_masked: draft nodes the request's grammar forbade (never accepted; 0 without a grammar).
         drafted: the round called the drafter (False for plain rounds the policy chose, ``ar``, prefill).
         predicted_tau: the policy's expected emitted tokens of the verified tree (None: no prediction).
     """
@@ -161,6 +164,7 @@ class RoundOutput:
     logprobs: TokenLogprobs | None = None
     drafted: bool = False
     predicted_tau: float | None = None
+    grammar_masked: int = 0
 
 
 
@@ -188,6 +192,8 @@ class _Request:
     logit_opts: LogitOptions | None = None  # None: the raw logits are sampled (no processor is on)
     out_counts: torch.Tensor | None = None  # [V] float, emitted tokens (with a penalty on)
     prompt_mask: torch.Tensor | None = None  # [V] bool, prompt tokens (with repetition_penalty)
+    grammar: GrammarState | None = None     # the output's grammar, at the emitted tokens
+    grammar_masked: int = 0                 # draft nodes the grammar forbade in the last round
 
     @property
     def decoding(self) -> bool:
@@ -297,14 +303,17 @@ class SpecEngine:
             :data:`services.spec.DEFAULT_KNOBS`: every drafting request drafts its whole tree).
         runner: the :class:`ModelRunner` (None = a new one for ``config``); servers, tools and
             benchmarks build theirs with :func:`services.verifier.build.build_engine`.
+        grammar_tokenizer: the llguidance tokenizer of requests with a grammar (None: built on the
+            first such request from ``tokenizer.json`` in the target's directory).
     Raises:
         MemoryError: the slot KV cache does not fit (one line).
     """
 
     def __init__(self, target, drafter: DrafterClient | None, config: EngineConfig = EngineConfig(),
                  max_draft_depth: int = 16, drafter_max_position: int | None = None, policy=None,
-                 runner: ModelRunner | None = None):
+                 runner: ModelRunner | None = None, grammar_tokenizer=None):
         self.target, self.drafter = target, drafter
+        self._grammar_tokenizer = grammar_tokenizer
         self.policy = policy if policy is not None else FixedPolicy()
         if drafter_max_position is None and drafter is not None:
             drafter_max_position = int(drafter.info().get("max_position") or 0) or None
@@ -368,6 +377,7 @@ class SpecEngine:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if self.runner.cache.num_free() == 0:
             raise ValueError(f"all {self.config.max_running} KV slots are in use (max_running)")
+        grammar = None if sampling.grammar is None else self.compile_grammar(sampling.grammar)
         seed = sampling.seed  # unseeded T > 0: a seed from torch's global RNG (torch.manual_seed fixes it)
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item()) if sampling.temperature > 0 else 0
@@ -377,8 +387,42 @@ class SpecEngine:
         req = _Request(list(prompt_ids), sampling, spec, slot=slot, prefilled=reused, sample_seed=seed)
         if reused and feats is not None:
             req.chunk_feats.append(feats)
+        req.grammar = grammar
         self._set_logit_opts(req)
         self._reqs[request_id] = req
+
+    def compile_grammar(self, grammar: str) -> GrammarState:
+        """A request's :class:`GrammarState` for an llguidance ``grammar`` (a JSON schema's, from
+        ``llguidance.LLMatcher.grammar_from_json_schema``; docs/serving.md "Structured output").
+
+        Raises:
+            ValueError: the grammar does not compile, or the engine has no grammar tokenizer.
+        """
+        import llguidance
+
+        tok = self.grammar_tokenizer()
+        return GrammarState(llguidance.LLMatcher(tok, grammar, log_level=0), self.vocab_size, tok.vocab_size)
+
+    def grammar_tokenizer(self):
+        """The ``llguidance.LLTokenizer`` of grammar requests: the one given, else built once (about
+        0.4 s for a 49k vocabulary) from the target directory's ``tokenizer.json``, EOS = the target's
+        first EOS id.
+
+        Raises:
+            ValueError: none was given and the target's directory has no ``tokenizer.json`` or no EOS.
+        """
+        if self._grammar_tokenizer is None:
+            from pathlib import Path
+
+            import llguidance
+
+            path = Path(getattr(getattr(self.target, "config", None), "_name_or_path", "") or ".") / "tokenizer.json"
+            if not path.is_file() or not self.eos_token_ids:
+                raise ValueError("this server cannot constrain output to a grammar: the target has no "
+                                 "tokenizer.json or no EOS token")
+            self._grammar_tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=self.vocab_size,
+                                                             eos_token=self.eos_token_ids[0])
+        return self._grammar_tokenizer
 
     def _set_logit_opts(self, req: _Request) -> None:
         """The request's :class:`LogitOptions` and count tensors (left None when nothing is on)."""
@@ -594,10 +638,17 @@ class SpecEngine:
         seeded request's tokens do not depend on how many rows a round verifies (accept.py).
 
         With logit processors on, each row's logits are processed as if its path had been emitted
-        token by token (``buffers``: the round's verify buffers; None for the prompt's last row).
+        token by token (``buffers``: the round's verify buffers; None for the prompt's last row). A
+        grammar masks each row first, at its own path's state (services/tree/grammar.py).
         """
         s = req.sampling
         u = None if s.temperature == 0 else position_uniforms(req.sample_seed, positions)
+        if req.grammar is not None:
+            if buffers is None:
+                allowed, req.grammar_masked = req.grammar.current_mask(), 0
+            else:
+                allowed, req.grammar_masked = req.grammar.tree_masks(buffers.input_ids, buffers.parent_rows)
+            logits = mask_logits(logits, allowed)
         opts = req.logit_opts
         if opts is None:
             return sample_target_tokens(logits, s.temperature, s.top_p, s.top_k, uniforms=u)
@@ -618,14 +669,19 @@ class SpecEngine:
             req.out_counts += token_counts(ids, req.out_counts.shape[0], device=req.out_counts.device)
 
     def _emit(self, req: _Request, tokens: list[int]) -> tuple[list[int], str | None]:
-        """Commit semantics: cut at the first terminator (excluded) or when max_tokens is reached."""
+        """Commit semantics: cut at the first terminator (excluded) or when max_tokens is reached.
+        With a grammar, EOS always ends the request and so does the grammar's last token (included)."""
         s = req.sampling
         out: list[int] = []
         for tok in tokens:
-            if (tok in self.eos_token_ids and not s.ignore_eos) or tok in s.stop_token_ids:
+            if (tok in self.eos_token_ids and (not s.ignore_eos or req.grammar is not None)) or tok in s.stop_token_ids:
                 return out, "stop"
             out.append(tok)
             req.generated += 1
+            if req.grammar is not None:
+                req.grammar.advance(tok)
+                if req.grammar.finished:
+                    return out, "stop"
             if req.generated >= s.max_tokens:
                 return out, "length"
         return out, None
@@ -714,6 +770,8 @@ class SpecEngine:
         t2 = time.perf_counter()
         buffers, timings = item.buffers, item.timings
         target_tokens = self._sample(req, logits, req.start + 1 + buffers.position_offsets, buffers)
+        if req.logit_opts is not None or req.grammar is not None:
+            timings["sampling"] = time.perf_counter() - t2  # logit processors + grammar masks + sampling
         res = walk(buffers, target_tokens.cpu())
         self.runner.cache.commit(req.slot, req.start, res.accepted_rows)
         rows = res.accepted_rows
@@ -741,7 +799,7 @@ class SpecEngine:
         return RoundOutput(ids, finish, num_draft_tokens=item.tree.num_nodes, accept_length=n_acc,
                            accepted_per_depth=[1] * n_acc, timings=timings,
                            logprobs=self._logprobs(req, logits, rows, ids), drafted=item.drafted,
-                           predicted_tau=item.predicted_tau)
+                           predicted_tau=item.predicted_tau, grammar_masked=req.grammar_masked)
 
     def _finish_chunk(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
         req = item.req

@@ -1,0 +1,161 @@
+"""Structured output and tool calls at the gateway: ``response_format`` and ``tools`` become an
+llguidance grammar the verifier enforces, tool definitions a system message, and generated text
+OpenAI ``tool_calls``.
+
+The chat template of the served model has no tool format, so tool calls follow a JSON-in-text
+convention (docs/serving.md, "Structured output and tool calls"): the tools are listed in a
+system message, and a call is the whole answer written as ``{"name": ..., "arguments": {...}}``.
+With ``tool_choice`` ``required`` or a named function the grammar forces such a call to a declared
+function with arguments matching its parameters; with ``auto`` nothing is forced and an answer that
+parses as a call to a declared function is returned as one.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+import llguidance
+
+from gateway.schemas import ApiError
+
+# JSON the grammar allows: compact separators, no free whitespace (a model cannot pad forever).
+JSON_OPTIONS = {"whitespace_flexible": False}
+MAX_GRAMMAR_CHARS = 256 * 1024  # a compiled schema grammar larger than this is refused (400)
+
+TOOL_PROMPT = ("You can call the functions listed below. To call one, answer with only a JSON object of the "
+               'form {"name": <function name>, "arguments": <JSON object of its arguments>} and nothing else.'
+               "\nFunctions:\n")
+
+
+def json_schema_grammar(schema: dict | None) -> str:
+    """The llguidance grammar (a JSON string) of a JSON ``schema``; ``None``: any JSON object."""
+    return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"} if schema is None else schema,
+                                                         defaults=JSON_OPTIONS)
+
+
+def grammar_error(grammar: str) -> str | None:
+    """Why ``grammar`` cannot be compiled (one line), or None when it can."""
+    try:
+        err = llguidance.LLMatcher.validate_grammar(grammar)
+    except Exception as exc:  # llguidance raises plain Exceptions on malformed input
+        err = str(exc) or "invalid grammar"
+    return (err.splitlines() or ["invalid grammar"])[0] if err else None
+
+
+def checked_grammar(schema: dict | None, param: str) -> str:
+    """:func:`json_schema_grammar` of ``schema``, validated.
+
+    Raises:
+        ApiError: 400 naming ``param`` when the schema cannot be compiled or is too large.
+    """
+    try:
+        grammar = json_schema_grammar(schema)
+    except (ValueError, TypeError) as exc:
+        raise ApiError(400, f"invalid JSON schema in '{param}': {exc}", param, "invalid_value") from None
+    err = grammar_error(grammar)
+    if err:
+        raise ApiError(400, f"invalid JSON schema in '{param}': {err}", param, "invalid_value")
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise ApiError(400, f"the JSON schema in '{param}' is too large", param, "invalid_value")
+    return grammar
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a request's ``tools`` shape its prompt, grammar and answer.
+
+    Attributes:
+        names: the declared function names (the answer may call only these).
+        forced: ``required`` or a named function: the grammar forces a call.
+        prompt: the system text listing the functions.
+    """
+
+    names: tuple[str, ...]
+    forced: bool
+    prompt: str
+
+    def parse(self, text: str) -> dict | None:
+        """The OpenAI ``tool_calls`` entry ``text`` spells, or None when it is not a call to a
+        declared function (then it is the answer's ``content``)."""
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return None
+        if not (isinstance(obj, dict) and set(obj) == {"name", "arguments"} and obj["name"] in self.names
+                and isinstance(obj["arguments"], dict)):
+            return None
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}
+
+
+def _call_schema(fn) -> dict:
+    """The schema of one call to ``fn``: its name as a constant, its parameters as the arguments."""
+    params = fn.parameters if fn.parameters else {"type": "object", "properties": {}}
+    return {"type": "object", "properties": {"name": {"const": fn.name}, "arguments": params},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def plan_tools(tools, tool_choice) -> tuple[ToolPlan | None, str | None]:
+    """``(plan, grammar)`` of a chat request's ``tools`` / ``tool_choice``; ``(None, None)`` when no
+    tool may be called (no tools, or ``tool_choice: "none"``).
+
+    Raises:
+        ApiError: ``tool_choice`` without tools, a named function that is not declared, duplicate
+            names, or parameters that are not a valid JSON schema (400 naming the field).
+    """
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise ApiError(400, "'tool_choice' requires 'tools'", "tool_choice", "invalid_value")
+        return None, None
+    fns = [t.function for t in tools]
+    names = [f.name for f in fns]
+    if len(set(names)) != len(names):
+        raise ApiError(400, "'tools' declares a function name twice", "tools", "invalid_value")
+    for i, fn in enumerate(fns):
+        if fn.parameters is not None:
+            checked_grammar(fn.parameters, f"tools[{i}].function.parameters")
+    if tool_choice == "none":
+        return None, None
+    chosen = fns
+    if tool_choice is not None and not isinstance(tool_choice, str):
+        chosen = [f for f in fns if f.name == tool_choice.function.name]
+        if not chosen:
+            raise ApiError(400, f"'tool_choice' names function {tool_choice.function.name!r}, which 'tools' does "
+                           "not declare", "tool_choice.function.name", "invalid_value")
+    forced = tool_choice is not None and tool_choice != "auto"
+    listing = [{"name": f.name, **({"description": f.description} if f.description else {}),
+                "parameters": f.parameters or {"type": "object", "properties": {}}} for f in fns]
+    plan = ToolPlan(tuple(names), forced, TOOL_PROMPT + json.dumps(listing, ensure_ascii=False))
+    if not forced:
+        return plan, None
+    schema = _call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [_call_schema(f) for f in chosen]}
+    return plan, checked_grammar(schema, "tools")
+
+
+def with_tool_prompt(messages: list[dict], plan: ToolPlan | None) -> list[dict]:
+    """``messages`` with the tool listing appended to the first system message (or as a new first
+    system message)."""
+    if plan is None:
+        return messages
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = dict(messages[0])
+        first["content"] = f"{first['content']}\n\n{plan.prompt}" if first["content"] else plan.prompt
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": plan.prompt}, *messages]
+
+
+def call_text(tool_calls: list) -> str:
+    """An assistant turn's ``tool_calls`` in the convention's text (one JSON object per line)."""
+    out = []
+    for call in tool_calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)):
+            raise ValueError("each tool call needs function.name and function.arguments (a JSON string)")
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            raise ValueError("function.arguments must be a JSON string") from None
+        out.append(json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False))
+    return "\n".join(out)
