@@ -72,10 +72,21 @@ class DrafterService:
             batch size vary; one graph for one request, one for a batch); call :meth:`warm_up` at
             start. Drafts may differ from eager ones in the last bits (never the verified output:
             the target decides every token). The tree build stays eager (Python and small ops).
+        block_rows: rows of the block forward at inference, ``[root, MASK x (block_rows - 1)]``
+            (None = the trained ``block_size``). Fewer rows cost less and draft at most
+            ``block_rows`` deep (shift-label) but change the drafts (the mask rows attend to each
+            other): ``python -m benchmarks.bench_small_trees tau --blocks`` replays their τ.
+    Raises:
+        ValueError: ``block_rows`` outside ``[2, block_size]``.
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
-                 description: str = "", packed_gemm: bool = True, compile: bool = False):
+                 description: str = "", packed_gemm: bool = True, compile: bool = False,
+                 block_rows: int | None = None):
+        block_rows = drafter.config.block_size if block_rows is None else int(block_rows)
+        if not 2 <= block_rows <= drafter.config.block_size:
+            raise ValueError(f"block_rows must be in [2, {drafter.config.block_size}] (got {block_rows})")
+        self.block_rows = block_rows
         if drafter.has_markov:  # DSpark carries its own (frozen) copies of the target's embedding and lm_head
             if drafter.needs_target_io:  # saved without them: they ARE the target's, refill from it
                 drafter.copy_target_io(embed.weight.detach().to(self._dtype_of(drafter)),
@@ -90,7 +101,7 @@ class DrafterService:
         if packed_gemm:
             from services.cpu_gemm import pack_linears, pack_linears_bf16
 
-            pack_linears(drafter, [self.cfg.block_size])
+            pack_linears(drafter, sorted({self.cfg.block_size, block_rows}))
             pack_linears(lm_head, [self.cfg.num_draft_slots])
             pack_linears_bf16(drafter)  # bfloat16 drafters: oneDNN's pre-packed kernel (no-op in float32)
             pack_linears_bf16(lm_head)
@@ -175,24 +186,28 @@ class DrafterService:
             (torch.cat([ok, k], 2), torch.cat([ov, v], 2)) for (ok, ov), (k, v) in zip(old, kv)]
         self._ctx_len[request_id] = start
 
-    def _block(self, request_id: str, root_token: int, start: int) -> tuple[Tensor, Tensor]:
+    def _block(self, request_id: str, root_token: int, start: int, logit_rows: int | None = None
+               ) -> tuple[Tensor, Tensor]:
         c = self.cfg
-        ids = torch.tensor([root_token] + [c.mask_token_id] * (c.block_size - 1), device=self.device)
-        pos = torch.arange(start, start + c.block_size, device=self.device)
+        ids = torch.tensor([root_token] + [c.mask_token_id] * (self.block_rows - 1), device=self.device)
+        pos = torch.arange(start, start + self.block_rows, device=self.device)
         h = self._block_forward(self.embed(ids).to(self.dtype)[None], pos, self._ctx[request_id])[0]
         hd = h if c.shift_label else h[1:]
-        return hd, self.lm_head(hd.to(self.lm_head.weight.dtype)).float()
+        return hd, self.lm_head(hd[:logit_rows].to(self.lm_head.weight.dtype)).float()
 
     @torch.inference_mode()
-    def block_logits_batch(self, jobs: list[tuple[str, int, int]]) -> list[tuple[Tensor, Tensor]]:
+    def block_logits_batch(self, jobs: list[tuple[str, int, int]], logit_rows: int | None = None
+                           ) -> list[tuple[Tensor, Tensor]]:
         """The block of several requests (contexts already appended, :meth:`append_context`) in ONE
         forward: ``jobs`` are ``(request_id, root_token, start)``; contexts of different lengths are
-        padded and masked (``ctx_mask``). Returns ``(hd [D, H], base_logits [D, N] float32)`` per
-        job (N = the draft vocabulary: ``V`` unless reduced; column i is target id ``d2t[i]``)."""
+        padded and masked (``ctx_mask``). Returns ``(hd [D, H], base_logits [D', N] float32)`` per
+        job (D = the draft slots of :attr:`block_rows`; D' = ``min(D, logit_rows)``, None = D: the
+        output projection runs only over the slots a tree can reach; N = the draft vocabulary:
+        ``V`` unless reduced; column i is target id ``d2t[i]``)."""
         if len(jobs) == 1:
-            return [self._block(*jobs[0])]
+            return [self._block(*jobs[0], logit_rows=logit_rows)]
         c = self.cfg
-        n, q = len(jobs), c.block_size
+        n, q = len(jobs), self.block_rows
         lens = [self._ctx_len.get(rid, 0) for rid, *_ in jobs]
         cmax = max(lens)
         ctx = []
@@ -211,7 +226,7 @@ class DrafterService:
         pos = torch.stack([torch.arange(start, start + q, device=dev) for _, _, start in jobs])
         h = self._block_forward(self.embed(ids).to(self.dtype), pos, ctx, mask)  # [n, Q, H]
         hd = h if c.shift_label else h[:, 1:]
-        logits = self.lm_head(hd.to(self.lm_head.weight.dtype)).float()
+        logits = self.lm_head(hd[:, :logit_rows].to(self.lm_head.weight.dtype)).float()
         return [(hd[i], logits[i]) for i in range(n)]
 
     @torch.inference_mode()
@@ -247,7 +262,8 @@ class DrafterService:
             return out
         t0 = time.perf_counter()
         try:
-            rows = self.block_logits_batch([(jobs[i].request_id, jobs[i].root_token, jobs[i].start) for i in ok])
+            rows = self.block_logits_batch([(jobs[i].request_id, jobs[i].root_token, jobs[i].start) for i in ok],
+                                           max(_reach(jobs[i]) for i in ok))
         except Exception as exc:
             for i in ok:
                 out[i] = exc
@@ -311,6 +327,20 @@ class DrafterService:
         variant = method.split("-")[1]
         return dartree(base, scorer, root, K=k, W=width, B=budget, beta=beta if variant == "pruned" else 0.0,
                        variant=variant, pure_draft_prefix_len=prefix)
+
+
+# methods whose B-node tree is at most B deep and identical when built over only B draft slots
+# (dartree.pruned_reach; seqheap / DDTree pop at most B nodes, a depth-d node after its d - 1 ancestors)
+_BUDGET_DEEP = frozenset({"dartree-pruned", "dspark-dartree", "seqheap", "ddtree"})
+
+
+def _reach(job) -> int:
+    """Draft slots ``job``'s tree can use (>= 1): its ``max_depth`` (None = all, a large number),
+    cut to the budget for the methods of :data:`_BUDGET_DEEP`."""
+    depth = 1 << 30 if job.max_depth is None else job.max_depth
+    if job.method in _BUDGET_DEEP:
+        depth = min(depth, job.spec.budget)
+    return max(depth, 1)
 
 
 def borrow_target_io(embed: torch.nn.Module, lm_head: torch.nn.Module,

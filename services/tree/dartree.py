@@ -76,6 +76,22 @@ def _slot_logits(scorer: TreeScorer, slot: int, states: Tensor, cand_ids: Tensor
     return scorer.score(slot, states, cand_ids[slot], cand_vals[slot]).float()
 
 
+def pruned_reach(W: int, B: int, depth_max: int) -> tuple[int, int]:
+    """``(width, depth)`` that a pruned DARTree of budget ``B`` can use: ``(min(W, B), min(D, B))``.
+
+    Lemma 1 (paper §3, docs/algorithms.md §2.3): with ``beta <= 0`` the top-B set by ``path + beta *
+    depth`` is prefix-closed, and a node's adjusted score is at most its parent's (``log q <= 0``).
+    So a kept node at depth ``d`` has its ``d - 1`` ancestors kept before it (``d <= B``), and a kept
+    node ranks among the top ``B`` children of its depth (every same-depth node that outranks it has
+    a higher adjusted score and a lower index, so it is kept too): a per-depth quota ``W > B`` and
+    depths beyond ``B`` only build nodes the final prune drops. The tree is the one the full build
+    gives (``tests/tree/test_small_budget.py`` checks it against :func:`dartree_reference`); small
+    budgets then score ``B`` frontier rows per depth instead of ``W``. ``B = 0`` keeps width 1.
+    """
+    b = max(B, 1)
+    return min(W, b), min(depth_max, b)
+
+
 # A node's log q is <= 0 up to float32 rounding of the log-sum-exp; the early stop keeps this margin.
 _EARLY_STOP_MARGIN = 1e-4
 
@@ -120,6 +136,8 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
     """
     _check_args(base_logits, K, W, B, beta, variant)
     depth_max = base_logits.shape[0] if max_depth is None else min(max_depth, base_logits.shape[0])
+    if variant == "pruned":  # the same tree, fewer scorer rows: :func:`pruned_reach`
+        W, depth_max = pruned_reach(W, B, depth_max)
     cand_vals, cand_ids = candidates(base_logits, K)  # [D, K]
     k = cand_vals.shape[1]
     states = scorer.root_state(root_token)  # [1, S]

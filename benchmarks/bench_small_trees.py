@@ -1,0 +1,246 @@
+"""Small trees on a CPU: replayed τ(B), the verify cost curve c(M) and the draft cost d(B).
+
+Two measurements, each printing one JSON object (last stdout line, also ``--out``):
+
+``tau``: replayed τ (T = 0, :mod:`services.replay`: no timing, load does not enter) of
+``dartree-pruned`` at budgets B (the builder's top-B by ``path + beta * depth``, Lemma 1: a valid
+prefix-closed tree for every B) and inference block lengths L (``DrafterService(block_rows=L)``; 16
+= the trained block), on ``load_eval`` prompts (first turns, chat template) against the target's
+greedy output. Per dataset: τ as the τ protocol reports it (mean over samples of emitted / rounds)
+and pooled (all emitted / all rounds).
+
+    python -m benchmarks.bench_small_trees tau --datasets gsm8k mt-bench sharegpt --prompts 10 \\
+        --max-tokens 96 --budgets 1 2 3 4 8 --blocks 16 8 4 --threads 1 --out tau.json
+
+``cost``: per weight format, the target forward of M rows (``services.verifier.build.time_forward``,
+the goodput policy's start-up sweep: an empty KV slot; float32 pre-packed for every M as a server
+packs its verify rows) and the drafter's wall time per round (context append + block forward +
+output projection + tree build, through the in-process client) for each (B, L), replayed on a few
+prompts; formats, row counts and configurations interleaved, medians. ``c(M)`` and ``d(B)`` are
+also given in units of the q4 one-row forward (``--unit q4``, the default format's plain step) and
+of each format's own one-row forward.
+
+    python -m benchmarks.bench_small_trees cost --weights q4 bfloat16 float32 --rows 1 2 3 4 5 6 7 8 9 \\
+        --budgets 1 2 3 4 8 --blocks 16 4 --prompts 3 --repeats 7 --threads 1 --out cost.json
+
+Run ``cost`` on an idle machine. :mod:`benchmarks.roofline` turns the two files into the
+predicted speedup table of docs/roofline.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _prompts(target_dir, datasets: list[str], n: int, max_prompt_tokens: int = 384) -> list[tuple[str, list[int]]]:
+    """``(uid, chat-templated prompt ids)`` of the first ``n`` prompts of each dataset (first turns)."""
+    from transformers import AutoTokenizer
+
+    from services.datasets import load_eval
+    from services.training.datagen import encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    return [(p.uid, encode_prompt(tok, p, max_prompt_tokens)) for ds in datasets for p in load_eval(ds, n)]
+
+
+def _configs(budgets: list[int], blocks: list[int]) -> list[tuple[int, int]]:
+    """``(B, L)`` pairs with ``L >= B`` or ``L`` the full block (a B-node tree can be B deep)."""
+    full = max(blocks)
+    return [(b, block) for block in blocks for b in budgets if block == full or block >= b]
+
+
+def _engine(target, drafter, dtype, block: int, packed: bool):
+    from services.drafter.service import DrafterService, borrow_target_io
+    from services.verifier.build import build_engine
+    from services.verifier.drafter_client import InprocDrafterClient
+
+    embed, head = borrow_target_io(target.embed_tokens(), target.lm_head(), dtype)
+    svc = DrafterService(drafter, embed, head, packed_gemm=packed, block_rows=block)
+    return build_engine(target, InprocDrafterClient(svc), max_draft_depth=block, packed_gemm=False)
+
+
+class _TimedClient:
+    """A drafter client that records the wall seconds of each ``submit`` + ``collect``."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds, self._t0 = inner, [], 0.0
+
+    def submit(self, jobs):
+        self._t0 = time.perf_counter()
+        return self.inner.submit(jobs)
+
+    def collect(self, handle):
+        out = self.inner.collect(handle)
+        self.seconds.append(time.perf_counter() - self._t0)
+        return out
+
+    def release(self, rid):
+        self.inner.release(rid)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def run_tau(a) -> dict:
+    from services.drafter.model import load_drafter
+    from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
+    from services.replay import replay_rounds
+    from services.training.heldout import greedy_turns
+    from services.verifier.engine import SpecParams
+    from services.verifier.target import TargetModel
+
+    tdir = resolve_target(a.target)
+    ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
+    drafter = load_drafter(ddir, dtype=torch.float32)
+    target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, weights="float32")
+    turns = greedy_turns(target, _prompts(tdir, a.datasets, a.prompts), a.max_tokens,
+                         Path(a.refs_cache) if a.refs_cache else None)
+    res = {"bench": "small-trees-tau", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "drafter": str(ddir), "datasets": a.datasets, "prompts_per_dataset": a.prompts, "max_tokens": a.max_tokens,
+           "width": a.width, "depth_bonus": -0.2, "candidates": 64, "weights": "float32", "machine": _machine(),
+           "cells": []}
+    for b, block in _configs(a.budgets, a.blocks):
+        engine = _engine(target, drafter, torch.float32, block, packed=False)
+        spec = SpecParams("dartree-pruned", budget=b, width=a.width)
+        per: dict[str, list[tuple[int, int]]] = {}
+        t0 = time.perf_counter()
+        for k, t in enumerate(turns):
+            rounds = emitted = 0
+            for r in replay_rounds(engine, t.prompt_ids, t.ref, t.finish, spec, f"tau-{b}-{block}-{k}"):
+                rounds, emitted = rounds + 1, emitted + r.emitted
+            per.setdefault(t.uid.split("/")[0], []).append((rounds, emitted))
+        cell = {"budget": b, "block": block, "seconds": round(time.perf_counter() - t0, 1), "datasets": {}}
+        for ds, rs in per.items():
+            cell["datasets"][ds] = {"tau": round(statistics.mean(e / r for r, e in rs if r), 3),
+                                    "tau_pooled": round(sum(e for _, e in rs) / sum(r for r, _ in rs), 3),
+                                    "samples": len(rs), "rounds": sum(r for r, _ in rs)}
+        cell["tau_mean"] = round(statistics.mean(d["tau"] for d in cell["datasets"].values()), 3)
+        res["cells"].append(cell)
+        print(f"B={b} L={block}: " + " ".join(f"{ds} {d['tau']:.3f}" for ds, d in cell["datasets"].items())
+              + f" mean {cell['tau_mean']:.3f} ({cell['seconds']} s)", flush=True)
+    return res
+
+
+def run_cost(a) -> dict:
+    from services.cpu_gemm import lazy_packing_paused  # noqa: F401 (the sweep's packs are explicit here)
+    from services.drafter.model import load_drafter
+    from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
+    from services.replay import replay_rounds
+    from services.training.heldout import greedy_turns
+    from services.verifier.build import make_runner, time_forward
+    from services.verifier.engine import EngineConfig, SpecParams
+    from services.verifier.target import TargetModel
+    from services.weights import compute_dtype, drafter_dtype
+
+    tdir = resolve_target(a.target)
+    ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
+    prompts = _prompts(tdir, a.datasets, a.prompts)
+    fmts: dict[str, dict] = {}
+    for w in a.weights:
+        ddt = drafter_dtype(compute_dtype(w))
+        drafter = load_drafter(ddir, dtype=ddt)
+        target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, weights=w)
+        target.pack_gemm([r for r in a.rows if r >= 2])  # float32: every verify row count packed, as served
+        runner = make_runner(target, EngineConfig())
+        turns = greedy_turns(target, prompts, a.max_tokens)
+        engines = {}
+        for b, block in _configs(a.budgets, a.blocks):
+            if block not in engines:
+                engines[block] = _engine(target, drafter, ddt, block, packed=True)
+                engines[block].drafter = _TimedClient(engines[block].drafter)
+        fmts[w] = {"drafter_dtype": str(ddt).removeprefix("torch."), "runner": runner, "turns": turns,
+                   "engines": engines, "fwd": {r: [] for r in a.rows}, "draft": {}, "nodes": {}}
+    for i in range(a.repeats + 1):  # round 0 warms up (first calls, lazy packs); formats / rows interleaved
+        for w, f in fmts.items():
+            for r in a.rows:
+                s = time_forward(f["runner"], r)
+                if i:
+                    f["fwd"][r].append(s)
+        if i >= a.draft_repeats:
+            continue
+        for w, f in fmts.items():
+            for b, block in _configs(a.budgets, a.blocks):
+                eng = f["engines"][block]
+                spec = SpecParams("dartree-pruned", budget=b, width=a.width)
+                eng.drafter.seconds = []
+                nodes = []
+                for k, t in enumerate(f["turns"]):
+                    for rr in replay_rounds(eng, t.prompt_ids, t.ref, t.finish, spec, f"cost-{b}-{block}-{k}"):
+                        nodes.append(rr.tree.num_nodes)
+                if i:
+                    f["draft"].setdefault(f"{b}/{block}", []).extend(eng.drafter.seconds)
+                    f["nodes"][f"{b}/{block}"] = statistics.mean(nodes) if nodes else 0.0
+    unit = statistics.median(fmts[a.unit]["fwd"][1]) if a.unit in fmts else None
+    res = {"bench": "small-trees-cost", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "drafter": str(ddir), "rows": a.rows, "repeats": a.repeats, "draft_repeats": a.draft_repeats,
+           "prompts": len(prompts), "max_tokens": a.max_tokens, "width": a.width, "unit": a.unit,
+           "unit_ms": round(1e3 * unit, 3) if unit else None, "machine": _machine(), "formats": {}}
+    for w, f in fmts.items():
+        one = statistics.median(f["fwd"][1])
+        out = {"drafter_dtype": f["drafter_dtype"], "forward_ms": {}, "c": {}, "c_unit": {}, "draft": {}}
+        for r in a.rows:
+            m = statistics.median(f["fwd"][r])
+            out["forward_ms"][str(r)] = round(1e3 * m, 3)
+            out["c"][str(r)] = round(m / one, 3)
+            if unit:
+                out["c_unit"][str(r)] = round(m / unit, 3)
+        for key, secs in f["draft"].items():
+            m = statistics.median(secs)
+            out["draft"][key] = {"ms": round(1e3 * m, 3), "d": round(m / one, 3),
+                                 "d_unit": round(m / unit, 3) if unit else None, "rounds": len(secs),
+                                 "mean_nodes": round(f["nodes"][key], 2)}
+        res["formats"][w] = out
+        print(f"{w}: c(M) " + " ".join(f"{r}:{out['c'][str(r)]:.2f}" for r in a.rows)
+              + f" (1 row {out['forward_ms']['1']:.1f} ms); d(B/L) "
+              + " ".join(f"{k}:{v['d']:.2f}" for k, v in out["draft"].items()), flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name in ("tau", "cost"):
+        p = sub.add_parser(name)
+        p.add_argument("--target", default=None)
+        p.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
+        p.add_argument("--datasets", nargs="+", default=["gsm8k", "mt-bench", "sharegpt"])
+        p.add_argument("--prompts", type=int, default=10 if name == "tau" else 3, help="prompts per dataset")
+        p.add_argument("--max-tokens", type=int, default=96 if name == "tau" else 48)
+        p.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+        p.add_argument("--blocks", type=int, nargs="+", default=[16, 8, 4] if name == "tau" else [16, 4],
+                       help="inference block lengths L (the largest is the full block)")
+        p.add_argument("--width", type=int, default=12)
+        p.add_argument("--threads", type=int, default=1)
+        p.add_argument("--out", default=None)
+    sub.choices["tau"].add_argument("--refs-cache", default=None, help=".pt cache of the greedy references")
+    c = sub.choices["cost"]
+    c.add_argument("--weights", nargs="+", default=["q4", "bfloat16", "float32"])
+    c.add_argument("--rows", type=int, nargs="+", default=list(range(1, 10)))
+    c.add_argument("--repeats", type=int, default=7, help="timed rounds of the forward sweep")
+    c.add_argument("--draft-repeats", type=int, default=2, help="rounds (incl. one warm-up) of the draft replay")
+    c.add_argument("--unit", default="q4", help="format whose one-row forward is the unit step")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    res = run_tau(a) if a.cmd == "tau" else run_cost(a)
+    res["command"] = "python -m benchmarks.bench_small_trees " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
