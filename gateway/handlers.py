@@ -3,7 +3,10 @@
 One code path (:meth:`Gateway._deltas`) turns the engine's rounds into response deltas; the
 streaming response writes each delta as one SSE event, the non-streaming one concatenates them, so
 both carry the same text, token ids, logprobs, usage and finish reason. A delta carries the tokens
-(ids, logprobs) whose text it carries (:meth:`gateway.text.CompletionText.take_tokens`).
+(ids, logprobs) whose text it carries (:meth:`gateway.text.CompletionText.take_tokens`). A chat
+request whose tools may be called streams each choice's answer as one event at its end: only the
+whole answer tells a tool call (``tool_calls``, finish reason ``tool_calls``) from text
+(:mod:`gateway.tools`).
 """
 
 from __future__ import annotations
@@ -144,6 +147,8 @@ class Gateway:
                  prep.gen.sampling.max_tokens, prep.stream, prep.gen.spec.method or "default")
         choices = choice_requests(prep)
         deltas = self._deltas(prep) if len(choices) == 1 else self._merged(choices)
+        if prep.tools is not None and prep.stream:
+            deltas = _whole_answers(deltas)
         try:
             if prep.stream:
                 grace = min(STREAM_START_GRACE_S, self.config.sse_keepalive_s or STREAM_START_GRACE_S)
@@ -278,8 +283,9 @@ class Gateway:
         for i, (text, toks, end) in enumerate(zip(texts, tokens, last)):
             logprobs = self._logprobs(prep, toks)
             if prep.kind == "chat":
-                choice = {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                          "finish_reason": end.finish_reason, "stop_reason": end.stop_reason}
+                message, finish = _message(prep, text, end.finish_reason)
+                choice = {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish,
+                          "stop_reason": end.stop_reason}
             else:
                 choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": end.finish_reason,
                           "stop_reason": end.stop_reason}
@@ -348,8 +354,12 @@ class Gateway:
         these included (the chunk's cumulative ``usage`` with ``continuous_usage_stats``)."""
         logprobs = self._logprobs(prep, tokens)
         if prep.kind == "chat":
-            delta = {"role": "assistant", "content": text} if first_event else {"content": text}
-            choice = {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            delta, finish = _message(prep, text, d.finish_reason)
+            if delta.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
+            if not first_event:
+                del delta["role"]
+            choice = {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
         if d.finish_reason:
@@ -370,6 +380,30 @@ class Gateway:
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
+def _message(prep: Prepared, text: str, finish: str | None) -> tuple[dict, str | None]:
+    """A chat answer's ``message`` (or stream ``delta``) and finish reason: a finished answer that
+    spells a call to one of the request's tools is ``tool_calls`` (:meth:`ToolPlan.parse`)."""
+    call = prep.tools.parse(text) if prep.tools is not None and finish == "stop" else None
+    if call is None:
+        return {"role": "assistant", "content": text}, finish
+    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+
+
+async def _whole_answers(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """Each choice's deltas as one delta, yielded when the choice finishes (text, tokens, finish)."""
+    held: dict[int, Delta] = {}
+    try:
+        async for d in deltas:
+            h = held.setdefault(d.index, Delta("", index=d.index))
+            h.text += d.text
+            h.tokens.extend(d.tokens)
+            if d.finish_reason:
+                h.finish_reason, h.stop_reason = d.finish_reason, d.stop_reason
+                yield held.pop(d.index)
+    finally:
+        await deltas.aclose()
+
 
 class _Disconnected(Exception):
     """The client went away before the response started."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from gateway.schemas import (
     validation_error,
 )
 from gateway.text import PromptTooLong, TemplateError, TextModel
+from gateway.tools import ToolPlan, call_text, checked_grammar, plan_tools, with_tool_prompt
 from services.protocol import MAX_LOGIT_BIAS, METHODS, Generate, SamplingSpec, SpecSpec
 
 LARGE_BODY_BYTES = 256 * 1024  # bodies at least this big are prepared on the one-thread large lane
@@ -61,6 +63,7 @@ class Prepared:
     continuous_usage: bool = False  # cumulative usage in every stream chunk (stream_options.continuous_usage_stats)
     n: int = 1                      # choices; each runs as its own engine request (:func:`choice_requests`)
     index: int = 0                  # this choice's ``index`` in the response
+    tools: ToolPlan | None = None   # chat ``tools`` that may be called: the answer is parsed for a call
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -118,10 +121,11 @@ class RequestBuilder:
         if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
             raise ApiError(400, "'stream_options.continuous_usage_stats' requires 'include_usage': true",
                            "stream_options.continuous_usage_stats", "invalid_value")
+        plan, grammar = self._structured(req)
         ready, why = self.readiness() if ready is None else ready
         if not ready:
             raise ApiError(503, f"the server is not ready: {why}", None, "service_unavailable")
-        prompt_ids, prompt_text = self._prompt(req)
+        prompt_ids, prompt_text = self._prompt(req, plan)
         max_tokens = self._max_tokens(req, len(prompt_ids), "messages" if kind == "chat" else "prompt")
         sampling = SamplingSpec(
             max_tokens=max_tokens,
@@ -132,19 +136,41 @@ class RequestBuilder:
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=self._logit_bias(req.logit_bias or {}), min_tokens=self._min_tokens(req, max_tokens),
-            min_p=req.min_p)
+            min_p=req.min_p, grammar=grammar)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Prepared(kind=kind, response_id=f"{prefix}-{log_id}", model=self.model_name,
                         gen=Generate(f"{log_id}-{uuid.uuid4().hex[:8]}", prompt_ids, sampling, self._spec(req)),
                         prompt_text=prompt_text, stop=stop, echo=bool(getattr(req, "echo", False)),
                         stream=req.stream, include_usage=bool(opts and opts.include_usage),
                         return_token_ids=req.return_token_ids, arrival=arrival,
-                        continuous_usage=bool(opts and opts.continuous_usage_stats), n=req.n)
+                        continuous_usage=bool(opts and opts.continuous_usage_stats), n=req.n, tools=plan)
 
-    def _prompt(self, req) -> tuple[list[int], str]:
+    @staticmethod
+    def _structured(req) -> tuple[ToolPlan | None, str | None]:
+        """The request's tool plan and grammar (``response_format``, or a forced tool call).
+
+        Raises:
+            ApiError: an invalid schema or tool definition, or both a JSON ``response_format`` and a
+                forced tool call (400 naming the field).
+        """
+        plan, grammar = plan_tools(req.tools, req.tool_choice) if isinstance(req, ChatCompletionRequest) else (None, None)
+        rf = req.response_format
+        if rf is None or rf.type == "text":
+            return plan, grammar
+        if grammar is not None:
+            raise ApiError(400, "a JSON 'response_format' cannot be combined with a forced tool call ('tool_choice')",
+                           "response_format", "invalid_value")
+        if rf.type == "json_object":
+            return plan, checked_grammar(None, "response_format")
+        if rf.json_schema.json_schema is None:
+            raise ApiError(400, "'response_format.json_schema.schema' is required", "response_format.json_schema.schema",
+                           "missing_required_parameter")
+        return plan, checked_grammar(rf.json_schema.json_schema, "response_format.json_schema.schema")
+
+    def _prompt(self, req, plan: ToolPlan | None = None) -> tuple[list[int], str]:
         if isinstance(req, ChatCompletionRequest):
             try:
-                ids, text = self._chat_prompt(req)
+                ids, text = self._chat_prompt(req, plan)
             except TemplateError as exc:
                 raise ApiError(400, str(exc), "messages", "invalid_messages") from None
             except PromptTooLong as exc:
@@ -174,8 +200,10 @@ class RequestBuilder:
                            "context_length_exceeded")
         return ids, text
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str]:
-        """The conversation's ids and text; every field the client set must reach the template.
+    def _chat_prompt(self, req: ChatCompletionRequest, plan: ToolPlan | None = None) -> tuple[list[int], str]:
+        """The conversation's ids and text; every field the client set must reach the template. The
+        tools of ``plan`` are listed in the system message; an assistant turn's ``tool_calls`` are
+        written as the JSON-in-text calls (:mod:`gateway.tools`).
 
         Raises:
             ApiError: a message field the template never receives (``tool_calls``...), ``name``s the
@@ -188,8 +216,9 @@ class RequestBuilder:
                 if value not in (None, "", [], {}):
                     raise ApiError(400, f"'messages[{i}].{key}' is not supported by this server (the chat "
                                    f"template does not receive it)", f"messages[{i}].{key}", "unsupported_parameter")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+        messages = [{"role": m.role, "content": self._content(i, m), **({"name": m.name} if m.name else {})}
+                    for i, m in enumerate(req.messages)]
+        messages = with_tool_prompt(messages, plan)
         kwargs = dict(req.chat_template_kwargs or {})
         reserved = sorted(kwargs.keys() & {"messages", "add_generation_prompt", "token_limit"})
         if reserved:  # these are the request's own fields; as template kwargs they would collide
@@ -207,6 +236,27 @@ class RequestBuilder:
                 raise ApiError(400, f"'messages[{named}].name' is not used by this model's chat template",
                                f"messages[{named}].name", "unsupported_parameter")
         return ids, text
+
+    @staticmethod
+    def _content(i: int, m) -> str:
+        """A message's text; an assistant's ``tool_calls`` follow it as JSON-in-text calls, a tool
+        result with a ``tool_call_id`` is ``{"tool_call_id": ..., "content": ...}``."""
+        if m.tool_call_id is not None:
+            if m.role != "tool":
+                raise ApiError(400, f"'messages[{i}].tool_call_id' is only allowed on tool messages",
+                               f"messages[{i}].tool_call_id", "invalid_value")
+            return json.dumps({"tool_call_id": m.tool_call_id, "content": m.text()}, ensure_ascii=False)
+        if not m.tool_calls:
+            return m.text()
+        if m.role != "assistant":
+            raise ApiError(400, f"'messages[{i}].tool_calls' is only allowed on assistant messages",
+                           f"messages[{i}].tool_calls", "invalid_value")
+        try:
+            calls = call_text(m.tool_calls)
+        except ValueError as exc:
+            raise ApiError(400, f"invalid 'messages[{i}].tool_calls': {exc}", f"messages[{i}].tool_calls",
+                           "invalid_value") from None
+        return f"{m.text()}\n{calls}" if m.text() else calls
 
     def _prompt_limit(self) -> int:
         """Most prompt tokens a request may have (0: unknown): the prompt limit, and the context

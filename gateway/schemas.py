@@ -68,6 +68,58 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False
 
 
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the schema the output must match (``strict`` is always on)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("'json_schema' is required with type 'json_schema' and allowed only there")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema of the arguments (an object)
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """One entry of ``tools`` (only functions exist)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` forcing one declared function."""
+
+    type: Literal["function"]
+    function: _FunctionName
+
+
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -94,6 +146,7 @@ class _Sampling(BaseModel):
     repetition_penalty: Finite | None = Field(None, gt=0.0)           # extension (vLLM): prompt + output
     min_tokens: int = Field(0, ge=0, le=WIRE_INT_MAX)                 # extension (vLLM)
     min_p: Finite = Field(0.0, ge=0.0, le=1.0)                        # extension (vLLM)
+    response_format: ResponseFormat | None = None                     # gateway.tools: a grammar
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -120,6 +173,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None  # assistant: gateway.tools
+    tool_call_id: str | None = None  # tool: the call answered (rendered with the result: gateway.tools)
 
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
@@ -143,14 +198,16 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)  # alternatives per token
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128, fail_fast=True)] | None = None  # gateway.tools
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # answers hold at most one call, which either value allows
 
 
 # Output-changing fields we do not implement exactly: value that means "off" for each.
 _UNSUPPORTED_EXTRA = {
     "length_penalty": (1, 1.0, None), "use_beam_search": (False, None), "prompt_logprobs": (None, 0),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "response_format": (None, {"type": "text"}), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "structured_outputs": (None,), "functions": (None, []), "function_call": (None, "none"),
     "bad_words": (None, []), "allowed_token_ids": (None, []), "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,), "include_stop_str_in_output": (False, None),
     "skip_special_tokens": (True, None), "spaces_between_special_tokens": (True, None),
@@ -162,7 +219,8 @@ _UNSUPPORTED_EXTRA = {
 }
 # The same, per endpoint: fields of the other endpoint (or vLLM extensions) that would be ignored here.
 _UNSUPPORTED_EXTRA_COMPLETION = {"max_completion_tokens": (None,), "add_special_tokens": (True, None),
-                                 "top_logprobs": (None,), "messages": (None,)}
+                                 "top_logprobs": (None,), "messages": (None,), "tools": (None, []),
+                                 "tool_choice": (None, "none")}
 _UNSUPPORTED_EXTRA_CHAT = {"echo": (False, None), "add_special_tokens": (False, None), "prompt": (None,),
                            "suffix": (None, ""), "best_of": (None, 1)}
 

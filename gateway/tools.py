@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import llguidance
 
 from gateway.schemas import ApiError
+from services.protocol import MAX_GRAMMAR_CHARS
 
 # JSON the grammar allows: compact separators, no free whitespace (a model cannot pad forever).
 JSON_OPTIONS = {"whitespace_flexible": False}
-MAX_GRAMMAR_CHARS = 256 * 1024  # a compiled schema grammar larger than this is refused (400)
 
 TOOL_PROMPT = ("You can call the functions listed below. To call one, answer with only a JSON object of the "
                'form {"name": <function name>, "arguments": <JSON object of its arguments>} and nothing else.'

@@ -36,12 +36,14 @@ from services.spec import (DFLASH_METHODS, EAGLE3_METHODS, HEAD_METHODS, MARKOV_
 
 # v2: SamplingSpec.logprobs, RoundChunk.logprobs; v3: DraftBatch; v4: drafts travel only in DraftBatch
 # (DraftRequest is its job, no longer a message of its own: tag 20 is unused); v5: PeerInfo.default_spec
-# is gone (the verifier owns the tree defaults; every draft job carries resolved knobs)
-PROTOCOL_VERSION = 5
+# is gone (the verifier owns the tree defaults; every draft job carries resolved knobs); v6:
+# SamplingSpec.grammar (structured output and tool calls)
+PROTOCOL_VERSION = 6
 
 MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (OpenAI chat's top_logprobs limit)
 LOGPROB_FLOOR = -9999.0     # logprobs are clamped to [LOGPROB_FLOOR, 0] (finite, JSON-safe; vLLM's floor)
 MAX_LOGIT_BIAS = 300        # logit_bias entries a request may send (OpenAI's limit)
+MAX_GRAMMAR_CHARS = 256 * 1024  # largest grammar a request may carry (gateway.tools refuses larger: 400)
 
 # Allowed tensor dtypes on the wire and their item sizes (names as torch/numpy spell them).
 DTYPE_SIZES: dict[str, int] = {
@@ -152,6 +154,7 @@ class SamplingSpec(Struct, **_opts()):
                           Meta(max_length=MAX_LOGIT_BIAS)] = {}
     min_tokens: NonNeg = 0
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    grammar: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] | None = None  # v6: llguidance grammar
 
 
 class PeerInfo(Struct, **_opts()):

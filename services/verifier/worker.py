@@ -192,7 +192,8 @@ def default_params(gen: Generate, method: str):
                               seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
                               logprobs=s.logprobs, presence_penalty=s.presence_penalty,
                               frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
-                              logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, min_p=s.min_p)
+                              logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, min_p=s.min_p,
+                              grammar=s.grammar)
     spec = SpecParams(method=method, budget=p.budget, width=p.width, depth_bonus=p.depth_bonus,
                       candidates=p.candidates)
     return sampling, spec

@@ -85,9 +85,11 @@ CASES = [
     ("chat-top-logprobs-float", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 2.0}, None, 400,
      "top_logprobs"),
     ("chat-top-logprobs-without-logprobs", CHAT, {"messages": MSG, "top_logprobs": 3}, None, 400, "top_logprobs"),
-    ("chat-tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, None, 400, "tools"),
-    ("chat-json-mode", CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, None, 400,
-     "response_format"),
+    ("chat-tool-without-function", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, None, 400,
+     "tools[0].function"),
+    ("chat-json-schema-invalid", CHAT, {"messages": MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, None, 400,
+     "response_format.json_schema.schema"),
 ]
 
 OK_CASES = [

@@ -1,0 +1,303 @@
+"""``response_format`` and ``tools`` through the gateway, the official ``openai`` client, and a real
+engine (tiny random-weight float32 target, tiny DARTree drafter, byte-level tokenizer).
+
+A random model writes garbage; the grammar makes it write JSON that parses and validates against
+the schema (``jsonschema``), streamed and not, for every speculative method and ``ar``, and makes a
+forced tool call's arguments match the declared parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import jsonschema
+import llguidance
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.engine_client import InprocEngineClient
+from gateway.text import TextModel
+from gateway.tools import ToolPlan, plan_tools
+from services.protocol import PeerInfo
+from services.testing import tiny_drafter, tiny_service, tiny_target
+from services.verifier.drafter_client import InprocDrafterClient
+from services.verifier.engine import SpecEngine
+from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
+
+from .conftest import GatewayHarness
+from .fakes import bytelevel_model_dir, verifier_info
+
+CONTEXT = 1024
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+          "required": ["color", "ok"], "additionalProperties": False}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "ping", "parameters": {
+             "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["n"], "additionalProperties": False}}}]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MSG = [{"role": "user", "content": "Hello there"}]
+METHODS = ["ar", "dartree-pruned", "ddtree"]
+
+
+class Stack:
+    """The gateway app over an in-process verifier worker running a real ``SpecEngine``."""
+
+    def __init__(self, model_dir: Path):
+        self.text = TextModel(model_dir)
+        vocab = self.text.vocab_size
+        target = tiny_target("llama", vocab_size=vocab, hidden_size=32, num_layers=2,
+                             max_position_embeddings=CONTEXT, eos_token_id=2, seed=3)
+        service = tiny_service(target, tiny_drafter(target, seed=3, block_size=6))
+        tok = llguidance.LLTokenizer((model_dir / "tokenizer.json").read_text(), n_vocab=vocab, eos_token=2)
+        self.engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=6, grammar_tokenizer=tok)
+        self.worker = VerifierWorker(self.engine, verifier_info(vocab, max_context=CONTEXT), VerifierWorkerConfig())
+        self.client = InprocEngineClient(post=lambda m: self.worker.post(b"inproc", m), hello=self.worker.hello,
+                                         status=self.worker.status, local=PeerInfo(role="gateway", epoch="g"))
+        self.worker.send = self._send
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.worker.event_loop, args=(self.stop,), daemon=True)
+        self.thread.start()
+        self.app = create_app(GatewayConfig(target=str(model_dir), served_model_name="tiny", default_temperature=0.0),
+                              self.client, self.text)
+
+    def _send(self, identity, msg, frames=()) -> None:
+        try:
+            self.client.deliver_threadsafe(msg)
+        except RuntimeError:  # a late round for a test whose event loop is closed
+            pass
+
+    def run(self, fn):
+        """``await fn(openai_client, httpx_client)`` on a fresh event loop."""
+        async def go():
+            await self.client.start()
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t",
+                                         timeout=120) as http:
+                oai = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
+                return await fn(oai, http)
+        return asyncio.run(go())
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(bytelevel_model_dir(tmp_path_factory.mktemp("bytelevel")))
+    yield s
+    s.close()
+
+
+def _response_format(schema=SCHEMA):
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+async def _stream_text(oai, **kw) -> tuple[dict[int, str], dict[int, str], dict[int, list]]:
+    """Streamed content, finish reason and tool-call deltas per choice index."""
+    texts, finishes, calls = {}, {}, {}
+    stream = await oai.chat.completions.create(model="tiny", stream=True, **kw)
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            calls.setdefault(c.index, []).extend(c.delta.tool_calls or [])
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    return texts, finishes, calls
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_json_schema_output_validates_streamed_and_not(stack, method):
+    kw = dict(messages=MSG, max_tokens=64, response_format=_response_format(),
+              extra_body={"speculative": {"method": method}})
+
+    async def go(oai, http):
+        r = await oai.chat.completions.create(model="tiny", **kw)
+        return r, await _stream_text(oai, **kw)
+
+    r, (texts, finishes, _) = stack.run(go)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    assert texts == {0: choice.message.content} and finishes == {0: "stop"}
+
+
+def test_unconstrained_output_is_not_json(stack):
+    async def go(oai, http):
+        return await oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=24)
+
+    with pytest.raises(ValueError):
+        json.loads(stack.run(go).choices[0].message.content)
+
+
+def test_json_object_and_n_choices_and_completions(stack):
+    async def go(oai, http):
+        chat = await oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=96, n=2, seed=5,
+                                                 temperature=0.8, response_format={"type": "json_object"})
+        schema = await oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=64, n=2,
+                                                   response_format=_response_format())
+        comp = await http.post("/v1/completions", json={"model": "tiny", "prompt": "Answer:", "max_tokens": 64,
+                                                         "response_format": _response_format()})
+        return chat, schema, comp
+
+    chat, schema, comp = stack.run(go)
+    assert [c.index for c in chat.choices] == [0, 1]
+    for c in chat.choices:
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.message.content), dict)
+        else:  # a random model may fill a free-form object until max_tokens: still a JSON object's prefix
+            assert c.finish_reason == "length" and c.message.content.startswith("{")
+    assert len(schema.choices) == 2
+    for c in schema.choices:
+        jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    assert comp.status_code == 200, comp.text
+    jsonschema.validate(json.loads(comp.json()["choices"][0]["text"]), SCHEMA)
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+@pytest.mark.parametrize("method", ["ar", "dartree-pruned"])
+def test_forced_tool_calls_match_the_declared_parameters(stack, choice, method):
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(messages=MSG, max_tokens=96, tools=TOOLS, tool_choice=tool_choice,
+              extra_body={"speculative": {"method": method}})
+
+    async def go(oai, http):
+        r = await oai.chat.completions.create(model="tiny", **kw)
+        return r, await _stream_text(oai, **kw)
+
+    r, (texts, finishes, deltas) = stack.run(go)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    if choice == "named":
+        assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+    assert finishes == {0: "tool_calls"} and texts == {0: ""}
+    (d,) = deltas[0]
+    assert (d.index, d.type, d.function.name, d.function.arguments) == (0, "function", call.function.name,
+                                                                        call.function.arguments)
+
+
+def test_multi_turn_with_a_tool_result_and_auto(stack):
+    msgs = MSG + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "ping", "arguments": '{"n": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "pong"}]
+
+    async def go(oai, http):
+        return await oai.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, tools=TOOLS,
+                                                 tool_choice="auto")
+
+    c = stack.run(go).choices[0]
+    assert c.finish_reason in ("stop", "length") and c.message.tool_calls is None  # a random model calls nothing
+
+
+# ---------------------------------------------------------------------------------------------
+# the gateway alone (scripted engine): prompt, grammar, parsing, errors
+# ---------------------------------------------------------------------------------------------
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def bl_harness(bytelevel_dir):
+    """The scripted-engine gateway with a context window that fits the tool listing."""
+    h = GatewayHarness(bytelevel_dir)
+    h.engine.info = verifier_info(h.text.vocab_size, max_context=CONTEXT)
+    return h
+
+
+def test_tools_are_listed_in_the_system_prompt_and_forced_by_a_grammar(bl_harness):
+    h: GatewayHarness = bl_harness
+    r = run(h.chat(messages=[{"role": "system", "content": "Be brief."}] + MSG, tools=TOOLS, tool_choice="required",
+                   max_tokens=8))
+    assert r.status_code == 200, r.text
+    gen = h.engine.generated[0]
+    prompt = h.text.decode(gen.prompt_ids)
+    assert "Be brief.\n\nYou can call the functions" in prompt and '"name": "get_weather"' in prompt
+    assert prompt.startswith("system\nBe brief.") and prompt.count("system\n") == 1  # one system turn
+    assert gen.sampling.grammar and "get_weather" in gen.sampling.grammar and "ping" in gen.sampling.grammar
+    msgs = MSG + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_7", "type": "function", "function": {"name": "ping", "arguments": '{"n": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_7", "content": "pong"}]
+    r = run(h.chat(messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=8))
+    assert r.status_code == 200 and h.engine.generated[1].sampling.grammar is None
+    prompt = h.text.decode(h.engine.generated[1].prompt_ids)
+    assert "You can call" not in prompt
+    assert '{"name": "ping", "arguments": {"n": 3}}' in prompt  # the earlier call and its result reach the model
+    assert '{"tool_call_id": "call_7", "content": "pong"}' in prompt
+    r = run(h.chat(messages=MSG, tools=TOOLS, tool_choice="auto", max_tokens=8))
+    assert r.status_code == 200 and h.engine.generated[2].sampling.grammar is None
+    assert "You can call" in h.text.decode(h.engine.generated[2].prompt_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_answer_that_spells_a_declared_call_is_a_tool_call(bl_harness, stream):
+    h = bl_harness
+    h.script_text = '{"name": "ping", "arguments": {"n": 4}}'
+    r = run(h.chat(messages=MSG, tools=TOOLS, max_tokens=64, stream=stream))
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        (call,) = [tc for e in events for c in e["choices"] for tc in c["delta"].get("tool_calls") or []]
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    else:
+        (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+        assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert call["function"] == {"name": "ping", "arguments": '{"n": 4}'} and call["type"] == "function"
+
+
+def test_tool_plan_parses_only_declared_calls():
+    plan = ToolPlan(("ping",), False, "")
+    assert plan.parse('{"name": "ping", "arguments": {}}')["function"]["name"] == "ping"
+    for text in ('{"name": "pong", "arguments": {}}', '{"name": "ping"}', '{"name": "ping", "arguments": 3}',
+                 'call ping', '{"name": "ping", "arguments": {}, "x": 1}'):
+        assert plan.parse(text) is None, text
+    assert plan_tools(None, None) == (None, None)
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objectx"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": SCHEMA}}},
+     "response_format.json_schema.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]},
+     "messages[0].tool_calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
+     "messages[0].tool_calls"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages[0].tool_call_id"),
+]
+
+
+@pytest.mark.parametrize("fields,param", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+def test_bad_structured_requests_are_400_naming_the_field(bl_harness, fields, param):
+    h = bl_harness
+    r = run(h.chat(**{"messages": MSG, **fields}))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param, err
+    assert not h.engine.generated
+
+
+def test_tools_on_completions_are_refused(bl_harness):
+    r = run(bl_harness.complete(prompt="x", tools=TOOLS))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
