@@ -69,6 +69,7 @@ SPEC_DRAFT_TOKENS = "dartree_spec_draft_tokens_total"
 SPEC_ACCEPTED_TOKENS = "dartree_spec_accepted_tokens_total"
 SPEC_ACCEPTED_PER_DEPTH = "dartree_spec_accepted_tokens_per_depth_total"
 SPEC_ACCEPTANCE_LENGTH = "dartree_spec_acceptance_length"
+SPEC_GRAMMAR_MASKED = "dartree_spec_grammar_masked_tokens_total"
 ROUND_SECONDS = "dartree_round_seconds"
 QUEUE_SECONDS = "dartree_request_queue_seconds"
 REQUESTS_RUNNING = "dartree_num_requests_running"
@@ -175,6 +176,8 @@ class VerifierMetrics:
                                 ["method"], registry=r)
         self.per_depth = Counter(SPEC_ACCEPTED_PER_DEPTH, "Rounds whose emitted accepted path reached a depth.",
                                  ["method", "depth"], registry=r)
+        self.grammar_masked = Counter(SPEC_GRAMMAR_MASKED, "Draft tree nodes a request's grammar forbade (never "
+                                      "accepted; structured output and tool calls).", ["method"], registry=r)
         self.acceptance = Histogram(SPEC_ACCEPTANCE_LENGTH, "Tokens emitted per round, bonus included (mean = tau).",
                                     ["method"], buckets=ACCEPTANCE_BUCKETS, registry=r)
         self.round_seconds = Histogram(ROUND_SECONDS, "Round time by phase.", ["phase"], buckets=ROUND_BUCKETS,
@@ -256,10 +259,13 @@ class VerifierMetrics:
 
     def observe_round(self, method: str, num_draft_tokens: int, accept_length: int,
                       accepted_per_depth: list[int], num_emitted: int, timings: dict[str, float],
-                      prefill_seconds: float = 0.0) -> None:
-        """Record one engine round (a ``RoundOutput``'s fields)."""
+                      prefill_seconds: float = 0.0, grammar_masked: int = 0) -> None:
+        """Record one engine round (a ``RoundOutput``'s fields; ``timings`` include ``sampling``, the
+        logit processors and grammar masks, when a request has them)."""
         self.stats.observe_round(num_draft_tokens, accept_length, accepted_per_depth, num_emitted)
         self.rounds.labels(method).inc()
+        if grammar_masked:
+            self.grammar_masked.labels(method).inc(grammar_masked)
         self.draft_tokens.labels(method).inc(num_draft_tokens)
         self.accepted.labels(method).inc(accept_length)
         for depth, hit in enumerate(accepted_per_depth, start=1):

@@ -449,7 +449,8 @@ class VerifierWorker:
                 self.metrics.round_seconds.labels("prefill").observe(out.prefill_seconds)
             return
         self.metrics.observe_round(entry.method, out.num_draft_tokens, out.accept_length, list(out.accepted_per_depth),
-                                   len(out.token_ids), dict(out.timings), out.prefill_seconds)
+                                   len(out.token_ids), dict(out.timings), out.prefill_seconds,
+                                   getattr(out, "grammar_masked", 0))
         predicted = out.predicted_tau if out.finish_reason is None else None
         self.metrics.observe_policy_round(entry.method, out.num_draft_tokens, predicted, out.accept_length + 1)
 

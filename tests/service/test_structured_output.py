@@ -131,6 +131,23 @@ def test_json_schema_output_validates_streamed_and_not(stack, method):
     assert texts == {0: choice.message.content} and finishes == {0: "stop"}
 
 
+def test_grammar_metrics(stack):
+    """Forbidden draft nodes are counted; the sampling phase (processors + masks) is timed."""
+    r = stack.worker.metrics.registry
+    masked = lambda: r.get_sample_value("dartree_spec_grammar_masked_tokens_total",  # noqa: E731
+                                        {"method": "dartree-pruned"}) or 0.0
+    timed = lambda: r.get_sample_value("dartree_round_seconds_count", {"phase": "sampling"}) or 0.0  # noqa: E731
+    before = masked(), timed()
+
+    async def go(oai, http):
+        return await oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=64,
+                                                 response_format=_response_format(),
+                                                 extra_body={"speculative": {"method": "dartree-pruned"}})
+
+    jsonschema.validate(json.loads(stack.run(go).choices[0].message.content), SCHEMA)
+    assert masked() > before[0] and timed() > before[1]
+
+
 def test_unconstrained_output_is_not_json(stack):
     async def go(oai, http):
         return await oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=24)
