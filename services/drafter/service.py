@@ -103,6 +103,7 @@ class DrafterService:
 
             pack_linears(drafter, sorted({self.cfg.block_size, block_rows}))
             pack_linears(lm_head, [self.cfg.num_draft_slots])
+            pack_linears(lm_head, [2, 4, 8], lazy=True)  # a small tree's slots (_reach): packed on first use
             pack_linears_bf16(drafter)  # bfloat16 drafters: oneDNN's pre-packed kernel (no-op in float32)
             pack_linears_bf16(lm_head)
         self.description = description
