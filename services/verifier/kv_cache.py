@@ -105,7 +105,8 @@ class SlotKVCache:
 
     def alloc_prefix(self, prompt: list[int], need_features: bool = False) -> tuple[int, int, Tensor | None]:
         """Take the free slot whose cached prefix shares the most leading tokens with ``prompt``
-        (:meth:`PrefixCache.match`: at most ``len(prompt) - 1``; LRU among ties), its length set to
+        (:meth:`PrefixCache.match`: at most ``len(prompt) - 1``; LRU among ties; a match reusing
+        under ``min_share`` of its slot only when no free slot caches nothing), its length set to
         the reused positions; without a match, :meth:`alloc`'s slot.
 
         Returns:

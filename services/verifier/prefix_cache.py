@@ -4,8 +4,11 @@ llama.cpp server's ``cache_prompt`` shape. When a request finishes, its slot's c
 (prompt + the tokens whose KV was written, including rows past a terminator the emit cut) stay in
 the slot, with their token ids and target features, as a *cached prefix*. A new request is given
 the free slot whose cached tokens share the longest prefix with its prompt (least recently used
-among ties); only the rest of the prompt is prefilled, from the match length on. A slot without a
-match is taken from the free slots that cache nothing first, then the least recently used (an
+among ties); only the rest of the prompt is prefilled, from the match length on. A match that would
+reuse less than half of its slot's cached tokens (``PrefixCache.min_share``, llama.cpp's
+``--slot-prompt-similarity``) is passed over for a free slot caching nothing, so a new conversation
+that shares only a chat template's preamble with a cached one does not overwrite it. A slot without
+a match is taken from the free slots that cache nothing first, then the least recently used (an
 *eviction*).
 
 Why per slot, not vLLM's hashed blocks or SGLang's radix tree: the KV layout is one contiguous
@@ -101,6 +104,8 @@ class PrefixCache:
         ValueError: ``max_bytes`` < 0.
     """
 
+    min_share = 0.5  # a match is taken over a slot caching nothing when it reuses >= this of the slot (match)
+
     def __init__(self, enabled: bool = True, max_bytes: int | None = None):
         self.enabled = bool(enabled)
         self._entries: dict[int, PrefixEntry] = {}
@@ -195,18 +200,26 @@ class PrefixCache:
         return min(free_slots, key=lambda s: self._entries[s].last_used)
 
     def match(self, free_slots: list[int], prompt: list[int], need_features: bool) -> tuple[int, int]:
-        """``(slot, reused)``: the free slot whose cached tokens share the longest prefix with
-        ``prompt`` (least recently used among ties), and how many leading positions the request may
-        reuse: the common prefix, capped at ``len(prompt) - 1`` (the last prompt token is always
-        prefilled, so the first token's logits are computed) and, when ``need_features``, at the
-        cached features (none: 0). ``reused == 0``: :meth:`victim`'s slot. Counts the lookup.
+        """``(slot, reused)``: the free slot to give a request for ``prompt``, and how many leading
+        positions it may reuse there: the common prefix with the slot's cached tokens, capped at
+        ``len(prompt) - 1`` (the last prompt token is always prefilled, so the first token's logits
+        are computed) and, when ``need_features``, 0 for a prefix cached without features.
+
+        Taking a slot overwrites its cached prefix past the reused part, so, as llama.cpp's
+        ``--slot-prompt-similarity``, a match is taken outright only when it reuses at least
+        ``min_share`` of the slot's cached tokens (the longest such, least recently used among
+        ties). Otherwise a free slot caching nothing is taken (``reused == 0``): a new conversation
+        that shares only a short preamble with a cached one leaves that one intact. With no such
+        slot some prefix is lost anyway, so the longest match of any share is taken, else
+        :meth:`victim`'s slot. Counts the lookup.
 
         Raises:
             ValueError: ``free_slots`` is empty.
         """
         if not free_slots:
             raise ValueError("no free slot")
-        best, best_len, best_tick = -1, 0, 0
+        best, best_len, best_tick = -1, 0, 0      # the longest match of any share
+        good, good_len, good_tick = -1, 0, 0      # the longest match reusing >= min_share of its slot
         cap = len(prompt) - 1
         if self.enabled and cap > 0:
             for slot in free_slots:
@@ -216,7 +229,14 @@ class PrefixCache:
                 n = min(common_prefix(e.tokens, prompt), cap)
                 if n > best_len or (n == best_len and n > 0 and e.last_used < best_tick):
                     best, best_len, best_tick = slot, n, e.last_used
+                if n > 0 and n >= self.min_share * len(e.tokens) and \
+                        (n > good_len or (n == good_len and e.last_used < good_tick)):
+                    good, good_len, good_tick = slot, n, e.last_used
         self.stats.queried_tokens += len(prompt)
+        if good_len > 0:
+            best, best_len = good, good_len
+        elif best_len > 0 and any(s not in self._entries for s in free_slots):
+            best_len = 0  # a weak match: keep its prefix, take a slot caching nothing
         if best_len == 0:
             return self.victim(free_slots), 0
         self.stats.hit_tokens += best_len

@@ -74,6 +74,7 @@ def test_every_kind_of_hit_equals_a_cold_run(target, service, method, temperatur
     spec = SpecParams(method, budget=6)
     sampling = SamplingParams(max_tokens=12, ignore_eos=True, temperature=temperature, seed=11)
     engine = _engine(target, service, max_running=2)
+    engine.runner.cache.prefix.min_share = 0  # the longest match always, however short (test_weak_match_...)
     first = _prompt(rng, 21)
     out, hit = _hit(engine, "a", first, sampling, spec)
     assert hit == 0 and out == _cold(target, service, first, sampling, spec)
@@ -118,6 +119,7 @@ def test_batched_hits_mixed_with_cold_requests(target, service):
 
     rng = random.Random(3)
     engine = _engine(target, service, max_running=4)
+    engine.runner.cache.prefix.min_share = 0  # hit1's 11 shared tokens are a weak match
     sampling = SamplingParams(max_tokens=10, ignore_eos=True)
     convs = []
     for i, method in enumerate(["dartree-pruned", "ar"]):
@@ -252,6 +254,23 @@ def test_match_prefers_longest_then_least_recently_used():
     off = PrefixCache(enabled=False)
     off.store(0, [1, 2, 3], None)
     assert len(off) == 0 and off.match([0], [1, 2, 3], False) == (0, 0)
+
+
+def test_weak_match_leaves_its_prefix_for_a_slot_caching_nothing():
+    pc = PrefixCache()
+    pc.store(0, [1, 2, 3, 4, 5, 6, 7, 8], None)   # a conversation
+    pc.store(1, [1, 2, 9, 9], None)
+    # shares 2 of 8 with slot 0 and 2 of 4 (= min_share) with slot 1: slot 1, slot 0 kept
+    assert pc.match([0, 1, 2], [1, 2, 7], False) == (1, 2)
+    # 3 of 8 shared with slot 0 only: below min_share, and slot 2 caches nothing
+    assert pc.match([0, 2], [1, 2, 3, 0, 0], False) == (2, 0)
+    # 4 of 8 = min_share: taken
+    assert pc.match([0, 2], [1, 2, 3, 4, 0], False) == (0, 4)
+    # a match of min_share (2 of slot 1's 4) beats a longer weak one (3 of slot 0's 8)
+    assert pc.match([0, 1], [1, 2, 3, 0, 0], False) == (1, 2)
+    # no slot caching nothing: the weak match beats evicting a prefix for nothing
+    assert pc.match([0], [1, 2, 3, 0, 0], False) == (0, 3)
+    assert pc.stats.hit_tokens == 2 + 4 + 2 + 3 and pc.stats.hits == 4
 
 
 def test_slot_cache_alloc_prefers_empty_slots_then_lru():
@@ -402,3 +421,32 @@ def test_prefix_cache_mib_flag():
     assert "--prefix-cache-mib" in parser.format_help()
     with pytest.raises(ValueError, match="prefix_cache_mib"):
         VerifierWorkerConfig(prefix_cache_mib=-1)
+
+
+def test_concurrent_choices_of_one_prompt_each_prefill_it(target, service):
+    """The gateway serves ``n`` choices as ``n`` engine requests admitted together
+    (``gateway.requests.choice_requests``, run concurrently): a cached prefix belongs to one slot,
+    so at most one choice reuses it and the others prefill the prompt in full; a prompt nobody has
+    finished yet is prefilled by every choice. Tokens equal a cold run's either way."""
+    rng = random.Random(31)
+    engine = _engine(target, service, max_running=4)
+    sampling, spec = SamplingParams(max_tokens=6, ignore_eos=True), SpecParams("dartree-pruned", budget=6)
+    prompt = _prompt(rng, 24)
+    stats = engine.runner.cache.prefix.stats
+    from tests.engine.test_batched import _run_batched
+
+    def choices(tag, n=3):
+        before = stats.hit_tokens
+        tokens, _ = _run_batched(engine, {0: [(f"{tag}-{i}", prompt, sampling, spec) for i in range(n)]})
+        return tokens, stats.hit_tokens - before
+
+    cold = _cold(target, service, prompt, sampling, spec)
+    tokens, hit = choices("first")                  # nothing cached: all three prefill 24 tokens
+    assert hit == 0 and all(t == cold for t in tokens.values())
+    tokens, hit = choices("again")                  # three slots cache the prompt: each choice hits one
+    assert hit == 3 * (len(prompt) - 1) and all(t == cold for t in tokens.values())
+    for slot in range(4):
+        engine.runner.cache.prefix.drop(slot)
+    _run(engine, "one", prompt, sampling, spec)      # one finished request caches the prompt once
+    tokens, hit = choices("after-one")
+    assert hit == len(prompt) - 1 and all(t == cold for t in tokens.values())
