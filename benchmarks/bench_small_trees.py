@@ -23,7 +23,13 @@ of each format's own one-row forward.
     python -m benchmarks.bench_small_trees cost --weights q4 bfloat16 float32 --rows 1 2 3 4 5 6 7 8 9 \\
         --budgets 1 2 3 4 8 --blocks 16 4 --prompts 3 --repeats 7 --threads 1 --out cost.json
 
-Run ``cost`` on an idle machine. :mod:`benchmarks.roofline` turns the two files into the
+``e2e``: tokens/s at c = 1 through the in-process engine (``ar``, the default goodput policy, fixed
+``B/L`` settings), interleaved repeats, T = 0 output checked against ``ar``:
+
+    python -m benchmarks.bench_small_trees e2e --weights q4 --datasets gsm8k --prompts 6 --max-tokens 64 \\
+        --settings 3/16 3/4 2/4 --repeats 3 --threads 1 --out e2e.json
+
+Run ``cost`` and ``e2e`` on an idle machine. :mod:`benchmarks.roofline` turns the two files into the
 predicted speedup table of docs/roofline.md.
 """
 
@@ -208,10 +214,69 @@ def run_cost(a) -> dict:
     return res
 
 
+def run_e2e(a) -> dict:
+    """Served-path check at c = 1 through the in-process engine (``bench_goodput.run_level``): ``ar``,
+    the default goodput policy (its drafter call at the default budget, full block), and fixed
+    ``(B, L)`` settings, interleaved ``--repeats`` times; tokens/s per run, medians, T = 0 output
+    checked against ``ar``."""
+    from transformers import AutoTokenizer  # noqa: F401 (the tokenizer comes with the engine)
+
+    from benchmarks.bench_goodput import _prompts as goodput_prompts
+    from benchmarks.bench_goodput import run_level
+    from services.generate import build_inprocess
+    from services.verifier.build import build_engine
+    from services.verifier.engine import EngineConfig
+    from services.verifier.policy import FixedPolicy
+    from services.weights import compute_dtype
+
+    engine0, tok, note = build_inprocess(None, None, compute_dtype(a.weights), weights=a.weights)
+    svc = engine0.drafter.service
+    defaults = engine0.policy.defaults
+    engine = build_engine(engine0.target, engine0.drafter, EngineConfig(max_running=1),
+                          max_draft_depth=engine0.max_draft_depth, policy="goodput", defaults=defaults,
+                          cost_key=("smollm2-135m-instruct", a.weights, "cpu"))
+    goodput, fixed = engine.policy, FixedPolicy(defaults=defaults)
+    full = svc.block_rows
+    settings = [("ar", "ar", None, fixed, full), ("goodput", "dartree-pruned", None, goodput, full)]
+    settings += [(f"fixed B={b} L={block}", "dartree-pruned", b, fixed, block) for b, block in a.settings_parsed]
+    prompts = [ids for ds in a.datasets for ids in goodput_prompts(tok, ds, a.prompts)]
+    run_level(engine, prompts[:1], 1, "ar", None, 8)  # warm-up
+    runs: dict[str, list[dict]] = {}
+    ref = None
+    for rep in range(a.repeats):
+        for label, method, budget, pol, block in settings:
+            engine.policy, svc.block_rows = pol, block
+            r = run_level(engine, prompts, 1, method, budget, a.max_tokens)
+            outs = r.pop("outputs")
+            ref = outs if ref is None else ref
+            r["equals_ar"] = outs == ref
+            runs.setdefault(label, []).append(r)
+            print(f"rep {rep} {label:18s} {r['tokens_per_s']:6.2f} tok/s tau {r['tau']:.2f} "
+                  f"plain {r['plain_round_fraction']:.2f} equals_ar {r['equals_ar']}", flush=True)
+    svc.block_rows = full
+    ar_med = statistics.median(x["tokens_per_s"] for x in runs["ar"])
+    res = {"bench": "small-trees-e2e", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "note": note,
+           "weights": a.weights, "datasets": a.datasets, "prompts_per_dataset": a.prompts, "max_tokens": a.max_tokens,
+           "repeats": a.repeats, "machine": _machine(), "settings": {}}
+    for label, rs in runs.items():
+        tps = [x["tokens_per_s"] for x in rs]
+        res["settings"][label] = {"tokens_per_s_runs": [round(x, 3) for x in tps],
+                                  "tokens_per_s": round(statistics.median(tps), 3),
+                                  "vs_ar": round(statistics.median(tps) / ar_med, 3),
+                                  "vs_ar_paired": round(statistics.median(
+                                      x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(rs, runs["ar"])), 3),
+                                  "tau": round(statistics.median(x["tau"] for x in rs), 3),
+                                  "plain_round_fraction": round(statistics.median(x["plain_round_fraction"] for x in rs), 3),
+                                  "equals_ar": all(x["equals_ar"] for x in rs)}
+        print(f"{label:18s} median {res['settings'][label]['tokens_per_s']:.2f} tok/s = "
+              f"{res['settings'][label]['vs_ar']:.3f}x ar (paired {res['settings'][label]['vs_ar_paired']:.3f})", flush=True)
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("tau", "cost"):
+    for name in ("tau", "cost", "e2e"):
         p = sub.add_parser(name)
         p.add_argument("--target", default=None)
         p.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
@@ -231,9 +296,15 @@ def main(argv: list[str] | None = None) -> dict:
     c.add_argument("--repeats", type=int, default=7, help="timed rounds of the forward sweep")
     c.add_argument("--draft-repeats", type=int, default=2, help="rounds (incl. one warm-up) of the draft replay")
     c.add_argument("--unit", default="q4", help="format whose one-row forward is the unit step")
+    e = sub.choices["e2e"]
+    e.add_argument("--weights", default="q4")
+    e.add_argument("--settings", nargs="*", default=["3/16", "3/4"], help="fixed B/L settings beside ar and goodput")
+    e.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
+    if a.cmd == "e2e":
+        a.settings_parsed = [tuple(int(x) for x in v.split("/")) for v in a.settings]
     torch.set_num_threads(a.threads)
-    res = run_tau(a) if a.cmd == "tau" else run_cost(a)
+    res = {"tau": run_tau, "cost": run_cost, "e2e": run_e2e}[a.cmd](a)
     res["command"] = "python -m benchmarks.bench_small_trees " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

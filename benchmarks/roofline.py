@@ -4,10 +4,12 @@ One round of a B-node tree emits τ(B) tokens (replayed) and costs one verify fo
 rows, ``c(M)`` one-row steps, plus the draft, ``d(B)`` steps (drafter block forward, output projection,
 tree build). Plain decoding emits one token per one-row step, so
 
-    speedup(B) = τ(B) / (c(B + 1) + d(B))          and the best point is max over B (B = 0: 1.0)
+    speedup(B) = τ(B) (1 + o) / (c(B + 1) + d(B) + o)     and the best point is max over B (B = 0: 1.0)
 
-(docs/roofline.md; per-request overheads outside the forward and the draft are left out: they are
-paid by both and shrink the ratio towards 1). Inputs: the two JSON files of
+where ``o`` is the per-step work outside the target forward (sampling, commit, the engine's
+bookkeeping) in one-row steps, paid once per round by both: it is taken from an ``e2e`` run
+(``--e2e``: the ``ar`` step's wall time minus the one-row forward, in milliseconds, the same
+milliseconds for every format), else 0 (docs/roofline.md). Inputs: the two JSON files of
 :mod:`benchmarks.bench_small_trees` (``tau`` and ``cost``), optionally bench results JSONs of the τ
 protocol at larger budgets (``--protocol``, table 1 of ``dartree bench``), which enter only the
 memory-bound model below (no draft cost was measured for them here).
@@ -19,7 +21,8 @@ fastest plain decoding, so the one a user compares against). Then a memory-bound
 assumed draft cost ``--gpu-draft`` steps (default 0.15: the drafter reads ~0.13 of the target's
 weight bytes for SmolLM2-135M; kernel-launch latency is not modelled).
 
-    python -m benchmarks.roofline --tau tau.json --cost cost.json [--protocol results-B64.json ...] [--out roofline.md]
+    python -m benchmarks.roofline --tau tau.json --cost cost.json [--e2e e2e.json] [--protocol results-B64.json ...] \\
+        [--out roofline.md]
 
 Prints a markdown report (also ``--out``) and, on the last stdout line, one JSON object.
 """
@@ -48,21 +51,29 @@ def load_protocol(paths: list[str]) -> dict[int, dict]:
     return out
 
 
-def speedups(tau: dict, cost: dict, fmt: str, unit_scale: float) -> list[dict]:
-    """Rows ``{B, L, tau, c, d, speedup, speedup_vs_unit}`` of one format, every (B, L) with a draft time.
+def predict(t: float, c: float, d: float, o: float) -> float:
+    """Speedup over plain decoding of rounds emitting ``t`` tokens for a verify of ``c``, a draft of
+    ``d`` and a per-step overhead of ``o`` one-row steps."""
+    return t * (1 + o) / (c + d + o)
 
-    ``unit_scale`` = the format's one-row forward over the unit format's (so a speedup over the unit
-    format's plain decoding is ``speedup / unit_scale``)."""
+
+def speedups(tau: dict, cost: dict, fmt: str, overhead_ms: float = 0.0, dataset: str = "mean") -> list[dict]:
+    """Rows ``{B, L, tau, c, d, o, speedup, speedup_vs_unit}`` of one format, every (B, L) with a draft time
+    (``o`` = ``overhead_ms`` in the format's one-row steps; ``speedup_vs_unit``: over the unit format's
+    plain decoding, whose step is its one-row forward plus the same ``overhead_ms``)."""
     f = cost["formats"][fmt]
+    one = f["forward_ms"]["1"]
+    unit_one = cost["formats"].get(cost["unit"], f)["forward_ms"]["1"]
+    o = overhead_ms / one
     rows = []
     for key, dr in sorted(f["draft"].items(), key=lambda kv: tuple(int(x) for x in kv[0].split("/"))):
         b, block = (int(x) for x in key.split("/"))
         if (b, block) not in tau or str(b + 1) not in f["c"]:
             continue
-        t, c, d = tau[(b, block)]["mean"], f["c"][str(b + 1)], dr["d"]
-        s = t / (c + d)
-        rows.append({"B": b, "L": block, "tau": t, "c": c, "d": d, "speedup": round(s, 3),
-                     "speedup_vs_unit": round(s / unit_scale, 3)})
+        t, c, d = tau[(b, block)][dataset], f["c"][str(b + 1)], dr["d"]
+        s = predict(t, c, d, o)
+        rows.append({"B": b, "L": block, "tau": t, "c": c, "d": d, "o": round(o, 3), "speedup": round(s, 3),
+                     "speedup_vs_unit": round(s * (unit_one + overhead_ms) / (one + overhead_ms), 3)})
     return rows
 
 
@@ -75,21 +86,50 @@ def gpu_rows(tau: dict, protocol: dict, draft: float) -> list[dict]:
             for b, t in sorted(pts.items())]
 
 
-def report(tau: dict, cost: dict, protocol: dict, gpu_draft: float) -> tuple[str, dict]:
+def overhead_of(e2e: dict | None, cost: dict) -> float:
+    """Milliseconds of an ``ar`` step outside its one-row forward (0 without an ``e2e`` run)."""
+    if not e2e:
+        return 0.0
+    ar_ms = 1e3 / e2e["settings"]["ar"]["tokens_per_s"]
+    return max(ar_ms - cost["formats"][e2e["weights"]]["forward_ms"]["1"], 0.0)
+
+
+def check_e2e(tau: dict, cost: dict, e2e: dict, overhead_ms: float) -> list[dict]:
+    """Predicted vs measured speedup of each fixed ``B=.. L=..`` setting of an ``e2e`` run (τ of its datasets)."""
+    out = []
+    rows = {}
+    for ds in e2e["datasets"]:
+        for r in speedups(tau, cost, e2e["weights"], overhead_ms, ds):
+            rows.setdefault((r["B"], r["L"]), []).append(r["speedup"])
+    for label, m in e2e["settings"].items():
+        if not label.startswith("fixed"):
+            continue
+        b, block = (int(x.split("=")[1]) for x in label.split()[1:3])
+        if (b, block) in rows:
+            pred = sum(rows[(b, block)]) / len(rows[(b, block)])
+            out.append({"setting": label, "predicted": round(pred, 3), "measured": m["vs_ar"],
+                        "measured_paired": m["vs_ar_paired"], "error": round(pred / m["vs_ar"] - 1, 3)})
+    return out
+
+
+def report(tau: dict, cost: dict, protocol: dict, gpu_draft: float, e2e: dict | None = None) -> tuple[str, dict]:
     unit = cost["unit"]
     one = {w: f["forward_ms"]["1"] for w, f in cost["formats"].items()}
+    o_ms = overhead_of(e2e, cost)
     lines = [f"Machine: {cost['machine']['processor']}, torch {cost['machine']['torch']}, "
-             f"{cost['machine']['threads']} thread(s); unit step: {unit} one-row forward = {cost['unit_ms']} ms.", ""]
+             f"{cost['machine']['threads']} thread(s); unit step: {unit} one-row forward = {cost['unit_ms']} ms; "
+             f"per-step overhead o = {o_ms:.1f} ms" + (" (from the e2e run's `ar`)." if e2e else " (no e2e run: 0)."), ""]
     lines += ["| format | 1-row ms | " + " | ".join(f"c({r})" for r in cost["rows"]) + " |",
               "|---|---:|" + "---:|" * len(cost["rows"])]
     for w, f in cost["formats"].items():
         lines.append(f"| {w} | {one[w]:.1f} | " + " | ".join(f"{f['c'][str(r)]:.2f}" for r in cost["rows"]) + " |")
-    out = {"formats": {}, "gpu": None}
+    out = {"overhead_ms": round(o_ms, 2), "formats": {}, "gpu": None, "e2e": None}
     for w in cost["formats"]:
-        rows = speedups(tau, cost, w, one[w] / one[unit] if unit in one else 1.0)
+        rows = speedups(tau, cost, w, o_ms)
         out["formats"][w] = rows
-        lines += ["", f"**{w}** (drafter {cost['formats'][w]['drafter_dtype']}): speedup = τ / (c(B+1) + d), "
-                  f"in {w} one-row steps; last column over {unit} plain decoding", "",
+        lines += ["", f"**{w}** (drafter {cost['formats'][w]['drafter_dtype']}, o = {o_ms / one[w]:.2f}): "
+                  f"speedup = τ (1 + o) / (c(B+1) + d + o), in {w} one-row steps, τ the mean over datasets; "
+                  f"last column over {unit} plain decoding", "",
                   f"| B | L | τ | c(B+1) | d | speedup | vs {unit} `ar` |", "|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             lines.append(f"| {r['B']} | {r['L']} | {r['tau']:.2f} | {r['c']:.2f} | {r['d']:.2f} | "
@@ -103,6 +143,14 @@ def report(tau: dict, cost: dict, protocol: dict, gpu_draft: float) -> tuple[str
     lines += ["", f"**memory-bound accelerator** (c(M) = 1, assumed d = {gpu_draft}): speedup = τ / (1 + d)", "",
               "| B | τ | speedup |", "|---:|---:|---:|"]
     lines += [f"| {r['B']} | {r['tau']:.2f} | {r['speedup']:.2f}× |" for r in g]
+    if e2e:
+        chk = check_e2e(tau, cost, e2e, o_ms)
+        out["e2e"] = chk
+        lines += ["", f"**predicted vs measured** ({e2e['weights']}, {', '.join(e2e['datasets'])}, c = 1, τ of "
+                  "those datasets)", "", "| setting | predicted | measured (median) | paired | predicted / measured - 1 |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['setting']} | {r['predicted']:.2f}× | {r['measured']:.2f}× | {r['measured_paired']:.2f}× | "
+                  f"{100 * r['error']:+.1f} % |" for r in chk]
     return "\n".join(lines) + "\n", out
 
 
@@ -111,10 +159,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tau", required=True, help="bench_small_trees tau JSON")
     ap.add_argument("--cost", required=True, help="bench_small_trees cost JSON")
     ap.add_argument("--protocol", nargs="*", default=[], help="dartree bench results JSONs (τ at other budgets)")
+    ap.add_argument("--e2e", default=None, help="bench_small_trees e2e JSON (the per-step overhead; predicted vs measured)")
     ap.add_argument("--gpu-draft", type=float, default=0.15, help="assumed draft cost of the memory-bound model (steps)")
     ap.add_argument("--out", default=None, help="write the markdown report here")
     a = ap.parse_args(argv)
-    text, out = report(load_tau(a.tau), json.loads(Path(a.cost).read_text()), load_protocol(a.protocol), a.gpu_draft)
+    e2e = json.loads(Path(a.e2e).read_text()) if a.e2e else None
+    text, out = report(load_tau(a.tau), json.loads(Path(a.cost).read_text()), load_protocol(a.protocol),
+                       a.gpu_draft, e2e)
     print(text)
     if a.out:
         Path(a.out).write_text(text)
