@@ -252,3 +252,16 @@ def test_mixed_batch_with_grammars_equals_solo_plain(llama, service):
     _check_json(tokens["g0"], SCHEMAS["enum+bool"])
     _check_json(tokens["g1"], SCHEMAS["string+int"])
     _check_json(tokens["g2"], SCHEMAS["string+int"])
+
+
+def test_the_grammar_ends_the_request_even_with_ignore_eos(llama):
+    """The grammar's last token ends the request (EOS is the only token left), ``ignore_eos`` or not,
+    and a fully accepting tree emits no token past it."""
+    prompt, schema = _prompt(10), SCHEMAS["enum+bool"]
+    ref, finish = _ar(llama, prompt, _sampling(schema))
+    assert finish == "stop"
+    assert _ar(llama, prompt, _sampling(schema, ignore_eos=True)) == (ref, "stop")
+    engine = SpecEngine(llama, FullTreeDrafter(V, depth=1), max_draft_depth=1, grammar_tokenizer=TOK)
+    tokens, outs = _spec(engine, prompt, _sampling(schema, ignore_eos=True), "dartree-pruned")
+    assert tokens == ref and outs[-1].finish_reason == "stop"
+    _check_json(tokens, schema)
