@@ -239,6 +239,12 @@ def run_e2e(a) -> dict:
     full = svc.block_rows
     settings = [("ar", "ar", None, fixed, full), ("goodput", "dartree-pruned", None, goodput, full)]
     settings += [(f"fixed B={b} L={block}", "dartree-pruned", b, fixed, block) for b, block in a.settings_parsed]
+    for m in a.goodput_max_budgets:  # the goodput policy with a smaller B_max (the drafter called at B_max)
+        import copy
+
+        from services.verifier.policy import GoodputPolicy
+        settings.append((f"goodput Bmax={m}", "dartree-pruned",
+                         None, GoodputPolicy(cost=copy.deepcopy(goodput.cost), max_budget=m, defaults=defaults), full))
     prompts = [ids for ds in a.datasets for ids in goodput_prompts(tok, ds, a.prompts)]
     run_level(engine, prompts[:1], 1, "ar", None, 8)  # warm-up
     runs: dict[str, list[dict]] = {}
@@ -300,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     e.add_argument("--weights", default="q4")
     e.add_argument("--settings", nargs="*", default=["3/16", "3/4"], help="fixed B/L settings beside ar and goodput")
     e.add_argument("--repeats", type=int, default=3)
+    e.add_argument("--goodput-max-budgets", type=int, nargs="*", default=[],
+                   help="also run the goodput policy with these B_max (its own policy object each)")
     a = ap.parse_args(argv)
     if a.cmd == "e2e":
         a.settings_parsed = [tuple(int(x) for x in v.split("/")) for v in a.settings]
