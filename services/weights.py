@@ -315,11 +315,11 @@ def load_causal_lm(target_dir: str | Path, fmt: str, device: str = "cpu"):
         from services.cpu_gemm import pack_linears_bf16
 
         pack_linears_bf16(model)  # the dense bf16 linears (all of them, or q4's lm_head) pre-packed for oneDNN
-    _release_freed_memory()  # what loading freed (the dense copy, the unpacked blocks) leaves the RSS
+    release_freed_memory()  # what loading freed (the dense copy, the unpacked blocks) leaves the RSS
     return model
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Collect garbage and return the C heap's freed pages to the operating system (glibc
     ``malloc_trim``; a no-op elsewhere). Loading frees more than it keeps (a dense copy cast to
     bfloat16, the GGUF's unpacked 4-bit blocks) and glibc keeps freed heap pages resident otherwise:

@@ -293,6 +293,9 @@ def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = No
 
     with phase("drafter", "drafter loaded"):
         service, target_dir = build_drafter_service(config)
+    from services.weights import release_freed_memory
+
+    release_freed_memory()  # the float32 checkpoint tensors and the full borrowed lm_head, gone since loading
     log.info("%s", memory_line("drafter", object_memory_parts(service)))
     transport = make_transport(config.device, config.cuda_ipc, config.ipc_slots, config.ipc_slot_bytes)
     info = drafter_info(service, target_dir, new_epoch(), config.device, transport)

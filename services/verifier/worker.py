@@ -574,6 +574,9 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     cache.prefix.max_bytes = config.prefix_cache_mib * 2**20
     log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; pages committed as used)",
              cache.num_slots, cache.capacity, cache.nbytes() / 2**30, target.weights, config.device)
+    from services.weights import release_freed_memory
+
+    release_freed_memory()  # what the engine build freed (the cost sweep's activations) leaves the RSS
     log_memory(target, engine)
     return engine, target, target_dir
 
