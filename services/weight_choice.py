@@ -16,8 +16,8 @@ How, in order:
    a CPU decode step reads every weight once), else ``bfloat16`` where native, else ``float32``.
 3. Measure the remaining candidates *interleaved* (A B A B ..., one warm-up round excluded): a
    disturbance then lands on every format alike instead of on whichever was being timed.
-4. Reject a measurement whose repeats disagree (max / min > :data:`MAX_SPREAD` for any format and
-   row count) or whose one-row step is far above the model's own floor (weight bytes / measured
+4. Reject a measurement whose repeats disagree (:func:`repeat_spread` > :data:`MAX_SPREAD` for any
+   format and row count; one slow repeat of five is a transient and is dropped, two are a busy machine) or whose one-row step is far above the model's own floor (weight bytes / measured
    memory bandwidth + FLOPs / a quick GEMM probe, times :data:`FLOOR_FACTOR`, plus
    :data:`LAYER_OVERHEAD_MS` of eager dispatch per decoder layer). Retry once; a second rejection
    serves the rule's answer and caches nothing.
@@ -198,21 +198,44 @@ def measure_interleaved(steps: dict[str, dict[int, Callable[[], None]]], repeats
                 ms = _time_call(fn)
                 if i >= warmup:
                     out[fmt][r].append(ms)
-        if max_spread and i > warmup and any(max(ts) > max_spread * min(ts) for per in out.values()
-                                             for ts in per.values()):
+        if max_spread and i > warmup and any(_outliers(ts, max_spread) > (1 if repeats >= 4 else 0)
+                                             for per in out.values() for ts in per.values()):
             break
     return out
+
+
+def _outliers(ts: list[float], max_spread: float) -> int:
+    """How many of ``ts`` exceed ``max_spread`` times their minimum (a count that only grows as
+    repeats are added, so a measurement can stop once it is too high)."""
+    lo = min(ts)
+    return sum(t > max_spread * lo for t in ts)
+
+
+def repeat_spread(ts: list[float]) -> float:
+    """Spread of one step's repeats, max / min (unitless), with the single slowest repeat dropped
+    when there are at least 4: one slow call (a page fault, a collector pause, a neighbour's burst)
+    is a transient, two or more mean the machine was busy. ``inf`` when the minimum is not > 0.
+
+    Raises:
+        ValueError: ``ts`` is empty.
+    """
+    if not ts:
+        raise ValueError("repeat_spread needs at least one time")
+    xs = sorted(ts)
+    if xs[0] <= 0:
+        return float("inf")
+    return (xs[-2] if len(xs) >= 4 else xs[-1]) / xs[0]
 
 
 def judge(times: dict[str, dict[int, list[float]]], limits_ms: dict[str, float],
           max_spread: float = MAX_SPREAD) -> str | None:
     """Why a measurement cannot be trusted (one line), or None when it can: repeats of a step that
-    disagree by more than ``max_spread`` (max / min), or a one-row median above its format's limit
-    (:func:`step_limit_ms`)."""
+    disagree by more than ``max_spread`` (:func:`repeat_spread`), or a one-row median above its
+    format's limit (:func:`step_limit_ms`)."""
     for fmt, per in times.items():
         for r, ts in per.items():
             lo, hi = min(ts), max(ts)
-            if lo <= 0 or hi / lo > max_spread:
+            if repeat_spread(ts) > max_spread:
                 return f"{fmt} {r}-row repeats disagree ({lo:.1f}-{hi:.1f} ms)"
         one = statistics.median(per[min(per)])
         if fmt in limits_ms and one > limits_ms[fmt]:
