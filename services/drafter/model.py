@@ -316,7 +316,9 @@ class DFlashDrafter(nn.Module):
         if c.draft_vocab_size is not None:
             # identity map (the first N target ids) until set_draft_vocab / a checkpoint sets it
             self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
-            self.register_buffer("t2d", torch.arange(c.vocab_size) < c.draft_vocab_size)
+            t2d = torch.zeros(c.vocab_size, dtype=torch.bool)  # no arange: on the meta device it imports sympy
+            t2d[:c.draft_vocab_size] = True
+            self.register_buffer("t2d", t2d)
 
     def set_draft_vocab(self, target_ids: Tensor) -> None:
         """Set the draft -> target map from ``target_ids [N]`` (distinct target ids, draft id i -> target_ids[i]).
