@@ -70,7 +70,8 @@ def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, 
     shape; ``graphs``: its runner pads every step to a bucket and replays CUDA graphs."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from services.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
+    from services.drafter.model import DFlashDrafter, DrafterConfig
+    from services.models.layers import default_target_layer_ids
     from services.drafter.service import DrafterService
     from services.spec import default_tree_knobs
     from services.verifier.drafter_client import InprocDrafterClient

@@ -38,7 +38,8 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
 
     from services.hf_compat import quiet_progress_bars
 
-    from services.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids, load_drafter
+    from services.drafter.model import DFlashDrafter, DrafterConfig, load_drafter
+    from services.models.layers import default_target_layer_ids
     from services.drafter.service import borrow_target_io, make_service
     from services.drafter.worker import check_drafter_dir
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target

@@ -393,7 +393,7 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
     if use_drafter and args.drafter:
         check_drafter_dir(args.drafter)
     if use_drafter:  # the drafter's kind fixes the methods served: refuse an unserved default before spawning
-        from services.drafter.kind import drafter_kind
+        from services.drafter.config import drafter_kind
         from services.models.registry import DEFAULT_DRAFTER_DIR
         from services.protocol import served_methods
 
