@@ -21,7 +21,10 @@ Two policies (``--spec-policy``):
   ``sum_r E[emitted_r] / predicted step seconds``, with ``E`` from :class:`AcceptanceCalibrator`
   (``1 + sum`` of the calibrated P of the verified nodes) and the seconds from
   :class:`StepCostModel` (forward ``a + b * rows``, a drafter call per drafting request, a
-  per-request overhead). Before drafting it predicts each request's gain from its last tree and
+  per-request overhead). Before drafting it predicts each request's gain from the mean calibrated
+  curve of its method / regime's recent trees (not the request's last tree alone: the drafter's
+  confidence at one position says little about the next, and a forecast read from the last tree
+  stays at that tree's value for as long as the policy does not draft, docs/roofline.md) and
   lets only requests whose draft pays for itself call the drafter (plus an exploration draft every
   ``explore_every`` rounds, backing off while they do not pay and capped at ``explore_fraction`` of
   the wall time, so a recovering drafter is noticed at a bounded cost); after drafting it adds nodes in
@@ -183,7 +186,6 @@ class FixedPolicy:
 class _ReqState:
     since_draft: int = 0                     # rounds since the last drafter call
     interval: int = 0                        # exploration interval (doubles while drafts do not pay)
-    last_tree: DraftTree | None = None       # the last drafted tree (the gain forecast of the next one)
     regime: str = "greedy"
     fresh: bool = True                       # no step seen yet (takes its regime's exploration interval)
     pending: deque = field(default_factory=deque)  # [tree, continuation] waiting for labels
@@ -204,6 +206,8 @@ class GoodputPolicy:
             pays resets it. The interval is also kept per method / regime: a new request starts
             from its regime's current one, so a drafter that does not pay at this load is not
             re-explored by every arriving request.
+            A new request also starts counting rounds from its regime's count of rounds since the
+            regime last drafted, so requests shorter than the interval still explore.
         explore_max: the longest exploration interval.
         explore_fraction: drafter calls made regardless of the forecast (explorations, and a
             regime's first draft) may take at most this fraction of the wall time the policy has
@@ -216,9 +220,12 @@ class GoodputPolicy:
         schedule: ``--tree-schedule`` (None = off): the drafter call's budget / width by running
             count (before ``max_budget``); the policy may still verify fewer nodes.
         defaults: the verifier's default knobs, every one set.
+        forecast_trees: the forecast before drafting is the mean sorted calibrated P of this many
+            recent trees of the method / regime (under the current calibration, times the
+            request's factor).
     Raises:
-        ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]``, ``explore_every < 1`` or
-            ``defaults`` with an unset knob.
+        ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]``, ``explore_every < 1``,
+            ``forecast_trees < 1`` or ``defaults`` with an unset knob.
     """
 
     name = "goodput"
@@ -226,13 +233,15 @@ class GoodputPolicy:
     def __init__(self, cost: StepCostModel | None = None, calibrator: AcceptanceCalibrator | None = None,
                  max_budget: int | None = None, explore_every: int = 16, explore_max: int = 128,
                  optimism: float = 0.5, explore_fraction: float = 0.01, schedule: TreeSchedule | None = None,
-                 defaults: TreeKnobs = DEFAULT_KNOBS):
+                 defaults: TreeKnobs = DEFAULT_KNOBS, forecast_trees: int = 16):
         if not defaults.is_resolved():
             raise ValueError(f"the default tree knobs must all be set (got {defaults})")
         if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
             raise ValueError(f"max_budget must be in [1, {MAX_BUDGET}] (got {max_budget})")
         if explore_every < 1:
             raise ValueError(f"explore_every must be >= 1 (got {explore_every})")
+        if forecast_trees < 1:
+            raise ValueError(f"forecast_trees must be >= 1 (got {forecast_trees})")
         if not 0 <= explore_fraction <= 1:
             raise ValueError(f"explore_fraction must be in [0, 1] (got {explore_fraction})")
         self.schedule, self.defaults, self._running = schedule, defaults, 1
@@ -245,7 +254,10 @@ class GoodputPolicy:
         self._wall = 0.0          # seconds of steps seen
         self._explore_s = 0.0     # drafter seconds of calls made regardless of the forecast
         self._unforecast = 0      # such calls in the current step
-        self._regime_tree: dict[str, DraftTree] = {}  # the last tree of each method / regime (new requests' forecast)
+        self.forecast_trees = forecast_trees
+        self._regime_trees: dict[str, deque] = {}  # recent trees of each method / regime (the forecast)
+        self._curve_cache: dict[tuple[str, float], list[float]] = {}  # (regime, optimism) -> mean curve
+        self._regime_since: dict[str, int] = {}  # rounds since each method / regime last drafted
         self._regime_interval: dict[str, int] = {}  # the exploration interval of each method / regime
         self._req: dict[str, _ReqState] = {}
         self._skip: set[str] = set()
@@ -266,6 +278,37 @@ class GoodputPolicy:
 
     def _cap(self) -> int:
         return self.max_budget or MAX_BUDGET
+
+    def remember(self, regime: str, tree: DraftTree) -> None:
+        """Add a drafted tree to the forecast window of ``regime`` (a method / regime name)."""
+        window = self._regime_trees.get(regime)
+        if window is None:
+            window = self._regime_trees[regime] = deque(maxlen=self.forecast_trees)
+        window.append(tree)
+        self._curve_cache.clear()
+
+    def forecast(self, regime: str, rid: str | None = None, optimism: float = 0.0) -> list[float] | None:
+        """Expected P of the k-th most likely node of the next draft, k = 0 .. B_max - 1 (descending):
+        the mean over the regime's recent trees of their sorted calibrated P (under the current
+        calibration), times the request's factor; None before the regime's first tree.
+
+        The mean, not the last tree: the policy stops drafting right after a low-confidence tree, so a
+        forecast read from the last tree is biased low and stays there while nothing is drafted."""
+        window = self._regime_trees.get(regime)
+        if not window:
+            return None
+        key = (regime, optimism)
+        curve = self._curve_cache.get(key)
+        if curve is None:
+            cap = self._cap()
+            curve = [0.0] * cap
+            for tree in window:
+                p = self._sorted_p(tree, regime, None, optimism)[0][:cap].tolist()
+                for i, v in enumerate(p):
+                    curve[i] += v / len(window)
+            self._curve_cache[key] = curve
+        f = self.cal.request_factor(rid)
+        return [min(v * f, 1.0) for v in curve if v > 0.0]
 
     # ----------------------------------------------------------- before drafting
     def _best_prefix(self, gain0: float, rows0: int, probs: list[float], fixed_s: float,
@@ -295,6 +338,11 @@ class GoodputPolicy:
         forecast gain, the best number of nodes over their pooled forecasts, paying m drafter calls;
         the m with the most tokens per predicted second drafts.
 
+        A forecast draft is priced at the steady drafter call (one owed token): the catch-up of a
+        context the drafter has not seen (a new request's prompt, the tokens of plain rounds) is paid
+        by whichever draft comes next and only grows while the request waits, so it is no reason to
+        wait; charged to this round alone it kept every new request plain (docs/roofline.md).
+
         Args:
             rounds: the step's decoding requests; extra_rows: other rows of the step (prompt chunks);
             num_running: requests holding state (the schedule's pick).
@@ -309,9 +357,10 @@ class GoodputPolicy:
             if st.fresh:
                 st.fresh = False
                 st.interval = self._regime_interval.get(st.regime, self.explore_every)
+                st.since_draft = self._regime_since.get(st.regime, 0)
             if not r.can_draft:
                 continue
-            forecast = st.last_tree if st.last_tree is not None else self._regime_tree.get(st.regime)
+            forecast = self.forecast(st.regime, r.rid, self.optimism)
             explore = forecast is not None and st.since_draft + 1 >= st.interval
             if explore and self._explore_s + planned > self.explore_fraction * self._wall:
                 explore = False       # over the exploration time budget (this step's planned ones included)
@@ -321,9 +370,8 @@ class GoodputPolicy:
                 self._unforecast += not r.explicit_budget
                 planned += 0.0 if r.explicit_budget else cost
                 continue
-            p_sorted, _ = self._sorted_p(forecast, st.regime, r.rid, self.optimism)
-            curve = p_sorted[:self._cap()].tolist()
-            curves.append((sum(curve), r.rid, curve, c.draft_cost(r.owed)))
+            curve = forecast
+            curves.append((sum(curve), r.rid, curve, c.draft_cost(min(r.owed, 1))))
         curves.sort(key=lambda x: -x[0])
         n = len(rounds)
         per_req = c.overhead_seconds * n
@@ -346,9 +394,10 @@ class GoodputPolicy:
         st = self._state(rid)
         if rid in self._skip:
             st.since_draft += 1
+            self._regime_since[st.regime] = max(self._regime_since.get(st.regime, 0), st.since_draft)
             self.cal.relax(rid)
             return None
-        st.since_draft = 0
+        st.since_draft = self._regime_since[st.regime] = 0
         return resolve_knobs(spec, self.defaults, self.schedule, self._running, self.max_budget)
 
     # ------------------------------------------------------------ after drafting
@@ -370,7 +419,7 @@ class GoodputPolicy:
             rid, tree = d.info.rid, d.tree
             st = self._state(rid)
             if d.drafted and tree.num_nodes:
-                st.last_tree = self._regime_tree[st.regime] = tree
+                self.remember(st.regime, tree)
                 st.pending.append([tree, []])
             if tree.num_nodes == 0:
                 continue
@@ -397,7 +446,7 @@ class GoodputPolicy:
                 st = self._state(rid)
                 b = chosen.get(rid, 0)
                 g = float(probs[rid][:b].sum()) if b else 0.0
-                t = c.draft_cost(d.info.owed) + c.forward_seconds(rows) - c.forward_seconds(rows - b)
+                t = c.draft_cost(min(d.info.owed, 1)) + c.forward_seconds(rows) - c.forward_seconds(rows - b)
                 paid = b > 0 and (t <= 0 or g / t >= (total_gain - g) / max(seconds - t, 1e-9))
                 st.interval = self.explore_every if paid else min(2 * st.interval, self.explore_max)
                 self._regime_interval[st.regime] = st.interval
@@ -429,6 +478,7 @@ class GoodputPolicy:
                 return
             st.pending.popleft()
             self.cal.observe(tree, cont, st.regime, rid)
+            self._curve_cache.clear()
 
     def observe_step(self, stats) -> None:
         """A step's measured forward (rows, seconds), drafter seconds and wall time (``StepStats``)."""
@@ -459,6 +509,7 @@ class GoodputPolicy:
             for tree, cont in st.pending:
                 if cont:
                     self.cal.observe(tree, cont, st.regime, None)
+                    self._curve_cache.clear()
         self.cal.release(rid)
 
 
