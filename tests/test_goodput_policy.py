@@ -96,10 +96,8 @@ def test_a_long_catch_up_does_not_keep_a_request_plain():
     for _ in range(20):
         pol.cost.observe_draft(0.002 + 0.0002 * 2, 1, 2)
         pol.cost.observe_draft(0.002 + 0.0002 * 300, 1, 300)
-    pol.remember("dartree-pruned:greedy", _tree())
     for p, drafts in ((0.9, True), (0.01, False)):
-        pol._sorted_p = lambda *a, p=p, **k: (torch.full((8,), p, dtype=torch.float64), torch.arange(8))
-        pol._curve_cache.clear()
+        pol.forecast = lambda *a, p=p, **k: [p] * 8
         for rid in ("near", "far"):
             st = pol._state(rid)
             st.fresh, st.interval = False, 10 ** 6
@@ -313,6 +311,20 @@ def test_request_factor_adapts_to_a_request():
 
 
 # --------------------------------------------------------------------------------------- policy
+def test_sorted_curves_match_p_accept_tree_by_tree():
+    """The forecast's one-pass curves equal each tree's own sorted ``p_accept`` (with optimism)."""
+    rng = random.Random(3)
+    cal = AcceptanceCalibrator()
+    trees = [_tree(n=rng.randint(1, 12), depth=rng.randint(1, 6), seed=k) for k in range(7)]
+    for t in trees[:4]:
+        cal.observe(t, [int(t.draft_tokens[0])] + [0] * 6)
+    curves = cal.sorted_curves(trees + [DraftTree.empty()], "greedy", 0.5, length=8)
+    assert curves.shape == (7, 8)
+    for t, row in zip(trees, curves):
+        ref = torch.sort(cal.p_accept(t, "greedy", optimism=0.5), descending=True).values[:8]
+        assert torch.allclose(row[:ref.numel()], ref) and (row[ref.numel():] == 0).all()
+
+
 def _tree(n=8, depth=4, seed=0):
     rng = random.Random(seed)
     t = random_tree(rng, 100, n, depth)
@@ -461,16 +473,14 @@ def test_a_prompt_chunk_in_the_step_does_not_make_a_draft_look_cheap():
     pol = _policy(draft_s=0.03)                # a drafter call costs 1.4 one-row forwards
     st = pol._state("r")
     st.fresh, st.interval = False, 10 ** 6
-    pol.remember("dartree-pruned:greedy", _tree())
-    pol._sorted_p = lambda *a, **k: (torch.full((8,), 0.04, dtype=torch.float64), torch.arange(8))
+    pol.forecast = lambda *a, **k: [0.04] * 8
     decisions = []
     for extra in (0, 500):
         pol.begin_step([RoundInfo("r", "dartree-pruned", 0.0, True, owed=1)], extra_rows=extra)
         decisions.append(pol.draft_knobs("r", _Spec()) is not None)
     assert decisions == [False, False], decisions
     # and a forecast that pays without the chunk still pays with it
-    pol._sorted_p = lambda *a, **k: (torch.full((8,), 0.95, dtype=torch.float64), torch.arange(8))
-    pol._curve_cache.clear()
+    pol.forecast = lambda *a, **k: [0.95] * 8
     for extra in (0, 500):
         pol.begin_step([RoundInfo("r", "dartree-pruned", 0.0, True, owed=1)], extra_rows=extra)
         assert pol.draft_knobs("r", _Spec()) is not None
@@ -482,13 +492,11 @@ def test_explorations_due_in_one_step_share_the_time_budget():
     pol = _policy(draft_s=0.05)
     pol.explore_fraction = 0.01
     pol._wall, pol._explore_s = 10.0, 0.06     # 100 ms budget, 60 ms spent: a call starts while some is left
-    tree = _tree()
     rids = [f"r{i}" for i in range(4)]
     for rid in rids:
         st = pol._state(rid)
         st.fresh, st.interval, st.since_draft = False, 4, 10
-    pol.remember("dartree-pruned:greedy", tree)
-    pol._sorted_p = lambda *a, **k: (torch.zeros(8, dtype=torch.float64), torch.arange(8))  # forecasts never pay
+    pol.forecast = lambda *a, **k: []  # forecasts never pay
     pol.begin_step([RoundInfo(r, "dartree-pruned", 0.0, True, owed=1) for r in rids])
     drafting = [r for r in rids if pol.draft_knobs(r, _Spec()) is not None]
     assert len(drafting) == 1, drafting

@@ -161,6 +161,34 @@ class AcceptanceCalibrator:
             p = torch.minimum(p, par)
         return p
 
+    def sorted_curves(self, trees: list[DraftTree], regime: str = "greedy", optimism: float = 0.0,
+                      length: int = 8) -> torch.Tensor:
+        """``[T, length]`` float64, T = the non-empty ``trees``: each one's calibrated P (as
+        :meth:`p_accept` without a request factor) in descending order, zero-padded or cut to
+        ``length``; all trees in one pass (a forecast reads a window of trees every step)."""
+        trees = [t for t in trees if t.num_nodes]
+        out = torch.zeros(len(trees), max(length, 0), dtype=torch.float64)
+        if not trees or length < 1:
+            return out
+        sizes = torch.tensor([t.num_nodes for t in trees])
+        offs = torch.cumsum(sizes, 0) - sizes
+        tid = torch.repeat_interleave(torch.arange(len(trees)), sizes)
+        cells = [self._cells(t) for t in trees]
+        d = torch.cat([c[0] for c in cells])
+        s = torch.cat([c[1] for c in cells])
+        parents = torch.cat([t.parents.long() for t in trees])
+        parents = torch.where(parents >= 0, parents + offs[tid], parents)
+        p = self.cell_probability(regime, optimism)[d, s].clamp(0.0, 1.0)
+        for _ in range(max(int(t.depths.max()) for t in trees) - 1):  # P(child) <= P(parent)
+            par = torch.where(parents >= 0, p[parents.clamp(min=0)], torch.ones_like(p))
+            p = torch.minimum(p, par)
+        order = torch.argsort(tid.double() * 2.0 - p, stable=True)  # by tree, then P descending
+        t_sorted = tid[order]
+        rank = torch.arange(p.numel()) - offs[t_sorted]
+        keep = rank < length
+        out[t_sorted[keep], rank[keep]] = p[order][keep]
+        return out
+
     @staticmethod
     def order(p: torch.Tensor) -> torch.Tensor:
         """Node indices by descending P, ties to the lower index: every prefix is prefix-closed when

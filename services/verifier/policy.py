@@ -220,9 +220,9 @@ class GoodputPolicy:
         schedule: ``--tree-schedule`` (None = off): the drafter call's budget / width by running
             count (before ``max_budget``); the policy may still verify fewer nodes.
         defaults: the verifier's default knobs, every one set.
-        forecast_trees: the forecast before drafting is the mean sorted calibrated P of this many
-            recent trees of the method / regime (under the current calibration, times the
-            request's factor).
+        forecast_trees: the forecast before drafting is the mean sorted calibrated P (with
+            ``optimism``, under the current calibration) of this many recent trees of the method /
+            regime, times the request's factor.
     Raises:
         ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]``, ``explore_every < 1``,
             ``forecast_trees < 1`` or ``defaults`` with an unset knob.
@@ -256,7 +256,7 @@ class GoodputPolicy:
         self._unforecast = 0      # such calls in the current step
         self.forecast_trees = forecast_trees
         self._regime_trees: dict[str, deque] = {}  # recent trees of each method / regime (the forecast)
-        self._curve_cache: dict[tuple[str, float], list[float]] = {}  # (regime, optimism) -> mean curve
+        self._curve_cache: dict[str, list[float]] = {}  # regime -> mean curve (until the next label / tree)
         self._regime_since: dict[str, int] = {}  # rounds since each method / regime last drafted
         self._regime_interval: dict[str, int] = {}  # the exploration interval of each method / regime
         self._req: dict[str, _ReqState] = {}
@@ -280,33 +280,31 @@ class GoodputPolicy:
         return self.max_budget or MAX_BUDGET
 
     def remember(self, regime: str, tree: DraftTree) -> None:
-        """Add a drafted tree to the forecast window of ``regime`` (a method / regime name)."""
+        """Add a drafted (non-empty) tree to the forecast window of ``regime`` (a method / regime name)."""
+        if tree.num_nodes == 0:
+            return
         window = self._regime_trees.get(regime)
         if window is None:
             window = self._regime_trees[regime] = deque(maxlen=self.forecast_trees)
         window.append(tree)
-        self._curve_cache.clear()
+        self._curve_cache.pop(regime, None)
 
-    def forecast(self, regime: str, rid: str | None = None, optimism: float = 0.0) -> list[float] | None:
-        """Expected P of the k-th most likely node of the next draft, k = 0 .. B_max - 1 (descending):
-        the mean over the regime's recent trees of their sorted calibrated P (under the current
-        calibration), times the request's factor; None before the regime's first tree.
+    def forecast(self, regime: str, rid: str | None = None) -> list[float] | None:
+        """Expected P of the k-th most likely node of the next draft, k = 0 .. B_max - 1 (descending,
+        zeros left out): the mean over the regime's recent trees of their sorted calibrated P (with
+        ``optimism``, under the current calibration), times the request's factor; None before the
+        regime's first tree.
 
         The mean, not the last tree: the policy stops drafting right after a low-confidence tree, so a
-        forecast read from the last tree is biased low and stays there while nothing is drafted."""
+        forecast read from the last tree is biased low and stays there while nothing is drafted
+        (docs/roofline.md, "What the goodput policy does here")."""
         window = self._regime_trees.get(regime)
         if not window:
             return None
-        key = (regime, optimism)
-        curve = self._curve_cache.get(key)
+        curve = self._curve_cache.get(regime)
         if curve is None:
-            cap = self._cap()
-            curve = [0.0] * cap
-            for tree in window:
-                p = self._sorted_p(tree, regime, None, optimism)[0][:cap].tolist()
-                for i, v in enumerate(p):
-                    curve[i] += v / len(window)
-            self._curve_cache[key] = curve
+            curve = self.cal.sorted_curves(list(window), regime, self.optimism, self._cap()).mean(0).tolist()
+            self._curve_cache[regime] = curve
         f = self.cal.request_factor(rid)
         return [min(v * f, 1.0) for v in curve if v > 0.0]
 
@@ -360,7 +358,7 @@ class GoodputPolicy:
                 st.since_draft = self._regime_since.get(st.regime, 0)
             if not r.can_draft:
                 continue
-            forecast = self.forecast(st.regime, r.rid, self.optimism)
+            forecast = self.forecast(st.regime, r.rid)
             explore = forecast is not None and st.since_draft + 1 >= st.interval
             if explore and self._explore_s + planned > self.explore_fraction * self._wall:
                 explore = False       # over the exploration time budget (this step's planned ones included)
@@ -478,7 +476,7 @@ class GoodputPolicy:
                 return
             st.pending.popleft()
             self.cal.observe(tree, cont, st.regime, rid)
-            self._curve_cache.clear()
+            self._curve_cache.pop(st.regime, None)
 
     def observe_step(self, stats) -> None:
         """A step's measured forward (rows, seconds), drafter seconds and wall time (``StepStats``)."""
@@ -509,7 +507,7 @@ class GoodputPolicy:
             for tree, cont in st.pending:
                 if cont:
                     self.cal.observe(tree, cont, st.regime, None)
-                    self._curve_cache.clear()
+                    self._curve_cache.pop(st.regime, None)
         self.cal.release(rid)
 
 
