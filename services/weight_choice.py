@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from services.verifier.cost_model import outliers, repeat_spread
+
 log = logging.getLogger("services.weights")
 
 MAX_SPREAD = 1.5          # repeats of one step may differ by this factor (max / min) at most
@@ -198,33 +200,10 @@ def measure_interleaved(steps: dict[str, dict[int, Callable[[], None]]], repeats
                 ms = _time_call(fn)
                 if i >= warmup:
                     out[fmt][r].append(ms)
-        if max_spread and i > warmup and any(_outliers(ts, max_spread) > (1 if repeats >= 4 else 0)
+        if max_spread and i > warmup and any(outliers(ts, max_spread) > (1 if repeats >= 4 else 0)
                                              for per in out.values() for ts in per.values()):
             break
     return out
-
-
-def _outliers(ts: list[float], max_spread: float) -> int:
-    """How many of ``ts`` exceed ``max_spread`` times their minimum (a count that only grows as
-    repeats are added, so a measurement can stop once it is too high)."""
-    lo = min(ts)
-    return sum(t > max_spread * lo for t in ts)
-
-
-def repeat_spread(ts: list[float]) -> float:
-    """Spread of one step's repeats, max / min (unitless), with the single slowest repeat dropped
-    when there are at least 4: one slow call (a page fault, a collector pause, a neighbour's burst)
-    is a transient, two or more mean the machine was busy. ``inf`` when the minimum is not > 0.
-
-    Raises:
-        ValueError: ``ts`` is empty.
-    """
-    if not ts:
-        raise ValueError("repeat_spread needs at least one time")
-    xs = sorted(ts)
-    if xs[0] <= 0:
-        return float("inf")
-    return (xs[-2] if len(xs) >= 4 else xs[-1]) / xs[0]
 
 
 def judge(times: dict[str, dict[int, list[float]]], limits_ms: dict[str, float],

@@ -238,7 +238,7 @@ def _sweep_times(run_rows: Callable[[int], float], rows: Iterable[int], repeats:
     """Row count -> ``repeats`` timed seconds, row counts interleaved (1 2 ... 33, 1 2 ... 33, ...)
     after one untimed warm-up round, so a disturbance lands on every row count alike. With
     ``max_spread``, stops after a round in which some row count's times already disagree by more
-    (max / min): more rounds cannot make them agree."""
+    (:func:`outliers`; one slow repeat of four or more is tolerated): more rounds cannot make them agree."""
     rows = [int(r) for r in rows]
     out: dict[int, list[float]] = {r: [] for r in rows}
     for i in range(max(repeats, 1) + 1):
@@ -246,9 +246,32 @@ def _sweep_times(run_rows: Callable[[int], float], rows: Iterable[int], repeats:
             t = run_rows(r)
             if i:
                 out[r].append(t)
-        if max_spread and i > 1 and any(max(ts) > max_spread * min(ts) for ts in out.values()):
+        if max_spread and i > 1 and any(outliers(ts, max_spread) > (1 if repeats >= 4 else 0) for ts in out.values()):
             break
     return out
+
+
+def outliers(ts: list[float], max_spread: float) -> int:
+    """How many of ``ts`` exceed ``max_spread`` times their minimum (a count that only grows as
+    repeats are added, so a measurement can stop once it is too high)."""
+    lo = min(ts)
+    return sum(t > max_spread * lo for t in ts)
+
+
+def repeat_spread(ts: list[float]) -> float:
+    """Spread of one step's repeats, max / min (unitless), with the single slowest repeat dropped
+    when there are at least 4: one slow call (a page fault, a collector pause, a neighbour's burst)
+    is a transient, two or more mean the machine was busy. ``inf`` when the minimum is not > 0.
+
+    Raises:
+        ValueError: ``ts`` is empty.
+    """
+    if not ts:
+        raise ValueError("repeat_spread needs at least one time")
+    xs = sorted(ts)
+    if xs[0] <= 0:
+        return float("inf")
+    return (xs[-2] if len(xs) >= 4 else xs[-1]) / xs[0]
 
 
 def _median(ts: list[float]) -> float:
@@ -271,10 +294,10 @@ def calibration_sweep(run_rows: Callable[[int], float], rows: Iterable[int] = SW
 
 def sweep_disagreement(times: dict[int, list[float]], max_spread: float = MAX_SPREAD) -> str | None:
     """Why repeats of a sweep cannot be trusted (one line: the row count whose max / min exceeds
-    ``max_spread``), or None."""
+    ``max_spread``; :func:`repeat_spread` drops one slow repeat of four or more), or None."""
     for r, ts in sorted(times.items()):
         lo, hi = min(ts), max(ts)
-        if lo <= 0 or hi / lo > max_spread:
+        if repeat_spread(ts) > max_spread:
             return f"{r}-row repeats disagree ({lo * 1e3:.1f}-{hi * 1e3:.1f} ms)"
     return None
 
@@ -288,7 +311,7 @@ def rule_curve(one_row_seconds: float, dtype: str, rows: Iterable[int] = SWEEP_R
 
 
 def startup_sweep(run_rows: Callable[[int], float], key: str, dtype: str, path: Path | None = None,
-                  rows: Iterable[int] = SWEEP_ROWS, repeats: int = 3, tries: int = 2
+                  rows: Iterable[int] = SWEEP_ROWS, repeats: int = 4, tries: int = 2
                   ) -> tuple[list[tuple[int, float]], str]:
     """The start-up samples of the cost model and where they come from (one line).
 
