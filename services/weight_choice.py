@@ -17,7 +17,8 @@ How, in order:
 3. Measure the remaining candidates *interleaved* (A B A B ..., one warm-up round excluded): a
    disturbance then lands on every format alike instead of on whichever was being timed.
 4. Reject a measurement whose repeats disagree (:func:`repeat_spread` > :data:`MAX_SPREAD` for any
-   format and row count; one slow repeat of five is a transient and is dropped, two are a busy machine) or whose one-row step is far above the model's own floor (weight bytes / measured
+   format and row count: fewer than half slow repeats are transients, half or more a busy machine)
+   or whose one-row step is far above the model's own floor (weight bytes / measured
    memory bandwidth + FLOPs / a quick GEMM probe, times :data:`FLOOR_FACTOR`, plus
    :data:`LAYER_OVERHEAD_MS` of eager dispatch per decoder layer). Retry once; a second rejection
    serves the rule's answer and caches nothing.
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from services.verifier.cost_model import outliers, repeat_spread
+from services.verifier.cost_model import outliers, repeat_spread, tolerated_outliers
 
 log = logging.getLogger("services.weights")
 
@@ -200,7 +201,7 @@ def measure_interleaved(steps: dict[str, dict[int, Callable[[], None]]], repeats
                 ms = _time_call(fn)
                 if i >= warmup:
                     out[fmt][r].append(ms)
-        if max_spread and i > warmup and any(outliers(ts, max_spread) > (1 if repeats >= 4 else 0)
+        if max_spread and i > warmup and any(outliers(ts, max_spread) > tolerated_outliers(repeats)
                                              for per in out.values() for ts in per.values()):
             break
     return out

@@ -238,7 +238,7 @@ def _sweep_times(run_rows: Callable[[int], float], rows: Iterable[int], repeats:
     """Row count -> ``repeats`` timed seconds, row counts interleaved (1 2 ... 33, 1 2 ... 33, ...)
     after one untimed warm-up round, so a disturbance lands on every row count alike. With
     ``max_spread``, stops after a round in which some row count's times already disagree by more
-    (:func:`outliers`; one slow repeat of four or more is tolerated): more rounds cannot make them agree."""
+    (:func:`outliers`, :func:`tolerated_outliers`): more rounds cannot make them agree."""
     rows = [int(r) for r in rows]
     out: dict[int, list[float]] = {r: [] for r in rows}
     for i in range(max(repeats, 1) + 1):
@@ -246,7 +246,7 @@ def _sweep_times(run_rows: Callable[[int], float], rows: Iterable[int], repeats:
             t = run_rows(r)
             if i:
                 out[r].append(t)
-        if max_spread and i > 1 and any(outliers(ts, max_spread) > (1 if repeats >= 4 else 0) for ts in out.values()):
+        if max_spread and i > 1 and any(outliers(ts, max_spread) > tolerated_outliers(repeats) for ts in out.values()):
             break
     return out
 
@@ -259,9 +259,10 @@ def outliers(ts: list[float], max_spread: float) -> int:
 
 
 def repeat_spread(ts: list[float]) -> float:
-    """Spread of one step's repeats, max / min (unitless), with the single slowest repeat dropped
-    when there are at least 4: one slow call (a page fault, a collector pause, a neighbour's burst)
-    is a transient, two or more mean the machine was busy. ``inf`` when the minimum is not > 0.
+    """Spread of one step's repeats (unitless): the middle repeat (upper median of the sorted times)
+    over the fastest. Slow repeats fewer than half of them are transients (a page fault, a collector
+    pause, an OpenMP barrier waiting on a core the kernel lent elsewhere: ~2x on a 2-core VM even
+    when idle); when half or more are slow the machine was busy. ``inf`` when the minimum is not > 0.
 
     Raises:
         ValueError: ``ts`` is empty.
@@ -269,9 +270,13 @@ def repeat_spread(ts: list[float]) -> float:
     if not ts:
         raise ValueError("repeat_spread needs at least one time")
     xs = sorted(ts)
-    if xs[0] <= 0:
-        return float("inf")
-    return (xs[-2] if len(xs) >= 4 else xs[-1]) / xs[0]
+    return xs[len(xs) // 2] / xs[0] if xs[0] > 0 else float("inf")
+
+
+def tolerated_outliers(repeats: int) -> int:
+    """How many of ``repeats`` times may exceed the spread limit before :func:`repeat_spread` does:
+    ``repeats - repeats // 2 - 1`` (a measurement may stop as soon as more are seen)."""
+    return max(repeats - repeats // 2 - 1, 0)
 
 
 def _median(ts: list[float]) -> float:
@@ -294,7 +299,7 @@ def calibration_sweep(run_rows: Callable[[int], float], rows: Iterable[int] = SW
 
 def sweep_disagreement(times: dict[int, list[float]], max_spread: float = MAX_SPREAD) -> str | None:
     """Why repeats of a sweep cannot be trusted (one line: the row count whose max / min exceeds
-    ``max_spread``; :func:`repeat_spread` drops one slow repeat of four or more), or None."""
+    ``max_spread`` by :func:`repeat_spread`), or None."""
     for r, ts in sorted(times.items()):
         lo, hi = min(ts), max(ts)
         if repeat_spread(ts) > max_spread:
