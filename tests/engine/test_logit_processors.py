@@ -22,6 +22,7 @@ from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, S
 
 from tests.doubles import FullTreeDrafter, OracleDrafter, ScriptedDrafterClient
 from tests.engine.conftest import TARGET_KW, V  # noqa: F401  (fixtures: target, llama)
+from tests.engine.test_batched import _run_batched
 
 N = 24
 EOS = 2
@@ -190,19 +191,7 @@ def test_mixed_batch_with_options_equals_solo_plain(llama, service):
     cases.append(("plain", _prompt(30), SamplingParams(max_tokens=N, ignore_eos=True), "domino"))
     refs = {rid: _ar(llama, prompt, s) for rid, prompt, s, _ in cases}
     engine = SpecEngine(llama, InprocDrafterClient(service), EngineConfig(max_running=8), max_draft_depth=6)
-    for rid, prompt, s, method in cases:
-        engine.add_request(rid, prompt, s, SpecParams(method))
-    tokens = {rid: [] for rid, *_ in cases}
-    active = [rid for rid, *_ in cases]
-    for _ in range(400):
-        if not active:
-            break
-        for rid, out in engine.step_batch(list(active)).items():
-            assert not isinstance(out, BaseException), out
-            if out is not None:
-                tokens[rid] += out.token_ids
-                if out.finish_reason is not None:
-                    active.remove(rid)
+    tokens, _ = _run_batched(engine, {0: [(rid, prompt, s, SpecParams(method)) for rid, prompt, s, method in cases]})
     assert tokens == refs
 
 

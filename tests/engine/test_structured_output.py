@@ -25,6 +25,7 @@ from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, S
 
 from tests.doubles import FullTreeDrafter, OracleDrafter, ScriptedDrafterClient
 from tests.engine.conftest import TARGET_KW, V  # noqa: F401  (fixtures: target, llama)
+from tests.engine.test_batched import _run_batched
 from tests.engine.test_logit_processors import _prompt
 
 EOS = 2
@@ -235,19 +236,7 @@ def test_mixed_batch_with_grammars_equals_solo_plain(llama, service):
     refs = {rid: _ar(llama, prompt, s)[0] for rid, prompt, s, _ in cases}
     engine = SpecEngine(llama, InprocDrafterClient(service), EngineConfig(max_running=8), max_draft_depth=6,
                         grammar_tokenizer=TOK)
-    for rid, prompt, s, method in cases:
-        engine.add_request(rid, prompt, s, SpecParams(method))
-    tokens = {rid: [] for rid, *_ in cases}
-    active = [rid for rid, *_ in cases]
-    for _ in range(400):
-        if not active:
-            break
-        for rid, out in engine.step_batch(list(active)).items():
-            assert not isinstance(out, BaseException), out
-            if out is not None:
-                tokens[rid] += out.token_ids
-                if out.finish_reason is not None:
-                    active.remove(rid)
+    tokens, _ = _run_batched(engine, {0: [(rid, prompt, s, SpecParams(method)) for rid, prompt, s, method in cases]})
     assert tokens == refs
     _check_json(tokens["g0"], SCHEMAS["enum+bool"])
     _check_json(tokens["g1"], SCHEMAS["string+int"])
