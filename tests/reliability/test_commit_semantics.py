@@ -30,15 +30,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from gateway.engine_client import InprocEngineClient
 from gateway.text import PROMPT_CONTEXT_TOKENS, TextModel
 from services.metrics import VerifierMetrics
-from services.protocol import PeerInfo
 from services.testing import greedy_reference, tiny_target
 from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
-from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
+
+from tests.service.fakes import InprocWorkerStack
+from tests.service.fakes import verifier_info as fake_info
 
 from .scripted import ScriptedDrafter
 
@@ -183,28 +181,17 @@ def test_engine_commits_token_by_token_for_any_acceptance_pattern(target, cases,
 # ---------------------------------------------------------------------------------------------------
 # through the gateway text layer: HTTP (ASGI) -> in-process verifier worker -> SpecEngine
 # ---------------------------------------------------------------------------------------------------
-class TextStack:
+class TextStack(InprocWorkerStack):
     """The gateway app over an :class:`InprocEngineClient` and a verifier worker thread running a real
     ``SpecEngine`` (tiny float32 target sized to the tokenizer) with a :class:`ScriptedDrafter`."""
 
     def __init__(self, model_dir):
-        from tests.service.fakes import verifier_info as fake_info
-
-        self.text = TextModel(model_dir)
-        vocab = self.text.vocab_size
+        text = TextModel(model_dir)
+        vocab = text.vocab_size
         self.target = tiny_target("llama", vocab_size=vocab, hidden_size=32, num_layers=2,
                                   max_position_embeddings=256, eos_token_id=None, seed=3)
         self.drafter = ScriptedDrafter({}, [], depth=D, vocab_size=vocab, seed=1)
-        self.engine = SpecEngine(self.target, self.drafter, max_draft_depth=D)
-        self.worker = VerifierWorker(self.engine, fake_info(vocab), VerifierWorkerConfig())
-        self.client = InprocEngineClient(post=lambda m: self.worker.post(b"inproc", m), hello=self.worker.hello,
-                                         status=self.worker.status, local=PeerInfo(role="gateway", epoch="g"))
-        self.worker.send = self._send
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.worker.event_loop, args=(self.stop,), daemon=True)
-        self.thread.start()
-        self.app = create_app(GatewayConfig(target=str(model_dir), served_model_name="tiny", default_temperature=0.0),
-                              self.client, self.text)
+        super().__init__(model_dir, text, SpecEngine(self.target, self.drafter, max_draft_depth=D), fake_info(vocab))
         rng = random.Random(7)
         self.cases, self.logprobs = [], []
         for n in (3, 8):
@@ -212,18 +199,8 @@ class TextStack:
             self.cases.append((prompt, greedy_reference(self.target.model, prompt, N)))
             self.logprobs.append(reference_logprobs(self.target.model, prompt, self.cases[-1][1])[0])
 
-    def _send(self, identity, msg, frames=()) -> None:
-        try:
-            self.client.deliver_threadsafe(msg)
-        except RuntimeError:  # a late round for a request of a finished example (its event loop is closed)
-            pass
-
     def metric(self, name: str) -> float:
         return sum(s.value for m in self.worker.metrics.registry.collect() for s in m.samples if s.name == name)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
 
 
 @pytest.fixture(scope="module", params=["bytelevel", "bytefallback"])

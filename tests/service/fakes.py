@@ -8,10 +8,11 @@ machinery). The engine and drafter doubles of the workers live in :mod:`tests.do
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.engine_client import _QueueClient
+from gateway.engine_client import InprocEngineClient, _QueueClient
 from services.protocol import Abort, Generate, Limits, PeerInfo, RequestError, RoundChunk, TokenLogprobs
 from services.spec import DFLASH_METHODS
 from services.tiny_models import CHAT_TEMPLATE, bytefallback_model_dir, bytelevel_model_dir  # noqa: F401
@@ -108,3 +109,35 @@ def fake_params(gen: Generate, method: str):
     from types import SimpleNamespace
 
     return gen.sampling, SimpleNamespace(method=method)
+
+
+class InprocWorkerStack:
+    """The gateway app (``self.app``) over an :class:`InprocEngineClient` and a verifier worker thread
+    running ``engine`` (a real ``SpecEngine``): HTTP (ASGI) -> gateway -> worker -> engine in one
+    process. ``close()`` stops the worker thread."""
+
+    def __init__(self, model_dir, text, engine, info: PeerInfo):
+        from gateway.app import create_app
+        from gateway.config import GatewayConfig
+        from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
+
+        self.text, self.engine = text, engine
+        self.worker = VerifierWorker(engine, info, VerifierWorkerConfig())
+        self.client = InprocEngineClient(post=lambda m: self.worker.post(b"inproc", m), hello=self.worker.hello,
+                                         status=self.worker.status, local=PeerInfo(role="gateway", epoch="g"))
+        self.worker.send = self._send
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.worker.event_loop, args=(self.stop,), daemon=True)
+        self.thread.start()
+        self.app = create_app(GatewayConfig(target=str(model_dir), served_model_name="tiny", default_temperature=0.0),
+                              self.client, self.text)
+
+    def _send(self, identity, msg, frames=()) -> None:
+        try:
+            self.client.deliver_threadsafe(msg)
+        except RuntimeError:  # a late round for a request whose test event loop is closed
+            pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from pathlib import Path
 
 import httpx
@@ -19,19 +18,14 @@ import llguidance
 import openai
 import pytest
 
-from gateway.app import create_app
-from gateway.config import GatewayConfig
-from gateway.engine_client import InprocEngineClient
 from gateway.text import TextModel
 from gateway.tools import ToolPlan, plan_tools
-from services.protocol import PeerInfo
 from services.testing import tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SpecEngine
-from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
 
 from .conftest import GatewayHarness
-from .fakes import bytelevel_model_dir, verifier_info
+from .fakes import InprocWorkerStack, bytelevel_model_dir, verifier_info
 
 CONTEXT = 1024
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
@@ -49,32 +43,18 @@ MSG = [{"role": "user", "content": "Hello there"}]
 METHODS = ["ar", "dartree-pruned", "ddtree"]
 
 
-class Stack:
+class Stack(InprocWorkerStack):
     """The gateway app over an in-process verifier worker running a real ``SpecEngine``."""
 
     def __init__(self, model_dir: Path):
-        self.text = TextModel(model_dir)
-        vocab = self.text.vocab_size
+        text = TextModel(model_dir)
+        vocab = text.vocab_size
         target = tiny_target("llama", vocab_size=vocab, hidden_size=32, num_layers=2,
                              max_position_embeddings=CONTEXT, eos_token_id=2, seed=3)
         service = tiny_service(target, tiny_drafter(target, seed=3, block_size=6))
         tok = llguidance.LLTokenizer((model_dir / "tokenizer.json").read_text(), n_vocab=vocab, eos_token=2)
-        self.engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=6, grammar_tokenizer=tok)
-        self.worker = VerifierWorker(self.engine, verifier_info(vocab, max_context=CONTEXT), VerifierWorkerConfig())
-        self.client = InprocEngineClient(post=lambda m: self.worker.post(b"inproc", m), hello=self.worker.hello,
-                                         status=self.worker.status, local=PeerInfo(role="gateway", epoch="g"))
-        self.worker.send = self._send
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self.worker.event_loop, args=(self.stop,), daemon=True)
-        self.thread.start()
-        self.app = create_app(GatewayConfig(target=str(model_dir), served_model_name="tiny", default_temperature=0.0),
-                              self.client, self.text)
-
-    def _send(self, identity, msg, frames=()) -> None:
-        try:
-            self.client.deliver_threadsafe(msg)
-        except RuntimeError:  # a late round for a test whose event loop is closed
-            pass
+        engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=6, grammar_tokenizer=tok)
+        super().__init__(model_dir, text, engine, verifier_info(vocab, max_context=CONTEXT))
 
     def run(self, fn):
         """``await fn(openai_client, httpx_client)`` on a fresh event loop."""
@@ -85,10 +65,6 @@ class Stack:
                 oai = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http, max_retries=0)
                 return await fn(oai, http)
         return asyncio.run(go())
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
 
 
 @pytest.fixture(scope="module")
