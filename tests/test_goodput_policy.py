@@ -442,6 +442,83 @@ def test_short_requests_still_explore():
     assert len(calls) <= 8, calls                  # ... at the backed-off rate (intervals up to 128)
 
 
+# q4 SmolLM2-135M on the 2-core CPU (benchmarks/results/2026-12-03-cpu-small-trees, cost.json): one-row
+# forward 23.3 ms, c(M) by rows; the 5th row crosses the int4 kernel's 4-row tile
+Q4_C = {1: 1.0, 2: 1.03, 3: 1.11, 4: 1.22, 5: 1.63, 6: 1.63, 7: 1.69, 8: 1.69, 9: 1.95}
+
+
+def _tile_policy(curve, draft_s=0.0126, **kw):
+    cost = StepCostModel()
+    cost.seed([(m, 0.0233 * c) for m, c in curve.items()])
+    cost.observe_draft(draft_s)
+    return GoodputPolicy(cost, AcceptanceCalibrator(), max_budget=8, **kw)
+
+
+def _drive_budgets(pol, tree, rounds, accepted, rid="r"):
+    """Rounds of one request whose truth follows the tree's first ``accepted`` chain nodes; returns
+    ``(drafted budgets, verified budgets)`` of the rounds that called the drafter."""
+    drafted, verified = [], []
+    for _ in range(rounds):
+        info = RoundInfo(rid, "dartree-pruned", 0.0, can_draft=True, owed=1)
+        pol.begin_step([info])
+        knobs = pol.draft_knobs(rid, _Spec())
+        sel = pol.select([Drafted(info, tree if knobs else DraftTree.empty(), knobs is not None)])[rid]
+        if knobs is not None:
+            drafted.append(knobs.budget)
+            verified.append(sel.budget)
+        path = [int(t) for t in tree.draft_tokens[:accepted]]
+        pol.observe_round(rid, path + [99] * (tree.max_depth + 1 - len(path)))
+        rows = 1 + sel.budget
+        pol.observe_step(StepStats(1, rows, 0, pol.cost.forward_seconds(rows)))
+    return drafted, verified
+
+
+def test_drafting_budget_follows_the_tile_edge_of_the_cost_curve():
+    """On the q4 curve a 5th verify row costs c(5) - c(4) = 0.41 of a step, more than a chain node
+    with P ~ 0.5 brings: the policy drafts (not only verifies) B = 3 there, where it used to call the
+    drafter at B_max = 8 every round and cut afterwards; on a flat (memory-bound) curve, B = 8."""
+    tree = _chain_tree([math.log(0.97) * (d + 1) for d in range(8)])
+    drafted, verified = _drive_budgets(_tile_policy(Q4_C), tree, 60, accepted=3)
+    assert len(drafted) == 60, drafted                          # it pays: every round drafts
+    tail = drafted[20:]
+    assert max(tail) <= 4 and tail.count(3) >= 0.7 * len(tail), drafted
+    assert all(v <= d for v, d in zip(verified, drafted)), (verified, drafted)
+    assert max(verified[20:]) <= 4, verified
+    flat = {m: 1.0 for m in Q4_C}
+    drafted, _ = _drive_budgets(_tile_policy(flat, draft_s=0.002), tree, 40, accepted=8)
+    assert drafted[-10:] == [8] * 10, drafted
+
+
+def test_drafting_budget_grows_back_when_the_drafter_improves():
+    """Small trees say nothing about a 5th node: the forecast reads position k over the trees drafted
+    that deep (the widening calls), so the budget climbs again once deeper nodes are accepted."""
+    tree = _chain_tree([math.log(0.97) * (d + 1) for d in range(8)])
+    cheap = {1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06, 5: 1.08, 6: 1.10, 7: 1.12, 8: 1.14, 9: 1.16}
+    pol = _tile_policy(cheap, draft_s=0.002)
+    drafted, _ = _drive_budgets(pol, tree, 60, accepted=1)     # only the first node is ever right
+    assert max(drafted[-8:]) <= 3, drafted
+    drafted, _ = _drive_budgets(pol, tree, 120, accepted=8)    # now the whole chain is
+    assert drafted[-5:] == [8] * 5, drafted
+    never = _tile_policy(cheap, draft_s=0.002, widen_every=0)
+    _drive_budgets(never, tree, 60, accepted=1)
+    drafted, _ = _drive_budgets(never, tree, 120, accepted=8)
+    assert max(drafted[-5:]) < 8, drafted                      # without widening it could not see it
+
+
+def test_forecast_position_averages_only_trees_drafted_that_deep():
+    pol = _tile_policy(Q4_C)
+    deep = _chain_tree([math.log(0.9) * (d + 1) for d in range(8)])
+    small = truncate_tree(deep, torch.arange(8), 3)
+    for _ in range(3):
+        pol.remember("m:greedy", small, 3)
+    pol.remember("m:greedy", deep, 8)
+    ref = torch.sort(pol.cal.p_accept(deep, "m:greedy", optimism=pol.optimism), descending=True).values
+    curve = pol.forecast("m:greedy")
+    assert len(curve) == 8
+    assert curve[5] == pytest.approx(float(ref[5]))             # only the B = 8 tree has a 6th node
+    assert curve[1] == pytest.approx(float(ref[1]))             # every tree shares the first three
+
+
 def _drive_timed(pol, rounds, draft_s, step_s=0.02, rid="t"):
     """Like :func:`_drive` with a useless drafter, reporting measured times: a drafting step waits
     ``draft_s`` for the drafter. Returns (rounds that called the drafter, total wall seconds)."""

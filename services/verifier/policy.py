@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -188,6 +188,7 @@ class _ReqState:
     interval: int = 0                        # exploration interval (doubles while drafts do not pay)
     regime: str = "greedy"
     fresh: bool = True                       # no step seen yet (takes its regime's exploration interval)
+    budget: int = 0                          # budget of its last drafter call (the most nodes select verifies)
     pending: deque = field(default_factory=deque)  # [tree, continuation] waiting for labels
 
 
@@ -223,9 +224,12 @@ class GoodputPolicy:
         forecast_trees: the forecast before drafting is the mean sorted calibrated P (with
             ``optimism``, under the current calibration) of this many recent trees of the method /
             regime, times the request's factor.
+        widen_every: every this many drafter calls of a method / regime, a call drafts one node more
+            than the forecast's best budget, so the forecast keeps evidence on the next node and the
+            budget can grow again when the drafter grows more confident (0 = never).
     Raises:
         ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]``, ``explore_every < 1``,
-            ``forecast_trees < 1`` or ``defaults`` with an unset knob.
+            ``forecast_trees < 1``, ``widen_every < 0`` or ``defaults`` with an unset knob.
     """
 
     name = "goodput"
@@ -233,7 +237,7 @@ class GoodputPolicy:
     def __init__(self, cost: StepCostModel | None = None, calibrator: AcceptanceCalibrator | None = None,
                  max_budget: int | None = None, explore_every: int = 16, explore_max: int = 128,
                  optimism: float = 0.5, explore_fraction: float = 0.01, schedule: TreeSchedule | None = None,
-                 defaults: TreeKnobs = DEFAULT_KNOBS, forecast_trees: int = 16):
+                 defaults: TreeKnobs = DEFAULT_KNOBS, forecast_trees: int = 16, widen_every: int = 4):
         if not defaults.is_resolved():
             raise ValueError(f"the default tree knobs must all be set (got {defaults})")
         if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
@@ -242,6 +246,8 @@ class GoodputPolicy:
             raise ValueError(f"explore_every must be >= 1 (got {explore_every})")
         if forecast_trees < 1:
             raise ValueError(f"forecast_trees must be >= 1 (got {forecast_trees})")
+        if widen_every < 0:
+            raise ValueError(f"widen_every must be >= 0 (got {widen_every})")
         if not 0 <= explore_fraction <= 1:
             raise ValueError(f"explore_fraction must be in [0, 1] (got {explore_fraction})")
         self.schedule, self.defaults, self._running = schedule, defaults, 1
@@ -254,7 +260,9 @@ class GoodputPolicy:
         self._wall = 0.0          # seconds of steps seen
         self._explore_s = 0.0     # drafter seconds of calls made regardless of the forecast
         self._unforecast = 0      # such calls in the current step
-        self.forecast_trees = forecast_trees
+        self.forecast_trees, self.widen_every = forecast_trees, widen_every
+        self._plan: dict[str, int] = {}  # this step's drafting budget of each forecast-drafting request
+        self._regime_calls: dict[str, int] = {}  # drafter calls of each method / regime (the widening)
         self._regime_trees: dict[str, deque] = {}  # recent trees of each method / regime (the forecast)
         self._curve_cache: dict[str, list[float]] = {}  # regime -> mean curve (until the next label / tree)
         self._regime_since: dict[str, int] = {}  # rounds since each method / regime last drafted
@@ -279,21 +287,24 @@ class GoodputPolicy:
     def _cap(self) -> int:
         return self.max_budget or MAX_BUDGET
 
-    def remember(self, regime: str, tree: DraftTree) -> None:
-        """Add a drafted (non-empty) tree to the forecast window of ``regime`` (a method / regime name)."""
+    def remember(self, regime: str, tree: DraftTree, budget: int | None = None) -> None:
+        """Add a drafted (non-empty) tree to the forecast window of ``regime`` (a method / regime name);
+        ``budget``: the budget it was drafted with (None = the cap)."""
         if tree.num_nodes == 0:
             return
         window = self._regime_trees.get(regime)
         if window is None:
             window = self._regime_trees[regime] = deque(maxlen=self.forecast_trees)
-        window.append(tree)
+        window.append((tree, budget or self._cap()))
         self._curve_cache.pop(regime, None)
 
     def forecast(self, regime: str, rid: str | None = None) -> list[float] | None:
         """Expected P of the k-th most likely node of the next draft, k = 0 .. B_max - 1 (descending,
         zeros left out): the mean over the regime's recent trees of their sorted calibrated P (with
         ``optimism``, under the current calibration), times the request's factor; None before the
-        regime's first tree.
+        regime's first tree. Position k averages only the trees drafted with a budget above k (a tree
+        drafted with budget 3 says nothing about a 5th node), so drafting small trees does not read as
+        "no 5th node" and the budget can grow again.
 
         The mean, not the last tree: the policy stops drafting right after a low-confidence tree, so a
         forecast read from the last tree is biased low and stays there while nothing is drafted
@@ -303,10 +314,16 @@ class GoodputPolicy:
             return None
         curve = self._curve_cache.get(regime)
         if curve is None:
-            curve = self.cal.sorted_curves(list(window), regime, self.optimism, self._cap()).mean(0).tolist()
+            cap = self._cap()
+            curves = self.cal.sorted_curves([t for t, _ in window], regime, self.optimism, cap)  # [T, cap]
+            budgets = torch.tensor([b for t, b in window if t.num_nodes], dtype=torch.float64)
+            seen = (torch.arange(cap, dtype=torch.float64)[None, :] < budgets[:, None]).double()  # [T, cap]
+            count = seen.sum(0)
+            curve = torch.where(count > 0, (curves * seen).sum(0) / count.clamp(min=1), 0.0)
+            curve = torch.cummin(curve, 0).values.tolist()  # the k-th most likely node: never above the (k-1)-th
             self._curve_cache[regime] = curve
         f = self.cal.request_factor(rid)
-        return [min(v * f, 1.0) for v in curve if v > 0.0]
+        return [min(v * f, 1.0) for v in curve[:next((i for i, v in enumerate(curve) if v <= 0.0), len(curve))]]
 
     # ----------------------------------------------------------- before drafting
     def _best_prefix(self, gain0: float, rows0: int, probs: list[float], fixed_s: float,
@@ -373,22 +390,30 @@ class GoodputPolicy:
         curves.sort(key=lambda x: -x[0])
         n = len(rounds)
         per_req = c.overhead_seconds * n
-        best_m, best_ratio = 0, -1.0
-        pool: list[float] = []
+        best_m, best_ratio, best_k = 0, -1.0, 0
+        pool: list[tuple[float, str]] = []
         draft_s = forced_s
         for m in range(len(curves) + 1):
             if m:
-                pool = sorted(pool + curves[m - 1][2], reverse=True)
+                pool = sorted(pool + [(p, curves[m - 1][1]) for p in curves[m - 1][2]], key=lambda x: -x[0])
                 draft_s += curves[m - 1][3]
-            _, g, t = self._best_prefix(float(n), n, pool, draft_s + per_req, extra_rows)
+            k, g, t = self._best_prefix(float(n), n, [p for p, _ in pool], draft_s + per_req, extra_rows)
             if t > 0 and g / t > best_ratio + 1e-12:
-                best_m, best_ratio = m, g / t
+                best_m, best_ratio, best_k = m, g / t, k
         drafting = {rid for _, rid, _, _ in curves[:best_m]}
         self._skip = {rid for _, rid, _, _ in curves if rid not in drafting}
+        pool = sorted((x for x in pool if x[1] in drafting), key=lambda x: -x[0])[:best_k]
+        self._plan = {rid: max(sum(1 for _, r in pool if r == rid), 1) for rid in drafting}
 
     def draft_knobs(self, rid: str, spec) -> TreeKnobs | None:
         """``None`` (plain round, no drafter call) for a request :meth:`begin_step` left out; else the
-        request's resolved knobs (an unset budget: the schedule's pick, else ``max_budget``)."""
+        request's resolved knobs. An unset budget is the schedule's pick, else ``max_budget``, cut to
+        the forecast's best budget when the request drafts on its forecast: its nodes among the most
+        likely nodes of the step that maximise expected tokens per predicted second on the measured
+        cost curve (on a q4 CPU the 5th verify row crosses the kernel's 4-row tile, so B = 3 where
+        the forecast does not pay for that row; docs/roofline.md), plus one node every
+        ``widen_every``-th call of its method / regime. Drafting the budget the step will verify
+        also saves the drafter's work on nodes the cut would drop."""
         st = self._state(rid)
         if rid in self._skip:
             st.since_draft += 1
@@ -396,7 +421,14 @@ class GoodputPolicy:
             self.cal.relax(rid)
             return None
         st.since_draft = self._regime_since[st.regime] = 0
-        return resolve_knobs(spec, self.defaults, self.schedule, self._running, self.max_budget)
+        knobs = resolve_knobs(spec, self.defaults, self.schedule, self._running, self.max_budget)
+        plan = self._plan.get(rid)
+        if spec.budget is None and plan is not None:
+            calls = self._regime_calls[st.regime] = self._regime_calls.get(st.regime, 0) + 1
+            widen = self.widen_every and calls % self.widen_every == 0
+            knobs = replace(knobs, budget=min(knobs.budget, plan + int(bool(widen))))
+        st.budget = knobs.budget
+        return knobs
 
     # ------------------------------------------------------------ after drafting
     def select(self, items: list[Drafted]) -> dict[str, Selection]:
@@ -417,7 +449,7 @@ class GoodputPolicy:
             rid, tree = d.info.rid, d.tree
             st = self._state(rid)
             if d.drafted and tree.num_nodes:
-                self.remember(st.regime, tree)
+                self.remember(st.regime, tree, st.budget)
                 st.pending.append([tree, []])
             if tree.num_nodes == 0:
                 continue
@@ -428,7 +460,7 @@ class GoodputPolicy:
                 gain0 += float(p_sorted.sum())
                 rows0 += tree.num_nodes
                 continue
-            for i, p in enumerate(p_sorted[:self._cap()].tolist()):
+            for i, p in enumerate(p_sorted[:min(self._cap(), st.budget or self._cap())].tolist()):
                 cands.append((p, i, rid))
         cands.sort(key=lambda x: (-x[0], x[1]))  # a request's own nodes stay in its order (P sorted, ties by i)
         fixed_s = sum(c.draft_cost(d.info.owed) for d in items if d.drafted) + c.overhead_seconds * len(items)
@@ -512,21 +544,22 @@ class GoodputPolicy:
 
 
 def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sweep: bool = True,
-                       dtype: str = "default", **kw) -> GoodputPolicy:
+                       dtype: str = "default", threads: int = 1, **kw) -> GoodputPolicy:
     """A :class:`GoodputPolicy` whose cost model starts from a timed sweep (``time_forward(rows)`` ->
-    seconds), taken from the per-machine cache under ``key`` when one is there.
+    seconds, at ``threads`` intra-op threads), taken from the per-machine cache under ``key`` when
+    one is there.
 
     :func:`~services.verifier.cost_model.startup_sweep`: a cached sweep is used while plausible and
-    still valid (two row counts re-timed); a fresh one is cached only when its repeats agree and its
-    curve is plausible, else retaken once and then replaced by the rule-based curve of ``dtype``
-    (not cached). One log line says which.
+    still valid (two row counts re-timed); a fresh one is cached only when no other process had the
+    cores, every row count's fastest time was reproduced and its curve is plausible, else retaken
+    once and then replaced by the rule-based curve of ``dtype`` (not cached). One log line says which.
     """
     from services.verifier.cost_model import startup_sweep
 
     policy = GoodputPolicy(max_budget=max_budget, **kw)
     if not sweep:
         return policy
-    samples, source = startup_sweep(time_forward, key, dtype)
+    samples, source = startup_sweep(time_forward, key, dtype, threads=threads)
     policy.cost.seed(samples)
     a, b = policy.cost.coefficients()
     (log.warning if "rule" in source else log.info)(
