@@ -4,6 +4,7 @@ the budget down within a few steps, and truncation keeps valid prefix-closed tre
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -714,3 +715,49 @@ def test_simulated_goodput_tracks_the_best_of_ar_and_fixed(c, cond):
     cost.observe_draft(DRAFT_S)
     gp = _simulate(GoodputPolicy(cost, AcceptanceCalibrator()), c, cond)
     assert gp >= 0.93 * max(ar, fixed), (gp, ar, fixed)
+
+
+# ------------------------------------------------------------------ calibration kept between starts
+def test_calibration_state_round_trips_and_rejects_mismatches():
+    cal = AcceptanceCalibrator()
+    tree = _chain_tree([math.log(0.9) * (d + 1) for d in range(4)])
+    for _ in range(20):
+        cal.observe(tree, [1, 99, 0, 0, 0], "dartree-pruned:greedy")
+    state = json.loads(json.dumps(cal.state()))
+    fresh = AcceptanceCalibrator()
+    assert fresh.load_state(state, max_weight=1e9)
+    assert torch.allclose(fresh.p_accept(tree, "dartree-pruned:greedy"), cal.p_accept(tree, "dartree-pruned:greedy"))
+    scaled = AcceptanceCalibrator()
+    assert scaled.load_state(state, max_weight=2.0)                 # a loaded map is a prior: capped evidence
+    assert float(scaled._tot["dartree-pruned:greedy"].max()) == pytest.approx(2.0)
+    assert not AcceptanceCalibrator(max_depth_bucket=4).load_state(state)
+    assert not AcceptanceCalibrator().load_state({"q_edges": [0.5], "depth_buckets": 8, "regimes": {}})
+    assert not AcceptanceCalibrator().load_state({"junk": 1})
+
+
+def test_a_second_start_does_not_pay_again_for_learning(tmp_path):
+    """A drafter that is confident but wrong (MT-Bench-like, break-even or worse): a cold start drafts
+    while its calibration learns; a start that loads the first one's calibration stays plain."""
+    from services.verifier.calibration_store import CalibrationStore
+
+    tree = _chain_tree([math.log(0.95) * (d + 1) for d in range(8)])
+    path = tmp_path / "calibration.json"
+
+    def serve(n_requests):
+        pol = _tile_policy(Q4_C, store=CalibrationStore("k", path), save_every=16)
+        calls = 0
+        for i in range(n_requests):
+            drafted, _ = _drive_budgets(pol, tree, 24, accepted=0, rid=f"q{i}")
+            calls += len(drafted)
+            pol.release(f"q{i}")
+        pol.flush()
+        return calls
+
+    assert not path.exists()
+    cold = serve(4)
+    assert path.exists() and CalibrationStore("k", path).load() is not None
+    assert CalibrationStore("other", path).load() is None
+    warm = serve(4)
+    assert warm <= cold / 2, (cold, warm)
+    path.write_text("{not json")                                     # unreadable: a cold start, no error
+    assert serve(1) >= 1

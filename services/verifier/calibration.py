@@ -253,6 +253,32 @@ class AcceptanceCalibrator:
         """Forget a finished request's factor."""
         self._req.pop(request_id, None)
 
+    def state(self) -> dict:
+        """JSON-able counts of every regime's table (:meth:`load_state` restores them): ``{"q_edges",
+        "depth_buckets", "regimes": {regime: {"acc": [Dd][Q], "tot": [Dd][Q]}}}`` (weighted counts)."""
+        return {"q_edges": list(Q_EDGES), "depth_buckets": self.max_depth_bucket,
+                "regimes": {r: {"acc": self._acc[r].tolist(), "tot": self._tot[r].tolist()} for r in self._acc}}
+
+    def load_state(self, state: dict, max_weight: float = 50.0) -> bool:
+        """Start from a saved :meth:`state` (a calibration learnt before): each regime's counts, scaled
+        down so no cell carries more than ``max_weight`` observations (a loaded map is a prior that the
+        online updates soon outweigh). False (nothing loaded) when the buckets differ or the state is
+        malformed."""
+        try:
+            if list(state["q_edges"]) != list(Q_EDGES) or int(state["depth_buckets"]) != self.max_depth_bucket:
+                return False
+            tables = {r: (torch.tensor(t["acc"], dtype=torch.float64), torch.tensor(t["tot"], dtype=torch.float64))
+                      for r, t in state["regimes"].items()}
+        except (KeyError, TypeError, ValueError):
+            return False
+        if any(a.shape != self._shape or t.shape != self._shape or bool((a < 0).any()) or bool((a > t + 1e-9).any())
+               for a, t in tables.values()):
+            return False
+        for r, (acc, tot) in tables.items():
+            scale = min(1.0, max_weight / max(float(tot.max()), 1e-9))
+            self._acc[r], self._tot[r] = acc * scale, tot * scale
+        return True
+
     def mean_probability(self, regime: str = "greedy") -> float:
         """Observation-weighted mean P over all cells (for logs and tests)."""
         acc, tot = self._table(regime)

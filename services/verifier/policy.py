@@ -227,6 +227,9 @@ class GoodputPolicy:
         widen_every: every this many drafter calls of a method / regime, a call drafts one node more
             than the forecast's best budget, so the forecast keeps evidence on the next node and the
             budget can grow again when the drafter grows more confident (0 = never).
+        store: where the calibration learnt by an earlier start is loaded from (as the calibrator's
+            starting counts) and this one's is saved to, every ``save_every`` labelled trees at a
+            request's end (:class:`~services.verifier.calibration_store.CalibrationStore`; None = off).
     Raises:
         ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]``, ``explore_every < 1``,
             ``forecast_trees < 1``, ``widen_every < 0`` or ``defaults`` with an unset knob.
@@ -237,7 +240,8 @@ class GoodputPolicy:
     def __init__(self, cost: StepCostModel | None = None, calibrator: AcceptanceCalibrator | None = None,
                  max_budget: int | None = None, explore_every: int = 16, explore_max: int = 128,
                  optimism: float = 0.5, explore_fraction: float = 0.01, schedule: TreeSchedule | None = None,
-                 defaults: TreeKnobs = DEFAULT_KNOBS, forecast_trees: int = 16, widen_every: int = 4):
+                 defaults: TreeKnobs = DEFAULT_KNOBS, forecast_trees: int = 16, widen_every: int = 4,
+                 store=None, save_every: int = 64):
         if not defaults.is_resolved():
             raise ValueError(f"the default tree knobs must all be set (got {defaults})")
         if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
@@ -270,6 +274,19 @@ class GoodputPolicy:
         self._req: dict[str, _ReqState] = {}
         self._skip: set[str] = set()
         self._predicted: float | None = None
+        self.store, self.save_every, self._unsaved = None, save_every, 0
+        if store is not None:
+            self.attach_store(store)
+
+    def attach_store(self, store) -> bool:
+        """Load the calibration ``store`` holds (an earlier start's, as the starting counts) and save
+        this one's there from now on. Returns whether a saved calibration was loaded."""
+        state = store.load()
+        loaded = state is not None and self.cal.load_state(state)
+        self.store = store
+        log.info("acceptance calibration: %s (%s)", "loaded from an earlier start" if loaded else "cold start",
+                 store.key)
+        return loaded
 
     # ----------------------------------------------------------------- helpers
     def _state(self, rid: str) -> _ReqState:
@@ -509,6 +526,7 @@ class GoodputPolicy:
             st.pending.popleft()
             self.cal.observe(tree, cont, st.regime, rid)
             self._curve_cache.pop(st.regime, None)
+            self._unsaved += 1
 
     def observe_step(self, stats) -> None:
         """A step's measured forward (rows, seconds), drafter seconds and wall time (``StepStats``)."""
@@ -540,7 +558,16 @@ class GoodputPolicy:
                 if cont:
                     self.cal.observe(tree, cont, st.regime, None)
                     self._curve_cache.pop(st.regime, None)
+                    self._unsaved += 1
         self.cal.release(rid)
+        if self._unsaved >= self.save_every:
+            self.flush()
+
+    def flush(self) -> None:
+        """Save the calibration to the store now (when one is attached and something new was learnt)."""
+        if self.store is not None and self._unsaved:
+            self.store.save(self.cal.state())
+            self._unsaved = 0
 
 
 def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sweep: bool = True,

@@ -570,6 +570,11 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
                           max_budget=config.spec_max_budget or None, cost_sweep=config.cost_sweep,
                           cost_key=(target_dir.name, str(target.weights), config.device),
                           packed_gemm=config.packed_gemm)
+    if drafter is not None and hasattr(engine.policy, "attach_store"):  # the goodput policy's calibration
+        from services.verifier.calibration_store import CalibrationStore, calibration_key
+
+        engine.policy.attach_store(CalibrationStore(calibration_key(
+            target_dir.name, str(target.weights), config.device, drafter_tag(drafter))))
     cache = engine.runner.cache
     cache.prefix.max_bytes = config.prefix_cache_mib * 2**20
     log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; pages committed as used)",
@@ -579,6 +584,13 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     release_freed_memory()  # what the engine build freed (the cost sweep's activations) leaves the RSS
     log_memory(target, engine)
     return engine, target, target_dir
+
+
+def drafter_tag(drafter: PeerInfo) -> str:
+    """The drafter as its handshake describes it (description, block, tapped layers, methods): the
+    key of its saved acceptance calibration."""
+    layers = ",".join(str(i) for i in drafter.target_layer_ids)
+    return f"{drafter.model or 'drafter'}|K{drafter.block_size}|L{layers}|{','.join(drafter.methods)}"
 
 
 def default_knobs(config: VerifierWorkerConfig):
@@ -645,6 +657,8 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     try:
         worker.event_loop(stop)
     finally:
+        if hasattr(engine.policy, "flush"):
+            engine.policy.flush()  # what this start learnt is the next one's starting calibration
         io.close()
         if heartbeat is not None:
             heartbeat.close()
