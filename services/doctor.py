@@ -105,7 +105,8 @@ def remeasure(target_ref: str | None) -> list[str]:
     target.pack_for_steps(8, 16, 1, lazy=True)
     key = cache_key(target_dir.name, fmt, "cpu", torch.get_num_threads())
     forget_cached(key)
-    samples, source = startup_sweep(lambda rows: time_forward(runner, rows), key, fmt)
+    samples, source = startup_sweep(lambda rows: time_forward(runner, rows), key, fmt,
+                                    threads=torch.get_num_threads())
     pts = " ".join(f"{r}:{s * 1e3:.1f}" for r, s in samples)
     return [f"weights auto -> {fmt}", f"cost sweep ({source}): rows:ms {pts}"]
 

@@ -45,8 +45,9 @@ from services.runtime import WEIGHT_CHOICES as CHOICES, WEIGHT_FORMATS as FORMAT
 Q4_GROUP = 32  # elements per Q4_1 block (ggml QK4_1)
 # bumped when a format's kernels or the way ``auto`` measures change (a cached choice is then
 # measured again); 2: bf16 linears pre-packed for oneDNN (services.cpu_gemm.pack_linears_bf16);
-# 3: candidates by CPU capability, interleaved timing, busy-machine measurements rejected
-KERNELS_VERSION = 3
+# 3: candidates by CPU capability, interleaved timing, busy-machine measurements rejected;
+# 4: fastest time reproduced + the timing process's CPU share (services.timing)
+KERNELS_VERSION = 4
 _Q4_1_BYTES = 20  # fp16 d + fp16 m + 16 bytes of nibbles
 # HF linear name inside a decoder layer -> GGUF tensor name inside ``blk.N``
 _GGUF_LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

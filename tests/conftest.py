@@ -22,7 +22,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_configure(config: pytest.Config) -> None:
     """Pin the target's weight format of every server, CLI and bench the tests start to float32
     (``--weights`` defaults to ``auto``, which measures the machine): the exactness tests are float32
-    ones; the other formats are tested explicitly (tests/engine/test_weights.py)."""
+    ones; the other formats are tested explicitly (tests/engine/test_weights.py). Point the
+    per-machine state caches (weight choice, cost sweeps, oneDNN row verdicts, q4 packs:
+    :mod:`services.machine_cache`) at a temporary directory, so no test reads or writes the user's
+    ``~/.cache/dartree`` state (the converted models stay where they are: ``$DARTREE_CACHE``)."""
     import os
+    import tempfile
 
     os.environ.setdefault("DARTREE_WEIGHTS", "float32")
+    os.environ["DARTREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="dartree-test-state-")

@@ -80,7 +80,8 @@ def build_policy(name: str, runner: ModelRunner, defaults: TreeKnobs = DEFAULT_K
     key = cache_key(model, dtype, device, torch.get_num_threads())
     with lazy_packing_paused():  # the sweep times row counts serving may never run: it packs none
         return pol.goodput_with_sweep(lambda rows: time_forward(runner, rows), key, max_budget, cost_sweep,
-                                      dtype=dtype, schedule=schedule, defaults=defaults)
+                                      dtype=dtype, threads=torch.get_num_threads(), schedule=schedule,
+                                      defaults=defaults)
 
 
 def build_engine(target, drafter, config: EngineConfig = EngineConfig(), *, max_draft_depth: int = 16,

@@ -19,9 +19,11 @@ weight of the old ones by ``forget``), so the model follows a machine whose spee
 ``o`` is an exponential moving average of measured seconds; ``d`` and ``e`` a two-coefficient least-squares fit
 (with forgetting) of each step's drafter wait on its drafting requests and their owed tokens (``d`` alone,
 the moving average, until the owed tokens vary enough to separate the two). A start-up sweep (:func:`startup_sweep`) times a few forwards at every row count
-1 .. 8 and at 9, 17 and 33 (row counts interleaved, a warm-up round excluded) so the first steps
-already have a model; a sweep whose repeats disagree or whose curve is implausible (another process
-on the cores) is taken again once and then replaced by a rule-based curve that is never cached;
+1 .. 8 and at 9, 17 and 33 (row counts interleaved, a warm-up round excluded; each row count's
+fastest time reproduced, :mod:`services.timing`) so the first steps already have a model; a sweep
+taken while another process had the cores (the timing process's CPU share), one whose fastest times
+were never reproduced, or one whose curve is implausible is taken again once and then replaced by a
+rule-based curve that is never cached;
 :func:`load_cached` / :func:`save_cached` keep an accepted sweep per machine / model / dtype.
 
 Source: SmartSpec / TurboSpec use the same "goodput = expected tokens / predicted
@@ -31,7 +33,6 @@ step time" with a linear batch-time model.
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import os
 import platform
@@ -40,12 +41,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.machine_cache import drop_entry, read_entries, state_dir, write_entry
+from services.timing import Timings, busy_reason, time_interleaved, unsteady_reason
+
 log = logging.getLogger("verifier.cost")
 
 # every row count of a small step (1 .. 8: the int4 kernel's 4-row tile edge shows), the CPU default
 # tree's verify (9) and two larger steps
 SWEEP_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33)
-MAX_SPREAD = 1.5  # repeats of one row count may differ by this factor (max / min) at most
 # extra seconds per extra row, as a fraction of a one-row forward, of the rule-based curve
 RULE_SLOPE = {"float32": 0.1, "default": 0.03}
 
@@ -233,77 +236,32 @@ class StepCostModel:
         self._hull = None
 
 
-def _sweep_times(run_rows: Callable[[int], float], rows: Iterable[int], repeats: int,
-                 max_spread: float | None = None) -> dict[int, list[float]]:
-    """Row count -> ``repeats`` timed seconds, row counts interleaved (1 2 ... 33, 1 2 ... 33, ...)
-    after one untimed warm-up round, so a disturbance lands on every row count alike. With
-    ``max_spread``, stops after a round in which some row count's times already disagree by more
-    (:func:`outliers`, :func:`tolerated_outliers`): more rounds cannot make them agree."""
-    rows = [int(r) for r in rows]
-    out: dict[int, list[float]] = {r: [] for r in rows}
-    for i in range(max(repeats, 1) + 1):
-        for r in rows:
-            t = run_rows(r)
-            if i:
-                out[r].append(t)
-        if max_spread and i > 1 and any(outliers(ts, max_spread) > tolerated_outliers(repeats) for ts in out.values()):
-            break
-    return out
+def sweep_times(run_rows: Callable[[int], float], rows: Iterable[int] = SWEEP_ROWS, max_rounds: int = 8,
+                min_rounds: int = 3, threads: int = 1) -> Timings:
+    """Row count -> timed seconds of ``run_rows(R)`` (one forward of R rows, returning its seconds),
+    row counts interleaved (1 2 ... 33, 1 2 ... 33, ...) after one untimed warm-up round, until every
+    row count's fastest time is reproduced (:func:`services.timing.time_interleaved`)."""
+    calls = {int(r): (lambda r=int(r): run_rows(r)) for r in rows}
+    return time_interleaved(calls, max_rounds, min_rounds, threads=threads)
 
 
-def outliers(ts: list[float], max_spread: float) -> int:
-    """How many of ``ts`` exceed ``max_spread`` times their minimum (a count that only grows as
-    repeats are added, so a measurement can stop once it is too high)."""
-    lo = min(ts)
-    return sum(t > max_spread * lo for t in ts)
+def calibration_sweep(run_rows: Callable[[int], float], rows: Iterable[int] = SWEEP_ROWS, max_rounds: int = 8,
+                      threads: int = 1) -> list[tuple[int, float]]:
+    """``[(rows, seconds)]``: each row count's fastest time reproduced (:func:`sweep_times`), so a slow
+    call (another process on the core, a slow phase of a VM) does not skew the fit."""
+    return sorted(sweep_times(run_rows, rows, max_rounds, threads=threads).estimates().items())
 
 
-def repeat_spread(ts: list[float]) -> float:
-    """Spread of one step's repeats (unitless): the middle repeat (upper median of the sorted times)
-    over the fastest. Slow repeats fewer than half of them are transients (a page fault, a collector
-    pause, an OpenMP barrier waiting on a core the kernel lent elsewhere: ~2x on a 2-core VM even
-    when idle); when half or more are slow the machine was busy. ``inf`` when the minimum is not > 0.
-
-    Raises:
-        ValueError: ``ts`` is empty.
-    """
-    if not ts:
-        raise ValueError("repeat_spread needs at least one time")
-    xs = sorted(ts)
-    return xs[len(xs) // 2] / xs[0] if xs[0] > 0 else float("inf")
-
-
-def tolerated_outliers(repeats: int) -> int:
-    """How many of ``repeats`` times may exceed the spread limit before :func:`repeat_spread` does:
-    ``repeats - repeats // 2 - 1`` (a measurement may stop as soon as more are seen)."""
-    return max(repeats - repeats // 2 - 1, 0)
-
-
-def _median(ts: list[float]) -> float:
-    ts = sorted(ts)
-    return ts[len(ts) // 2]
-
-
-def calibration_sweep(run_rows: Callable[[int], float], rows: Iterable[int] = SWEEP_ROWS, repeats: int = 3
-                      ) -> list[tuple[int, float]]:
-    """Time ``run_rows(R)`` (one forward of R rows, returning its seconds) at each row count.
-
-    One warm-up round over the row counts, then ``repeats`` rounds, row counts interleaved; the median of
-    each row count is returned, so one slow call (another process on the core) does not skew the fit.
-
-    Returns:
-        ``[(rows, median seconds)]``.
-    """
-    return [(r, _median(ts)) for r, ts in _sweep_times(run_rows, rows, repeats).items()]
-
-
-def sweep_disagreement(times: dict[int, list[float]], max_spread: float = MAX_SPREAD) -> str | None:
-    """Why repeats of a sweep cannot be trusted (one line: the row count whose max / min exceeds
-    ``max_spread`` by :func:`repeat_spread`), or None."""
-    for r, ts in sorted(times.items()):
-        lo, hi = min(ts), max(ts)
-        if repeat_spread(ts) > max_spread:
-            return f"{r}-row repeats disagree ({lo * 1e3:.1f}-{hi * 1e3:.1f} ms)"
+def sweep_rejection(t: Timings) -> str | None:
+    """Why a sweep cannot be trusted (one line), or None: another process had the cores, or a row
+    count's fastest time was never reproduced (:mod:`services.timing`), or its curve is not
+    :func:`plausible`."""
+    why = busy_reason(t) or unsteady_reason(t, lambda r: f"{r}-row", unit=1e3)
+    if why:
+        return why
+    samples = sorted(t.estimates().items())
+    if not plausible(samples):
+        return "the curve is not plausible: " + ", ".join(f"{r}:{s * 1e3:.1f}" for r, s in samples) + " ms"
     return None
 
 
@@ -316,14 +274,14 @@ def rule_curve(one_row_seconds: float, dtype: str, rows: Iterable[int] = SWEEP_R
 
 
 def startup_sweep(run_rows: Callable[[int], float], key: str, dtype: str, path: Path | None = None,
-                  rows: Iterable[int] = SWEEP_ROWS, repeats: int = 4, tries: int = 2
+                  rows: Iterable[int] = SWEEP_ROWS, max_rounds: int = 8, tries: int = 2, threads: int = 1
                   ) -> tuple[list[tuple[int, float]], str]:
     """The start-up samples of the cost model and where they come from (one line).
 
     A cached sweep is used while :func:`plausible` and :func:`still_valid`. Else a sweep is taken
-    (:func:`_sweep_times`) and accepted when its repeats agree (:func:`sweep_disagreement`) and its
-    curve is :func:`plausible`; it is then cached. After ``tries`` rejected sweeps the rule's curve
-    (:func:`rule_curve`, from the fastest one-row time seen) is used and nothing is cached.
+    (:func:`sweep_times`, at ``threads`` intra-op threads) and accepted unless
+    :func:`sweep_rejection` finds a reason; it is then cached. After ``tries`` rejected sweeps the
+    rule's curve (:func:`rule_curve`, from the fastest one-row time seen) is used and nothing is cached.
     """
     cached = load_cached(key, path)
     if cached is not None and plausible(cached) and still_valid(cached, run_rows):
@@ -331,15 +289,14 @@ def startup_sweep(run_rows: Callable[[int], float], key: str, dtype: str, path: 
     note = "cached sweep no longer matches this machine's speed; " if cached is not None else ""
     one_row, why = [], ""
     for _ in range(max(tries, 1)):
-        times = _sweep_times(run_rows, rows, repeats, MAX_SPREAD)
-        samples = [(r, _median(ts)) for r, ts in times.items()]
-        one_row += times.get(min(times), [])
-        why = sweep_disagreement(times) or ("" if plausible(samples) else "the curve is not plausible: "
-                                            + ", ".join(f"{r}:{t * 1e3:.1f}" for r, t in samples) + " ms")
+        t = sweep_times(run_rows, rows, max_rounds, threads=threads)
+        one_row += t.times.get(min(t.times), [])
+        why = sweep_rejection(t) or ""
         if not why:
+            samples = sorted(t.estimates().items())
             save_cached(key, samples, path)
             return samples, note + "sweep"
-    return rule_curve(min(one_row), dtype, rows), (f"{note}rule-based curve ({why}; machine busy?), not cached; "
+    return rule_curve(min(one_row), dtype, rows), (f"{note}rule-based curve ({why}), not cached; "
                                                   "real steps will correct it")
 
 
@@ -366,16 +323,19 @@ def plausible(samples: list[tuple[int, float]], slack: float = 1.5) -> bool:
     return all(t > 0 for _, t in pts)
 
 
-def still_valid(samples: list[tuple[int, float]], run_rows: Callable[[int], float], tol: float = 0.35,
-                repeats: int = 3) -> bool:
+def still_valid(samples: list[tuple[int, float]], run_rows: Callable[[int], float], faster: float = 0.35,
+                slower: float = 1.75, repeats: int = 3) -> bool:
     """Re-time the smallest and the largest row count of a cached sweep (a warm-up and ``repeats``
-    calls each, median): False when either is off by more than ``tol`` (relative), e.g. the cache was
-    taken under load or the machine changed speed."""
+    calls each): False when either's fastest call is more than ``faster`` (relative) below its cached
+    figure (the cache was taken under load) or above ``slower`` times it (the machine is slower now).
+    Lopsided because noise only makes calls slower: on an idle 2-core VM the same step runs 1.0-1.6x
+    its fastest time in phases of seconds, and the cached figure is a fastest time reproduced.
+    Real steps correct the level of the curve anyway (:meth:`StepCostModel._points`)."""
     pts = sorted(samples)
     for r, t in (pts[0], pts[-1]):
         run_rows(r)
-        times = sorted(run_rows(r) for _ in range(max(repeats, 1)))
-        if abs(times[len(times) // 2] - t) > tol * t:
+        fastest = min(run_rows(r) for _ in range(max(repeats, 1)))
+        if fastest < (1 - faster) * t or fastest > slower * t:
             return False
     return True
 
@@ -388,43 +348,26 @@ def cache_key(model: str, dtype: str, device: str, threads: int | None = None) -
 
 
 def default_cache_path() -> Path:
-    """``$DARTREE_CACHE_DIR/cost_model.json`` (default ``~/.cache/dartree``)."""
-    return Path(os.environ.get("DARTREE_CACHE_DIR", Path.home() / ".cache" / "dartree")) / "cost_model.json"
+    """``<state dir>/cost_model.json`` (:func:`services.machine_cache.state_dir`)."""
+    return state_dir() / "cost_model.json"
 
 
 def load_cached(key: str, path: Path | None = None, max_age_s: float = 7 * 86400) -> list[tuple[int, float]] | None:
     """A cached sweep for ``key`` younger than ``max_age_s`` (None when absent, stale or unreadable)."""
-    path = path or default_cache_path()
+    entry = read_entries(path or default_cache_path()).get(key)
+    if not isinstance(entry, dict) or time.time() - entry.get("time", 0) > max_age_s:
+        return None
     try:
-        entry = json.loads(path.read_text()).get(key)
-    except (OSError, ValueError):
+        return [(int(r), float(s)) for r, s in entry["samples"]]
+    except (KeyError, TypeError, ValueError):
         return None
-    if not entry or time.time() - entry.get("time", 0) > max_age_s:
-        return None
-    return [(int(r), float(s)) for r, s in entry["samples"]]
 
 
 def forget_cached(key: str, path: Path | None = None) -> None:
     """Drop the cached sweep of ``key`` (best effort)."""
-    path = path or default_cache_path()
-    try:
-        data = json.loads(path.read_text())
-        if data.pop(key, None) is not None:
-            path.write_text(json.dumps(data, indent=1))
-    except (OSError, ValueError, AttributeError):
-        pass
+    drop_entry(path or default_cache_path(), key)
 
 
 def save_cached(key: str, samples: list[tuple[int, float]], path: Path | None = None) -> None:
     """Store a sweep under ``key`` (best effort: an unwritable cache only logs)."""
-    path = path or default_cache_path()
-    try:
-        data = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        data = {}
-    data[key] = {"time": time.time(), "samples": samples}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1))
-    except OSError as exc:
-        log.warning("could not write the cost-model cache %s: %s", path, exc)
+    write_entry(path or default_cache_path(), key, {"samples": [[int(r), float(t)] for r, t in samples]})
