@@ -95,6 +95,8 @@ DRAFTER_BUSY = "dartree_verifier_drafter_busy_seconds_total"
 KV_SLOTS = "dartree_kv_slots"
 PREFIX_QUERIED = "dartree_prefix_cache_queried_tokens_total"
 PREFIX_HITS = "dartree_prefix_cache_hit_tokens_total"
+PREFIX_COPIED = "dartree_prefix_cache_copied_tokens_total"
+PREFIX_WAITS = "dartree_prefix_cache_prefill_waits_total"
 PREFIX_EVICTIONS = "dartree_prefix_cache_evictions_total"
 PREFIX_CACHED = "dartree_prefix_cache_cached_tokens"
 PREFIX_BYTES = "dartree_prefix_cache_bytes"
@@ -207,12 +209,18 @@ class VerifierMetrics:
                                       "cache.", registry=r)
         self.prefix_hits = Counter(PREFIX_HITS, "Prompt tokens served from a cached prefix (not prefilled); "
                                    "hit / queried = the prefix-cache hit rate.", registry=r)
+        self.prefix_copied = Counter(PREFIX_COPIED, "Of the hit tokens, those copied from another KV slot (a "
+                                     "running request's committed prompt or another slot's cached prefix) instead "
+                                     "of reused in place; hit - copied = the in-place hits.", registry=r)
+        self.prefix_waits = Counter(PREFIX_WAITS, "Requests that waited for another request's prefill of the prompt "
+                                    "they share (n choices, identical concurrent prompts) instead of prefilling it.",
+                                    registry=r)
         self.prefix_evictions = Counter(PREFIX_EVICTIONS, "Cached prefixes dropped to give their slot to another "
                                         "request or to stay within --prefix-cache-mib.", registry=r)
         self.prefix_cached = Gauge(PREFIX_CACHED, "Positions cached in free KV slots.", registry=r)
         self.prefix_bytes = Gauge(PREFIX_BYTES, "Bytes cached prefixes hold beyond the reserved KV slots (target "
                                   "feature rows and token ids), bounded by --prefix-cache-mib.", registry=r)
-        self._prefix_seen = (0, 0, 0)
+        self._prefix_seen = (0, 0, 0, 0, 0)
         self.policy_budget = Histogram(POLICY_BUDGET, "Draft nodes verified per decode round, as the speculation "
                                        "policy chose them (0 = plain decoding).", ["method"], buckets=BUDGET_BUCKETS,
                                        registry=r)
@@ -230,15 +238,19 @@ class VerifierMetrics:
         self.ipc_errors = _ipc_errors(r)
         _info(r, role="verifier", **info)
 
-    def observe_prefix_cache(self, queried: int, hits: int, evictions: int, cached: int) -> None:
-        """The prefix cache's running totals (:class:`services.verifier.prefix_cache.PrefixStats`):
-        the counters advance by what changed since the last call; ``cached`` positions set the gauge."""
-        seen = self._prefix_seen
-        for counter, now, before in zip((self.prefix_queried, self.prefix_hits, self.prefix_evictions),
-                                        (queried, hits, evictions), seen):
-            if now > before:
-                counter.inc(now - before)
-        self._prefix_seen = (max(queried, seen[0]), max(hits, seen[1]), max(evictions, seen[2]))
+    def observe_prefix_cache(self, queried: int, hits: int, evictions: int, cached: int, copied: int = 0,
+                             waits: int = 0) -> None:
+        """The prefix cache's running totals (:class:`services.verifier.prefix_cache.PrefixStats`;
+        ``copied``: hit tokens copied from another slot, ``waits``: requests that waited for another's
+        prefill): the counters advance by what changed since the last call; ``cached`` positions
+        set the gauge."""
+        now = (queried, hits, evictions, copied, waits)
+        counters = (self.prefix_queried, self.prefix_hits, self.prefix_evictions, self.prefix_copied,
+                    self.prefix_waits)
+        for counter, value, before in zip(counters, now, self._prefix_seen):
+            if value > before:
+                counter.inc(value - before)
+        self._prefix_seen = tuple(max(a, b) for a, b in zip(now, self._prefix_seen))
         self.prefix_cached.set(cached)
 
     def observe_policy_round(self, method: str, num_draft_tokens: int, predicted_tau: float | None,

@@ -33,6 +33,7 @@ from services.tree.grammar import GrammarState, mask_logits
 from services.tree.logit_processors import LogitOptions, path_counts, process_logits, sample_processed, token_counts
 from services.verifier.drafter_client import DraftJob, DrafterClient
 from services.verifier.policy import Drafted, FixedPolicy, RoundInfo
+from services.verifier.prefix_cache import Placement, common_prefix
 from services.verifier.runner import ModelRunner
 from services.verifier.scheduler import Candidate, StepPlan, plan_step
 
@@ -151,6 +152,8 @@ class RoundOutput:
         grammar_masked: draft nodes the request's grammar forbade (never accepted; 0 without a grammar).
         drafted: the round called the drafter (False for plain rounds the policy chose, ``ar``, prefill).
         predicted_tau: the policy's expected emitted tokens of the verified tree (None: no prediction).
+        cached_tokens: with ``is_prefill``, the prompt tokens that were not prefilled (reused in place
+            or copied from another slot; :mod:`services.verifier.prefix_cache`).
     """
 
     token_ids: list[int]
@@ -165,8 +168,7 @@ class RoundOutput:
     drafted: bool = False
     predicted_tau: float | None = None
     grammar_masked: int = 0
-
-
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -194,6 +196,9 @@ class _Request:
     prompt_mask: torch.Tensor | None = None  # [V] bool, prompt tokens (with repetition_penalty)
     grammar: GrammarState | None = None     # the output's grammar, at the emitted tokens
     grammar_masked: int = 0                 # draft nodes the grammar forbade in the last round
+    wait_for: str | None = None             # the request whose prefill this one waits for (prefix sharing)
+    wait_len: int = 0                       # ... until it has committed this many shared prompt positions
+    cached: int = 0                         # prompt positions not prefilled (reused in place or copied)
 
     @property
     def decoding(self) -> bool:
@@ -222,7 +227,9 @@ class EngineConfig:
             eagerly, the CPU test of the padding).
         prefix_cache: a finished request's slot keeps its committed KV (and target features) as a
             cached prefix; a new request takes the free slot sharing the longest prefix with its
-            prompt and prefills only the rest (:mod:`services.verifier.prefix_cache`). Same tokens.
+            prompt, or copies the leading columns another slot has committed, or waits for a
+            request prefilling the same prompt, and prefills only the rest
+            (:mod:`services.verifier.prefix_cache`). Same tokens. False: every prompt is prefilled.
     """
 
     max_context: int | None = None
@@ -345,17 +352,19 @@ class SpecEngine:
         """KV slots not held by a request."""
         return self.runner.cache.num_free()
 
-    def prefix_cache_stats(self) -> tuple[int, int, int, int]:
-        """``(queried, hits, evictions, cached)``: prompt tokens looked up in the prefix cache, those
-        served from a cached prefix, prefixes evicted (running totals), positions cached now."""
+    def prefix_cache_stats(self) -> tuple[int, int, int, int, int, int]:
+        """``(queried, hits, evictions, cached, copied, waits)``: prompt tokens looked up in the
+        prefix cache, those not prefilled (reused in place or copied), prefixes evicted, positions
+        cached now, prompt tokens copied from another slot, requests that waited for another's
+        prefill (running totals but ``cached``; :class:`~services.verifier.prefix_cache.PrefixStats`)."""
         pc = self.runner.cache.prefix
-        return pc.stats.queried_tokens, pc.stats.hit_tokens, pc.stats.evictions, pc.cached_tokens()
+        st = pc.stats
+        return st.queried_tokens, st.hit_tokens, st.evictions, pc.cached_tokens(), st.copied_tokens, st.waits
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     spec: SpecParams) -> None:
         """Admit a request and give it a KV slot (prefill happens over its first steps). With the
-        prefix cache, the slot is the free one sharing the longest prefix with the prompt and only
-        the rest of the prompt is prefilled (:meth:`SlotKVCache.alloc_prefix`).
+        prefix cache only the part of the prompt no slot holds yet is prefilled (:meth:`_place`).
 
         Raises:
             ValueError: empty prompt, ids outside the vocabulary, prompt + max_tokens beyond the
@@ -381,15 +390,93 @@ class SpecEngine:
         seed = sampling.seed  # unseeded T > 0: a seed from torch's global RNG (torch.manual_seed fixes it)
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item()) if sampling.temperature > 0 else 0
-        # with a drafter, cached prefixes carry their target features: the drafter's context of a
-        # request reusing a prefix is rebuilt from exactly the rows a cold prefill would produce
-        slot, reused, feats = self.runner.cache.alloc_prefix(list(prompt_ids), need_features=self.drafter is not None)
-        req = _Request(list(prompt_ids), sampling, spec, slot=slot, prefilled=reused, sample_seed=seed)
-        if reused and feats is not None:
-            req.chunk_feats.append(feats)
+        req = _Request(list(prompt_ids), sampling, spec, sample_seed=seed)
+        self._place(request_id, req)
         req.grammar = grammar
         self._set_logit_opts(req)
         self._reqs[request_id] = req
+
+    # ------------------------------------------------------------------ prefix sharing (prefix_cache.py)
+
+    def _place(self, rid: str, req: _Request) -> None:
+        """Give a new request its slot and the prompt positions it need not prefill: a cached
+        prefix reused in place, or the leading columns another slot has committed copied into its
+        own slot (:meth:`PrefixCache.plan`); or, when a request still prefilling shares at least
+        ``min_copy`` positions more, wait for that prefill (:meth:`_resolve_waits`). With a drafter
+        the reused positions' target features come along, so the drafter's context is rebuilt from
+        exactly the rows a cold prefill would produce."""
+        cache = self.runner.cache
+        pc, need = cache.prefix, self.drafter is not None
+        plan = pc.plan(cache.free_slots(), req.prompt_ids, need, self._committed(rid) if pc.enabled else None)
+        lead, lead_len = self._leader(rid, req.prompt_ids) if pc.enabled else (None, 0)
+        if lead is not None and lead_len >= max(plan.reused, plan.copied) + pc.min_copy:
+            plan = Placement(pc.victim(cache.free_slots()))
+            req.wait_for, req.wait_len = lead, lead_len
+            pc.stats.waits += 1
+        req.slot = plan.slot
+        req.prefilled, feats = cache.take(plan)
+        req.cached = req.prefilled
+        if need and plan.copied and feats is None:
+            feats = self._committed_feats(plan.source, plan.copied)
+        if req.prefilled and feats is not None:
+            req.chunk_feats.append(feats)
+
+    def _committed(self, exclude: str) -> dict[int, list[int]]:
+        """``{slot: ids}`` of every other running request's committed positions (copy sources)."""
+        out = {}
+        for rid, r in self._reqs.items():
+            ids = r.hist_ids if r.decoding else r.prompt_ids[:r.prefilled]
+            if rid != exclude and r.wait_for is None and ids:
+                out[r.slot] = ids
+        return out
+
+    def _committed_feats(self, slot: int, n: int) -> torch.Tensor:
+        """``[n, F]`` target features of the first ``n`` committed positions of the running request
+        in ``slot`` (a copy, never a view of its step's features)."""
+        req = next(r for r in self._reqs.values() if r.slot == slot and r.wait_for is None)
+        parts, have = [], 0
+        for f in (req.hist_feats if req.decoding else req.chunk_feats):
+            if have >= n:
+                break
+            parts.append(f[:n - have])
+            have += parts[-1].shape[0]
+        return torch.cat(parts)
+
+    def _leader(self, rid: str, prompt: list[int]) -> tuple[str | None, int]:
+        """``(request id, n)``: the other request still prefilling (and not waiting itself) whose
+        prompt shares the most leading positions with ``prompt``, ``n`` capped at ``len(prompt) - 1``."""
+        best, best_len = None, 0
+        for other, r in self._reqs.items():
+            if other != rid and not r.decoding and r.wait_for is None:
+                n = min(common_prefix(r.prompt_ids, prompt), len(prompt) - 1)
+                if n > best_len:
+                    best, best_len = other, n
+        return best, best_len
+
+    def _resolve_waits(self, force: frozenset[str] = frozenset()) -> None:
+        """Start every waiting request whose leader has committed the shared positions, finished,
+        or left (abort, error: the waiting request then takes whatever another slot has committed,
+        waits for another request prefilling the prompt, or prefills it itself; nothing an aborted
+        request wrote is read). A request in ``force`` starts now, from what is committed."""
+        cache = self.runner.cache
+        pc, need = cache.prefix, self.drafter is not None
+        for rid, req in list(self._reqs.items()):
+            if req.wait_for is None:
+                continue
+            lead = self._reqs.get(req.wait_for)
+            if rid not in force and lead is not None and not lead.decoding and lead.prefilled < req.wait_len:
+                continue
+            req.wait_for = None
+            sources = {**pc.copy_sources(cache.free_slots(), need), **self._committed(rid)}
+            src, n = pc.longest(req.prompt_ids, sources)
+            lead, lead_len = self._leader(rid, req.prompt_ids) if rid not in force else (None, 0)
+            if lead is not None and lead_len >= n + pc.min_copy:
+                req.wait_for, req.wait_len = lead, lead_len
+            elif n >= pc.min_copy:
+                feats = cache.copy_prefix(src, req.slot, n)
+                req.prefilled = req.cached = n
+                if need:
+                    req.chunk_feats = [feats if feats is not None else self._committed_feats(src, n)]
 
     def compile_grammar(self, grammar: str) -> GrammarState:
         """A request's :class:`GrammarState` for an llguidance ``grammar`` (a JSON schema's, from
@@ -467,6 +554,7 @@ class SpecEngine:
         Raises:
             KeyError: unknown request id; whatever its round raised (the request is then freed).
         """
+        self._resolve_waits(force=frozenset([request_id]))  # alone: no other request's prefill to wait for
         while True:
             out = self.step_batch([request_id])[request_id]
             if isinstance(out, BaseException):
@@ -484,16 +572,21 @@ class SpecEngine:
 
         Args:
             request_ids: candidates in priority order (each at most once).
+        A request waiting for another's prefill (prefix sharing: :meth:`_place`) sits steps out
+        until that prefill has committed the prompt positions they share; then the positions are
+        copied into its slot and it prefills the rest.
+
         Returns:
             For each request that ran: its :class:`RoundOutput`, ``None`` for a prompt chunk that
             emitted nothing yet, or the exception its round raised (that request is freed; the
-            others are unaffected). Requests left out of the step are absent.
+            others are unaffected). Requests left out of the step (or waiting) are absent.
         Raises:
             KeyError: unknown request id. An error of the shared forward itself propagates (every
             request of the step is freed).
         """
         t_step = time.perf_counter()
-        plan = self.plan_step(request_ids)
+        self._resolve_waits()
+        plan = self.plan_step([r for r in request_ids if self._reqs[r].wait_for is None])
         reqs = {e.rid: self._reqs[e.rid] for e in plan.entries}
         infos = {e.rid: RoundInfo(e.rid, reqs[e.rid].spec.method, reqs[e.rid].sampling.temperature,
                                   can_draft=e.can_draft, explicit_budget=reqs[e.rid].spec.budget is not None,
@@ -509,6 +602,7 @@ class SpecEngine:
         if not items:
             return results
         self._execute(items, results)
+        self._resolve_waits()  # copy a just-committed prefix now: a later admission may take its slot
         draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in items)
         wait_s = submit_wait + sum(p.timings.get("draft_wait", 0.0) for p in items)
         self.last_step = StepStats(len(items), sum(p.segment.num_rows for p in items),
@@ -824,7 +918,8 @@ class SpecEngine:
             self._queue_next(item.rid, req)
         dt = req.prefill_seconds + time.perf_counter() - t0
         return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True,
-                           logprobs=self._logprobs(req, logits, torch.zeros(1, dtype=torch.long), ids))
+                           logprobs=self._logprobs(req, logits, torch.zeros(1, dtype=torch.long), ids),
+                           cached_tokens=req.cached)
 
     def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams):
         """Yield :class:`RoundOutput` until the request finishes (convenience for CLI and tests)."""

@@ -13,7 +13,9 @@ sets the slot's length. Freeing a slot only resets its length: nothing is read p
 Prefix caching (:mod:`services.verifier.prefix_cache`): a slot freed with its committed token ids
 keeps its KV as a cached prefix; :meth:`SlotKVCache.alloc_prefix` hands a new request the free slot
 with the longest common prefix and starts its length there, :meth:`SlotKVCache.alloc` (no prompt)
-takes a slot caching nothing before evicting the least recently used prefix.
+takes a slot caching nothing before evicting the least recently used prefix. A request may also
+start from another slot's committed columns: :meth:`SlotKVCache.copy_prefix` copies them into its
+own slot (:meth:`SlotKVCache.take` carries out a :meth:`PrefixCache.plan`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from services.verifier.prefix_cache import PrefixCache
+from services.verifier.prefix_cache import Placement, PrefixCache
 
 
 class KVCacheTooLarge(MemoryError, ValueError):
@@ -104,10 +106,11 @@ class SlotKVCache:
         return slot
 
     def alloc_prefix(self, prompt: list[int], need_features: bool = False) -> tuple[int, int, Tensor | None]:
-        """Take the free slot whose cached prefix shares the most leading tokens with ``prompt``
-        (:meth:`PrefixCache.match`: at most ``len(prompt) - 1``; LRU among ties; a match reusing
-        under ``min_share`` of its slot only when no free slot caches nothing), its length set to
-        the reused positions; without a match, :meth:`alloc`'s slot.
+        """Take the free slot :meth:`PrefixCache.plan` picks for ``prompt`` with the free slots'
+        cached prefixes as the only sources: the one sharing the most leading tokens reused in place
+        (at most ``len(prompt) - 1``; LRU among ties; a match reusing under ``min_share`` of its
+        slot only when no free slot caches nothing), or a longer one copied into another slot;
+        without a match, :meth:`alloc`'s slot.
 
         Returns:
             ``(slot, reused, features)``: ``reused`` positions ``[0, reused)`` already hold the
@@ -119,15 +122,70 @@ class SlotKVCache:
         """
         if not self._free:
             raise RuntimeError(f"all {self.num_slots} KV slots are in use")
-        slot, reused = self.prefix.match(self._free, prompt, need_features)
-        if reused == 0:
-            return self.alloc(), 0, None
-        entry = self.prefix.entry(slot)
-        feats = entry.features[:reused] if entry.features is not None else None
-        self.prefix.drop(slot)  # owned by the request now; its finish may cache the slot again
+        plan = self.prefix.plan(self._free, prompt, need_features)
+        reused, feats = self.take(plan)
+        return plan.slot, reused, feats
+
+    def free_slots(self) -> list[int]:
+        """The free slots (a copy of the list)."""
+        return list(self._free)
+
+    def take(self, placement: Placement) -> tuple[int, Tensor | None]:
+        """Carry out a :meth:`PrefixCache.plan`: take ``placement.slot`` out of the free list (its
+        cached prefix dropped; counted as an eviction unless reused in place) with its length at
+        the reused positions, then copy ``placement.copied`` leading columns from
+        ``placement.source`` into it (:meth:`copy_prefix`). Counts the hit.
+
+        Returns:
+            ``(prefilled, features)``: positions ``[0, prefilled)`` of the slot now hold the
+            prompt's KV; ``features [prefilled, F]`` their cached target features when the reused or
+            copied prefix was a cached one with features (None otherwise: a copy from a running
+            slot leaves the features to its owner's caller).
+        Raises:
+            ValueError: the slot is not free, or the copy is not allowed (:meth:`copy_prefix`).
+        """
+        slot, reused = placement.slot, placement.reused
+        if slot not in self._free:
+            raise ValueError(f"slot {slot} is not free")
+        entry = self.prefix.entry(slot) if reused else None
+        feats = entry.features[:reused] if entry is not None and entry.features is not None else None
+        self.prefix.drop(slot, eviction=reused == 0)
         self._free.remove(slot)
         self._lengths[slot] = reused
-        return slot, reused, feats
+        self.prefix.count_hit(reused)
+        if placement.copied:
+            feats = self.copy_prefix(placement.source, slot, placement.copied)
+        return self._lengths[slot], feats
+
+    @torch.inference_mode()
+    def copy_prefix(self, src: int, dst: int, n: int) -> Tensor | None:
+        """Copy columns ``[0, n)`` of every layer's keys and values from slot ``src`` into the
+        taken slot ``dst`` and set ``dst``'s length to ``n`` (2 x layers copies of ``[H_kv, n, Dh]``:
+        2,000 positions of SmolLM2-135M are 46 MB in float32). Read-only on ``src``: only its
+        committed columns (a running slot's length, a free slot's cached prefix) are copied, and
+        its owner writes only past its committed length. Counts a copied hit.
+
+        Returns:
+            ``features [n, F]`` of a cached source prefix (None: a running source, or cached
+            without features).
+        Raises:
+            ValueError: ``dst`` is free or holds positions, ``src == dst``, or ``n`` is beyond the
+                source's committed positions.
+        """
+        if dst in self._free or self._lengths[dst] != 0 or src == dst:
+            raise ValueError(f"cannot copy into slot {dst}: it must be taken, empty and not the source {src}")
+        entry = self.prefix.entry(src) if src in self._free else None
+        have = len(entry.tokens) if entry is not None else (0 if src in self._free else self._lengths[src])
+        if not 0 < n <= have:
+            raise ValueError(f"slot {src} holds {have} committed positions; cannot copy {n}")
+        for k, v in zip(self.keys, self.values):
+            k[dst, :, :n] = k[src, :, :n]
+            v[dst, :, :n] = v[src, :, :n]
+        self._lengths[dst] = n
+        self._clean[dst] = max(self._clean[dst], n)
+        self.prefix.touch(src)
+        self.prefix.count_hit(n, copied=True)
+        return entry.features[:n] if entry is not None and entry.features is not None else None
 
     def reserve(self, slot: int) -> None:
         """Take ``slot`` out of the free list for good (a runner's scratch slot for padding rows).

@@ -11,14 +11,38 @@ that shares only a chat template's preamble with a cached one does not overwrite
 a match is taken from the free slots that cache nothing first, then the least recently used (an
 *eviction*).
 
+Sharing across slots. A prefix is reused *in place* only by the request that takes its slot, so
+a prefix also serves others by **copy**: :meth:`PrefixCache.plan` looks at every slot's committed
+columns -- the free slots' cached prefixes and the running requests' committed positions (their
+prompt so far while prefilling, prompt plus accepted tokens while decoding) -- and when one shares
+at least ``min_copy`` positions more with the prompt than the in-place choice, the request takes a
+slot caching nothing (else the least recently used) and
+:meth:`~services.verifier.kv_cache.SlotKVCache.copy_prefix` copies those leading columns (every
+layer's K and V) and their target feature rows into it; only the rest is prefilled. Copying is
+read-only on the source: columns below a slot's committed length never change while its owner runs
+(verify rows land past it), and nothing past it is ever copied. A copy of 2,000 positions of
+SmolLM2-135M is a 46 MB memcpy, a few ms against seconds of prefill. This covers the n-th user of
+a long system prompt while the slots caching it are running, and a new conversation that shares
+only part of a cached one (a weak match: it copies that part into another slot and both stay
+cached).
+
+**Waiting for a prefill.** Requests that arrive together with the same prompt (the ``n`` choices of
+one request, which the gateway runs as ``n`` engine requests, or identical prompts of different
+clients) would otherwise all prefill it. A new request whose prompt shares at least ``min_copy``
+positions more with a request still prefilling (the *leader*) than anything committed now waits
+(``SpecEngine._place``): it holds its slot but sits steps out until the leader has committed the
+shared positions, then copies them and prefills only the rest (one token for an identical prompt)
+with its own sampling seed. If the leader is aborted or fails first, the waiting requests take
+whatever is committed elsewhere, wait for another request prefilling the prompt, or prefill it
+themselves; nothing an aborted request wrote is read.
+
 Why per slot, not vLLM's hashed blocks or SGLang's radix tree: the KV layout is one contiguous
 ``[S, H_kv, C, Dh]`` row per slot (:class:`~services.verifier.kv_cache.SlotKVCache`), verify rows
 are written and compacted in place past the committed length, and a slot is owned by one running
-request at a time. Reusing a slot's own leading columns needs no block table, no copy, no reference
+request at a time. Reusing a slot's own leading columns needs no block table and no reference
 counts, and no request ever writes columns another request reads (the speculative rows of a tree
-verify land past the committed length of the slot's only owner). The cost: two conversations that
-share a system prompt do not share its KV at the same time; a chat client resending its growing
-conversation hits in full.
+verify land past the committed length of the slot's only owner). The cost of sharing is the copy:
+two requests sharing a system prompt each hold its KV in their own slot.
 
 Speculation stays intact because the cache keeps, next to each committed position's KV, the target
 features the drafter's context is built from: a request that reuses ``m`` positions hands the
@@ -35,7 +59,7 @@ SmolLM2-135M with the 5-layer DARTree drafter taps ``F = 5 x 576``, 11.25 KiB a 
 and its token id (counted as :data:`ID_BYTES`). That is :meth:`PrefixCache.nbytes`; ``max_bytes``
 (``--prefix-cache-mib``) bounds it: storing a prefix that takes the total past the bound evicts the
 least recently used prefixes (the new one last) until it fits. Only free slots cache prefixes, so a
-running request's KV is never evicted.
+running request's KV is never evicted (a copy only writes into the slot its own request took).
 """
 
 from __future__ import annotations
@@ -66,15 +90,39 @@ class PrefixEntry:
 @dataclass
 class PrefixStats:
     """Counters since start: ``queried_tokens`` prompt tokens looked up, ``hit_tokens`` of them
-    served from a cached prefix, ``hits`` requests with a non-empty hit, ``evictions`` cached
-    prefixes dropped to give their slot to another request (or to scratch work) or to keep the
-    cache within its memory bound (``bound_evictions`` of them)."""
+    served from a cached prefix or another slot's committed columns (not prefilled), ``hits``
+    requests with a non-empty hit, ``copied_tokens`` / ``copies`` the part of those served by a
+    copy from another slot (:meth:`~services.verifier.kv_cache.SlotKVCache.copy_prefix`; the rest
+    were reused in place), ``waits`` requests held until another request's prefill committed the
+    prefix they share, ``evictions`` cached prefixes dropped to give their slot to another request
+    (or to scratch work) or to keep the cache within its memory bound (``bound_evictions`` of them)."""
 
     queried_tokens: int = 0
     hit_tokens: int = 0
     hits: int = 0
+    copied_tokens: int = 0
+    copies: int = 0
+    waits: int = 0
     evictions: int = 0
     bound_evictions: int = 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a new request goes (:meth:`PrefixCache.plan`).
+
+    Attributes:
+        slot: the free slot it takes.
+        reused: positions ``[0, reused)`` of ``slot``'s cached prefix it reuses in place.
+        source: the slot whose leading columns it copies into ``slot`` (-1: no copy; ``reused`` is
+            0 whenever a copy is planned).
+        copied: positions ``[0, copied)`` to copy from ``source``.
+    """
+
+    slot: int
+    reused: int = 0
+    source: int = -1
+    copied: int = 0
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -105,6 +153,7 @@ class PrefixCache:
     """
 
     min_share = 0.5  # a match is taken over a slot caching nothing when it reuses >= this of the slot (match)
+    min_copy = 16    # a copy from another slot is planned when it serves >= this many positions more (plan)
 
     def __init__(self, enabled: bool = True, max_bytes: int | None = None):
         self.enabled = bool(enabled)
@@ -216,6 +265,22 @@ class PrefixCache:
         Raises:
             ValueError: ``free_slots`` is empty.
         """
+        slot, reused = self._match(free_slots, prompt, need_features)
+        self.stats.queried_tokens += len(prompt)
+        self.count_hit(reused)
+        return slot, reused
+
+    def count_hit(self, reused: int, copied: bool = False) -> None:
+        """Count a request served ``reused`` positions (nothing when 0); ``copied``: by a copy."""
+        if reused > 0:
+            self.stats.hits += 1
+            self.stats.hit_tokens += reused
+            if copied:
+                self.stats.copies += 1
+                self.stats.copied_tokens += reused
+
+    def _match(self, free_slots: list[int], prompt: list[int], need_features: bool) -> tuple[int, int]:
+        """:meth:`match` without counting."""
         if not free_slots:
             raise ValueError("no free slot")
         best, best_len, best_tick = -1, 0, 0      # the longest match of any share
@@ -232,13 +297,61 @@ class PrefixCache:
                 if n > 0 and n >= self.min_share * len(e.tokens) and \
                         (n > good_len or (n == good_len and e.last_used < good_tick)):
                     good, good_len, good_tick = slot, n, e.last_used
-        self.stats.queried_tokens += len(prompt)
         if good_len > 0:
             best, best_len = good, good_len
         elif best_len > 0 and any(s not in self._entries for s in free_slots):
             best_len = 0  # a weak match: keep its prefix, take a slot caching nothing
         if best_len == 0:
             return self.victim(free_slots), 0
-        self.stats.hit_tokens += best_len
-        self.stats.hits += 1
         return best, best_len
+
+    def longest(self, prompt: list[int], sources: dict[int, list[int]]) -> tuple[int, int]:
+        """``(slot, n)``: the source sharing the longest prefix with ``prompt`` (``sources``: slot ->
+        the token ids of its committed positions), ``n`` capped at ``len(prompt) - 1``; ``(-1, 0)``
+        when none shares a token (lowest slot among ties)."""
+        best, best_len = -1, 0
+        cap = len(prompt) - 1
+        for slot in sorted(sources):
+            n = min(common_prefix(sources[slot], prompt), cap)
+            if n > best_len:
+                best, best_len = slot, n
+        return best, best_len
+
+    def copy_sources(self, free_slots: list[int], need_features: bool) -> dict[int, list[int]]:
+        """``{slot: tokens}`` of the free slots' cached prefixes a request may copy from (with
+        ``need_features``, only those cached with features)."""
+        return {s: e.tokens for s in free_slots if (e := self._entries.get(s)) is not None
+                and not (need_features and e.features is None)}
+
+    def plan(self, free_slots: list[int], prompt: list[int], need_features: bool,
+             running: dict[int, list[int]] | None = None) -> Placement:
+        """Where a request for ``prompt`` goes: :meth:`match`'s in-place choice, unless copying the
+        leading columns of another slot serves at least ``min_copy`` positions more.
+
+        Copy sources are the free slots' cached prefixes (:meth:`copy_sources`) and ``running``
+        (slot -> the ids of a running request's *committed* positions: the only columns of a slot
+        that never change while its owner runs). A copy goes into the in-place choice when that
+        reuses nothing and is not the source, else into :meth:`victim` of the other free slots;
+        when the source is the only free slot, it is taken in place. Counts the lookup (the hit is
+        counted when the placement is carried out: :meth:`count_hit`); disabled: always a
+        :meth:`victim` slot reusing nothing.
+
+        Raises:
+            ValueError: ``free_slots`` is empty.
+        """
+        slot, reused = self._match(free_slots, prompt, need_features)
+        self.stats.queried_tokens += len(prompt)
+        if not self.enabled:
+            return Placement(slot)
+        src, n = self.longest(prompt, {**self.copy_sources(free_slots, need_features), **(running or {})})
+        others = [s for s in free_slots if s != src]
+        if n < reused + self.min_copy or not others:
+            return Placement(slot, reused)
+        return Placement(slot if reused == 0 and slot != src else self.victim(others), 0, src, n)
+
+    def touch(self, slot: int) -> None:
+        """Mark ``slot``'s cached prefix most recently used (a copy read it; no-op without one)."""
+        e = self._entries.get(slot)
+        if e is not None:
+            self._tick += 1
+            e.last_used = self._tick

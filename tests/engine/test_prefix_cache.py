@@ -155,8 +155,8 @@ def test_a_running_request_is_never_evicted(llama):
     assert slot_b != slot_a and slot_a in _cached(engine)
     out = {"b": engine.step("b").token_ids + engine.step("b").token_ids, "c": []}
     stats = engine.runner.cache.prefix.stats
-    engine.add_request("c", b + [5], sampling, spec)  # shares b's tokens, but b's slot is running
-    assert engine._reqs["c"].slot == slot_a and engine._reqs["c"].prefilled == 0
+    engine.add_request("c", b + [5], sampling, spec)  # shares b's tokens: copied from b's running slot
+    assert engine._reqs["c"].slot == slot_a and engine._reqs["c"].prefilled == stats.copied_tokens == len(b)
     assert stats.evictions == 1 and not _cached(engine)
     with pytest.raises(ValueError, match="KV slots are in use"):
         engine.add_request("d", b, sampling, spec)
@@ -421,32 +421,3 @@ def test_prefix_cache_mib_flag():
     assert "--prefix-cache-mib" in parser.format_help()
     with pytest.raises(ValueError, match="prefix_cache_mib"):
         VerifierWorkerConfig(prefix_cache_mib=-1)
-
-
-def test_concurrent_choices_of_one_prompt_each_prefill_it(target, service):
-    """The gateway serves ``n`` choices as ``n`` engine requests admitted together
-    (``gateway.requests.choice_requests``, run concurrently): a cached prefix belongs to one slot,
-    so at most one choice reuses it and the others prefill the prompt in full; a prompt nobody has
-    finished yet is prefilled by every choice. Tokens equal a cold run's either way."""
-    rng = random.Random(31)
-    engine = _engine(target, service, max_running=4)
-    sampling, spec = SamplingParams(max_tokens=6, ignore_eos=True), SpecParams("dartree-pruned", budget=6)
-    prompt = _prompt(rng, 24)
-    stats = engine.runner.cache.prefix.stats
-    from tests.engine.test_batched import _run_batched
-
-    def choices(tag, n=3):
-        before = stats.hit_tokens
-        tokens, _ = _run_batched(engine, {0: [(f"{tag}-{i}", prompt, sampling, spec) for i in range(n)]})
-        return tokens, stats.hit_tokens - before
-
-    cold = _cold(target, service, prompt, sampling, spec)
-    tokens, hit = choices("first")                  # nothing cached: all three prefill 24 tokens
-    assert hit == 0 and all(t == cold for t in tokens.values())
-    tokens, hit = choices("again")                  # three slots cache the prompt: each choice hits one
-    assert hit == 3 * (len(prompt) - 1) and all(t == cold for t in tokens.values())
-    for slot in range(4):
-        engine.runner.cache.prefix.drop(slot)
-    _run(engine, "one", prompt, sampling, spec)      # one finished request caches the prompt once
-    tokens, hit = choices("after-one")
-    assert hit == len(prompt) - 1 and all(t == cold for t in tokens.values())
