@@ -1,6 +1,8 @@
 """T > 0 (style.md R9): the first K emitted tokens at a fixed prefix are distributed exactly as plain
 sampling from the target (chi-square on a vocabulary-8 model), the test has the power to see a wrong
-distribution, and a seed fixes the tokens."""
+distribution, and a seed fixes the tokens. With logit processors on (penalties, ``logit_bias``,
+``min_tokens``, ``min_p``) the distribution at every tree node is the *processed* target
+distribution along that node's own path (services/tree/logit_processors.py)."""
 
 from __future__ import annotations
 
@@ -81,10 +83,16 @@ def exact_joint(model, temperature=1.0, top_k=0, top_p=1.0, parent_row_bug=False
 
 
 def sample_counts(engine, n, k, method="dartree-pruned", **sampling):
+    """Histogram ``[V] * k`` of the first ``k`` tokens of ``n`` seeded generations. A generation that
+    ends early on its one stop token id counts that token as its last one."""
     counts = torch.zeros((V,) * k, dtype=torch.long)
+    stop = sampling.get("stop_token_ids", ())
     for i in range(n):
-        toks = [t for o in engine.generate(f"s{i}", PROMPT, SamplingParams(max_tokens=k, seed=i, **sampling),
-                                           SpecParams(method)) for t in o.token_ids]
+        outs = list(engine.generate(f"s{i}", PROMPT, SamplingParams(max_tokens=k, seed=i, **sampling),
+                                    SpecParams(method)))
+        toks = [t for o in outs for t in o.token_ids]
+        if len(toks) == k - 1 and len(stop) == 1 and outs[-1].finish_reason == "stop":
+            toks.append(stop[0])
         assert len(toks) == k
         counts[tuple(toks)] += 1
     return counts
@@ -158,3 +166,80 @@ def test_seeded_request_is_unaffected_by_interleaved_requests(domino_engine):
     domino_engine.abort("b")
     assert mixed == alone
     assert domino_engine.num_active() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# logit processors: each tree node samples from the processed distribution of its own path
+# ---------------------------------------------------------------------------------------------
+def processed_probs(logits: list[float], output: list[int], opts: dict, counted: list[int] | None = None,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """``[V]`` float64, the distribution plain decoding samples after ``output`` (plain Python over one
+    row, vLLM's order): min_tokens -> logit_bias -> repetition / frequency / presence penalties ->
+    temperature -> min_p. ``counted``: the tokens the penalties count (default ``output``)."""
+    counted = output if counted is None else counted
+    x = list(logits)
+    if len(output) < opts.get("min_tokens", 0):
+        for t in opts.get("stop_token_ids", ()):
+            x[t] = -math.inf
+    for t, b in opts.get("logit_bias", {}).items():
+        x[t] += b
+    r, f, p = opts.get("repetition_penalty", 1.0), opts.get("frequency_penalty", 0.0), opts.get("presence_penalty", 0.0)
+    for t in range(V):
+        c = counted.count(t)
+        if c or t in PROMPT:
+            x[t] = x[t] / r if x[t] > 0 else x[t] * r
+        x[t] -= f * c + p * (c > 0)
+    probs = torch.softmax(torch.tensor(x, dtype=torch.float64) / temperature, -1)
+    probs = probs.masked_fill(probs < opts.get("min_p", 0.0) * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def processed_joint(model, opts: dict, temperature=1.0, root_counts_bug=False, unprocessed=False) -> torch.Tensor:
+    """P(t1, t2, t3) ``[V, V, V]`` with ``opts`` applied along each path (plain causal forwards, no
+    engine or tree code). ``root_counts_bug``: every token of a round is penalised with the counts
+    of the round's root (t3 ignores t2), the bug of applying the root's counts to every tree row;
+    ``unprocessed``: the options are ignored."""
+    x = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])
+    with torch.inference_mode():
+        lg = model(x).logits.double().view(V, V, len(PROMPT) + 2, V).tolist()
+    def row(logits, out, counted=None):
+        return processed_probs(logits, [] if unprocessed else out, {} if unprocessed else opts, counted, temperature)
+    p1 = row(lg[0][0][-3], [])
+    p2 = torch.stack([row(lg[a][0][-2], [a]) for a in range(V)])  # [t1, t2]
+    p3 = torch.stack([torch.stack([row(lg[a][b][-1], [a, b], [a] if root_counts_bug else None)
+                                   for b in range(V)]) for a in range(V)])  # [t1, t2, t3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+PROCESSOR_CASES = {
+    "penalties": dict(presence_penalty=1.2, frequency_penalty=0.9, repetition_penalty=1.6),
+    "bias+min_p": dict(logit_bias={4: 1.0}, min_p=0.03, presence_penalty=2.0, frequency_penalty=1.5,
+                       repetition_penalty=1.3),
+    "min_tokens": dict(stop_token_ids=(5,), min_tokens=2, presence_penalty=1.5),
+}
+
+
+@pytest.mark.parametrize("case,drafter", [(c, "full-tree") for c in PROCESSOR_CASES] + [("penalties", "random")])
+def test_processed_distribution_at_every_tree_node(target, case, drafter):
+    """t2 and t3 come from one round's tree walk (full tree: every token drafted at depths 1-2), so
+    a row's penalties must count its own path (t1, t2: often a repeated token) and ``min_tokens``
+    must read its own depth; the distribution equals the processed plain-decoding joint and rejects
+    the root's counts for every row and the unprocessed joint (each at p = 0.001)."""
+    opts = PROCESSOR_CASES[case]
+    client = FullTreeDrafter(V, depth=2) if drafter == "full-tree" else RandomDrafter(V, budget=12, depth=3, seed=2)
+    engine = SpecEngine(target, client, max_draft_depth=3)
+    counts = sample_counts(engine, 2000, 3, temperature=1.0, **opts)
+    if drafter == "full-tree":
+        assert all(c.tree.num_nodes == V + V * V for c in client.calls)
+    stat, df = chi2_stat(counts, processed_joint(target.model, opts))  # also: no token of probability 0
+    assert df >= 30
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} > critical {chi2_critical(df):.1f} (df {df})"
+    wrong = [processed_joint(target.model, opts, unprocessed=True)]
+    if case != "min_tokens":  # (that case's wrong path is the output index: t3 may stop, t2 may not)
+        wrong.append(processed_joint(target.model, opts, root_counts_bug=True))
+    else:
+        assert counts[:, :, 5].sum() > 0 and counts[:, 5, :].sum() == 0 and counts[5].sum() == 0
+    for w in wrong:
+        stat_w, df_w = chi2_stat(counts, w) if not (w == 0).logical_and(counts > 0).any() else (math.inf, 1)
+        assert stat_w > chi2_critical(df_w), f"wrong distribution not rejected: {stat_w:.1f} (df {df_w})"
+    assert engine.num_active() == 0 and client.num_contexts() == 0
