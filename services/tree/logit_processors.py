@@ -17,7 +17,8 @@ penalties (the processed logits; greedy takes their argmax) -> temperature -> ``
   over the output only.
 - ``logit_bias``: added to the logits of the given token ids.
 - ``min_tokens`` m: while fewer than m tokens were emitted, EOS (unless ignored) and the stop token
-  ids get ``-inf``.
+  ids get ``-inf``, except in a row where nothing else is allowed (a grammar that is complete, or
+  whose only continuation is a stop token): there completion wins and the request stops early.
 - ``min_p`` in [0, 1]: after temperature, tokens whose probability is below ``min_p`` times the
   most likely token's probability are removed.
 
@@ -115,7 +116,10 @@ def process_logits(logits: Tensor, opts: LogitOptions, counts: Tensor | None = N
         ids = torch.tensor(opts.terminator_ids, dtype=torch.long, device=x.device)
         block = torch.zeros_like(x, dtype=torch.bool)
         block[:, ids] = True
-        x = x.masked_fill(block & early[:, None], float("-inf"))
+        block &= early[:, None]
+        blocked = x.masked_fill(block, float("-inf"))
+        done = (blocked == float("-inf")).all(dim=-1, keepdim=True)  # [R, 1] only terminators were allowed
+        x = torch.where(done, x, blocked)
     if opts.logit_bias:
         ids = torch.tensor([t for t, _ in opts.logit_bias], dtype=torch.long, device=x.device)
         vals = torch.tensor([b for _, b in opts.logit_bias], dtype=torch.float32, device=x.device)

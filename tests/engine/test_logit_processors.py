@@ -69,6 +69,18 @@ def test_tree_rows_equal_token_by_token_reference():
     assert torch.all((probs == 0) | (probs >= 0.5 * top - 1e-6))
 
 
+def test_min_tokens_yields_where_only_a_terminator_is_allowed():
+    """A row whose every other token is already at -inf (a complete grammar) keeps its terminators:
+    completion wins over ``min_tokens``; the other early rows lose them, later rows keep them."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 6)
+    logits[1, [0, 1, 3, 5]] = float("-inf")  # row 1 allows only the terminators 2 and 4
+    opts = LogitOptions(min_tokens=5, terminator_ids=(2, 4))
+    got = process_logits(logits, opts, output_index=torch.tensor([0, 1, 5]))
+    assert torch.isinf(got[0, [2, 4]]).all() and torch.equal(got[0, [0, 1, 3, 5]], logits[0, [0, 1, 3, 5]])
+    assert torch.equal(got[1], logits[1]) and torch.equal(got[2], logits[2])
+
+
 # ---------------------------------------------------------------------------------------------
 # speculative == plain with the same options
 # ---------------------------------------------------------------------------------------------

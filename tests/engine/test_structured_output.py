@@ -254,3 +254,21 @@ def test_the_grammar_ends_the_request_even_with_ignore_eos(llama):
     tokens, outs = _spec(engine, prompt, _sampling(schema, ignore_eos=True), "dartree-pruned")
     assert tokens == ref and outs[-1].finish_reason == "stop"
     _check_json(tokens, schema)
+
+
+def test_a_grammar_that_completes_before_min_tokens_ends_the_request(llama, service):
+    """Grammar completion wins over ``min_tokens``: the JSON ends the request with "stop" before
+    ``min_tokens``, for every method; a stop token id that the grammar needs as its last token is
+    still sampled there (nothing else is allowed) and ends the request."""
+    prompt, schema = _prompt(11), SCHEMAS["enum+bool"]
+    ref, finish = _ar(llama, prompt, _sampling(schema))
+    assert finish == "stop" and len(ref) < N - 1
+    sampling = _sampling(schema, min_tokens=N - 1)
+    assert _ar(llama, prompt, sampling) == (ref, "stop")
+    for label, engine, method in _engines(llama, service, prompt, ref):
+        tokens, outs = _spec(engine, prompt, sampling, method)
+        assert (tokens, outs[-1].finish_reason) == (ref, "stop"), label
+    closing = PIECES.index(b"}")
+    assert _text(ref).endswith("}")
+    tokens, finish = _ar(llama, prompt, _sampling(schema, min_tokens=N - 1, stop_token_ids=(closing,)))
+    assert finish == "stop" and _text(tokens + [closing]) == _text(ref)
