@@ -188,21 +188,22 @@ def avx2_only(monkeypatch, tmp_path):
     return tmp_path / "cache" / "weights_choice.json"
 
 
-def _scripted(monkeypatch, per_round: list[float], outliers: dict[int, float] | None = None,
+def _scripted(monkeypatch, per_round: list[float], outliers: dict[tuple[int, int], float] | None = None,
               per_step: dict[int, list[float]] | None = None) -> list[float]:
-    """Make the interleaved timer return ``per_round`` (float32 1-row, 9-row, q4 1-row, 9-row) in every
-    round (the warm-up round included), with ``outliers`` (call index -> ms) instead at those calls,
-    and ``per_step`` (step index -> its successive times) for the steps it names; each step still
-    runs. Returns the log of returned times."""
+    """Make the interleaved timer return ``per_round`` (float32 1-row, 9-row, q4 1-row, 9-row: steps
+    0-3) at every call of each step (the warm-up included), ``per_step`` (step -> its successive times)
+    for the steps it names, and ``outliers`` ((step, its k-th call) -> ms) instead at those calls; each
+    step still runs. Returns the log of returned times."""
     got: list[float] = []
-    seen: dict[int, int] = {}
+    index: dict[int, int] = {}   # the callable -> its step (the warm-up round runs them in order)
+    calls: dict[int, int] = {}
 
     def fake(fn):
         fn()
-        i, step = len(got), len(got) % len(per_round)
-        k = seen[step] = seen.get(step, -1) + 1
+        step = index.setdefault(id(fn), len(index)) % len(per_round)  # a new measurement: new callables
+        k = calls[step] = calls.get(step, -1) + 1
         ms = per_step[step][k % len(per_step[step])] if per_step and step in per_step else per_round[step]
-        got.append((outliers or {}).get(i, ms))
+        got.append((outliers or {}).get((step, k), ms))
         return got[-1]
 
     monkeypatch.setattr(WC, "_time_call", fake)
@@ -269,7 +270,7 @@ def test_an_idle_vm_with_slow_phases_and_spikes_caches(gguf_dir, avx2_only, monk
     vm = [32.0, 22.0, 19.0, 25.0, 30.0, 30.0, 30.0, 34.0, 34.0, 32.0]  # recorded, ms
     per_step = {0: [1.5 * t for t in vm], 1: [2.5 * t for t in vm[3:] + vm[:3]],  # float32: slower in every round
                 2: vm, 3: [2.0 * t for t in vm[5:] + vm[:5]]}
-    got = _scripted(monkeypatch, [0.0] * 4, outliers={14: 1000.0}, per_step=per_step)
+    got = _scripted(monkeypatch, [0.0] * 4, outliers={(2, 3): 1000.0}, per_step=per_step)
     assert W.choose_weights("auto", gguf_dir) == "q4"
     (entry,) = json.loads(avx2_only.read_text()).values()
     # q4 1-row ran 22, 19, (spike), 30, 30: 19 and 22 stand alone (16 % apart); 30 is the fastest reproduced
