@@ -383,11 +383,11 @@ class Gateway:
 
 def _message(prep: Prepared, text: str, finish: str | None) -> tuple[dict, str | None]:
     """A chat answer's ``message`` (or stream ``delta``) and finish reason: a finished answer that
-    spells a call to one of the request's tools is ``tool_calls`` (:meth:`ToolPlan.parse`)."""
-    call = prep.tools.parse(text) if prep.tools is not None and finish == "stop" else None
-    if call is None:
+    spells calls to the request's tools is ``tool_calls`` (:meth:`ToolPlan.parse`)."""
+    calls = prep.tools.parse(text) if prep.tools is not None and finish == "stop" else None
+    if calls is None:
         return {"role": "assistant", "content": text}, finish
-    return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
 
 
 async def _whole_answers(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:

@@ -153,7 +153,8 @@ class RequestBuilder:
             ApiError: an invalid schema or tool definition, or both a JSON ``response_format`` and a
                 forced tool call (400 naming the field).
         """
-        plan, grammar = plan_tools(req.tools, req.tool_choice) if isinstance(req, ChatCompletionRequest) else (None, None)
+        plan, grammar = (plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+                         if isinstance(req, ChatCompletionRequest) else (None, None))
         rf = req.response_format
         if rf is None or rf.type == "text":
             return plan, grammar

@@ -200,7 +200,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[Tool], Field(max_length=128, fail_fast=True)] | None = None  # gateway.tools
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # answers hold at most one call, which either value allows
+    parallel_tool_calls: bool | None = None  # None = true: one or more calls per answer (gateway.tools)
 
 
 # Output-changing fields we do not implement exactly: value that means "off" for each.

@@ -4,10 +4,11 @@ OpenAI ``tool_calls``.
 
 The chat template of the served model has no tool format, so tool calls follow a JSON-in-text
 convention (docs/serving.md, "Structured output and tool calls"): the tools are listed in a
-system message, and a call is the whole answer written as ``{"name": ..., "arguments": {...}}``.
-With ``tool_choice`` ``required`` or a named function the grammar forces such a call to a declared
-function with arguments matching its parameters; with ``auto`` nothing is forced and an answer that
-parses as a call to a declared function is returned as one.
+system message, and the whole answer is the calls, each written as ``{"name": ..., "arguments":
+{...}}``, one per line (``parallel_tool_calls``, OpenAI's default) or exactly one
+(``parallel_tool_calls: false``). With ``tool_choice`` ``required`` or a named function the grammar
+forces such calls to declared functions with arguments matching their parameters; with ``auto``
+nothing is forced and an answer that parses as such calls is returned as them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 TOOL_PROMPT = ("You can call the functions listed below. To call one, answer with only a JSON object of the "
                'form {"name": <function name>, "arguments": <JSON object of its arguments>} and nothing else.'
                "\nFunctions:\n")
+PARALLEL_TOOL_PROMPT = ("You can call the functions listed below. To call them, answer with only JSON objects of "
+                        'the form {"name": <function name>, "arguments": <JSON object of its arguments>}, one '
+                        "call per line, and nothing else.\nFunctions:\n")
 
 
 def json_schema_grammar(schema: dict | None) -> str:
@@ -44,14 +48,22 @@ def grammar_error(grammar: str) -> str | None:
     return (err.splitlines() or ["invalid grammar"])[0] if err else None
 
 
-def checked_grammar(schema: dict | None, param: str) -> str:
-    """:func:`json_schema_grammar` of ``schema``, validated.
+def calls_grammar(schema: dict) -> str:
+    """The llguidance grammar of one or more JSON values matching ``schema``, one per line (a Lark
+    grammar embedding the schema, compact JSON as :func:`json_schema_grammar`'s)."""
+    embedded = {**schema, "x-guidance": JSON_OPTIONS}
+    lark = 'start: call ("\\n" call)*\ncall: %json ' + json.dumps(embedded, ensure_ascii=False)
+    return json.dumps({"grammars": [{"name": "tool_calls", "lark_grammar": lark}]}, ensure_ascii=False)
+
+
+def checked_grammar(schema: dict | None, param: str, repeated: bool = False) -> str:
+    """:func:`json_schema_grammar` of ``schema`` (``repeated``: :func:`calls_grammar`), validated.
 
     Raises:
         ApiError: 400 naming ``param`` when the schema cannot be compiled or is too large.
     """
     try:
-        grammar = json_schema_grammar(schema)
+        grammar = calls_grammar(schema) if repeated else json_schema_grammar(schema)
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"invalid JSON schema in '{param}': {exc}", param, "invalid_value") from None
     err = grammar_error(grammar)
@@ -70,24 +82,38 @@ class ToolPlan:
         names: the declared function names (the answer may call only these).
         forced: ``required`` or a named function: the grammar forces a call.
         prompt: the system text listing the functions.
+        parallel: an answer may hold several calls (``parallel_tool_calls``, default true); else exactly one.
     """
 
     names: tuple[str, ...]
     forced: bool
     prompt: str
+    parallel: bool = True
 
-    def parse(self, text: str) -> dict | None:
-        """The OpenAI ``tool_calls`` entry ``text`` spells, or None when it is not a call to a
-        declared function (then it is the answer's ``content``)."""
-        try:
-            obj = json.loads(text)
-        except ValueError:
+    def parse(self, text: str) -> list[dict] | None:
+        """The OpenAI ``tool_calls`` entries ``text`` spells (each with its own id, in order), or None
+        when it is not only calls to declared functions, or holds several without ``parallel`` (then
+        it is the answer's ``content``). Calls are JSON objects separated by whitespace (one per line)."""
+        objs, decoder, i = [], json.JSONDecoder(), 0
+        while True:
+            while i < len(text) and text[i] in " \t\r\n":
+                i += 1
+            if i == len(text):
+                break
+            try:
+                obj, i = decoder.raw_decode(text, i)
+            except ValueError:
+                return None
+            objs.append(obj)
+        if not objs or (len(objs) > 1 and not self.parallel):
             return None
-        if not (isinstance(obj, dict) and set(obj) == {"name", "arguments"} and obj["name"] in self.names
-                and isinstance(obj["arguments"], dict)):
-            return None
-        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}
+        for obj in objs:
+            if not (isinstance(obj, dict) and set(obj) == {"name", "arguments"} and obj["name"] in self.names
+                    and isinstance(obj["arguments"], dict)):
+                return None
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": o["name"], "arguments": json.dumps(o["arguments"], ensure_ascii=False)}}
+                for o in objs]
 
 
 def _call_schema(fn) -> dict:
@@ -97,9 +123,11 @@ def _call_schema(fn) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def plan_tools(tools, tool_choice) -> tuple[ToolPlan | None, str | None]:
-    """``(plan, grammar)`` of a chat request's ``tools`` / ``tool_choice``; ``(None, None)`` when no
-    tool may be called (no tools, or ``tool_choice: "none"``).
+def plan_tools(tools, tool_choice, parallel_tool_calls: bool | None = None) -> tuple[ToolPlan | None, str | None]:
+    """``(plan, grammar)`` of a chat request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``
+    (None = true, OpenAI's default); ``(None, None)`` when no tool may be called (no tools, or
+    ``tool_choice: "none"``). A forced call's grammar allows one or more calls, one per line, when
+    parallel, exactly one otherwise.
 
     Raises:
         ApiError: ``tool_choice`` without tools, a named function that is not declared, duplicate
@@ -127,11 +155,13 @@ def plan_tools(tools, tool_choice) -> tuple[ToolPlan | None, str | None]:
     forced = tool_choice is not None and tool_choice != "auto"
     listing = [{"name": f.name, **({"description": f.description} if f.description else {}),
                 "parameters": f.parameters or {"type": "object", "properties": {}}} for f in fns]
-    plan = ToolPlan(tuple(names), forced, TOOL_PROMPT + json.dumps(listing, ensure_ascii=False))
+    parallel = parallel_tool_calls is not False
+    plan = ToolPlan(tuple(names), forced, (PARALLEL_TOOL_PROMPT if parallel else TOOL_PROMPT)
+                    + json.dumps(listing, ensure_ascii=False), parallel)
     if not forced:
         return plan, None
     schema = _call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [_call_schema(f) for f in chosen]}
-    return plan, checked_grammar(schema, "tools")
+    return plan, checked_grammar(schema, "tools", repeated=parallel)
 
 
 def with_tool_prompt(messages: list[dict], plan: ToolPlan | None) -> list[dict]:

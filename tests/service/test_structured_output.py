@@ -18,6 +18,7 @@ import llguidance
 import openai
 import pytest
 
+from gateway.schemas import Tool
 from gateway.text import TextModel
 from gateway.tools import ToolPlan, plan_tools
 from services.testing import tiny_drafter, tiny_service, tiny_target
@@ -160,7 +161,8 @@ def test_json_object_and_n_choices_and_completions(stack):
 @pytest.mark.parametrize("method", ["ar", "dartree-pruned"])
 def test_forced_tool_calls_match_the_declared_parameters(stack, choice, method):
     tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
-    kw = dict(messages=MSG, max_tokens=96, tools=TOOLS, tool_choice=tool_choice,
+    # EOS biased up: the grammar allows more calls after each one, which a random model keeps adding
+    kw = dict(messages=MSG, max_tokens=96, tools=TOOLS, tool_choice=tool_choice, logit_bias={"2": 100},
               extra_body={"speculative": {"method": method}})
 
     async def go(oai, http):
@@ -170,15 +172,52 @@ def test_forced_tool_calls_match_the_declared_parameters(stack, choice, method):
     r, (texts, finishes, deltas) = stack.run(go)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None, c
-    (call,) = c.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_")
-    if choice == "named":
-        assert call.function.name == "get_weather"
-    jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
+    assert c.message.tool_calls and len({call.id for call in c.message.tool_calls}) == len(c.message.tool_calls)
+    for call in c.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        if choice == "named":
+            assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
     assert finishes == {0: "tool_calls"} and texts == {0: ""}
-    (d,) = deltas[0]
-    assert (d.index, d.type, d.function.name, d.function.arguments) == (0, "function", call.function.name,
-                                                                        call.function.arguments)
+    assert [(d.index, d.type, d.function.name, d.function.arguments) for d in deltas[0]] == [
+        (k, "function", call.function.name, call.function.arguments) for k, call in enumerate(c.message.tool_calls)]
+
+
+@pytest.mark.parametrize("method", ["ar", "dartree-pruned"])
+def test_parallel_tool_calls_and_min_tokens(stack, method):
+    """``parallel_tool_calls: false``: exactly one call, which completes the grammar and ends the
+    answer even before ``min_tokens`` (grammar completion wins). Parallel (the default): the grammar
+    lets ``min_tokens`` push past the first call into a second one, after which EOS (biased up)
+    ends the answer: two calls with distinct ids and indexes 0 and 1, streamed and not."""
+    base = dict(messages=MSG, max_tokens=160, tools=TOOLS, tool_choice="required")
+    spec = {"speculative": {"method": method}}
+
+    async def go(oai, http):
+        one = await oai.chat.completions.create(model="tiny", parallel_tool_calls=False, extra_body=spec, **base)
+        n1 = one.usage.completion_tokens
+        held = await oai.chat.completions.create(model="tiny", parallel_tool_calls=False,
+                                                 extra_body={**spec, "min_tokens": n1 + 8}, **base)
+        kw = dict(base, logit_bias={"2": 100}, extra_body={**spec, "min_tokens": n1 + 1})
+        two = await oai.chat.completions.create(model="tiny", **kw)
+        return one, held, two, await _stream_text(oai, **kw)
+
+    one, held, two, (texts, finishes, deltas) = stack.run(go)
+    (call,) = one.choices[0].message.tool_calls
+    assert one.choices[0].finish_reason == held.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in held.choices[0].message.tool_calls] == [
+        (call.function.name, call.function.arguments)]
+    assert held.usage.completion_tokens == one.usage.completion_tokens
+    c = two.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    first, second = c.message.tool_calls
+    assert (first.function.name, first.function.arguments) == (call.function.name, call.function.arguments)
+    assert first.id != second.id
+    for tc in (first, second):
+        jsonschema.validate(json.loads(tc.function.arguments), PARAMS[tc.function.name])
+    assert finishes == {0: "tool_calls"} and texts == {0: ""}
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas[0]] == [
+        (0, first.function.name, first.function.arguments), (1, second.function.name, second.function.arguments)]
+    assert len({d.id for d in deltas[0]}) == 2
 
 
 def test_multi_turn_with_a_tool_result_and_auto(stack):
@@ -249,13 +288,57 @@ def test_auto_answer_that_spells_a_declared_call_is_a_tool_call(bl_harness, stre
     assert call["function"] == {"name": "ping", "arguments": '{"n": 4}'} and call["type"] == "function"
 
 
+TWO_CALLS = '{"name": "ping", "arguments": {"n": 4}}\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_answer_with_two_calls_is_two_tool_calls_unless_parallel_is_off(bl_harness, stream):
+    h = bl_harness
+    h.script_text = TWO_CALLS
+    r = run(h.chat(messages=MSG, tools=TOOLS, max_tokens=128, stream=stream))
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        calls = [tc for e in events for c in e["choices"] for tc in c["delta"].get("tool_calls") or []]
+        assert [tc["index"] for tc in calls] == [0, 1]
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        assert not any(c["delta"].get("content") for e in events for c in e["choices"])
+    else:
+        calls = r.json()["choices"][0]["message"]["tool_calls"]
+        assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+    assert [c["function"] for c in calls] == [{"name": "ping", "arguments": '{"n": 4}'},
+                                              {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}]
+    assert calls[0]["id"] != calls[1]["id"] and all(c["id"].startswith("call_") for c in calls)
+    r = run(h.chat(messages=MSG, tools=TOOLS, max_tokens=128, stream=stream, parallel_tool_calls=False))
+    assert r.status_code == 200, r.text
+    if not stream:  # two calls where one is allowed: the answer is text
+        c = r.json()["choices"][0]
+        assert c["message"]["content"] == TWO_CALLS and c["finish_reason"] == "stop"
+        assert "tool_calls" not in c["message"]
+
+
 def test_tool_plan_parses_only_declared_calls():
     plan = ToolPlan(("ping",), False, "")
-    assert plan.parse('{"name": "ping", "arguments": {}}')["function"]["name"] == "ping"
+    (call,) = plan.parse('{"name": "ping", "arguments": {}}')
+    assert call["function"]["name"] == "ping"
     for text in ('{"name": "pong", "arguments": {}}', '{"name": "ping"}', '{"name": "ping", "arguments": 3}',
-                 'call ping', '{"name": "ping", "arguments": {}, "x": 1}'):
+                 'call ping', '{"name": "ping", "arguments": {}, "x": 1}', '', '{"name": "ping", "arguments": {}} x',
+                 '{"name": "ping", "arguments": {}}\n{"name": "pong", "arguments": {}}'):
         assert plan.parse(text) is None, text
+    two = '{"name":"ping","arguments":{"n":1}}\n{\n "name": "ping",\n "arguments": {}\n}\n'
+    assert [c["function"]["arguments"] for c in plan.parse(two)] == ['{"n": 1}', "{}"]
+    assert ToolPlan(("ping",), False, "", parallel=False).parse(two) is None
     assert plan_tools(None, None) == (None, None)
+
+
+def test_parallel_tool_calls_picks_the_prompt_and_the_grammar():
+    tools = [Tool.model_validate(t) for t in TOOLS]
+    plan, grammar = plan_tools(tools, "required")
+    assert plan.parallel and "one call per line" in plan.prompt and '"lark_grammar":' in grammar
+    plan, grammar = plan_tools(tools, "required", parallel_tool_calls=False)
+    assert not plan.parallel and "one call per line" not in plan.prompt and '"lark_grammar":null' in grammar
+    plan, grammar = plan_tools(tools, "auto", parallel_tool_calls=True)
+    assert plan.parallel and grammar is None
 
 
 BAD = [
