@@ -37,7 +37,7 @@ from torch import Tensor, nn
 log = logging.getLogger(__name__)
 
 __all__ = ["PackedLinear", "pack_linears", "packing_available", "packed_bytes", "lazy_packing_paused", "OneDNNLinear", "pack_linears_bf16",
-           "onednn_bf16_available", "rows_are_independent", "ONEDNN_MAX_ROWS"]
+           "onednn_bf16_available", "rows_are_independent", "ONEDNN_MAX_ROWS", "cached_verdicts"]
 
 
 def packing_available() -> bool:
@@ -389,6 +389,30 @@ def invariant_rows(lin: OneDNNLinear, limit: int = ONEDNN_MAX_ROWS, dense: int =
 _SOLO: dict = {}
 
 
+def _verdict_key(max_rows: int) -> str:
+    """What an :func:`invariant_rows` verdict depends on besides the shape: the CPU and its flags,
+    torch (its oneDNN), the intra-op threads and the limit probed up to."""
+    from services.machine_cache import machine_id
+
+    return f"{machine_id(torch.__version__)}|threads {torch.get_num_threads()}|limit {max_rows}"
+
+
+def cached_verdicts(max_rows: int = ONEDNN_MAX_ROWS) -> dict[str, int]:
+    """Weight shape (``"N x K"``) -> its :func:`invariant_rows` found on this machine before
+    (``<state dir>/onednn_rows.json``, :mod:`services.machine_cache`); empty when none."""
+    from services.machine_cache import ONEDNN_ROWS, read_entries, state_dir
+
+    entry = read_entries(state_dir() / ONEDNN_ROWS).get(_verdict_key(max_rows))
+    rows = entry.get("rows") if isinstance(entry, dict) else None
+    return {str(k): int(v) for k, v in rows.items()} if isinstance(rows, dict) else {}
+
+
+def _remember_verdicts(max_rows: int, rows: dict[str, int]) -> None:
+    from services.machine_cache import ONEDNN_ROWS, state_dir, write_entry
+
+    write_entry(state_dir() / ONEDNN_ROWS, _verdict_key(max_rows), {"rows": dict(sorted(rows.items()))})
+
+
 def pack_linears_bf16(module: nn.Module, max_rows: int = ONEDNN_MAX_ROWS, check: bool = True) -> int:
     """Convert every bfloat16 CPU ``nn.Linear`` under ``module`` (itself included) to
     :class:`OneDNNLinear`; a module met twice (shared) is packed once.
@@ -400,6 +424,9 @@ def pack_linears_bf16(module: nn.Module, max_rows: int = ONEDNN_MAX_ROWS, check:
             shape's calls into pieces of that many rows (logged when below ``max_rows``), so batched ==
             solo never depends on the kernel's blocking (on an AVX-512-bf16 EPYC the 576 x 1536 down
             projection changes rows from 2-row calls on for some inputs: its calls go row by row).
+            A verdict found once is kept per machine, torch, thread count and shape
+            (:func:`cached_verdicts`): SmolLM2's 49152 x 576 lm_head alone took 3.8 s to probe at
+            every start of the 2-core VM.
     Returns:
         Bytes of packed weights added (0 when oneDNN bf16 is unavailable or nothing qualified).
     Raises:
@@ -410,6 +437,8 @@ def pack_linears_bf16(module: nn.Module, max_rows: int = ONEDNN_MAX_ROWS, check:
     if not onednn_bf16_available():
         return 0
     added, seen, verdict = 0, set(), {}
+    known = cached_verdicts(max_rows) if check else {}
+    new: dict[str, int] = {}
     for m in module.modules():
         if not isinstance(m, nn.Linear) or id(m) in seen:
             continue
@@ -423,13 +452,18 @@ def pack_linears_bf16(module: nn.Module, max_rows: int = ONEDNN_MAX_ROWS, check:
         size = m.repack()
         shape = tuple(m.weight.shape)
         if check:
-            if shape not in verdict:
-                verdict[shape] = invariant_rows(m, limit=max_rows)
+            name = f"{shape[0]} x {shape[1]}"
+            if shape not in verdict and name in known and 1 <= known[name] <= max_rows:
+                verdict[shape] = known[name]
+            elif shape not in verdict:
+                verdict[shape] = new[name] = invariant_rows(m, limit=max_rows)
                 if verdict[shape] < max_rows:
                     log.info("oneDNN bf16 linear %s: rows depend on the row count past %d rows here; "
                              "calls are cut into pieces of %d rows", list(shape), verdict[shape], verdict[shape])
             m.max_rows = verdict[shape]
         added += size
+    if new:
+        _remember_verdicts(max_rows, {**known, **new})
     if added:
         log.info("packed bfloat16 GEMM weights (oneDNN, <= %d rows per call): %.0f MB", max_rows, added / 2**20)
     return added

@@ -330,6 +330,40 @@ def test_a_shape_whose_rows_depend_on_the_row_count_is_cut_into_invariant_pieces
         assert torch.equal(y, torch.cat([lin(x[i:i + 1]) for i in range(5)]))
 
 
+@pytest.fixture(autouse=True)
+def fresh_verdicts(monkeypatch, tmp_path):
+    """Each test probes its shapes' row invariance itself (no verdict kept by an earlier test)."""
+    monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path / "state"))
+
+
+@needs_onednn
+def test_a_row_invariance_verdict_is_found_once_per_machine_threads_and_shape(monkeypatch, tmp_path):
+    """The first pack of a shape probes it and keeps the verdict on disk; a later pack (a restart) of
+    the same shape reuses it without probing; another thread count or shape is probed again."""
+    probed = []
+    real = cpu_gemm.invariant_rows
+    monkeypatch.setattr(cpu_gemm, "invariant_rows", lambda lin, limit: probed.append(tuple(lin.weight.shape)) or
+                        (2 if lin.weight.shape[1] == 64 else real(lin, limit)))
+    cpu_gemm.pack_linears_bf16(_bf16_linear())
+    assert probed == [(96, 64)] and cpu_gemm.cached_verdicts() == {"96 x 64": 2}
+    lin = _bf16_linear(seed=3)
+    cpu_gemm.pack_linears_bf16(lin)
+    assert probed == [(96, 64)] and lin.max_rows == 2        # reused: not probed again
+    cpu_gemm.pack_linears_bf16(_bf16_linear(32, 16))
+    assert probed == [(96, 64), (16, 32)] and set(cpu_gemm.cached_verdicts()) == {"96 x 64", "16 x 32"}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert cpu_gemm.cached_verdicts() == {}
+        cpu_gemm.pack_linears_bf16(_bf16_linear())
+        assert probed[-1] == (96, 64) and len(probed) == 3
+    finally:
+        torch.set_num_threads(threads)
+    (tmp_path / "state" / "onednn_rows.json").write_text("not json")  # unreadable: probed again, rewritten
+    cpu_gemm.pack_linears_bf16(_bf16_linear())
+    assert len(probed) == 4 and cpu_gemm.cached_verdicts() == {"96 x 64": 2}
+
+
 def test_no_onednn_means_no_change(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "onednn_bf16_available", lambda: False)
     lin = _bf16_linear()
