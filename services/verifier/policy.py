@@ -189,6 +189,8 @@ class _ReqState:
     regime: str = "greedy"
     fresh: bool = True                       # no step seen yet (takes its regime's exploration interval)
     budget: int = 0                          # budget of its last drafter call (the most nodes select verifies)
+    trees: deque = field(default_factory=lambda: deque(maxlen=8))  # its own recent (tree, budget): its forecast
+    probed: bool = False                     # its first decode round drafted (or was due to)
     pending: deque = field(default_factory=deque)  # [tree, continuation] waiting for labels
 
 
@@ -230,6 +232,11 @@ class GoodputPolicy:
         store: where the calibration learnt by an earlier start is loaded from (as the calibrator's
             starting counts) and this one's is saved to, every ``save_every`` labelled trees at a
             request's end (:class:`~services.verifier.calibration_store.CalibrationStore`; None = off).
+        probe: a request's first decode round drafts whatever the forecast (one drafter call per
+            request, while calls made regardless of the forecast stay within twice
+            ``explore_fraction``), and from its first tree on its forecast is the mean of its own recent trees
+            (the regime's only before): in mixed traffic the regime's recent trees are other requests'
+            text (a GSM8K request after MT-Bench ones stayed plain through HTTP, one server for both).
     Raises:
         ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]``, ``explore_every < 1``,
             ``forecast_trees < 1``, ``widen_every < 0`` or ``defaults`` with an unset knob.
@@ -241,7 +248,7 @@ class GoodputPolicy:
                  max_budget: int | None = None, explore_every: int = 16, explore_max: int = 128,
                  optimism: float = 0.5, explore_fraction: float = 0.01, schedule: TreeSchedule | None = None,
                  defaults: TreeKnobs = DEFAULT_KNOBS, forecast_trees: int = 16, widen_every: int = 4,
-                 store=None, save_every: int = 64):
+                 store=None, save_every: int = 64, probe: bool = True):
         if not defaults.is_resolved():
             raise ValueError(f"the default tree knobs must all be set (got {defaults})")
         if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
@@ -274,7 +281,7 @@ class GoodputPolicy:
         self._req: dict[str, _ReqState] = {}
         self._skip: set[str] = set()
         self._predicted: float | None = None
-        self.store, self.save_every, self._unsaved = None, save_every, 0
+        self.store, self.save_every, self._unsaved, self.probe = None, save_every, 0, probe
         if store is not None:
             self.attach_store(store)
 
@@ -326,21 +333,38 @@ class GoodputPolicy:
         The mean, not the last tree: the policy stops drafting right after a low-confidence tree, so a
         forecast read from the last tree is biased low and stays there while nothing is drafted
         (docs/roofline.md, "What the goodput policy does here")."""
-        window = self._regime_trees.get(regime)
-        if not window:
-            return None
-        curve = self._curve_cache.get(regime)
-        if curve is None:
-            cap = self._cap()
-            curves = self.cal.sorted_curves([t for t, _ in window], regime, self.optimism, cap)  # [T, cap]
-            budgets = torch.tensor([b for t, b in window if t.num_nodes], dtype=torch.float64)
-            seen = (torch.arange(cap, dtype=torch.float64)[None, :] < budgets[:, None]).double()  # [T, cap]
-            count = seen.sum(0)
-            curve = torch.where(count > 0, (curves * seen).sum(0) / count.clamp(min=1), 0.0)
-            curve = torch.cummin(curve, 0).values.tolist()  # the k-th most likely node: never above the (k-1)-th
-            self._curve_cache[regime] = curve
+        st = self._req.get(rid) if rid is not None else None
+        if st is not None and st.trees:  # the request's own recent trees: its text, not the other requests'
+            curve = self._mean_curve(st.trees, regime)
+        else:
+            window = self._regime_trees.get(regime)
+            if not window:
+                return None
+            curve = self._curve_cache.get(regime)
+            if curve is None:
+                curve = self._curve_cache[regime] = self._mean_curve(window, regime)
         f = self.cal.request_factor(rid)
         return [min(v * f, 1.0) for v in curve[:next((i for i, v in enumerate(curve) if v <= 0.0), len(curve))]]
+
+    def _could_pay(self) -> bool:
+        """Whether a steady drafter call could pay at all at c = 1: a chain of k <= 16 nodes (a drafter
+        block), every one accepted, beats a plain step on the cost curve for some k within the budget."""
+        c, o = self.cost, self.cost.overhead_seconds
+        plain = 1.0 / (c.forward_seconds(1) + o)
+        d = c.draft_cost(1)
+        top = min(self.max_budget or self.defaults.budget, 16)
+        return any((1 + k) / (d + c.forward_seconds(1 + k) + o) > plain for k in range(1, top + 1))
+
+    def _mean_curve(self, window, regime: str) -> list[float]:
+        """Mean sorted calibrated P (with ``optimism``) of a window of ``(tree, budget)``, position k
+        over the trees drafted with a budget above k; non-increasing; ``[cap]``."""
+        cap = self._cap()
+        curves = self.cal.sorted_curves([t for t, _ in window], regime, self.optimism, cap)  # [T, cap]
+        budgets = torch.tensor([b for t, b in window if t.num_nodes], dtype=torch.float64)
+        seen = (torch.arange(cap, dtype=torch.float64)[None, :] < budgets[:, None]).double()  # [T, cap]
+        count = seen.sum(0)
+        curve = torch.where(count > 0, (curves * seen).sum(0) / count.clamp(min=1), 0.0)
+        return torch.cummin(curve, 0).values.tolist()  # the k-th most likely node: never above the (k-1)-th
 
     # ----------------------------------------------------------- before drafting
     def _best_prefix(self, gain0: float, rows0: int, probs: list[float], fixed_s: float,
@@ -396,6 +420,11 @@ class GoodputPolicy:
             explore = forecast is not None and st.since_draft + 1 >= st.interval
             if explore and self._explore_s + planned > self.explore_fraction * self._wall:
                 explore = False       # over the exploration time budget (this step's planned ones included)
+            first, st.probed = not st.probed, True
+            if self.probe and first and forecast is not None and not explore and self._could_pay():
+                # a request's first round drafts (its own text's first tree), within twice the
+                # exploration time budget
+                explore = self._explore_s + planned <= 2 * self.explore_fraction * self._wall
             if r.explicit_budget or forecast is None or explore:
                 cost = c.draft_cost(r.owed)
                 forced_s += cost                         # draft regardless (explicit / no forecast / explore)
@@ -467,6 +496,7 @@ class GoodputPolicy:
             st = self._state(rid)
             if d.drafted and tree.num_nodes:
                 self.remember(st.regime, tree, st.budget)
+                st.trees.append((tree, st.budget or self._cap()))
                 st.pending.append([tree, []])
             if tree.num_nodes == 0:
                 continue
