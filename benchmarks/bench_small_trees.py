@@ -29,7 +29,18 @@ of each format's own one-row forward.
     python -m benchmarks.bench_small_trees e2e --weights q4 --datasets gsm8k --prompts 6 --max-tokens 64 \\
         --settings 3/16 3/4 2/4 --repeats 3 --threads 1 --out e2e.json
 
-Run ``cost`` and ``e2e`` on an idle machine. :mod:`benchmarks.roofline` turns the two files into the
+``http``: the same question through HTTP: one default ``dartree serve`` (goodput policy; ``--weights``
+q4 by default), each prompt sent twice at c = 1 as a streaming ``/v1/completions`` request, once
+with the server's default method and once with ``"speculative": {"method": "ar"}`` (plain decoding,
+same server), in alternating order, T = 0, ``ignore_eos``; ``--passes`` times over the prompt set
+(the first pass shows what a cold calibration costs). Per dataset and pass: tokens/s (completion
+tokens / request wall time at the client, TTFT included) of both, their ratio, τ and the histogram of
+the policy's verified budgets per round from the verifier's /metrics.
+
+    python -m benchmarks.bench_small_trees http --datasets gsm8k mt-bench sharegpt --prompts 4 \
+        --max-tokens 96 --passes 2 --out http.json
+
+Run ``cost``, ``e2e`` and ``http`` on an idle machine. :mod:`benchmarks.roofline` turns the two files into the
 predicted speedup table of docs/roofline.md.
 """
 
@@ -279,10 +290,163 @@ def run_e2e(a) -> dict:
     return res
 
 
+def _metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` (with these labels) in a Prometheus text page."""
+    total = 0.0
+    for line in text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and \
+                all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.split()[-1])
+    return total
+
+
+def _budget_hist(before: str, after: str, method: str) -> dict[str, int]:
+    """Rounds per verified budget bucket (``dartree_spec_policy_budget``) between two scrapes."""
+    from services.metrics import BUDGET_BUCKETS, POLICY_BUDGET
+
+    cum = [_metric(after, POLICY_BUDGET + "_bucket", le=str(b), method=method)
+           - _metric(before, POLICY_BUDGET + "_bucket", le=str(b), method=method) for b in BUDGET_BUCKETS]
+    out, prev = {}, 0.0
+    for b, c in zip(BUDGET_BUCKETS, cum):
+        if c - prev > 0:
+            out[f"<={b:g}"] = int(round(c - prev))
+        prev = c
+    return out
+
+
+def _http_request(client, base: str, vmetrics: str, ids: list[int], method: str | None, max_tokens: int) -> dict:
+    """One streaming completion; tokens/s at the client and the verifier's counters around it."""
+    import httpx
+
+    from services.metrics import SPEC_ACCEPTED_TOKENS, SPEC_ROUNDS
+
+    before = httpx.get(vmetrics, timeout=10).text
+    body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    if method:
+        body["speculative"] = {"method": method}
+    out: list[int] = []
+    t0 = time.perf_counter()
+    with client.stream("POST", base + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    raise RuntimeError(ev["error"])
+                out += ev["choices"][0].get("token_ids") or []
+    wall = time.perf_counter() - t0
+    after = httpx.get(vmetrics, timeout=10).text
+    used = method or "dartree-pruned"
+    rounds = _metric(after, SPEC_ROUNDS, method=used) - _metric(before, SPEC_ROUNDS, method=used)
+    acc = _metric(after, SPEC_ACCEPTED_TOKENS, method=used) - _metric(before, SPEC_ACCEPTED_TOKENS, method=used)
+    return {"tokens": len(out), "seconds": wall, "tokens_per_s": len(out) / wall, "rounds": int(rounds),
+            "accepted": int(acc), "budgets": _budget_hist(before, after, used), "ids": out}
+
+
+def _start_server(a, log_path: str):
+    """``python -m services.serve`` with the defaults (plus ``--weights``); ``(proc, base, metrics url)``."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from services.runtime import free_loopback_ports
+
+    port, vport, dport = free_loopback_ports(3)
+    cmd = [sys.executable, "-m", "services.serve", "--port", str(port), "--verifier-metrics-port", str(vport),
+           "--drafter-metrics-port", str(dport), "--weights", a.weights, "--log-level", "INFO"] + a.serve_args
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            cwd=a.server_root or Path(__file__).resolve().parents[1])
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited ({proc.returncode}); see {log_path}")
+        try:
+            if httpx.get(base + "/health/ready", timeout=2).status_code == 200:
+                return proc, base, f"http://127.0.0.1:{vport}/metrics", " ".join(cmd[1:])
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.terminate()
+            raise SystemExit(f"server not ready in 900 s; see {log_path}")
+        time.sleep(0.5)
+
+
+def _summary(rows: list[dict]) -> dict:
+    """Medians and pooled figures of the A/B rows of one group (dataset, pass)."""
+    spec, ar = [r["spec"] for r in rows], [r["ar"] for r in rows]
+    tps_s = sum(x["tokens"] for x in spec) / sum(x["seconds"] for x in spec)
+    tps_a = sum(x["tokens"] for x in ar) / sum(x["seconds"] for x in ar)
+    rounds = sum(x["rounds"] for x in spec)
+    hist: dict[str, int] = {}
+    for x in spec:
+        for k, v in x["budgets"].items():
+            hist[k] = hist.get(k, 0) + v
+    return {"requests": len(rows), "tokens_per_s_spec": round(tps_s, 2), "tokens_per_s_ar": round(tps_a, 2),
+            "ratio": round(tps_s / tps_a, 3),
+            "ratio_median_paired": round(statistics.median(x["tokens_per_s"] / y["tokens_per_s"]
+                                                           for x, y in zip(spec, ar)), 3),
+            "tau": round(sum(x["tokens"] for x in spec) / max(rounds, 1), 3) if rounds else None,
+            "rounds": rounds, "budget_hist": hist}
+
+
+def run_http(a) -> dict:
+    """Default server vs plain decoding on the same server, through HTTP (module docstring)."""
+    import os
+
+    import httpx
+
+    from services.models.registry import resolve_target
+
+    cache = Path(os.environ.get("DARTREE_CACHE_DIR", Path.home() / ".cache" / "dartree"))
+    if a.cold_calibration:
+        (cache / "calibration.json").unlink(missing_ok=True)
+    prompts = [(ds, uid, ids) for ds in a.datasets
+               for uid, ids in _prompts(resolve_target(a.target or "smollm2-135m-instruct"), [ds], a.prompts)]
+    t_start = time.monotonic()
+    proc, base, vmetrics, cmd = _start_server(a, a.serve_log)
+    print(f"server ready in {time.monotonic() - t_start:.0f} s: {cmd}", flush=True)
+    rows: list[dict] = []
+    try:
+        with httpx.Client(timeout=600) as client:
+            _http_request(client, base, vmetrics, prompts[0][2][:32], "ar", 8)  # warm-up (plain)
+            for p in range(a.passes):
+                for i, (ds, uid, ids) in enumerate(prompts):
+                    order = ("spec", "ar") if (i + p) % 2 == 0 else ("ar", "spec")
+                    r = {arm: _http_request(client, base, vmetrics, ids, None if arm == "spec" else "ar",
+                                            a.max_tokens) for arm in order}
+                    same = r["spec"].pop("ids") == r["ar"].pop("ids")
+                    rows.append({"dataset": ds, "uid": uid, "pass": p, "first": order[0], "same_tokens": same, **r})
+                    print(f"pass {p} {ds:9s} {uid[:14]:14s} spec {r['spec']['tokens_per_s']:6.2f} ar "
+                          f"{r['ar']['tokens_per_s']:6.2f} tok/s ({r['spec']['tokens_per_s'] / r['ar']['tokens_per_s']:.2f}x)"
+                          f" rounds {r['spec']['rounds']} budgets {r['spec']['budgets']}", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except Exception:  # noqa: BLE001 (a stuck server is killed, the results are still written)
+            proc.kill()
+    res = {"bench": "small-trees-http", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "server": cmd, "weights": a.weights, "datasets": a.datasets, "prompts_per_dataset": a.prompts,
+           "max_tokens": a.max_tokens, "passes": a.passes, "cold_calibration": a.cold_calibration,
+           "server_root": a.server_root,
+           "machine": _machine(), "groups": {}, "rows": rows}
+    for ds in a.datasets:
+        for p in list(range(a.passes)) + ["all"]:
+            sel = [r for r in rows if r["dataset"] == ds and (p == "all" or r["pass"] == p)]
+            res["groups"][f"{ds} pass {p}"] = g = _summary(sel)
+            print(f"{ds:9s} pass {p!s:3s} spec {g['tokens_per_s_spec']:6.2f} ar {g['tokens_per_s_ar']:6.2f} tok/s "
+                  f"= {g['ratio']:.3f}x (paired median {g['ratio_median_paired']:.3f}) tau {g['tau']} "
+                  f"budgets {g['budget_hist']}", flush=True)
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for name in ("tau", "cost", "e2e"):
+    for name in ("tau", "cost", "e2e", "http"):
         p = sub.add_parser(name)
         p.add_argument("--target", default=None)
         p.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
@@ -308,11 +472,21 @@ def main(argv: list[str] | None = None) -> dict:
     e.add_argument("--repeats", type=int, default=3)
     e.add_argument("--goodput-max-budgets", type=int, nargs="*", default=[],
                    help="also run the goodput policy with these B_max (its own policy object each)")
+    h = sub.choices["http"]
+    h.add_argument("--weights", default="q4", help="the server's --weights")
+    h.add_argument("--passes", type=int, default=2, help="passes over the prompt set (one server)")
+    h.add_argument("--cold-calibration", action="store_true",
+                   help="delete the saved acceptance calibration ($DARTREE_CACHE_DIR/calibration.json) first")
+    h.add_argument("--serve-log", default="/tmp/dartree-bench-http.log")
+    h.add_argument("--server-root", default=None,
+                   help="run the server from this checkout (default: this one), e.g. to compare a commit")
+    h.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
+                   help="more `dartree serve` flags (last on the command line)")
     a = ap.parse_args(argv)
     if a.cmd == "e2e":
         a.settings_parsed = [tuple(int(x) for x in v.split("/")) for v in a.settings]
     torch.set_num_threads(a.threads)
-    res = {"tau": run_tau, "cost": run_cost, "e2e": run_e2e}[a.cmd](a)
+    res = {"tau": run_tau, "cost": run_cost, "e2e": run_e2e, "http": run_http}[a.cmd](a)
     res["command"] = "python -m benchmarks.bench_small_trees " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

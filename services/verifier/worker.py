@@ -590,7 +590,8 @@ def drafter_tag(drafter: PeerInfo) -> str:
     """The drafter as its handshake describes it (description, block, tapped layers, methods): the
     key of its saved acceptance calibration."""
     layers = ",".join(str(i) for i in drafter.target_layer_ids)
-    return f"{drafter.model or 'drafter'}|K{drafter.block_size}|L{layers}|{','.join(drafter.methods)}"
+    name = (drafter.model or "drafter").rstrip("/").rsplit("/", 1)[-1]  # a directory: its name, not the machine's path
+    return f"{name}|K{drafter.block_size}|L{layers}|{','.join(drafter.methods)}"
 
 
 def default_knobs(config: VerifierWorkerConfig):
