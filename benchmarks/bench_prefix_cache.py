@@ -10,16 +10,24 @@ chat clients do); the assistant turns fed back are the model's own greedy answer
 - ``system``: ``--users`` users share a ~``--system-tokens`` system prompt and ask ``--turns``
   questions each; ``--concurrency`` conversations in flight in one engine (batched steps: a user's
   next turn is queued when its answer is done, a new request is admitted whenever fewer than
-  ``--concurrency`` run).
+  ``--concurrency`` run). With ``--users`` above ``--max-running`` every slot is taken: a user whose
+  prefix sits in a running slot copies it (prefix sharing across slots).
+- ``choices`` (``--choices n``, 0 = off): one request of the system prompt plus a question with
+  ``n`` choices, i.e. ``n`` identical prompts admitted together (the gateway runs each choice as
+  its own engine request).
+
+The baseline engine (``--baseline``) is ``off`` (no prefix cache) or ``inplace`` (the prefix cache
+without sharing across slots: a prefix is reused only by the request that takes its slot).
 
 Both cache modes run side by side, interleaved step by step: two engines over the same loaded
 target and drafter (:func:`services.verifier.build.build_engine`), one with the prefix cache and
-one without, each with its own conversations (its own answers), and the driver alternates one
+one with the baseline, each with its own conversations (its own answers), and the driver alternates one
 batched step of each (who goes first alternates too). Each engine's clock is the sum of its own
 ``add_request`` and ``step_batch`` seconds, so the two see the same machine over the same minutes.
 TTFT = own-clock seconds from admission to the step that emits the first token; tokens/s =
-generated tokens / own-clock seconds of the whole workload; hit rate = prompt tokens served from a
-cached prefix / prompt tokens looked up; τ = tokens per decode round after the first token (bonus
+generated tokens / own-clock seconds of the whole workload; hit rate = prompt tokens not prefilled
+(reused or copied: ``RoundOutput.cached_tokens``) / prompt tokens; prefill rows = prompt rows the
+engine's steps ran (``StepStats.prefill_tokens``); τ = tokens per decode round after the first token (bonus
 included). The two engines' tokens are compared request by request: a request that parts from the
 cache-off run where both had the same prompt is reported with the cache-off position's logit gap
 (the cold HF prefill of the prompt and the common tokens: the two runs' tokens' logits).
@@ -66,7 +74,10 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=["dartree-pruned"], help="methods to run")
     p.add_argument("--budget", type=int, default=8, help="tree budget of the speculative methods")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per turn (greedy, EOS ignored)")
-    p.add_argument("--workloads", nargs="+", default=["sharegpt", "system"], choices=["sharegpt", "system"])
+    p.add_argument("--workloads", nargs="+", default=["sharegpt", "system"], choices=["sharegpt", "system", "choices"])
+    p.add_argument("--baseline", default="off", choices=["off", "inplace"],
+                   help="the engine compared with the prefix cache: none, or in-place reuse only (no sharing)")
+    p.add_argument("--choices", type=int, default=4, help="choices of the 'choices' workload's one request")
     p.add_argument("--sharegpt", type=int, default=2, help="ShareGPT conversations")
     p.add_argument("--sharegpt-turns", type=int, default=4, help="human turns per ShareGPT conversation")
     p.add_argument("--turn-cap", type=int, default=192, help="tokens kept of each ShareGPT human turn")
@@ -83,8 +94,9 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(a.threads, a.users, a.turns, a.max_tokens, a.system_tokens, a.sharegpt_turns, a.turn_cap,
            a.concurrency, a.sharegpt_concurrency, a.max_running) < 1 or a.sharegpt < 0:
         p.error("counts must be >= 1 (--sharegpt >= 0)")
-    if max(a.concurrency, a.sharegpt_concurrency) > a.max_running:
-        p.error("--concurrency cannot exceed --max-running")
+    if max(a.concurrency, a.sharegpt_concurrency) > a.max_running or \
+            ("choices" in a.workloads and not 1 <= a.choices <= a.max_running):
+        p.error("--concurrency and --choices must be in [1, --max-running]")
     return a
 
 
@@ -115,6 +127,11 @@ def system_workload(tok, users: int, turns: int, system_tokens: int) -> list[dic
             for u in range(users)]
 
 
+def choices_workload(tok, n: int, system_tokens: int) -> list[dict]:
+    """``n`` identical one-turn conversations (the ``n`` choices of one request), run at concurrency ``n``."""
+    return [dict(c, turns=c["turns"][:1]) for c in system_workload(tok, 1, 1, system_tokens) * n]
+
+
 # ------------------------------------------------------------------------------------ driver
 
 class _Side:
@@ -127,6 +144,7 @@ class _Side:
         self.running: dict[str, dict] = {}
         self.rows: list[dict] = []
         self.clock = 0.0
+        self.prefill_rows = 0
 
     def done(self) -> bool:
         return not self.ready and not self.running
@@ -162,18 +180,18 @@ def run_workload(engines: dict, tok, convs: list[dict], method: str, budget: int
                 text = tok.apply_chat_template(s.history[i], add_generation_prompt=True, tokenize=False)
                 ids = list(tok(text, add_special_tokens=False)["input_ids"])
                 rid = f"{tag}-{method}-{s.mode}-{i}-{t}"
-                hits0, start = s.engine.runner.cache.prefix.stats.hit_tokens, s.clock
+                start = s.clock
                 t0 = time.perf_counter()
                 s.engine.add_request(rid, ids, sampling, spec)
                 s.clock += time.perf_counter() - t0
                 s.running[rid] = {"workload": tag, "method": method, "mode": s.mode, "conv": i, "turn": t + 1,
-                                  "prompt": ids, "prompt_tokens": len(ids),
-                                  "hit_tokens": s.engine.runner.cache.prefix.stats.hit_tokens - hits0,
-                                  "start": start, "ttft_s": None, "tokens": [], "rounds": 0, "drafted": 0,
+                                  "prompt": ids, "prompt_tokens": len(ids), "hit_tokens": 0, "start": start, "ttft_s": None, "tokens": [], "rounds": 0, "drafted": 0,
                                   "accepted": 0}
             t0 = time.perf_counter()
+            last = s.engine.last_step
             res = s.engine.step_batch(list(s.running))
             s.clock += time.perf_counter() - t0
+            s.prefill_rows += s.engine.last_step.prefill_tokens if s.engine.last_step is not last else 0
             for rid, out in res.items():
                 if isinstance(out, BaseException):
                     raise out
@@ -183,7 +201,9 @@ def run_workload(engines: dict, tok, convs: list[dict], method: str, budget: int
                 if r["ttft_s"] is None and out.token_ids:
                     r["ttft_s"] = s.clock - r["start"]
                 r["tokens"] += out.token_ids
-                if not out.is_prefill:
+                if out.is_prefill:
+                    r["hit_tokens"] = out.cached_tokens
+                else:
                     r["rounds"] += 1
                     r["drafted"] += out.num_draft_tokens
                     r["accepted"] += out.accept_length
@@ -199,7 +219,7 @@ def run_workload(engines: dict, tok, convs: list[dict], method: str, budget: int
         k += 1
     rows = [r for s in sides for r in s.rows]
     totals = [{"workload": tag, "method": method, "mode": s.mode, "clock_s": s.clock,
-               "tokens": sum(len(r["tokens"]) for r in s.rows)} for s in sides]
+               "tokens": sum(len(r["tokens"]) for r in s.rows), "prefill_rows": s.prefill_rows} for s in sides]
     return rows + totals
 
 
@@ -275,6 +295,7 @@ def summarise(rows: list[dict]) -> tuple[list[dict], list[dict]]:
                          "tps_off": clock["off"]["tokens"] / clock["off"]["clock_s"],
                          "tps_on": clock["on"]["tokens"] / clock["on"]["clock_s"],
                          "clock_off_s": clock["off"]["clock_s"], "clock_on_s": clock["on"]["clock_s"],
+                         "prefill_off": clock["off"]["prefill_rows"], "prefill_on": clock["on"]["prefill_rows"],
                          "same": sum(off[(r["conv"], r["turn"])] == r["tokens"] for r in on)})
     return per_turn, per_work
 
@@ -282,20 +303,23 @@ def summarise(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 def render(per_turn: list[dict], per_work: list[dict], divs: list[dict], a: argparse.Namespace,
            machine: str, conc: dict) -> str:
     """The results README: what ran, the command, the tables, the divergences."""
+    off = "in-place" if a.baseline == "inplace" else "off"
     lines = ["# Prefix caching on multi-turn chat", "",
              f"SmolLM2-135M-Instruct, `--weights {a.weights}`, {a.threads} threads, {machine}; greedy, "
-             f"{a.max_tokens} tokens per turn (EOS ignored), tree budget {a.budget}. Cache on and off run "
-             "interleaved step by step on two engines over one loaded model; times are each engine's own "
-             "step seconds. TTFT: mean over the turn's requests, seconds.", "",
+             f"{a.max_tokens} tokens per turn (EOS ignored), tree budget {a.budget}, {a.max_running} KV slots. "
+             f"Cache on and {off} (the baseline) run interleaved step by step on two engines over one loaded model; "
+             "times are each engine's own step seconds. TTFT: mean over the turn's requests, seconds.", "",
              "```", "python -m benchmarks.bench_prefix_cache " + " ".join(sys.argv[1:]), "```", "",
-             "| workload | c | method | requests | hit rate | τ off | τ on | tok/s off | tok/s on | on / off | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| workload | c | method | requests | hit rate | prefill rows {off} | prefill rows on | τ {off} | τ on "
+             f"| tok/s {off} | tok/s on | on / {off} | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in per_work:
         lines.append(f"| {r['workload']} | {conc[r['workload']]} | {r['method']} | {r['requests']} | "
-                     f"{r['hit_rate']:.2f} | {r['tau_off']:.2f} | {r['tau_on']:.2f} | {r['tps_off']:.1f} | "
+                     f"{r['hit_rate']:.2f} | {r['prefill_off']} | {r['prefill_on']} | {r['tau_off']:.2f} | "
+                     f"{r['tau_on']:.2f} | {r['tps_off']:.1f} | "
                      f"{r['tps_on']:.1f} | {r['tps_on'] / r['tps_off']:.2f} | {r['same']}/{r['requests']} |")
-    lines += ["", "| workload | method | turn | prompt tokens | TTFT off | TTFT on | on / off | hit rate | τ off | τ on "
-              "| same tokens |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", f"| workload | method | turn | prompt tokens | TTFT {off} | TTFT on | on / {off} | hit rate | τ {off} "
+              "| τ on | same tokens |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in per_turn:
         lines.append(f"| {r['workload']} | {r['method']} | {r['turn']} | {r['prompt_tokens']} | {r['ttft_off_s']:.2f} | "
                      f"{r['ttft_on_s']:.2f} | {r['ratio']:.2f} | {r['hit_rate']:.2f} | {r['tau_off']:.2f} | "
@@ -333,13 +357,17 @@ def main(argv: list[str] | None = None) -> int:
     target, drafter, depth = loaded.target, loaded.drafter, loaded.max_draft_depth
     del loaded  # its KV reservation; the two engines below reserve their own
     engines = {m: build_engine(target, drafter, EngineConfig(max_context=a.max_context, max_running=a.max_running,
-                                                             prefix_cache=(m == "on")),
+                                                             prefix_cache=(m == "on" or a.baseline == "inplace")),
                                max_draft_depth=depth, policy="fixed", defaults=defaults) for m in MODES}
+    if a.baseline == "inplace":  # no copy is ever worth it: a prefix is reused only in its own slot
+        engines["off"].runner.cache.prefix.min_copy = 10**9
     work = {}
     if "sharegpt" in a.workloads and a.sharegpt:
         work["sharegpt"] = (sharegpt_workload(tok, a.sharegpt, a.sharegpt_turns, a.turn_cap), a.sharegpt_concurrency)
     if "system" in a.workloads:
         work["system"] = (system_workload(tok, a.users, a.turns, a.system_tokens), a.concurrency)
+    if "choices" in a.workloads:
+        work["choices"] = (choices_workload(tok, a.choices, a.system_tokens), a.choices)
     warm = [{"system": None, "turns": [SYSTEM_PARAGRAPH * 2]} for _ in range(a.max_running)]
     t0 = time.perf_counter()
     for m in a.methods:  # warm-up (lazy GEMM packs, first-touch KV pages): not reported
