@@ -209,6 +209,20 @@ class Int4Linear(nn.Module):
         self.register_buffer("group_size", torch.tensor(Q4_GROUP), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
+    @classmethod
+    def from_packed(cls, packed: Tensor, scale_zeros: Tensor, bias: Tensor | None = None) -> "Int4Linear":
+        """The module from what :meth:`__init__` made of the blocks before (:func:`apply_q4`'s cache):
+        ``packed`` (torch's int4 CPU pack of the ``[N, K]`` weight) and ``scale_zeros [K / 32, N, 2]``
+        in the activation dtype; ``bias [N]`` or None."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = int(scale_zeros.shape[0]) * Q4_GROUP, int(scale_zeros.shape[1])
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zeros", scale_zeros)
+        self.register_buffer("group_size", torch.tensor(Q4_GROUP), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(scale_zeros.dtype), requires_grad=False)
+        return self
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.scale_zeros.dtype)
@@ -238,19 +252,30 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, q4_1 blocks of {Q4_GROUP}"
 
 
-def apply_q4(model: nn.Module, gguf_path: str | Path) -> dict:
+def apply_q4(model: nn.Module, gguf_path: str | Path, cache: bool = False) -> dict:
     """Replace the model's decoder linears by :class:`Int4Linear` from the GGUF's Q4_1 blocks, in place.
 
     The model must already be in bfloat16 (the activation dtype). Linears stored in another type stay
-    dense. Returns ``{"replaced", "skipped", "bytes", "dense_bytes", "max_rel_err"}``, where
+    dense. With ``cache``, the packed modules are read from / written to a safetensors file of the
+    state directory (:func:`q4_pack_path`, keyed by :func:`q4_pack_key`): reading the GGUF's blocks and
+    packing them took ~4 s of every q4 start on a 2-core VM; the file is read in a fraction of that.
+    Returns ``{"replaced", "skipped", "bytes", "dense_bytes", "max_rel_err", "cached"}``, where
     ``max_rel_err`` is the largest |served - float32| weight difference over a block's range
-    (bfloat16 rounding of the block constants; see the module doc).
+    (bfloat16 rounding of the block constants; see the module doc) and ``cached`` whether the packs
+    came from the file.
 
     Raises:
         ValueError: a GGUF matrix's shape differs from the model's linear (wrong file for this model).
     """
-    blocks, skipped = read_gguf_linears(gguf_path, model.config)
     dtype = next(model.parameters()).dtype
+    path = key = None
+    if cache:
+        key = q4_pack_key(gguf_path, model.config, dtype)
+        path = q4_pack_path(getattr(model.config, "_name_or_path", "") or "model", key)
+        stats = _apply_cached_q4(model, path, key)
+        if stats is not None:
+            return stats
+    blocks, skipped = read_gguf_linears(gguf_path, model.config)
     replaced, nbytes, dense, worst = 0, 0, 0, 0.0
     for name, b in blocks.items():
         parent_name, attr = name.rsplit(".", 1)
@@ -268,8 +293,95 @@ def apply_q4(model: nn.Module, gguf_path: str | Path) -> dict:
         replaced += 1
         nbytes += new.nbytes()
         dense += lin.weight.numel() * lin.weight.element_size()
-    return {"replaced": replaced, "skipped": len(skipped), "bytes": nbytes, "dense_bytes": dense,
-            "max_rel_err": worst}
+    stats = {"replaced": replaced, "skipped": len(skipped), "bytes": nbytes, "dense_bytes": dense,
+             "max_rel_err": worst, "cached": False}
+    if path is not None:
+        _save_q4_packs(model, path, key, stats)
+    return stats
+
+
+def q4_pack_key(gguf_path: str | Path, config, dtype: torch.dtype) -> str:
+    """What the packed q4 linears depend on: the CPU and its flags with torch's vector ISA and version
+    (the int4 pack's layout is the kernel's, per ISA), :data:`KERNELS_VERSION`, the GGUF file (path,
+    size, modification time), the model's configuration and the activation dtype."""
+    import hashlib
+
+    from services.machine_cache import machine_id
+
+    st = Path(gguf_path).stat()
+    cfg = hashlib.sha1(config.to_json_string(use_diff=False).encode()).hexdigest()[:12]
+    return (f"{machine_id(torch.__version__)}|{torch.backends.cpu.get_cpu_capability()}|kernels {KERNELS_VERSION}|"
+            f"{Path(gguf_path).resolve()}:{st.st_size}:{st.st_mtime_ns}|config {cfg}|{dtype}")
+
+
+def q4_pack_path(model_name: str, key: str) -> Path:
+    """``<state dir>/q4/<model>-<hash of key>.safetensors`` (:mod:`services.machine_cache`)."""
+    import hashlib
+
+    from services.machine_cache import Q4_PACKS, state_dir
+
+    name = Path(str(model_name)).name or "model"
+    return state_dir() / Q4_PACKS / f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:16]}.safetensors"
+
+
+def _apply_cached_q4(model: nn.Module, path: Path, key: str) -> dict | None:
+    """:func:`apply_q4` from a packs file written for ``key``; None (nothing changed) when the file is
+    absent, unreadable, written for another key, or does not fit the model's linears."""
+    if not path.is_file():
+        return None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("key") != key:
+                return None
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # a truncated or foreign file: packed again
+        log.warning("q4 packs %s unreadable (%s); packing again", path, e)
+        return None
+    names = sorted({k.rsplit(".", 1)[0] for k in tensors})
+    mods = {}
+    for name in names:
+        packed, sz = tensors.get(f"{name}.packed"), tensors.get(f"{name}.scale_zeros")
+        try:
+            lin = model.get_submodule(name)
+        except AttributeError:
+            return None
+        if packed is None or sz is None or not isinstance(lin, nn.Linear) or sz.ndim != 3 \
+                or (int(sz.shape[1]), int(sz.shape[0]) * Q4_GROUP) != tuple(lin.weight.shape):
+            return None
+        mods[name] = (lin, Int4Linear.from_packed(packed, sz, lin.bias))
+    nbytes = dense = 0
+    for name, (lin, new) in mods.items():
+        parent_name, attr = name.rsplit(".", 1)
+        setattr(model.get_submodule(parent_name), attr, new)
+        nbytes += new.nbytes()
+        dense += lin.weight.numel() * lin.weight.element_size()
+    return {"replaced": len(mods), "skipped": int(meta.get("skipped", 0)), "bytes": nbytes, "dense_bytes": dense,
+            "max_rel_err": float(meta.get("max_rel_err", "nan")), "cached": True}
+
+
+def _save_q4_packs(model: nn.Module, path: Path, key: str, stats: dict) -> None:
+    """Write the model's :class:`Int4Linear` packs to ``path`` (atomically; an unwritable state
+    directory only logs)."""
+    import os
+
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Int4Linear):
+            tensors[f"{name}.packed"] = m.packed.contiguous()
+            tensors[f"{name}.scale_zeros"] = m.scale_zeros.contiguous()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        save_file(tensors, str(tmp), metadata={"key": key, "skipped": str(stats["skipped"]),
+                                              "max_rel_err": repr(stats["max_rel_err"])})
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("could not cache the q4 packs in %s: %s", path, e)
 
 
 def gguf_source(target_dir: str | Path) -> Path | None:
@@ -308,10 +420,11 @@ def load_causal_lm(target_dir: str | Path, fmt: str, device: str = "cpu"):
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=compute_dtype(fmt),
                                                  attn_implementation="sdpa").to(device).eval()
     if src is not None:
-        stats = apply_q4(model, src)
-        log.info("weights q4: %d linears 4-bit from %s (%.1f MB, dense bf16 %.1f MB), %d left dense; "
+        stats = apply_q4(model, src, cache=True)
+        log.info("weights q4: %d linears 4-bit from %s%s (%.1f MB, dense bf16 %.1f MB), %d left dense; "
                  "served-vs-float32 block error <= %.4f of the block range", stats["replaced"], src.name,
-                 stats["bytes"] / 1e6, stats["dense_bytes"] / 1e6, stats["skipped"], stats["max_rel_err"])
+                 " (packs cached)" if stats["cached"] else "", stats["bytes"] / 1e6, stats["dense_bytes"] / 1e6,
+                 stats["skipped"], stats["max_rel_err"])
     if model.dtype == torch.bfloat16 and torch.device(device).type == "cpu":
         from services.cpu_gemm import pack_linears_bf16
 

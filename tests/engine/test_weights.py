@@ -111,6 +111,31 @@ def test_int4_linear_serves_the_blocks_up_to_bf16_constants(gguf_dir):
         W.Int4Linear(W.Q4Blocks(b.q[:8], b.d[:8], b.m[:8]))
 
 
+def test_q4_packs_are_cached_per_key_and_reused(gguf_dir, monkeypatch, tmp_path):
+    """The first q4 load packs the GGUF's blocks and keeps the packs; a restart reads them instead of
+    the GGUF and serves bitwise the same model; another key (a new kernels version) or a corrupt file
+    packs again from the GGUF."""
+    monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path / "state"))
+    read, real = [], W.read_gguf_linears
+    monkeypatch.setattr(W, "read_gguf_linears", lambda *a: read.append(1) or real(*a))
+    first = W.load_causal_lm(gguf_dir, "q4")
+    (path,) = (tmp_path / "state" / "q4").glob("*.safetensors")
+    second = W.load_causal_lm(gguf_dir, "q4")
+    assert len(read) == 1                                      # the restart did not read the GGUF
+    mods = [(a, b) for a, b in zip(first.modules(), second.modules()) if isinstance(a, W.Int4Linear)]
+    assert len(mods) == 2 * 7 and all(isinstance(b, W.Int4Linear) and torch.equal(a.packed, b.packed)
+                                      and torch.equal(a.scale_zeros, b.scale_zeros) for a, b in mods)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.inference_mode():
+        assert torch.equal(first(input_ids=ids).logits, second(input_ids=ids).logits)
+    path.write_bytes(b"truncated")                             # corrupt: packed again, file rewritten
+    W.load_causal_lm(gguf_dir, "q4")
+    assert len(read) == 2 and W.load_causal_lm(gguf_dir, "q4") is not None and len(read) == 2
+    monkeypatch.setattr(W, "KERNELS_VERSION", W.KERNELS_VERSION + 1)  # another key: packed again
+    W.load_causal_lm(gguf_dir, "q4")
+    assert len(read) == 3 and len(list((tmp_path / "state" / "q4").glob("*.safetensors"))) == 2
+
+
 def test_q4_target_replaces_every_linear(q4_target):
     mods = dict(q4_target.model.named_modules())
     q4 = [n for n, m in mods.items() if isinstance(m, W.Int4Linear)]
