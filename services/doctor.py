@@ -1,8 +1,10 @@
 """``dartree doctor``: what this machine offers a CPU server, and what start-ups cached about it.
 
 One screen: the CPU's capabilities (vector ISA, native bf16, MKL / oneDNN packing, the int4
-kernel, threads, RAM), the cached weight-format choices (``weights_choice.json``) and step-cost
-sweeps (``cost_model.json``) with their figures and age, and, with ``--remeasure``, a fresh weight
+kernel, threads, RAM), what start-ups keep in the state directory (:mod:`services.machine_cache`):
+the weight-format choices (``weights_choice.json``), step-cost sweeps (``cost_model.json``),
+oneDNN row-invariance verdicts (``onednn_rows.json``) and packed q4 linears (``q4/``), with their
+figures and age, and, with ``--remeasure``, a fresh weight
 choice and cost sweep for a target (each cached only when the measurement is trusted).
 """
 
@@ -83,6 +85,23 @@ def cache_lines(now: float | None = None) -> list[str]:
             pts = " ".join(f"{int(r)}:{float(s) * 1e3:.1f}" for r, s in e["samples"])
             out.append(f"  rows:ms {pts}, {_age(now - e.get('time', now))}  [{key}]")
     if not sweeps:
+        out.append("  none")
+    from services.machine_cache import ONEDNN_ROWS, Q4_PACKS, read_entries, state_dir
+
+    path = state_dir() / ONEDNN_ROWS
+    out.append(f"oneDNN rows     {path}")
+    verdicts = {k: e for k, e in read_entries(path).items() if isinstance(e, dict) and isinstance(e.get("rows"), dict)}
+    for key, e in verdicts.items():
+        shown = ", ".join(f"{shape}: {r}" for shape, r in e["rows"].items())
+        out.append(f"  {shown}, {_age(now - e.get('time', now))}  [{key}]")
+    if not verdicts:
+        out.append("  none")
+    packs = sorted((state_dir() / Q4_PACKS).glob("*.safetensors"))
+    out.append(f"q4 packs        {state_dir() / Q4_PACKS}")
+    for f in packs:
+        st = f.stat()
+        out.append(f"  {f.name}: {st.st_size / 2**20:.0f} MB, {_age(now - st.st_mtime)}")
+    if not packs:
         out.append("  none")
     return out
 

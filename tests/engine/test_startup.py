@@ -106,6 +106,10 @@ def test_doctor_prints_capabilities_and_cached_choices(tmp_path):
         "choice": "q4", "ms": {"q4": {"1-row": 24.5}}, "when": "2026-12-01T00:00:00", "time": time.time() - 7200}}))
     (cache / "cost_model.json").write_text(json.dumps({"host|m|q4": {"time": time.time() - 90,
                                                                      "samples": [[1, 0.0245], [9, 0.031]]}}))
+    (cache / "onednn_rows.json").write_text(json.dumps({"Test CPU|threads 1|limit 128": {
+        "time": time.time() - 3 * 86400, "rows": {"576 x 1536": 1, "49152 x 576": 128}}}))
+    (cache / "q4").mkdir()
+    (cache / "q4" / "smollm2-135m-instruct-0123abcd.safetensors").write_bytes(b"\0" * 3 * 2**20)
     env = {"PATH": "/usr/bin:/bin", "DARTREE_CACHE": str(cache), "DARTREE_CACHE_DIR": str(cache),
            "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
     r = subprocess.run([sys.executable, "-m", "services.cli", "doctor"], cwd=REPO, capture_output=True, text=True,
@@ -115,6 +119,8 @@ def test_doctor_prints_capabilities_and_cached_choices(tmp_path):
     assert "ISA        torch " in out and "bfloat16   native " in out and "int4 (q4)" in out
     assert "q4: ms {\"q4\": {\"1-row\": 24.5}}, 2 h old" in out
     assert "rows:ms 1:24.5 9:31.0, 2 min old" in out or "rows:ms 1:24.5 9:31.0, 1 min old" in out
+    assert "576 x 1536: 1, 49152 x 576: 128, 3 d old" in out
+    assert "smollm2-135m-instruct-0123abcd.safetensors: 3 MB, " in out
     assert len(out.splitlines()) < 25  # one screen
 
 
