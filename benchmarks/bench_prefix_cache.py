@@ -325,8 +325,8 @@ def render(per_turn: list[dict], per_work: list[dict], divs: list[dict], a: argp
                      f"{r['ttft_on_s']:.2f} | {r['ratio']:.2f} | {r['hit_rate']:.2f} | {r['tau_off']:.2f} | "
                      f"{r['tau_on']:.2f} | {r['same']}/{r['requests']} |")
     if divs:
-        lines += ["", "Divergences (cache on vs off; gap = cold prefill's logit of the off token minus the on token's, "
-                  "top gap = its top-1 minus top-2):", "",
+        lines += ["", f"Divergences (cache on vs {off}; gap = cold prefill's logit of the {off} token minus the on "
+                  "token's, top gap = its top-1 minus top-2):", "",
                   "| workload | method | conv | turn | same prompt | at token | gap | top gap |", "|---|---|---|---|---|---|---|---|"]
         for d in divs:
             gap = f"{d['gap']:.3f}" if "gap" in d else "-"
