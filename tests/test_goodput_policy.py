@@ -487,7 +487,9 @@ def _drive_budgets(pol, tree, rounds, accepted, rid="r"):
         path = [int(t) for t in tree.draft_tokens[:accepted]]
         pol.observe_round(rid, path + [99] * (tree.max_depth + 1 - len(path)))
         rows = 1 + sel.budget
-        pol.observe_step(StepStats(1, rows, 0, pol.cost.forward_seconds(rows)))
+        fwd, wait = pol.cost.forward_seconds(rows), pol.cost.draft_cost(1) if knobs else 0.0
+        pol.observe_step(StepStats(1, rows, 0, fwd, wait, wait, 1, int(knobs is not None), int(sel.budget > 0),
+                                   fwd + wait))
     return drafted, verified
 
 

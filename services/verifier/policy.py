@@ -233,8 +233,9 @@ class GoodputPolicy:
             starting counts) and this one's is saved to, every ``save_every`` labelled trees at a
             request's end (:class:`~services.verifier.calibration_store.CalibrationStore`; None = off).
         probe: a request's first decode round drafts whatever the forecast (one drafter call per
-            request, while calls made regardless of the forecast stay within twice
-            ``explore_fraction``), and from its first tree on its forecast is the mean of its own recent trees
+            request, outside the exploration time budget, which the calls of earlier requests may
+            have spent; only where a fully accepted tree could pay on the cost curve), and from its
+            first tree on its forecast is the mean of its own recent trees
             (the regime's only before): in mixed traffic the regime's recent trees are other requests'
             text (a GSM8K request after MT-Bench ones stayed plain through HTTP, one server for both).
     Raises:
@@ -421,10 +422,8 @@ class GoodputPolicy:
             if explore and self._explore_s + planned > self.explore_fraction * self._wall:
                 explore = False       # over the exploration time budget (this step's planned ones included)
             first, st.probed = not st.probed, True
-            if self.probe and first and forecast is not None and not explore and self._could_pay():
-                # a request's first round drafts (its own text's first tree), within twice the
-                # exploration time budget
-                explore = self._explore_s + planned <= 2 * self.explore_fraction * self._wall
+            if self.probe and first and forecast is not None and self._could_pay():
+                explore = True  # a request's first round drafts: its own text's first tree
             if r.explicit_budget or forecast is None or explore:
                 cost = c.draft_cost(r.owed)
                 forced_s += cost                         # draft regardless (explicit / no forecast / explore)
