@@ -191,6 +191,7 @@ class _ReqState:
     budget: int = 0                          # budget of its last drafter call (the most nodes select verifies)
     trees: deque = field(default_factory=lambda: deque(maxlen=8))  # its own recent (tree, budget): its forecast
     probed: bool = False                     # its first decode round drafted (or was due to)
+    curve: tuple | None = None               # (calibration version, last tree) -> its mean curve, cached
     pending: deque = field(default_factory=deque)  # [tree, continuation] waiting for labels
 
 
@@ -277,6 +278,7 @@ class GoodputPolicy:
         self._regime_calls: dict[str, int] = {}  # drafter calls of each method / regime (the widening)
         self._regime_trees: dict[str, deque] = {}  # recent trees of each method / regime (the forecast)
         self._curve_cache: dict[str, list[float]] = {}  # regime -> mean curve (until the next label / tree)
+        self._version = 0  # calibration updates so far (a request's cached curve is valid while unchanged)
         self._regime_since: dict[str, int] = {}  # rounds since each method / regime last drafted
         self._regime_interval: dict[str, int] = {}  # the exploration interval of each method / regime
         self._req: dict[str, _ReqState] = {}
@@ -336,7 +338,10 @@ class GoodputPolicy:
         (docs/roofline.md, "What the goodput policy does here")."""
         st = self._req.get(rid) if rid is not None else None
         if st is not None and st.trees:  # the request's own recent trees: its text, not the other requests'
-            curve = self._mean_curve(st.trees, regime)
+            key = (self._version, id(st.trees[-1][0]), len(st.trees))
+            if st.curve is None or st.curve[0] != key:
+                st.curve = (key, self._mean_curve(st.trees, regime))
+            curve = st.curve[1]
         else:
             window = self._regime_trees.get(regime)
             if not window:
@@ -555,6 +560,7 @@ class GoodputPolicy:
             st.pending.popleft()
             self.cal.observe(tree, cont, st.regime, rid)
             self._curve_cache.pop(st.regime, None)
+            self._version += 1
             self._unsaved += 1
 
     def observe_step(self, stats) -> None:
@@ -587,6 +593,7 @@ class GoodputPolicy:
                 if cont:
                     self.cal.observe(tree, cont, st.regime, None)
                     self._curve_cache.pop(st.regime, None)
+                    self._version += 1
                     self._unsaved += 1
         self.cal.release(rid)
         if self._unsaved >= self.save_every:
