@@ -599,7 +599,8 @@ class SpecEngine:
         submit_wait = time.perf_counter() - t_sub  # an in-process drafter drafts right here
         items = self._decode_rounds(plan, reqs, infos, results)
         items += self._prompt_chunks(plan, reqs, items)
-        if not items:
+        if not items:  # every request waited (prefix sharing) or failed its draft: an empty step
+            self.last_step = StepStats()
             return results
         self._execute(items, results)
         self._resolve_waits()  # copy a just-committed prefix now: a later admission may take its slot

@@ -210,3 +210,43 @@ def test_metrics_export_copied_tokens_and_waits(llama):
     r = worker.metrics.registry
     assert r.get_sample_value(m.PREFIX_COPIED) == 2 * 19 and r.get_sample_value(m.PREFIX_WAITS) == 2
     assert r.get_sample_value(m.PREFIX_HITS) == 2 * 19 and r.get_sample_value(m.PREFIX_QUERIED) == 60
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_worker_serves_n_choices_with_one_prefill(llama, overlap):
+    """Through the verifier worker (with ``overlap``, waiting choices and their leader sit in the two
+    groups that take turns): three choices as the gateway sends them (``choice_requests``: ids
+    ``x-i``, seeds ``seed + i``) prefill the prompt once and each equals its own cold run."""
+    from services import metrics as m
+    from services import protocol as p
+    from services.verifier.engine import EngineConfig, SpecEngine
+    from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
+    from services.verifier.drafter_client import InprocDrafterClient
+    from tests.service.fakes import verifier_info
+
+    service = tiny_service(llama, tiny_drafter(llama, seed=3, block_size=6))
+    engine = SpecEngine(llama, InprocDrafterClient(service),
+                        EngineConfig(max_running=3, prefill_chunk=CHUNK, overlap=overlap), max_draft_depth=5)
+    sent: list = []
+    worker = VerifierWorker(engine, verifier_info(3), VerifierWorkerConfig(max_running=3, overlap=overlap),
+                            send=lambda identity, msg: sent.append(msg))
+    prompt = _prompt(random.Random(9), 26)
+    for i in range(3):
+        worker.post(b"c", p.Generate(f"x-{i}", prompt, p.SamplingSpec(max_tokens=7, temperature=0.9, seed=20 + i,
+                                                                       ignore_eos=True),
+                                     p.SpecSpec("dartree-pruned", budget=6)))
+    for _ in range(200):
+        worker.run_once(idle_timeout=0)
+        if not worker._has_work():
+            break
+    tokens = {f"x-{i}": [] for i in range(3)}
+    for msg in sent:
+        assert isinstance(msg, p.RoundChunk), msg
+        tokens[msg.request_id] += list(msg.token_ids)
+    spec = SpecParams("dartree-pruned", budget=6)
+    for i in range(3):
+        sampling = SamplingParams(max_tokens=7, temperature=0.9, seed=20 + i, ignore_eos=True)
+        assert tokens[f"x-{i}"] == _cold(llama, service, prompt, sampling, spec), i
+    r = worker.metrics.registry
+    assert r.get_sample_value(m.PREFILL_CHUNK_TOKENS) == len(prompt) + 2
+    assert r.get_sample_value(m.PREFIX_WAITS) == 2 and r.get_sample_value(m.PREFIX_COPIED) == 2 * (len(prompt) - 1)
