@@ -20,9 +20,9 @@ it) and ``overhead_pct`` = ``step_ms`` over ``plain``'s, minus 1.
 ``--tau-tokens N`` adds the acceptance question: greedy generations of up to N tokens for
 :data:`JSON_PROMPTS` (chat prompts that ask for a JSON object), with and without the JSON schema
 :data:`PERSON` as ``response_format``, under ``dartree-pruned`` at the engine's default knobs
-(``--spec-policy`` picks the fixed default or the goodput policy), and with the schema compiled
-with free whitespace and with at most 20 spaces / newlines per gap (the served grammar is compact
-JSON). Reported per setting:
+(``--spec-policy`` picks the fixed default or the goodput policy): the schema as served (at most 20
+spaces / newlines per gap, ``--json-whitespace flexible``), as compact JSON (``--json-whitespace
+compact``) and with free whitespace. Reported per setting:
 ``tau`` (emitted tokens per decode step, bonus included), tokens, steps, ``grammar_masked`` (draft
 nodes the grammar forbade) and how many answers parse as JSON.
 
@@ -105,11 +105,10 @@ def tau_rows(engine, tok, a, weights: str) -> list[dict]:
 
     import llguidance
 
-    grammars = {"plain": None, "schema": json_schema_grammar(PERSON),
+    grammars = {"plain": None, "schema (served: whitespace <= 20)": json_schema_grammar(PERSON),
+                "schema, compact": json_schema_grammar(PERSON, "compact"),
                 "schema, free whitespace": llguidance.LLMatcher.grammar_from_json_schema(
-                    PERSON, defaults={"whitespace_flexible": True}),
-                "schema, whitespace <= 20": llguidance.LLMatcher.grammar_from_json_schema(
-                    PERSON, defaults={"whitespace_pattern": r"[\n ]{0,20}"})}
+                    PERSON, defaults={"whitespace_flexible": True})}
     rows = []
     for name, grammar in grammars.items():
         tokens = steps = masked = parsed = 0

@@ -36,6 +36,9 @@ class GatewayConfig:
         sse_keepalive_s: idle SSE streams get a comment line this often. A stream's status line and
             headers go out at its first round or at most 0.5 s after admission (then with a comment
             line), so a queued stream is not silent; a refusal that comes later is an error event.
+        json_whitespace: the JSON layout a structured-output or forced-tool-call grammar allows:
+            ``flexible`` (at most 20 spaces / newlines between tokens, so pretty-printed JSON, the
+            layout the model and its drafter tend to write) or ``compact`` (no whitespace at all).
         log_level: python logging level name.
     """
 
@@ -61,6 +64,7 @@ class GatewayConfig:
     ping_timeout_s: float = 3.0
     retry_after_s: int = 1
     sse_keepalive_s: float = 15.0
+    json_whitespace: str = "flexible"
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -72,5 +76,7 @@ class GatewayConfig:
         for name in ("body_timeout", "request_timeout_s", "drain_timeout_s", "ping_interval_s", "ping_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.json_whitespace not in ("flexible", "compact"):
+            raise ValueError(f"json_whitespace must be 'flexible' or 'compact', not {self.json_whitespace!r}")
         if self.health_generate_timeout_s <= 0:
             raise ValueError("health_generate_timeout_s must be > 0")

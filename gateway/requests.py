@@ -145,15 +145,16 @@ class RequestBuilder:
                         return_token_ids=req.return_token_ids, arrival=arrival,
                         continuous_usage=bool(opts and opts.continuous_usage_stats), n=req.n, tools=plan)
 
-    @staticmethod
-    def _structured(req) -> tuple[ToolPlan | None, str | None]:
-        """The request's tool plan and grammar (``response_format``, or a forced tool call).
+    def _structured(self, req) -> tuple[ToolPlan | None, str | None]:
+        """The request's tool plan and grammar (``response_format``, or a forced tool call), JSON in
+        the configured layout (``json_whitespace``).
 
         Raises:
             ApiError: an invalid schema or tool definition, or both a JSON ``response_format`` and a
                 forced tool call (400 naming the field).
         """
-        plan, grammar = (plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        ws = self.config.json_whitespace
+        plan, grammar = (plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ws)
                          if isinstance(req, ChatCompletionRequest) else (None, None))
         rf = req.response_format
         if rf is None or rf.type == "text":
@@ -162,11 +163,12 @@ class RequestBuilder:
             raise ApiError(400, "a JSON 'response_format' cannot be combined with a forced tool call ('tool_choice')",
                            "response_format", "invalid_value")
         if rf.type == "json_object":
-            return plan, checked_grammar(None, "response_format")
+            return plan, checked_grammar(None, "response_format", whitespace=ws)
         if rf.json_schema.json_schema is None:
             raise ApiError(400, "'response_format.json_schema.schema' is required", "response_format.json_schema.schema",
                            "missing_required_parameter")
-        return plan, checked_grammar(rf.json_schema.json_schema, "response_format.json_schema.schema")
+        return plan, checked_grammar(rf.json_schema.json_schema, "response_format.json_schema.schema",
+                                     whitespace=ws)
 
     def _prompt(self, req, plan: ToolPlan | None = None) -> tuple[list[int], str]:
         if isinstance(req, ChatCompletionRequest):

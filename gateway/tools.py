@@ -22,8 +22,10 @@ import llguidance
 from gateway.schemas import ApiError
 from services.protocol import MAX_GRAMMAR_CHARS
 
-# JSON the grammar allows: compact separators, no free whitespace (a model cannot pad forever).
-JSON_OPTIONS = {"whitespace_flexible": False}
+# The JSON layouts a grammar may allow (llguidance JSON options, GatewayConfig.json_whitespace).
+# "flexible": up to 20 spaces / newlines between tokens, so pretty-printed JSON (the layout models and
+# their drafters write) is allowed while a model still cannot pad forever; "compact": no whitespace.
+JSON_WHITESPACE = {"flexible": {"whitespace_pattern": r"[\n ]{0,20}"}, "compact": {"whitespace_flexible": False}}
 
 TOOL_PROMPT = ("You can call the functions listed below. To call one, answer with only a JSON object of the "
                'form {"name": <function name>, "arguments": <JSON object of its arguments>} and nothing else.'
@@ -33,10 +35,18 @@ PARALLEL_TOOL_PROMPT = ("You can call the functions listed below. To call them, 
                         "call per line, and nothing else.\nFunctions:\n")
 
 
-def json_schema_grammar(schema: dict | None) -> str:
-    """The llguidance grammar (a JSON string) of a JSON ``schema``; ``None``: any JSON object."""
+def json_schema_grammar(schema: dict | None, whitespace: str = "flexible") -> str:
+    """The llguidance grammar (a JSON string) of a JSON ``schema``; ``None``: any JSON object.
+
+    ``whitespace``: a :data:`JSON_WHITESPACE` layout, ``flexible`` (at most 20 spaces / newlines
+    between tokens, as pretty-printed JSON has) or ``compact`` (none).
+
+    Raises:
+        KeyError: an unknown ``whitespace``.
+        ValueError: the schema cannot be compiled (llguidance's message).
+    """
     return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"} if schema is None else schema,
-                                                         defaults=JSON_OPTIONS)
+                                                         defaults=JSON_WHITESPACE[whitespace])
 
 
 def grammar_error(grammar: str) -> str | None:
@@ -48,22 +58,23 @@ def grammar_error(grammar: str) -> str | None:
     return (err.splitlines() or ["invalid grammar"])[0] if err else None
 
 
-def calls_grammar(schema: dict) -> str:
+def calls_grammar(schema: dict, whitespace: str = "flexible") -> str:
     """The llguidance grammar of one or more JSON values matching ``schema``, one per line (a Lark
-    grammar embedding the schema, compact JSON as :func:`json_schema_grammar`'s)."""
-    embedded = {**schema, "x-guidance": JSON_OPTIONS}
+    grammar embedding the schema, ``whitespace`` inside each value as :func:`json_schema_grammar`'s)."""
+    embedded = {**schema, "x-guidance": JSON_WHITESPACE[whitespace]}
     lark = 'start: call ("\\n" call)*\ncall: %json ' + json.dumps(embedded, ensure_ascii=False)
     return json.dumps({"grammars": [{"name": "tool_calls", "lark_grammar": lark}]}, ensure_ascii=False)
 
 
-def checked_grammar(schema: dict | None, param: str, repeated: bool = False) -> str:
-    """:func:`json_schema_grammar` of ``schema`` (``repeated``: :func:`calls_grammar`), validated.
+def checked_grammar(schema: dict | None, param: str, repeated: bool = False, whitespace: str = "flexible") -> str:
+    """:func:`json_schema_grammar` of ``schema`` (``repeated``: :func:`calls_grammar`) with the
+    ``whitespace`` layout, validated.
 
     Raises:
         ApiError: 400 naming ``param`` when the schema cannot be compiled or is too large.
     """
     try:
-        grammar = calls_grammar(schema) if repeated else json_schema_grammar(schema)
+        grammar = calls_grammar(schema, whitespace) if repeated else json_schema_grammar(schema, whitespace)
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"invalid JSON schema in '{param}': {exc}", param, "invalid_value") from None
     err = grammar_error(grammar)
@@ -123,11 +134,13 @@ def _call_schema(fn) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def plan_tools(tools, tool_choice, parallel_tool_calls: bool | None = None) -> tuple[ToolPlan | None, str | None]:
+def plan_tools(tools, tool_choice, parallel_tool_calls: bool | None = None,
+               whitespace: str = "flexible") -> tuple[ToolPlan | None, str | None]:
     """``(plan, grammar)`` of a chat request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``
     (None = true, OpenAI's default); ``(None, None)`` when no tool may be called (no tools, or
     ``tool_choice: "none"``). A forced call's grammar allows one or more calls, one per line, when
-    parallel, exactly one otherwise.
+    parallel, exactly one otherwise; ``whitespace`` is the JSON layout inside a call
+    (:data:`JSON_WHITESPACE`).
 
     Raises:
         ApiError: ``tool_choice`` without tools, a named function that is not declared, duplicate
@@ -161,7 +174,7 @@ def plan_tools(tools, tool_choice, parallel_tool_calls: bool | None = None) -> t
     if not forced:
         return plan, None
     schema = _call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [_call_schema(f) for f in chosen]}
-    return plan, checked_grammar(schema, "tools", repeated=parallel)
+    return plan, checked_grammar(schema, "tools", repeated=parallel, whitespace=whitespace)
 
 
 def with_tool_prompt(messages: list[dict], plan: ToolPlan | None) -> list[dict]:

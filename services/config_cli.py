@@ -93,6 +93,7 @@ def _to_bool(s: str) -> bool:
 
 # Fields whose values come from a fixed set (argparse ``choices``: a typo is a one-line error at start).
 CHOICES = {"dtype": DTYPES, "weights": WEIGHT_CHOICES, "default_method": METHODS, "spec_policy": POLICIES,
+           "json_whitespace": ("flexible", "compact"),
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "debug", "info", "warning", "error",
                          "critical")}
 

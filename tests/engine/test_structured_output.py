@@ -71,7 +71,7 @@ def _text(ids: list[int]) -> str:
 
 
 def _sampling(schema, **kw):
-    return SamplingParams(max_tokens=N, grammar=json_schema_grammar(schema), **kw)
+    return SamplingParams(max_tokens=N, grammar=json_schema_grammar(schema, "compact"), **kw)
 
 
 def _ar(target, prompt, sampling):
@@ -119,7 +119,7 @@ def _fresh_mask(grammar: str, path: list[int]) -> torch.Tensor:
 
 
 def test_tree_masks_equal_a_fresh_matcher_per_path():
-    grammar = json_schema_grammar(SCHEMAS["enum+bool"])
+    grammar = json_schema_grammar(SCHEMAS["enum+bool"], "compact")
     emitted = TOK.tokenize_str('{"color":"')  # the root is the last of these
     state = GrammarState(llg.LLMatcher(TOK, grammar, log_level=0), V, TOK.vocab_size)
     for t in emitted:

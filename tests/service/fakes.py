@@ -114,9 +114,9 @@ def fake_params(gen: Generate, method: str):
 class InprocWorkerStack:
     """The gateway app (``self.app``) over an :class:`InprocEngineClient` and a verifier worker thread
     running ``engine`` (a real ``SpecEngine``): HTTP (ASGI) -> gateway -> worker -> engine in one
-    process. ``close()`` stops the worker thread."""
+    process. ``gateway_kw``: more :class:`GatewayConfig` fields. ``close()`` stops the worker thread."""
 
-    def __init__(self, model_dir, text, engine, info: PeerInfo):
+    def __init__(self, model_dir, text, engine, info: PeerInfo, **gateway_kw):
         from gateway.app import create_app
         from gateway.config import GatewayConfig
         from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
@@ -129,8 +129,8 @@ class InprocWorkerStack:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.worker.event_loop, args=(self.stop,), daemon=True)
         self.thread.start()
-        self.app = create_app(GatewayConfig(target=str(model_dir), served_model_name="tiny", default_temperature=0.0),
-                              self.client, self.text)
+        self.app = create_app(GatewayConfig(target=str(model_dir), served_model_name="tiny", default_temperature=0.0,
+                                            **gateway_kw), self.client, self.text)
 
     def _send(self, identity, msg, frames=()) -> None:
         try:

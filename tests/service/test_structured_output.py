@@ -18,9 +18,10 @@ import llguidance
 import openai
 import pytest
 
+from gateway.config import GatewayConfig
 from gateway.schemas import Tool
 from gateway.text import TextModel
-from gateway.tools import ToolPlan, plan_tools
+from gateway.tools import ToolPlan, checked_grammar, plan_tools
 from services.testing import tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SpecEngine
@@ -45,9 +46,10 @@ METHODS = ["ar", "dartree-pruned", "ddtree"]
 
 
 class Stack(InprocWorkerStack):
-    """The gateway app over an in-process verifier worker running a real ``SpecEngine``."""
+    """The gateway app over an in-process verifier worker running a real ``SpecEngine``; compact JSON
+    unless ``json_whitespace`` says otherwise (a random-weight model pads every gap it may)."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, json_whitespace: str = "compact"):
         text = TextModel(model_dir)
         vocab = text.vocab_size
         target = tiny_target("llama", vocab_size=vocab, hidden_size=32, num_layers=2,
@@ -55,7 +57,8 @@ class Stack(InprocWorkerStack):
         service = tiny_service(target, tiny_drafter(target, seed=3, block_size=6))
         tok = llguidance.LLTokenizer((model_dir / "tokenizer.json").read_text(), n_vocab=vocab, eos_token=2)
         engine = SpecEngine(target, InprocDrafterClient(service), max_draft_depth=6, grammar_tokenizer=tok)
-        super().__init__(model_dir, text, engine, verifier_info(vocab, max_context=CONTEXT))
+        super().__init__(model_dir, text, engine, verifier_info(vocab, max_context=CONTEXT),
+                         json_whitespace=json_whitespace)
 
     def run(self, fn):
         """``await fn(openai_client, httpx_client)`` on a fresh event loop."""
@@ -106,6 +109,38 @@ def test_json_schema_output_validates_streamed_and_not(stack, method):
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     assert texts == {0: choice.message.content} and finishes == {0: "stop"}
+
+
+def test_flexible_whitespace_default_allows_pretty_printed_json(tmp_path_factory):
+    """The served default (``--json-whitespace flexible``) accepts indented JSON and bounds each gap;
+    compact forbids it; a request under the default still ends in JSON that validates."""
+    assert GatewayConfig().json_whitespace == "flexible"
+    with pytest.raises(ValueError, match="json_whitespace"):
+        GatewayConfig(json_whitespace="pretty")
+    model_dir = bytelevel_model_dir(tmp_path_factory.mktemp("bytelevel_ws"))
+    tok = llguidance.LLTokenizer((model_dir / "tokenizer.json").read_text(), eos_token=2)
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = llguidance.LLMatcher(tok, grammar, log_level=0)
+        return bool(m.consume_tokens(tok.tokenize_str(text)) and not m.is_error() and m.is_accepting())
+
+    obj = {"color": "red", "ok": True}
+    pretty, wide = json.dumps(obj, indent=2), "{" + " " * 21 + '"color":"red","ok":true}'
+    flexible, compact = checked_grammar(SCHEMA, "s"), checked_grammar(SCHEMA, "s", whitespace="compact")
+    assert "\n  " in pretty and accepts(flexible, pretty) and accepts(flexible, wide.replace(" " * 21, " " * 20))
+    assert not accepts(flexible, wide) and not accepts(compact, pretty) and accepts(compact, json.dumps(obj, separators=(",", ":")))
+    s = Stack(model_dir, json_whitespace=GatewayConfig().json_whitespace)
+    try:
+        async def go(oai, http):
+            return [await oai.chat.completions.create(model="tiny", messages=MSG, max_tokens=480,
+                                                      response_format=_response_format(),
+                                                      extra_body={"speculative": {"method": m}}) for m in METHODS[:2]]
+        ar, spec = [r.choices[0] for r in s.run(go)]
+    finally:
+        s.close()
+    assert ar.finish_reason == "stop" and ar.message.content == spec.message.content
+    assert any(c in ar.message.content for c in " \n")  # the random model pads the gaps it is allowed
+    jsonschema.validate(json.loads(ar.message.content), SCHEMA)
 
 
 def test_grammar_metrics(stack):
