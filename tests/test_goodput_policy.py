@@ -799,3 +799,78 @@ def test_a_request_that_drafts_well_after_ones_that_did_not_is_not_kept_plain():
 
     assert run(True) >= 25
     assert run(False) <= 10
+
+
+def _round(pol, rid, tree, owed, remaining=None, accepted=0):
+    """One decode round of ``rid`` (owing ``owed`` context tokens); returns whether it called the drafter."""
+    info = RoundInfo(rid, "dartree-pruned", 0.0, can_draft=True, owed=owed, remaining=remaining)
+    pol.begin_step([info])
+    knobs = pol.draft_knobs(rid, _Spec())
+    sel = pol.select([Drafted(info, tree if knobs else DraftTree.empty(), knobs is not None)])[rid]
+    path = [int(t) for t in tree.draft_tokens[:accepted]][:sel.budget]
+    pol.observe_round(rid, path + [99])
+    rows = 1 + sel.budget
+    fwd, wait = pol.cost.forward_seconds(rows), pol.cost.draft_cost(owed) if knobs else 0.0
+    pol.observe_step(StepStats(1, rows, 0, fwd, wait, wait, 1, int(knobs is not None), int(sel.budget > 0),
+                               fwd + wait, draft_owed=owed if knobs else 0))
+    return knobs is not None
+
+
+def _catch_up_policy(**kw):
+    """q4 curve; a drafter call costs 10 ms + 0.3 ms per owed context token (the CPU drafter's catch-up)."""
+    pol = _tile_policy(Q4_C, **kw)
+    for owed in (1, 300) * 20:
+        pol.cost.observe_draft(0.010 + 0.0003 * owed, 1, owed)
+    return pol
+
+
+def test_a_probe_must_pay_for_its_catch_up():
+    """A request's first draft catches the drafter up on its whole prompt (measured in process, q4,
+    243-token MT-Bench prompt: probe round 85-98 ms vs 30-36 ms plain), a cost ``ar`` never pays.
+    After requests whose drafts were all rejected, a request owing 400 prompt tokens with 16 tokens to
+    go stays plain in every round (no drafter call, no catch-up: the same work as ``ar``); one owing 2
+    tokens, or with a long way to go, still probes. Before, every request probed its first round."""
+    tree = _chain_tree([math.log(0.9) * (d + 1) for d in range(8)])
+    pol = _catch_up_policy(explore_fraction=0.0)  # no explorations: only the probe can draft
+    for i in range(12):
+        for k in range(6):
+            _round(pol, f"hard{i}", tree, owed=300 if k == 0 else 1, remaining=64 - k, accepted=0)
+        pol.release(f"hard{i}")
+    calls = [_round(pol, "long-short", tree, owed=400 + k, remaining=16 - k) for k in range(16)]
+    assert not any(calls), calls
+    assert _round(pol, "short-prompt", tree, owed=2, remaining=64)
+    assert _round(pol, "long-long", tree, owed=400, remaining=4096)
+
+
+def test_probes_resume_when_the_traffic_has_text_that_drafts_well():
+    """The probe's expected saving is the mean over the regime's recent requests: one request that
+    drafted well among rejected ones makes a long-prompt request probe again (mixed traffic: GSM8K
+    among MT-Bench / ShareGPT through one server); with rejected ones only it does not."""
+    tree = _chain_tree([math.log(0.97) * (d + 1) for d in range(8)])
+
+    def probes(with_easy):
+        pol = _catch_up_policy(explore_fraction=0.0)
+        names = [f"hard{i}" for i in range(16)]
+        if with_easy:  # one among them (arriving while the evidence was thin)
+            names.insert(8, "easy")
+        for name in names:
+            for k in range(12):
+                _round(pol, name, tree, owed=300 if k == 0 else 1, remaining=64 - k,
+                       accepted=8 if name == "easy" else 0)
+            pol.release(name)
+        return _round(pol, "new", tree, owed=300, remaining=64)
+
+    assert probes(True)
+    assert not probes(False)
+
+
+def test_the_probe_gate_learns_request_length_when_max_tokens_is_unknown():
+    """Without ``remaining`` the gate uses the regime's mean request length minus what the request
+    emitted: near the end of a typical request a long catch-up is not worth starting."""
+    tree = _chain_tree([math.log(0.9) * (d + 1) for d in range(8)])
+    pol = _catch_up_policy(explore_fraction=0.0)
+    for i in range(12):
+        for k in range(20):
+            _round(pol, f"hard{i}", tree, owed=300 if k == 0 else 1, accepted=0)
+        pol.release(f"hard{i}")
+    assert not _round(pol, "late", tree, owed=400)

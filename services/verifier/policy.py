@@ -87,7 +87,9 @@ class RoundInfo:
         rid: request id; method: its speculative method; temperature: its sampling temperature;
         can_draft: the method drafts and the context has room for a draft token;
         explicit_budget: the request set ``speculative.budget`` itself;
-        owed: context tokens its drafter has not seen (its next draft catches them up first).
+        owed: context tokens its drafter has not seen (its next draft catches them up first);
+        remaining: tokens it may still emit (``max_tokens`` minus emitted; None = unknown: the policy
+        uses the mean length of its method / regime's ended requests).
     """
 
     rid: str
@@ -96,6 +98,7 @@ class RoundInfo:
     can_draft: bool
     explicit_budget: bool = False
     owed: int = 0
+    remaining: int | None = None
 
 
 @dataclass
@@ -190,7 +193,8 @@ class _ReqState:
     fresh: bool = True                       # no step seen yet (takes its regime's exploration interval)
     budget: int = 0                          # budget of its last drafter call (the most nodes select verifies)
     trees: deque = field(default_factory=lambda: deque(maxlen=8))  # its own recent (tree, budget): its forecast
-    probed: bool = False                     # its first decode round drafted (or was due to)
+    probed: bool = False                     # it has called the drafter (no probe due any more)
+    emitted: int = 0                         # tokens its rounds committed
     curve: tuple | None = None               # (calibration version, last tree) -> its mean curve, cached
     pending: deque = field(default_factory=deque)  # [tree, continuation] waiting for labels
 
@@ -233,12 +237,19 @@ class GoodputPolicy:
         store: where the calibration learnt by an earlier start is loaded from (as the calibrator's
             starting counts) and this one's is saved to, every ``save_every`` labelled trees at a
             request's end (:class:`~services.verifier.calibration_store.CalibrationStore`; None = off).
-        probe: a request's first decode round drafts whatever the forecast (one drafter call per
-            request, outside the exploration time budget, which the calls of earlier requests may
-            have spent; only where a fully accepted tree could pay on the cost curve), and from its
-            first tree on its forecast is the mean of its own recent trees
-            (the regime's only before): in mixed traffic the regime's recent trees are other requests'
-            text (a GSM8K request after MT-Bench ones stayed plain through HTTP, one server for both).
+        probe: a request that has not drafted yet drafts once (a probe) in the first round where the
+            probe pays for itself: the expected saving over its remaining tokens (the mean saving per
+            token of the method / regime's recent requests, from their own trees, with one optimistic
+            pseudo-request at full acceptance so unseen text is still tried) exceeds the probe's
+            drafter call including its catch-up of the owed context (``draft_cost(owed)``, ~0.2-0.3 ms
+            per prompt token on the CPU). Probes are outside the exploration time budget, which the
+            calls of earlier requests may have spent. From its first tree on, a request's forecast is
+            the mean of its own recent trees: in mixed traffic the regime's recent trees are other
+            requests' text (a GSM8K request after MT-Bench ones stayed plain through HTTP). Until it
+            has drafted, a request drafts only through the probe, exploration or an explicit budget,
+            so a request that never drafts pays no catch-up (the same work as ``ar``).
+            ``probe=False``: no probe; the regime's forecast decides from the first round.
+        probe_window: recent requests per method / regime whose saving per token prices a probe.
     Raises:
         ValueError: ``max_budget`` outside ``[1, MAX_BUDGET]``, ``explore_every < 1``,
             ``forecast_trees < 1``, ``widen_every < 0`` or ``defaults`` with an unset knob.
@@ -250,7 +261,7 @@ class GoodputPolicy:
                  max_budget: int | None = None, explore_every: int = 16, explore_max: int = 128,
                  optimism: float = 0.5, explore_fraction: float = 0.01, schedule: TreeSchedule | None = None,
                  defaults: TreeKnobs = DEFAULT_KNOBS, forecast_trees: int = 16, widen_every: int = 4,
-                 store=None, save_every: int = 64, probe: bool = True):
+                 store=None, save_every: int = 64, probe: bool = True, probe_window: int = 64):
         if not defaults.is_resolved():
             raise ValueError(f"the default tree knobs must all be set (got {defaults})")
         if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
@@ -285,6 +296,9 @@ class GoodputPolicy:
         self._skip: set[str] = set()
         self._predicted: float | None = None
         self.store, self.save_every, self._unsaved, self.probe = None, save_every, 0, probe
+        self._savings: dict[str, deque] = {}  # regime -> seconds saved per token of its recent requests
+        self._lengths: dict[str, float] = {}  # regime -> mean tokens of its ended requests (moving)
+        self.probe_window = max(int(probe_window), 1)
         if store is not None:
             self.attach_store(store)
 
@@ -361,6 +375,32 @@ class GoodputPolicy:
         top = min(self.max_budget or self.defaults.budget, 16)
         return any((1 + k) / (d + c.forward_seconds(1 + k) + o) > plain for k in range(1, top + 1))
 
+    def _saving_per_token(self, curve: list[float]) -> float:
+        """Seconds per emitted token a request saves over plain decoding at c = 1 when it drafts with
+        the forecast ``curve`` (steady drafter call, best number of nodes); 0 where drafting does not
+        pay."""
+        c, o = self.cost, self.cost.overhead_seconds
+        k, g, t = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + o)
+        return max(c.forward_seconds(1) + o - t / g, 0.0) if k and g > 0 else 0.0
+
+    def probe_pays(self, regime: str, st: _ReqState, owed: int, remaining: int | None) -> bool:
+        """Whether a probe draft of a request that has not drafted yet pays for itself: expected
+        seconds saved over its ``remaining`` tokens (None: its regime's mean request length minus what
+        it emitted) at the regime's mean saving per token, above ``draft_cost(owed)``. The mean is
+        over the regime's recent requests that drafted plus one pseudo-request at full acceptance of
+        a ``B_max`` chain (optimism: text like none seen yet is tried while the evidence is thin).
+        Before any request of the regime ended (no saving, no length known): the probe runs where a
+        fully accepted tree could pay at all (:meth:`_could_pay`)."""
+        saved = self._savings.get(regime)
+        if remaining is None:
+            length = self._lengths.get(regime)
+            remaining = None if length is None else max(int(round(length)) - st.emitted, 0)
+        if not saved or remaining is None:
+            return self._could_pay()
+        best = self._saving_per_token([1.0] * self._cap())
+        per_token = (sum(saved) + best) / (len(saved) + 1)
+        return remaining * per_token > self.cost.draft_cost(max(owed, 1))
+
     def _mean_curve(self, window, regime: str) -> list[float]:
         """Mean sorted calibrated P (with ``optimism``) of a window of ``(tree, budget)``, position k
         over the trees drafted with a budget above k; non-increasing; ``[cap]``."""
@@ -403,7 +443,10 @@ class GoodputPolicy:
         A forecast draft is priced at the steady drafter call (one owed token): the catch-up of a
         context the drafter has not seen (a new request's prompt, the tokens of plain rounds) is paid
         by whichever draft comes next and only grows while the request waits, so it is no reason to
-        wait; charged to this round alone it kept every new request plain (docs/roofline.md).
+        wait; charged to this round alone it kept every new request plain (docs/roofline.md). The one
+        exception is a request that has not drafted yet: its first draft (the probe) is priced with
+        its whole catch-up against the saving expected over its remaining tokens
+        (:meth:`probe_pays`), and it stays plain until that pays (or an exploration is due).
 
         Args:
             rounds: the step's decoding requests; extra_rows: other rows of the step (prompt chunks);
@@ -413,6 +456,7 @@ class GoodputPolicy:
         c = self.cost
         forced_s, planned, self._unforecast = 0.0, 0.0, 0
         curves: list[tuple[float, str, list[float], float]] = []
+        held: set[str] = set()  # not drafted yet and no probe due: plain (no catch-up paid)
         for r in rounds:
             st = self._state(r.rid)
             st.regime = f"{r.method}:{regime_of(r.temperature)}"  # one calibration table per method and regime
@@ -426,9 +470,11 @@ class GoodputPolicy:
             explore = forecast is not None and st.since_draft + 1 >= st.interval
             if explore and self._explore_s + planned > self.explore_fraction * self._wall:
                 explore = False       # over the exploration time budget (this step's planned ones included)
-            first, st.probed = not st.probed, True
-            if self.probe and first and forecast is not None and self._could_pay():
-                explore = True  # a request's first round drafts: its own text's first tree
+            if self.probe and not st.probed and forecast is not None and not explore and not r.explicit_budget:
+                if not self.probe_pays(st.regime, st, r.owed, r.remaining):
+                    held.add(r.rid)  # its catch-up would cost more than its text is expected to save
+                    continue
+                explore = True  # its probe: its own text's first tree
             if r.explicit_budget or forecast is None or explore:
                 cost = c.draft_cost(r.owed)
                 forced_s += cost                         # draft regardless (explicit / no forecast / explore)
@@ -451,7 +497,7 @@ class GoodputPolicy:
             if t > 0 and g / t > best_ratio + 1e-12:
                 best_m, best_ratio, best_k = m, g / t, k
         drafting = {rid for _, rid, _, _ in curves[:best_m]}
-        self._skip = {rid for _, rid, _, _ in curves if rid not in drafting}
+        self._skip = {rid for _, rid, _, _ in curves if rid not in drafting} | held
         pool = sorted((x for x in pool if x[1] in drafting), key=lambda x: -x[0])[:best_k]
         self._plan = {rid: max(sum(1 for _, r in pool if r == rid), 1) for rid in drafting}
 
@@ -471,6 +517,7 @@ class GoodputPolicy:
             self.cal.relax(rid)
             return None
         st.since_draft = self._regime_since[st.regime] = 0
+        st.probed = True
         knobs = resolve_knobs(spec, self.defaults, self.schedule, self._running, self.max_budget)
         plan = self._plan.get(rid)
         if spec.budget is None and plan is not None:
@@ -550,6 +597,7 @@ class GoodputPolicy:
         st = self._req.get(rid)
         if st is None:
             return
+        st.emitted += len(committed)
         while st.pending:
             for entry in st.pending:
                 entry[1].extend(committed)
@@ -586,6 +634,14 @@ class GoodputPolicy:
 
     def release(self, rid: str) -> None:
         """A request ended: label its pending trees with the tokens it had, forget its state."""
+        st = self._req.get(rid)
+        if st is not None and st.emitted:  # what it says about its regime's requests (the probe's price)
+            old = self._lengths.get(st.regime)
+            self._lengths[st.regime] = st.emitted if old is None else 0.8 * old + 0.2 * st.emitted
+            if st.trees:
+                own = self.forecast(st.regime, rid)
+                window = self._savings.setdefault(st.regime, deque(maxlen=self.probe_window))
+                window.append(self._saving_per_token(own or []))
         st = self._req.pop(rid, None)
         self._skip.discard(rid)
         if st is not None:
