@@ -127,16 +127,25 @@ def process_logits(logits: Tensor, opts: LogitOptions, counts: Tensor | None = N
     if opts.needs_counts:
         assert counts is not None and counts.shape == x.shape, "counts must be [R, V]"
         counts = counts.to(x.device)
-        seen = counts > 0  # [R, V]
+        # The penalties change only columns seen in some row's output (or, with repetition_penalty, in
+        # the prompt): they are applied to those K columns alone ([R, K] instead of several [R, V] passes).
+        touched = counts.amax(dim=0) > 0  # [V]
         if opts.repetition_penalty != 1:
             assert prompt_mask is not None and prompt_mask.shape == (x.shape[1],), "prompt_mask must be [V]"
-            rep = seen | prompt_mask.to(x.device)[None, :]
+            prompt_mask = prompt_mask.to(x.device)
+            touched = touched | prompt_mask
+        cols = touched.nonzero().squeeze(1)  # [K]
+        sub, cnt = x[:, cols], counts[:, cols]  # [R, K]
+        seen = cnt > 0
+        if opts.repetition_penalty != 1:
+            rep = seen | prompt_mask[cols][None, :]
             r = opts.repetition_penalty
-            x = torch.where(rep, torch.where(x > 0, x / r, x * r), x)
+            sub = torch.where(rep, torch.where(sub > 0, sub / r, sub * r), sub)
         if opts.frequency_penalty != 0:
-            x = x - opts.frequency_penalty * counts
+            sub = sub - opts.frequency_penalty * cnt
         if opts.presence_penalty != 0:
-            x = x - opts.presence_penalty * seen.float()
+            sub = sub - opts.presence_penalty * seen.float()
+        x[:, cols] = sub
     return x
 
 
