@@ -108,7 +108,8 @@ class GrammarState:
                 else:
                     masked += 1
         allowed = unpack_bitmask(bits, self.vocab_size)
-        allowed[~torch.tensor(live)] = True
+        if not all(live):
+            allowed[~torch.tensor(live)] = True
         return allowed, masked
 
     def _fill(self, bits: Tensor, row: int) -> None:
@@ -137,5 +138,5 @@ def unpack_bitmask(bits: Tensor, vocab_size: int) -> Tensor:
 def mask_logits(logits: Tensor, allowed: Tensor) -> Tensor:
     """``logits [R, V]`` with the tokens ``allowed [R, V]`` forbids at ``-inf`` (a new tensor)."""
     assert logits.shape == allowed.shape, "logits and allowed must both be [R, V]"
-    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    return torch.where(allowed.to(logits.device), logits, float("-inf"))  # one pass (no inverted mask)
 
