@@ -562,6 +562,13 @@ class SpecEngine:
             if out is not None:
                 return out
 
+    @staticmethod
+    def _remaining(req) -> int | None:
+        """Tokens ``req`` may still emit (``max_tokens`` minus generated; None without a limit): the
+        goodput policy weighs a first draft's prompt catch-up against the saving over these."""
+        limit = req.sampling.max_tokens
+        return None if limit is None else max(int(limit) - req.generated, 0)
+
     def step_batch(self, request_ids: list[str]) -> dict[str, RoundOutput | BaseException | None]:
         """One step: plan (:meth:`plan_step`), draft for the decoding requests, one target forward
         for every scheduled row, then walk / commit / emit per request.
@@ -590,7 +597,7 @@ class SpecEngine:
         reqs = {e.rid: self._reqs[e.rid] for e in plan.entries}
         infos = {e.rid: RoundInfo(e.rid, reqs[e.rid].spec.method, reqs[e.rid].sampling.temperature,
                                   can_draft=e.can_draft, explicit_budget=reqs[e.rid].spec.budget is not None,
-                                  owed=e.owed)
+                                  owed=e.owed, remaining=self._remaining(reqs[e.rid]))
                  for e in plan.decodes}
         self.policy.begin_step(list(infos.values()), extra_rows=plan.chunk_rows, num_running=len(self._reqs))
         results: dict[str, RoundOutput | BaseException | None] = {}

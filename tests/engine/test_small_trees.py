@@ -97,3 +97,28 @@ def test_small_trees_batched_equal_solo(target, block_rows):
         assert got[rid] == want, (rid, spec)
         assert got[rid] == greedy_reference(target.model, prompt, sampling.max_tokens)
     assert service.num_contexts() == 0
+
+
+def test_round_info_carries_the_tokens_left(target):
+    """The goodput policy's probe gate weighs a first draft's prompt catch-up against the tokens a
+    request may still emit: every decode round's :class:`RoundInfo` carries ``max_tokens`` minus
+    what the request generated so far (the policy's fallback without it is a learnt mean length)."""
+    engine = _engine(target, _service(target), max_running=2)
+    seen: dict[str, list[int | None]] = {}
+    begin = engine.policy.begin_step
+
+    def record(infos, **kw):
+        for info in infos:
+            seen.setdefault(info.rid, []).append(info.remaining)
+        return begin(infos, **kw)
+
+    engine.policy.begin_step = record
+    lengths = {"a": 12, "b": 7}
+    arrivals = {0: [(rid, _prompt(n), SamplingParams(max_tokens=n, ignore_eos=True), SpecParams("dartree-pruned"))
+                    for rid, n in lengths.items()]}
+    tokens, _ = _run_batched(engine, arrivals)
+    for rid, n in lengths.items():
+        assert len(tokens[rid]) == n
+        left = seen[rid]
+        assert left[0] == n - 1  # the prefill step emitted the first token
+        assert all(x > y for x, y in zip(left, left[1:])) and min(left) >= 1, left
