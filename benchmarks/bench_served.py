@@ -51,7 +51,8 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` (with these labels) in a Prometheus text page (0.0 if none)."""
     total = 0.0
     for line in text.splitlines():
         if (line.startswith(name + "{") or line.startswith(name + " ")) and \
@@ -101,11 +102,11 @@ def served_run(client, base: str, vmetrics: str, prompt_ids: list[int], args) ->
             ids += got
             last = time.perf_counter()
     after = httpx.get(vmetrics, timeout=10).text
-    rounds = _metric(after, "dartree_spec_rounds_total") - _metric(before, "dartree_spec_rounds_total")
-    vtotal = (_metric(after, "dartree_round_seconds_sum", phase="total")
-              - _metric(before, "dartree_round_seconds_sum", phase="total"))
-    vprefill = (_metric(after, "dartree_round_seconds_sum", phase="prefill")
-                - _metric(before, "dartree_round_seconds_sum", phase="prefill"))
+    rounds = metric_sum(after, "dartree_spec_rounds_total") - metric_sum(before, "dartree_spec_rounds_total")
+    vtotal = (metric_sum(after, "dartree_round_seconds_sum", phase="total")
+              - metric_sum(before, "dartree_round_seconds_sum", phase="total"))
+    vprefill = (metric_sum(after, "dartree_round_seconds_sum", phase="prefill")
+                - metric_sum(before, "dartree_round_seconds_sum", phase="prefill"))
     # the prefill round is observed under "prefill" (and under "total" only for speculative rounds)
     return {"ids": ids, "rounds": int(rounds), "ttft_s": first - t0, "decode_s": last - first,
             "verifier_round_total_s": vtotal, "verifier_prefill_s": vprefill}

@@ -55,6 +55,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_served import metric_sum
+
 
 def _prompts(target_dir, datasets: list[str], n: int, max_prompt_tokens: int = 384) -> list[tuple[str, list[int]]]:
     """``(uid, chat-templated prompt ids)`` of the first ``n`` prompts of each dataset (first turns)."""
@@ -290,22 +292,12 @@ def run_e2e(a) -> dict:
     return res
 
 
-def _metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` (with these labels) in a Prometheus text page."""
-    total = 0.0
-    for line in text.splitlines():
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and \
-                all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.split()[-1])
-    return total
-
-
 def _budget_hist(before: str, after: str, method: str) -> dict[str, int]:
     """Rounds per verified budget bucket (``dartree_spec_policy_budget``) between two scrapes."""
     from services.metrics import BUDGET_BUCKETS, POLICY_BUDGET
 
-    cum = [_metric(after, POLICY_BUDGET + "_bucket", le=str(b), method=method)
-           - _metric(before, POLICY_BUDGET + "_bucket", le=str(b), method=method) for b in BUDGET_BUCKETS]
+    cum = [metric_sum(after, POLICY_BUDGET + "_bucket", le=str(b), method=method)
+           - metric_sum(before, POLICY_BUDGET + "_bucket", le=str(b), method=method) for b in BUDGET_BUCKETS]
     out, prev = {}, 0.0
     for b, c in zip(BUDGET_BUCKETS, cum):
         if c - prev > 0:
@@ -338,8 +330,8 @@ def _http_request(client, base: str, vmetrics: str, ids: list[int], method: str 
     wall = time.perf_counter() - t0
     after = httpx.get(vmetrics, timeout=10).text
     used = method or "dartree-pruned"
-    rounds = _metric(after, SPEC_ROUNDS, method=used) - _metric(before, SPEC_ROUNDS, method=used)
-    acc = _metric(after, SPEC_ACCEPTED_TOKENS, method=used) - _metric(before, SPEC_ACCEPTED_TOKENS, method=used)
+    rounds = metric_sum(after, SPEC_ROUNDS, method=used) - metric_sum(before, SPEC_ROUNDS, method=used)
+    acc = metric_sum(after, SPEC_ACCEPTED_TOKENS, method=used) - metric_sum(before, SPEC_ACCEPTED_TOKENS, method=used)
     return {"tokens": len(out), "seconds": wall, "tokens_per_s": len(out) / wall, "rounds": int(rounds),
             "accepted": int(acc), "budgets": _budget_hist(before, after, used), "ids": out}
 
