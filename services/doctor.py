@@ -3,8 +3,8 @@
 One screen: the CPU's capabilities (vector ISA, native bf16, MKL / oneDNN packing, the int4
 kernel, threads, RAM), what start-ups keep in the state directory (:mod:`services.machine_cache`):
 the weight-format choices (``weights_choice.json``), step-cost sweeps (``cost_model.json``),
-oneDNN row-invariance verdicts (``onednn_rows.json``) and packed q4 linears (``q4/``), with their
-figures and age, and, with ``--remeasure``, a fresh weight
+oneDNN row-invariance verdicts (``onednn_rows.json``), packed q4 linears (``q4/``) and the goodput
+policy's acceptance calibrations (``calibration.json``), with their figures and age, and, with ``--remeasure``, a fresh weight
 choice and cost sweep for a target (each cached only when the measurement is trusted).
 """
 
@@ -61,6 +61,8 @@ def capability_lines() -> list[str]:
 
 def cache_lines(now: float | None = None) -> list[str]:
     """The cached choices and sweeps, one line each (path first; 'none' when absent)."""
+    from services.machine_cache import ONEDNN_ROWS, Q4_PACKS, read_entries, state_dir
+    from services.verifier.calibration_store import default_store_path
     from services.verifier.cost_model import default_cache_path
     from services.weight_choice import choice_cache_path, read_choices
 
@@ -76,18 +78,13 @@ def cache_lines(now: float | None = None) -> list[str]:
         out.append("  none")
     path = default_cache_path()
     out.append(f"cost sweeps     {path}")
-    try:
-        sweeps = json.loads(path.read_text())
-    except (OSError, ValueError):
-        sweeps = {}
+    sweeps = read_entries(path)
     for key, e in sweeps.items():
         if isinstance(e, dict) and "samples" in e:
             pts = " ".join(f"{int(r)}:{float(s) * 1e3:.1f}" for r, s in e["samples"])
             out.append(f"  rows:ms {pts}, {_age(now - e.get('time', now))}  [{key}]")
     if not sweeps:
         out.append("  none")
-    from services.machine_cache import ONEDNN_ROWS, Q4_PACKS, read_entries, state_dir
-
     path = state_dir() / ONEDNN_ROWS
     out.append(f"oneDNN rows     {path}")
     verdicts = {k: e for k, e in read_entries(path).items() if isinstance(e, dict) and isinstance(e.get("rows"), dict)}
@@ -102,6 +99,13 @@ def cache_lines(now: float | None = None) -> list[str]:
         st = f.stat()
         out.append(f"  {f.name}: {st.st_size / 2**20:.0f} MB, {_age(now - st.st_mtime)}")
     if not packs:
+        out.append("  none")
+    path = default_store_path()
+    out.append(f"calibrations    {path}")
+    calibrations = {k: e for k, e in read_entries(path).items() if isinstance(e, dict) and isinstance(e.get("state"), dict)}
+    for key, e in calibrations.items():
+        out.append(f"  {key}, {_age(now - e.get('time', now))}")
+    if not calibrations:
         out.append("  none")
     return out
 

@@ -11,6 +11,7 @@ file                           what                                             
 ``cost_model.json``            the goodput policy's accepted step-cost sweep        :func:`services.verifier.cost_model.cache_key`
 ``onednn_rows.json``           :func:`services.cpu_gemm.invariant_rows` verdicts    :func:`machine_id` + threads + shape
 ``q4/<model>-<hash>.safetensors``  the q4 linears as torch's int4 kernel packs them  :func:`services.weights.q4_pack_key`
+``calibration.json``           the goodput policy's learnt acceptance calibration  :func:`services.verifier.calibration_store.calibration_key`
 =============================  ==================================================  ===========================
 
 A JSON file maps key -> entry (a dict with ``time``, epoch seconds); writes go to a temporary file
@@ -80,6 +81,18 @@ def write_entry(path: Path, key: str, entry: dict) -> bool:
     (logged) when the file cannot be written."""
     data = read_entries(path)
     data[key] = {"time": time.time(), **entry}
+    return _write(path, data)
+
+
+def drop_entry(path: Path, key: str) -> None:
+    """Remove ``key`` from ``path`` (best effort)."""
+    data = read_entries(path)
+    if data.pop(key, None) is not None:
+        _write(path, data)
+
+
+def _write(path: Path, data: dict) -> bool:
+    """Replace ``path`` with ``data`` as JSON through a temporary file; False (logged) on an I/O error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -89,15 +102,3 @@ def write_entry(path: Path, key: str, entry: dict) -> bool:
         log.warning("could not write the cache %s: %s", path, e)
         return False
     return True
-
-
-def drop_entry(path: Path, key: str) -> None:
-    """Remove ``key`` from ``path`` (best effort)."""
-    data = read_entries(path)
-    if data.pop(key, None) is not None:
-        try:
-            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-            tmp.write_text(json.dumps(data, indent=1))
-            tmp.replace(path)
-        except OSError:
-            pass

@@ -12,24 +12,22 @@ file is a cold start, never an error.
 
 from __future__ import annotations
 
-import json
-import logging
-import os
 import time
 from pathlib import Path
 
-from services.verifier.cost_model import default_cache_path
+from services.machine_cache import read_entries, state_dir, write_entry
 
-log = logging.getLogger("verifier.calibration")
+CALIBRATION = "calibration.json"
 
 
 def default_store_path() -> Path:
-    """``$DARTREE_CACHE_DIR/calibration.json`` (the cost model's cache folder)."""
-    return default_cache_path().with_name("calibration.json")
+    """``<state dir>/calibration.json`` (:func:`services.machine_cache.state_dir`)."""
+    return state_dir() / CALIBRATION
 
 
 class CalibrationStore:
-    """One key's saved calibration in a JSON file of ``{key: {"saved": unix seconds, "state": ...}}``.
+    """One key's saved calibration in a JSON file of ``{key: {"time": unix seconds, "state": ...}}``
+    (:func:`services.machine_cache.write_entry`).
 
     Args:
         key: what the calibration belongs to (:func:`calibration_key`).
@@ -40,33 +38,18 @@ class CalibrationStore:
     def __init__(self, key: str, path: Path | None = None, max_age_s: float = 30 * 86400):
         self.key, self.path, self.max_age_s = key, Path(path) if path else default_store_path(), max_age_s
 
-    def _read(self) -> dict:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
     def load(self) -> dict | None:
         """The saved state of the key (None when absent, stale or unreadable)."""
-        entry = self._read().get(self.key)
+        entry = read_entries(self.path).get(self.key)
         if not isinstance(entry, dict) or not isinstance(entry.get("state"), dict):
             return None
-        if time.time() - float(entry.get("saved", 0)) > self.max_age_s:
+        if time.time() - float(entry.get("time", 0)) > self.max_age_s:
             return None
         return entry["state"]
 
     def save(self, state: dict) -> None:
         """Write the key's state (other keys kept; atomic replace; best effort: an I/O error is logged)."""
-        data = self._read()
-        data[self.key] = {"saved": time.time(), "state": state}
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(data))
-            os.replace(tmp, self.path)
-        except OSError as e:
-            log.warning("could not save the acceptance calibration to %s: %s", self.path, e)
+        write_entry(self.path, self.key, {"state": state})
 
 
 def calibration_key(target: str, weights: str, device: str, drafter: str) -> str:

@@ -108,6 +108,8 @@ def test_doctor_prints_capabilities_and_cached_choices(tmp_path):
                                                                      "samples": [[1, 0.0245], [9, 0.031]]}}))
     (cache / "onednn_rows.json").write_text(json.dumps({"Test CPU|threads 1|limit 128": {
         "time": time.time() - 3 * 86400, "rows": {"576 x 1536": 1, "49152 x 576": 128}}}))
+    (cache / "calibration.json").write_text(json.dumps({"smollm2/q4/cpu/drafter": {
+        "time": time.time() - 5 * 86400, "state": {"tables": {}}}}))
     (cache / "q4").mkdir()
     (cache / "q4" / "smollm2-135m-instruct-0123abcd.safetensors").write_bytes(b"\0" * 3 * 2**20)
     env = {"PATH": "/usr/bin:/bin", "DARTREE_CACHE": str(cache), "DARTREE_CACHE_DIR": str(cache),
@@ -121,6 +123,7 @@ def test_doctor_prints_capabilities_and_cached_choices(tmp_path):
     assert "rows:ms 1:24.5 9:31.0, 2 min old" in out or "rows:ms 1:24.5 9:31.0, 1 min old" in out
     assert "576 x 1536: 1, 49152 x 576: 128, 3 d old" in out
     assert "smollm2-135m-instruct-0123abcd.safetensors: 3 MB, " in out
+    assert "  smollm2/q4/cpu/drafter, 5 d old" in out
     assert len(out.splitlines()) < 25  # one screen
 
 
