@@ -562,26 +562,19 @@ class SpecEngine:
             if out is not None:
                 return out
 
-    @staticmethod
-    def _remaining(req) -> int | None:
-        """Tokens ``req`` may still emit (``max_tokens`` minus generated; None without a limit): the
-        goodput policy weighs a first draft's prompt catch-up against the saving over these."""
-        limit = req.sampling.max_tokens
-        return None if limit is None else max(int(limit) - req.generated, 0)
-
     def step_batch(self, request_ids: list[str]) -> dict[str, RoundOutput | BaseException | None]:
         """One step: plan (:meth:`plan_step`), draft for the decoding requests, one target forward
         for every scheduled row, then walk / commit / emit per request.
 
         Requests are taken in the plan's order while the step has rows left (``max_step_tokens``;
         the first always runs): decoding requests' verify rows first, then prompt chunks of
-        requests being prefilled (``prefill_chunk`` each at most).
+        requests being prefilled (``prefill_chunk`` each at most). A request waiting for another's
+        prefill (prefix sharing: :meth:`_place`) sits steps out until that prefill has committed
+        the prompt positions they share; then the positions are copied into its slot and it
+        prefills the rest.
 
         Args:
             request_ids: candidates in priority order (each at most once).
-        A request waiting for another's prefill (prefix sharing: :meth:`_place`) sits steps out
-        until that prefill has committed the prompt positions they share; then the positions are
-        copied into its slot and it prefills the rest.
 
         Returns:
             For each request that ran: its :class:`RoundOutput`, ``None`` for a prompt chunk that
@@ -597,7 +590,7 @@ class SpecEngine:
         reqs = {e.rid: self._reqs[e.rid] for e in plan.entries}
         infos = {e.rid: RoundInfo(e.rid, reqs[e.rid].spec.method, reqs[e.rid].sampling.temperature,
                                   can_draft=e.can_draft, explicit_budget=reqs[e.rid].spec.budget is not None,
-                                  owed=e.owed, remaining=self._remaining(reqs[e.rid]))
+                                  owed=e.owed, remaining=reqs[e.rid].sampling.max_tokens - reqs[e.rid].generated)
                  for e in plan.decodes}
         self.policy.begin_step(list(infos.values()), extra_rows=plan.chunk_rows, num_running=len(self._reqs))
         results: dict[str, RoundOutput | BaseException | None] = {}
