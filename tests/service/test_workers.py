@@ -371,13 +371,13 @@ def test_hung_drafter_hits_the_deadline(sockdir):
     torch = pytest.importorskip("torch")
     from services.verifier.remote_drafter import DrafterUnavailable
 
-    with running_drafter(sockdir, FakeDrafterService(hang_s=1.0)) as (worker, io, endpoint):
+    with running_drafter(sockdir, FakeDrafterService(hang_s=3.0)) as (worker, io, endpoint):
         client = drafter_client(endpoint, timeout_s=0.3)
         client.connect(wait_s=5)
         t0 = time.monotonic()
         with pytest.raises(DrafterUnavailable, match="within 0.3 s"):
             _draft(client, "r", [1], torch.zeros(1, 8), 1, 1, _spec())
-        assert time.monotonic() - t0 < 0.8
+        assert time.monotonic() - t0 < 2.0  # the deadline, not the 3 s hang (slack for a busy machine)
         client.close()
 
 
