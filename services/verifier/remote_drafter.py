@@ -44,6 +44,10 @@ class DrafterUnavailable(RuntimeError):
     """The drafter did not answer in time, disconnected, or restarted (its contexts are gone)."""
 
 
+class DrafterDisconnected(DrafterUnavailable):
+    """The connection to the drafter process we handshook with was lost (it exited or restarted)."""
+
+
 class DrafterRefused(RuntimeError):
     """The drafter refused the handshake (mismatched pair): the verifier must not serve."""
 
@@ -96,6 +100,7 @@ class ZmqDrafterClient:
                 log.info("waiting for the drafter at %s ...", self.endpoint)
 
     def _handshake(self, timeout_s: float) -> PeerInfo:
+        drain_monitor(self._monitor)  # a disconnect before this handshake was of an earlier drafter process
         local = PeerInfo(**{**_fields(self.local), "pool": self.transport.export()})
         self._sock.send_multipart(encode(Hello(PROTOCOL_VERSION, local)))
         ack: HelloAck = self._wait(lambda d: d.type == MessageType.HELLO_ACK, timeout_s, "handshake").msg
@@ -186,17 +191,26 @@ class ZmqDrafterClient:
             log.warning("release of %s not sent (drafter queue full)", request_id)
 
     def ping(self, timeout_s: float = 1.0) -> bool:
-        """Is the drafter answering (and the same process we handshook with)?"""
-        try:
-            if self.peer is None:
-                self._handshake(timeout_s)
-            nonce = next(self._round)
-            self._sock.send_multipart(encode(Ping(nonce)))
-            pong: Pong = self._wait(lambda d: d.type == MessageType.PONG and d.msg.nonce == nonce,
-                                    timeout_s, "ping").msg
-        except (DrafterUnavailable, DrafterRefused) as exc:
-            log.warning("drafter ping failed: %s", exc)
-            return False
+        """Is the drafter answering (and the same process we handshook with)? A lost connection to
+        the process we knew (it restarted since the last call) is retried once with a fresh
+        handshake, so a drafter that is already back reads as reachable."""
+        for retry in (False, True):
+            try:
+                if self.peer is None:
+                    self._handshake(timeout_s)
+                nonce = next(self._round)
+                self._sock.send_multipart(encode(Ping(nonce)))
+                pong: Pong = self._wait(lambda d: d.type == MessageType.PONG and d.msg.nonce == nonce,
+                                        timeout_s, "ping").msg
+                break
+            except DrafterDisconnected as exc:
+                if not retry:
+                    continue
+                log.warning("drafter ping failed: %s", exc)
+                return False
+            except (DrafterUnavailable, DrafterRefused) as exc:
+                log.warning("drafter ping failed: %s", exc)
+                return False
         if pong.epoch != self.peer.epoch:
             self.peer = None  # restarted: the next call re-handshakes
             return False
@@ -229,7 +243,7 @@ class ZmqDrafterClient:
             events = dict(poller.poll(int(left * 1000) + 1))
             if self._monitor in events and zmq.EVENT_DISCONNECTED in drain_monitor(self._monitor):
                 self.peer = None
-                raise DrafterUnavailable(f"lost the connection to the drafter ({what})")
+                raise DrafterDisconnected(f"lost the connection to the drafter ({what})")
             if self._sock in events:
                 parts = self._sock.recv_multipart(copy=False)
                 try:

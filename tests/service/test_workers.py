@@ -415,6 +415,20 @@ def test_drafter_restart_loses_old_contexts_but_serves_new_requests(sockdir):
         client.close()
 
 
+def test_a_drafter_that_restarted_quickly_answers_the_first_ping(sockdir):
+    """The old process's disconnect, still queued on the socket monitor, must not make the first
+    ping to the new drafter read as unreachable (readiness would drop to 503 for a health interval)."""
+    with running_drafter(sockdir, FakeDrafterService()) as (worker, io, endpoint):
+        client = drafter_client(endpoint)
+        client.connect(wait_s=5)
+        assert client.ping()
+    with running_drafter(sockdir, FakeDrafterService()):  # a new process, up before the next ping
+        time.sleep(0.3)  # the reconnect has happened; the disconnect event waits on the monitor
+        assert client.ping()
+        assert client.ping()
+    client.close()
+
+
 def test_new_verifier_epoch_drops_stale_drafter_contexts(sockdir):
     torch = pytest.importorskip("torch")
     service = FakeDrafterService()
