@@ -832,10 +832,19 @@ class SpecEngine:
     @staticmethod
     def _ctx_feats(req: _Request) -> torch.Tensor | None:
         """The request's context features for a draft, with the rows of plain rounds since the last
-        draft appended (once, here: a per-round ``torch.cat`` would copy the whole context every round)."""
+        draft appended (once, here: a per-round ``torch.cat`` would copy the whole context every round).
+
+        The context's parts are also the last entries of ``hist_feats`` (the same tensors), which
+        then take the concatenation in their place: the history keeps the same rows without a
+        second copy of them (after a prompt, ``F`` x 2 bytes a prompt position in bfloat16).
+        """
         if req.owed_feats:
-            req.ctx_feats = torch.cat([req.ctx_feats, *req.owed_feats])
+            parts = [req.ctx_feats, *req.owed_feats]
+            req.ctx_feats = torch.cat(parts)
             req.owed_feats = []
+            tail = req.hist_feats[-len(parts):]
+            if len(tail) == len(parts) and all(a is b for a, b in zip(tail, parts)):
+                req.hist_feats[-len(parts):] = [req.ctx_feats]
         return req.ctx_feats
 
     def _submit(self, pairs: list[tuple[_Request, DraftJob]]) -> None:
@@ -901,7 +910,8 @@ class SpecEngine:
         n = item.segment.num_rows
         self.runner.cache.extend(req.slot, n)
         req.prefilled += n
-        req.chunk_feats.append(feats)
+        if self.drafter is not None:
+            req.chunk_feats.append(_owned(feats))
         req.prefill_seconds += item.timings["verify"]
         if not item.final_chunk:
             return None
@@ -909,7 +919,8 @@ class SpecEngine:
         first = int(self._sample(req, logits, torch.tensor([len(req.prompt_ids)]))[0])
         req.start, req.root = len(req.prompt_ids), first
         req.ctx_ids = list(req.prompt_ids)
-        req.ctx_feats = torch.cat(req.chunk_feats) if len(req.chunk_feats) > 1 else req.chunk_feats[0]
+        req.ctx_feats = None if not req.chunk_feats else \
+            torch.cat(req.chunk_feats) if len(req.chunk_feats) > 1 else req.chunk_feats[0]
         req.chunk_feats = []
         req.hist_ids = list(req.prompt_ids)
         req.hist_feats = [req.ctx_feats] if self.drafter is not None else []
@@ -930,3 +941,11 @@ class SpecEngine:
             yield out
             if out.finish_reason is not None:
                 return
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it spans its whole storage, else a copy: a prompt chunk's ``[n, F]``
+    features are a slice of its step's ``[R, F]`` features, which the slice would keep alive
+    (every request of the step until each has finished its prefill)."""
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole and t.is_contiguous() else t.clone()
