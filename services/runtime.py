@@ -71,23 +71,77 @@ def set_process_title(name: str) -> None:
 
 
 def exit_with_parent(parent_pid: int | None) -> None:
-    """SIGTERM this process when its supervisor dies (Linux), plus a polling fallback."""
+    """SIGTERM this process when its supervisor dies (Linux), plus a polling fallback.
+
+    A worker forked from the supervisor's forkserver (:func:`worker_context`) has the forkserver as
+    its parent: the death signal follows the forkserver (which exits with the supervisor), and the
+    poll checks both that its parent is unchanged and that ``parent_pid`` is alive."""
     if parent_pid is None:
         return
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+    first_parent = os.getppid()
+
+    def gone() -> bool:
+        if os.getppid() != first_parent:
+            return True
+        if first_parent == parent_pid:
+            return False
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
 
     def watch() -> None:
         while True:
-            if os.getppid() != parent_pid:
+            if gone():
                 log.error("supervisor %d is gone; stopping", parent_pid)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             threading.Event().wait(1.0)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+START_METHODS = ("auto", "forkserver", "spawn")  # how the supervisor starts its workers (--start-method)
+FORKSERVER_PRELOAD = "services.forkserver_preload"
+
+
+def worker_context(start_method: str = "auto", device: str = "cpu"):
+    """The :mod:`multiprocessing` context the supervisor starts its workers (and the weight-choice
+    child) with.
+
+    ``auto``: a forkserver on CPU, ``spawn`` on any other device. The forkserver imports
+    :mod:`services.forkserver_preload` (torch, transformers' Llama, the worker modules) once, before
+    it forks anything, so the workers share those pages (~250 MB of PSS per worker otherwise) and
+    skip their imports; ``spawn`` starts each worker in a fresh interpreter (always safe with CUDA,
+    whose state must not cross a ``fork``). Children of either start with the default SIGTERM
+    action (:func:`restore_stop_signals`).
+
+    Raises:
+        ValueError: ``start_method`` not in :data:`START_METHODS`.
+    """
+    import multiprocessing as mp
+
+    if start_method not in START_METHODS:
+        raise ValueError(f"start method {start_method!r} is not one of {', '.join(START_METHODS)}")
+    if start_method == "spawn" or (start_method == "auto" and not device.startswith("cpu")):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([FORKSERVER_PRELOAD])
+    return ctx
+
+
+def restore_stop_signals() -> None:
+    """SIGTERM back to its default action: the first thing a process started from the forkserver
+    does (the forkserver ignores SIGTERM, :mod:`services.forkserver_preload`, and ``fork`` keeps an
+    ignored signal ignored)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def start_metrics_server(port: int, host: str, registry) -> None:

@@ -16,8 +16,9 @@ Every flag is a field of a frozen config dataclass (``--max-running`` <-> ``max_
 also read from ``DARTREE_<FIELD>`` (``DARTREE_MAX_RUNNING=4``); a flag beats the variable, and a
 bad variable is an argparse error like a bad flag (exit 2). Before spawning anything, ``plan``
 checks every setting, the listening addresses (free, distinct) and the drafter directory: a bad one
-is a one-line error. The supervisor spawns the workers (``spawn``: safe with CUDA), waits until
-``/health/ready``, prints the URL; a worker that dies before that stops the server with the worker's
+is a one-line error. The supervisor starts the workers (on CPU forked from one forkserver that
+imported torch and the worker modules once, so they share those pages; ``spawn`` with CUDA), waits
+until ``/health/ready``, prints the URL; a worker that dies before that stops the server with the worker's
 error line; after that a dead worker is restarted (its in-flight requests end with a clean error:
 the peers detect the disconnect). On SIGINT/SIGTERM it drains the gateway (503 for new requests,
 in-flight ones finish within ``drain_timeout_s``, then end with a ``server_shutdown`` error) before
@@ -55,7 +56,7 @@ from gateway.config import GatewayConfig
 from services.command_line import Parser, run_command
 from services.drafter.worker import DrafterWorkerConfig
 from services.config_cli import add_config_args, config_from_args, given_by
-from services.runtime import DRAIN_SIGNAL, STOP_NOW_SIGNAL, error_line
+from services.runtime import DRAIN_SIGNAL, STOP_NOW_SIGNAL, error_line, worker_context
 from services.spec import preferred_method
 from services.verifier.worker import VerifierWorkerConfig
 
@@ -72,6 +73,9 @@ class SupervisorConfig:
         max_restarts: restarts of one worker within ``restart_window_s`` before giving up.
         restart_window_s: the sliding window, in seconds, over which ``max_restarts`` counts a worker's restarts.
         drafter: drafter checkpoint ("" = the default drafter if present, "none" = no drafter: AR only).
+        start_method: how workers start: ``auto`` (a forkserver that imported torch and the worker
+            modules once, so workers share those pages, on CPU; ``spawn`` with CUDA), ``forkserver``
+            or ``spawn`` (a fresh interpreter per worker), :func:`services.runtime.worker_context`.
     """
 
     startup_timeout_s: float = 900.0
@@ -79,6 +83,7 @@ class SupervisorConfig:
     max_restarts: int = 5
     restart_window_s: float = 300.0
     drafter: str = ""
+    start_method: str = "auto"
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -153,6 +158,9 @@ _ONE_LINE_ERRORS = (ValueError, OSError, RuntimeError, ImportError)
 
 def _child_main(entry: typing.Callable, config, parent_pid: int, errors) -> None:
     """Run a worker ``entry``; a failure is sent to the supervisor as one line (``errors``: a pipe end)."""
+    from services.runtime import restore_stop_signals
+
+    restore_stop_signals()
     try:
         entry(config, parent_pid)
         _ignore_stop_signals()  # stopped: a late drain/stop signal must not kill the exit (code 0)
@@ -209,7 +217,7 @@ class Supervisor:
     def __init__(self, sup: SupervisorConfig, gateway: GatewayConfig, verifier: VerifierWorkerConfig,
                  drafter: DrafterWorkerConfig | None):
         self.sup, self.gateway_cfg = sup, gateway
-        self._ctx = mp.get_context("spawn")
+        self._ctx = worker_context(sup.start_method, verifier.device)
         children = [] if drafter is None else [_Child("drafter", _drafter_entry, drafter)]
         children += [_Child("verifier", _verifier_entry, verifier), _Child("gateway", _gateway_entry, gateway)]
         self.children = {c.name: c for c in children}
@@ -428,7 +436,8 @@ def _resolve_model(args: argparse.Namespace) -> tuple[str, str, str, str]:
     if (args.weights or "auto") == "auto" and not dtype and args.device.startswith("cpu"):
         from services.startup import choose_in_child
 
-        return choose_in_child(args.target, "auto", None, args.device, args.log_level)
+        return choose_in_child(args.target, "auto", None, args.device, args.log_level,
+                               start_method=args.start_method)
     from services.weights import resolve_cli_weights
 
     target = str(resolve_target(args.target))

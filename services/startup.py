@@ -198,17 +198,21 @@ def _choose(target_ref: str | None, weights: str, dtype: str | None, device: str
 
 
 def choose_in_child(target_ref: str | None, weights: str = "auto", dtype: str | None = None, device: str = "cpu",
-                    log_level: str = "INFO", remeasure: bool = False) -> tuple[str, str | None, str, str]:
-    """``(target dir, format, activation dtype name, drafter dtype name)`` resolved in a spawned
-    process (the default target converted once, :func:`services.models.registry.resolve_target`;
+                    log_level: str = "INFO", remeasure: bool = False,
+                    start_method: str = "auto") -> tuple[str, str | None, str, str]:
+    """``(target dir, format, activation dtype name, drafter dtype name)`` resolved in a child
+    process (forked from the workers' forkserver on CPU, :func:`services.runtime.worker_context`;
+    the default target converted once, :func:`services.models.registry.resolve_target`;
     :func:`services.weights.resolve_cli_weights`, where ``auto`` may load and time every candidate
     format), which exits afterwards, so what it loaded is freed with it.
 
     Raises:
         ValueError, RuntimeError: a target or format that cannot run here (one line, from the child).
     """
-    import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+    from services.runtime import restore_stop_signals, worker_context
+
+    with ProcessPoolExecutor(1, mp_context=worker_context(start_method, device),
+                             initializer=restore_stop_signals) as pool:
         return pool.submit(_choose, target_ref, weights, dtype, device, log_level, remeasure).result()

@@ -1,7 +1,8 @@
 """A SIGTERM that reaches every process of ``dartree serve`` drains once (issue 17, class 3).
 
 systemd's ``KillMode=control-group`` and container runtimes that signal the whole group send SIGTERM
-to the supervisor, the gateway, the verifier and the drafter at once. That must be one drain: the
+to the supervisor, the gateway, the verifier, the drafter and the forkserver they were forked from at
+once. That must be one drain: the
 requests in flight finish with their full text, new requests get 503 meanwhile, and every process
 exits 0. A SIGTERM to one worker alone drains that worker: its in-flight requests finish, then it
 exits 0 and the supervisor starts a new one.
@@ -113,7 +114,9 @@ def test_sigterm_to_every_process_drains_once_and_everything_exits_0(tiny, tmp_p
         ref = _reference(srv.base)
         reqs = _Requests(srv.base)
         reqs.wait_started(srv, 6)
-        procs = [psutil.Process(srv.proc.pid)] + [srv.child(name) for name in WORKERS]
+        supervisor = psutil.Process(srv.proc.pid)
+        procs = [supervisor] + supervisor.children(recursive=True)  # the workers, their forkserver, ...
+        assert {srv.child(name).pid for name in WORKERS} <= {p.pid for p in procs}
         for p in procs:  # what KillMode=control-group does
             p.send_signal(signal.SIGTERM)
         time.sleep(0.5)
