@@ -70,19 +70,24 @@ def _prompts(target_dir, datasets: list[str], n: int, max_prompt_tokens: int = 3
 
 
 def _configs(budgets: list[int], blocks: list[int]) -> list[tuple[int, int]]:
-    """``(B, L)`` pairs with ``L >= B`` or ``L`` the full block (a B-node tree can be B deep)."""
+    """``(B, L)`` pairs with ``L >= B``, ``L`` the full block (a B-node tree can be B deep) or ``L = 0``
+    (rows follow the budget)."""
     full = max(blocks)
-    return [(b, block) for block in blocks for b in budgets if block == full or block >= b]
+    return [(b, block) for block in blocks for b in budgets if block in (0, full) or block >= b]
 
 
-def _engine(target, drafter, dtype, block: int, packed: bool):
+def _engine(target, drafter, dtype, block: int, packed: bool, q4_linears: bool | None = None):
+    """An engine whose drafter runs ``block`` rows per call (0 = the trained block's rows cut to the
+    call's budget plus one, ``DrafterService(spare_rows=1)``, the default); ``q4_linears`` as
+    :class:`DrafterService` (None = its default)."""
     from services.drafter.service import DrafterService, borrow_target_io
     from services.verifier.build import build_engine
     from services.verifier.drafter_client import InprocDrafterClient
 
     embed, head = borrow_target_io(target.embed_tokens(), target.lm_head(), dtype)
-    svc = DrafterService(drafter, embed, head, packed_gemm=packed, block_rows=block)
-    return build_engine(target, InprocDrafterClient(svc), max_draft_depth=block, packed_gemm=False)
+    svc = DrafterService(drafter, embed, head, packed_gemm=packed, block_rows=block or None,
+                         spare_rows=1 if block == 0 else None, q4_linears=q4_linears)
+    return build_engine(target, InprocDrafterClient(svc), max_draft_depth=svc.block_rows, packed_gemm=False)
 
 
 class _TimedClient:
@@ -122,16 +127,19 @@ def run_tau(a) -> dict:
 
     tdir = resolve_target(a.target)
     ddir = Path(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
-    drafter = load_drafter(ddir, dtype=torch.float32)
+    ddt = getattr(torch, a.drafter_dtype)
+    drafter = load_drafter(ddir, dtype=ddt)
     target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, weights="float32")
     turns = greedy_turns(target, _prompts(tdir, a.datasets, a.prompts), a.max_tokens,
                          Path(a.refs_cache) if a.refs_cache else None)
     res = {"bench": "small-trees-tau", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "drafter": str(ddir), "datasets": a.datasets, "prompts_per_dataset": a.prompts, "max_tokens": a.max_tokens,
-           "width": a.width, "depth_bonus": -0.2, "candidates": 64, "weights": "float32", "machine": _machine(),
+           "width": a.width, "depth_bonus": -0.2, "candidates": 64, "weights": "float32",
+           "drafter_dtype": a.drafter_dtype, "drafter_linears": a.drafter_linears, "machine": _machine(),
            "cells": []}
+    q4 = a.drafter_linears == "q4"
     for b, block in _configs(a.budgets, a.blocks):
-        engine = _engine(target, drafter, torch.float32, block, packed=False)
+        engine = _engine(target, drafter, ddt, block, packed=q4, q4_linears=q4)
         spec = SpecParams("dartree-pruned", budget=b, width=a.width)
         per: dict[str, list[tuple[int, int]]] = {}
         t0 = time.perf_counter()
@@ -177,7 +185,8 @@ def run_cost(a) -> dict:
         engines = {}
         for b, block in _configs(a.budgets, a.blocks):
             if block not in engines:
-                engines[block] = _engine(target, drafter, ddt, block, packed=True)
+                engines[block] = _engine(target, drafter, ddt, block, packed=True,
+                                         q4_linears={"auto": None, "dense": False, "q4": True}[a.drafter_linears])
                 engines[block].drafter = _TimedClient(engines[block].drafter)
         fmts[w] = {"drafter_dtype": str(ddt).removeprefix("torch."), "runner": runner, "turns": turns,
                    "engines": engines, "fwd": {r: [] for r in a.rows}, "draft": {}, "nodes": {}}
@@ -205,6 +214,7 @@ def run_cost(a) -> dict:
     res = {"bench": "small-trees-cost", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "drafter": str(ddir), "rows": a.rows, "repeats": a.repeats, "draft_repeats": a.draft_repeats,
            "prompts": len(prompts), "max_tokens": a.max_tokens, "width": a.width, "unit": a.unit,
+           "drafter_linears": a.drafter_linears,
            "unit_ms": round(1e3 * unit, 3) if unit else None, "machine": _machine(), "formats": {}}
     for w, f in fmts.items():
         one = statistics.median(f["fwd"][1])
@@ -451,7 +461,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--max-tokens", type=int, default=96 if name == "tau" else 48)
         p.add_argument("--budgets", type=int, nargs="+", default=[1, 2, 3, 4, 8])
         p.add_argument("--blocks", type=int, nargs="+", default=[16, 8, 4] if name == "tau" else [16, 4],
-                       help="inference block lengths L (the largest is the full block)")
+                       help="inference block lengths L (the largest is the full block; 0 = rows follow "
+                            "each call's budget, B + 1)")
         p.add_argument("--width", type=int, default=12)
         p.add_argument("--threads", type=int, default=1)
         p.add_argument("--out", default=None)
@@ -462,6 +473,12 @@ def main(argv: list[str] | None = None) -> dict:
     c.add_argument("--repeats", type=int, default=7, help="timed rounds of the forward sweep")
     c.add_argument("--draft-repeats", type=int, default=2, help="rounds (incl. one warm-up) of the draft replay")
     c.add_argument("--unit", default="q4", help="format whose one-row forward is the unit step")
+    c.add_argument("--drafter-linears", choices=["auto", "dense", "q4"], default="auto",
+                   help="the drafter's linears: DrafterService's default, dense, or Q4_1 (int4 kernel)")
+    t = sub.choices["tau"]
+    t.add_argument("--drafter-dtype", choices=["float32", "bfloat16"], default="float32")
+    t.add_argument("--drafter-linears", choices=["dense", "q4"], default="dense",
+                   help="q4: the drafter's linears rounded to Q4_1 blocks (needs --drafter-dtype bfloat16)")
     e = sub.choices["e2e"]
     e.add_argument("--weights", default="q4")
     e.add_argument("--settings", nargs="*", default=["3/16", "3/4"], help="fixed B/L settings beside ar and goodput")

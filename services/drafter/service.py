@@ -76,17 +76,30 @@ class DrafterService:
             (None = the trained ``block_size``). Fewer rows cost less and draft at most
             ``block_rows`` deep (shift-label) but change the drafts (the mask rows attend to each
             other): ``python -m benchmarks.bench_small_trees tau --blocks`` replays their τ.
+        spare_rows: the rows of each call follow the call's budget: the slots its trees can reach
+            (:func:`_reach`: a ``dartree-pruned`` / seqheap / DDTree tree of budget B is at most B
+            deep) plus ``spare_rows`` more mask rows, at most ``block_rows`` (a draft equals the
+            draft of a fixed ``block_rows`` of that many rows); None = always ``block_rows``.
+            The default 1 (B + 1 rows for a shift-label drafter) keeps τ within 1-3 % of the
+            trained block (benchmarks/results/2026-12-03-draft-cost).
+        q4_linears: the drafter's decoder layers and feature projection as :class:`services.weights.Int4Linear`
+            (its weights rounded to Q4_1 blocks at load, :func:`services.weights.quantize_linears_q4`);
+            None = when the drafter runs in bfloat16 on a CPU with torch's int4 kernel and
+            ``packed_gemm`` is on (next to a q4 or bfloat16 target). Drafts change a little
+            (τ in the results above), the served output does not (the target decides every token).
     Raises:
-        ValueError: ``block_rows`` outside ``[2, block_size]``.
+        ValueError: ``block_rows`` outside ``[2, block_size]``, ``spare_rows < 0``.
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
                  description: str = "", packed_gemm: bool = True, compile: bool = False,
-                 block_rows: int | None = None):
+                 block_rows: int | None = None, spare_rows: int | None = 1, q4_linears: bool | None = None):
         block_rows = drafter.config.block_size if block_rows is None else int(block_rows)
         if not 2 <= block_rows <= drafter.config.block_size:
             raise ValueError(f"block_rows must be in [2, {drafter.config.block_size}] (got {block_rows})")
-        self.block_rows = block_rows
+        if spare_rows is not None and spare_rows < 0:
+            raise ValueError(f"spare_rows must be >= 0 or None (got {spare_rows})")
+        self.block_rows, self.spare_rows = block_rows, spare_rows
         if drafter.has_markov:  # DSpark carries its own (frozen) copies of the target's embedding and lm_head
             if drafter.needs_target_io:  # saved without them: they ARE the target's, refill from it
                 drafter.copy_target_io(embed.weight.detach().to(self._dtype_of(drafter)),
@@ -98,13 +111,24 @@ class DrafterService:
         if self.d2t is not None:
             lm_head = _frozen_linear(lm_head.weight.detach()[self.d2t.to(lm_head.weight.device)].clone())
         self.lm_head = lm_head
+        self.q4_linears = _want_q4(drafter, packed_gemm) if q4_linears is None else bool(q4_linears)
+        if self.q4_linears:
+            from services.weights import quantize_linears_q4
+
+            for m in (drafter.layers, drafter.fc):
+                quantize_linears_q4(m, self._dtype_of(drafter))
         if packed_gemm:
             from services.cpu_gemm import pack_linears, pack_linears_bf16
 
             pack_linears(drafter, sorted({self.cfg.block_size, block_rows}))
+            if spare_rows is not None:  # the rows of a small budget's block: packed on first use
+                pack_linears(drafter, [2, 4, 8], lazy=True)
             pack_linears(lm_head, [self.cfg.num_draft_slots])
             pack_linears(lm_head, [2, 4, 8], lazy=True)  # a small tree's slots (_reach): packed on first use
-            pack_linears_bf16(drafter)  # bfloat16 drafters: oneDNN's pre-packed kernel (no-op in float32)
+            # bfloat16 drafters: oneDNN's pre-packed kernel (no-op in float32), one call per linear
+            # whatever the rows: the drafter only proposes, so its rows need not be batch-invariant
+            # (cutting the 576 x 1536 down projection into 1-row calls cost 3-4 ms of a 16-row block)
+            pack_linears_bf16(drafter, check=False)
             pack_linears_bf16(lm_head)
         self.description = description
         self._ctx: dict[str, list[tuple[Tensor, Tensor]]] = {}
@@ -187,11 +211,20 @@ class DrafterService:
             (torch.cat([ok, k], 2), torch.cat([ov, v], 2)) for (ok, ov), (k, v) in zip(old, kv)]
         self._ctx_len[request_id] = start
 
+    def rows_for(self, reach: int | None) -> int:
+        """Block rows of a call whose trees use at most ``reach`` draft slots (None = every slot):
+        ``block_rows``, or with :attr:`spare_rows` the rows those slots need plus the spare ones."""
+        if self.spare_rows is None or reach is None:
+            return self.block_rows
+        need = reach if self.cfg.shift_label else reach + 1
+        return max(1 if self.cfg.shift_label else 2, min(self.block_rows, need + self.spare_rows))
+
     def _block(self, request_id: str, root_token: int, start: int, logit_rows: int | None = None
                ) -> tuple[Tensor, Tensor]:
         c = self.cfg
-        ids = torch.tensor([root_token] + [c.mask_token_id] * (self.block_rows - 1), device=self.device)
-        pos = torch.arange(start, start + self.block_rows, device=self.device)
+        q = self.rows_for(logit_rows)
+        ids = torch.tensor([root_token] + [c.mask_token_id] * (q - 1), device=self.device)
+        pos = torch.arange(start, start + q, device=self.device)
         h = self._block_forward(self.embed(ids).to(self.dtype)[None], pos, self._ctx[request_id])[0]
         hd = h if c.shift_label else h[1:]
         return hd, self.lm_head(hd[:logit_rows].to(self.lm_head.weight.dtype)).float()
@@ -202,13 +235,13 @@ class DrafterService:
         """The block of several requests (contexts already appended, :meth:`append_context`) in ONE
         forward: ``jobs`` are ``(request_id, root_token, start)``; contexts of different lengths are
         padded and masked (``ctx_mask``). Returns ``(hd [D, H], base_logits [D', N] float32)`` per
-        job (D = the draft slots of :attr:`block_rows`; D' = ``min(D, logit_rows)``, None = D: the
-        output projection runs only over the slots a tree can reach; N = the draft vocabulary:
-        ``V`` unless reduced; column i is target id ``d2t[i]``)."""
+        job (D = the draft slots of :meth:`rows_for` ``logit_rows`` block rows; D' = ``min(D,
+        logit_rows)``, None = D: the output projection runs only over the slots a tree can reach;
+        N = the draft vocabulary: ``V`` unless reduced; column i is target id ``d2t[i]``)."""
         if len(jobs) == 1:
             return [self._block(*jobs[0], logit_rows=logit_rows)]
         c = self.cfg
-        n, q = len(jobs), self.block_rows
+        n, q = len(jobs), self.rows_for(logit_rows)
         lens = [self._ctx_len.get(rid, 0) for rid, *_ in jobs]
         cmax = max(lens)
         ctx = []
@@ -342,6 +375,15 @@ def _reach(job) -> int:
     if job.method in _BUDGET_DEEP:
         depth = min(depth, job.spec.budget)
     return max(depth, 1)
+
+
+def _want_q4(drafter: DFlashDrafter, packed_gemm: bool) -> bool:
+    """The default of ``DrafterService(q4_linears=None)``: a bfloat16 CPU drafter where torch has the
+    int4 kernel, with ``packed_gemm`` on."""
+    from services.weights import int4_kernel_available
+
+    p = next(drafter.parameters())
+    return packed_gemm and p.dtype == torch.bfloat16 and p.device.type == "cpu" and int4_kernel_available()
 
 
 def borrow_target_io(embed: torch.nn.Module, lm_head: torch.nn.Module,
