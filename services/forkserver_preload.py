@@ -19,6 +19,7 @@ process that reports their exit codes to the supervisor. The forkserver exits wi
 
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 
@@ -39,3 +40,7 @@ def _in_forkserver() -> bool:
 
 if _in_forkserver():
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # what the imports built moves to the permanent generation: a worker's cyclic GC then never
+    # writes to those objects' headers, which would copy every page of them into each worker
+    gc.collect()
+    gc.freeze()
