@@ -199,11 +199,16 @@ def default_params(gen: Generate, method: str):
     return sampling, spec
 
 
-def _release_freed_memory() -> None:
-    """:func:`services.weights.release_freed_memory` (imported on first use: torch-heavy module)."""
-    from services.weights import release_freed_memory
+def _trim_heap() -> None:
+    """Return the C heap's freed pages to the operating system (glibc ``malloc_trim``; a no-op
+    elsewhere). No ``gc.collect()``: a full collection of a spawned worker's objects holds the GIL
+    for ~200 ms, and a load's tensors are freed by reference counting anyway."""
+    import ctypes
 
-    release_freed_memory()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class VerifierWorker:
@@ -216,19 +221,23 @@ class VerifierWorker:
         send: ``send(identity, msg)`` to the gateway (the I/O thread's :meth:`ServerIO.send`).
         drafter_ping: returns whether the drafter answers (called when idle); None = no drafter.
         params: builds the engine's parameter objects from a :class:`Generate`.
-        release_memory: called once each time the table empties after a step (default
-            :func:`services.weights.release_freed_memory`: ``gc.collect`` and glibc's
-            ``malloc_trim``). glibc keeps the heap pages a load freed resident: after 8 streams of
-            ~2,000 tokens on SmolLM2-135M q4, 85 MB of the verifier's RSS
-            (benchmarks/results/2026-12-03-serving-memory). Not during a load: there the
-            memory is live.
+        release_memory: called once when the table has stayed empty for ``release_idle_s``
+            seconds after a step (default :func:`_trim_heap`: glibc's ``malloc_trim``). glibc keeps
+            the heap pages a load freed resident: after 8 streams of ~2,000 tokens on SmolLM2-135M
+            q4, 85 MB of the verifier's RSS (benchmarks/results/2026-12-03-serving-memory). Not
+            during a load (its memory is live) and not between back-to-back requests (a request
+            arriving within ``release_idle_s`` cancels it).
+        release_idle_s: idle seconds before ``release_memory`` runs.
     """
 
     def __init__(self, engine, info: PeerInfo, config: VerifierWorkerConfig, metrics: VerifierMetrics | None = None,
                  send: Callable | None = None, drafter_ping: Callable[[], bool] | None = None,
-                 params: Callable = default_params, release_memory: Callable[[], None] | None = None):
+                 params: Callable = default_params, release_memory: Callable[[], None] | None = None,
+                 release_idle_s: float = 1.0):
         self.engine, self.info, self.config = engine, info, config
-        self._release_memory = release_memory or _release_freed_memory
+        self._release_memory = release_memory or _trim_heap
+        self._release_idle_s = release_idle_s
+        self._release_at: float | None = None  # when the idle table's heap is handed back
         self.metrics = metrics or VerifierMetrics()
         self.send = send
         self.inbox: queue.Queue = queue.Queue()
@@ -311,9 +320,15 @@ class VerifierWorker:
             self._step_batch(order)
         self._update_gauges()
         if not self._has_work():
-            if order:
-                self._release_memory()  # the last request just left: hand the freed heap back
+            now = time.monotonic()
+            if order:  # the last request just left: hand the freed heap back once it stays idle
+                self._release_at = now + self._release_idle_s
+            if self._release_at is not None and now >= self._release_at:
+                self._release_at = None
+                self._release_memory()
             self._check_drafter()
+        else:
+            self._release_at = None
 
     def fail_all(self, status: int, message: str, code: str) -> None:
         """Abort every request with an error (shutdown, fatal engine error)."""

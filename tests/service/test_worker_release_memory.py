@@ -1,5 +1,6 @@
 """The verifier worker hands freed heap back once each time its request table empties after a step
-(glibc keeps a load's freed heap pages resident otherwise), never while requests run."""
+and stays empty for ``release_idle_s`` (glibc keeps a load's freed heap pages resident otherwise),
+never while requests run and not between back-to-back requests."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from tests.doubles import FakeEngine
 from .fakes import fake_params, verifier_info
 
 
-def _worker(engine):
+def _worker(engine, idle_s: float = 0.0):
     calls, sent = [], []
     worker = VerifierWorker(engine, verifier_info(400), VerifierWorkerConfig(), params=fake_params,
                             send=lambda identity, msg: sent.append(msg),
-                            release_memory=lambda: calls.append(len(worker._running) + len(worker._waiting)))
+                            release_memory=lambda: calls.append(len(worker._running) + len(worker._waiting)),
+                            release_idle_s=idle_s)
     return worker, calls, sent
 
 
@@ -44,3 +46,21 @@ def test_nothing_is_released_on_idle_iterations():
     for _ in range(5):
         worker.run_once(idle_timeout=0.01)
     assert calls == []
+
+
+def test_a_request_within_the_idle_delay_cancels_the_release():
+    engine = FakeEngine(rounds=[[5], [6]])
+    worker, calls, _ = _worker(engine, idle_s=0.3)
+    worker.post(b"a", _gen("a"))
+    for _ in range(5):
+        worker.run_once(idle_timeout=0.01)
+    assert not worker._has_work() and calls == []  # idle, but not for 0.3 s yet
+    worker.post(b"b", _gen("b"))  # back to back: no release in between
+    for _ in range(5):
+        worker.run_once(idle_timeout=0.01)
+    assert calls == []
+    for _ in range(60):
+        worker.run_once(idle_timeout=0.01)
+        if calls:
+            break
+    assert calls == [0]  # once, after 0.3 s idle
