@@ -116,6 +116,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--idle-s", type=float, default=5.0)
+    ap.add_argument("--after-load-s", type=float, default=0.0,
+                    help="seconds between the last stream and the after-load sample (the verifier trims its heap after 1 s idle)")
     ap.add_argument("--serve-flag", action="append", default=[], help="extra dartree serve flag (repeatable)")
     args = ap.parse_args()
     port = args.port
@@ -168,6 +170,7 @@ def main() -> int:
             result["streams"] = outs
             result["serving_peak"] = peak
             result["serving_peak_total"] = peak_total
+            time.sleep(args.after_load_s)
             result["after_load"] = snapshot(proc.pid)
             result["after_load_total"] = totals(result["after_load"])
         finally:
