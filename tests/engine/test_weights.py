@@ -221,10 +221,13 @@ def _scripted(monkeypatch, per_round: list[float], outliers: dict[tuple[int, int
     step still runs. Returns the log of returned times."""
     got: list[float] = []
     index: dict[int, int] = {}   # the callable -> its step (the warm-up round runs them in order)
+    alive: list = []             # every callable seen, kept alive: a freed one's id must not be reused
     calls: dict[int, int] = {}
 
     def fake(fn):
         fn()
+        if id(fn) not in index:
+            alive.append(fn)
         step = index.setdefault(id(fn), len(index)) % len(per_round)  # a new measurement: new callables
         k = calls[step] = calls.get(step, -1) + 1
         ms = per_step[step][k % len(per_step[step])] if per_step and step in per_step else per_round[step]
