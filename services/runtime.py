@@ -137,6 +137,15 @@ def worker_context(start_method: str = "auto", device: str = "cpu"):
     return ctx
 
 
+def trim_heap() -> None:
+    """Return the C heap's freed pages to the operating system (glibc ``malloc_trim``; a no-op
+    elsewhere). glibc keeps freed heap pages resident otherwise."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def restore_stop_signals() -> None:
     """SIGTERM back to its default action: the first thing a process started from the forkserver
     does (the forkserver ignores SIGTERM, :mod:`services.forkserver_preload`, and ``fork`` keeps an

@@ -485,14 +485,12 @@ def release_freed_memory() -> None:
     ``malloc_trim``; a no-op elsewhere). Loading frees more than it keeps (a dense copy cast to
     bfloat16, the GGUF's unpacked 4-bit blocks) and glibc keeps freed heap pages resident otherwise:
     270 MB of the SmolLM2 q4 verifier's RSS."""
-    import ctypes
     import gc
 
+    from services.runtime import trim_heap
+
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()
 
 
 # ------------------------------------------------------------------------------------ auto choice

@@ -37,7 +37,7 @@ from services.protocol import (
     check_compatible,
     check_hello_version,
 )
-from services.runtime import WEIGHT_CHOICES, check_dtype
+from services.runtime import WEIGHT_CHOICES, check_dtype, trim_heap
 from services.spec import DEFAULT_METHOD, DEFAULT_POLICY, MAX_BUDGET, POLICIES, check_tree_knobs, parse_tree_schedule
 from services.verifier.remote_drafter import DrafterError, DrafterUnavailable
 from services.verifier.scheduler import OverlapGroups
@@ -199,18 +199,6 @@ def default_params(gen: Generate, method: str):
     return sampling, spec
 
 
-def _trim_heap() -> None:
-    """Return the C heap's freed pages to the operating system (glibc ``malloc_trim``; a no-op
-    elsewhere). No ``gc.collect()``: a full collection of a spawned worker's objects holds the GIL
-    for ~200 ms, and a load's tensors are freed by reference counting anyway."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 class VerifierWorker:
     """Request table and scheduling around an engine (``add_request`` / ``step`` / ``abort``).
 
@@ -222,7 +210,9 @@ class VerifierWorker:
         drafter_ping: returns whether the drafter answers (called when idle); None = no drafter.
         params: builds the engine's parameter objects from a :class:`Generate`.
         release_memory: called once when the table has stayed empty for ``release_idle_s``
-            seconds after a step (default :func:`_trim_heap`: glibc's ``malloc_trim``). glibc keeps
+            seconds after a step (default :func:`services.runtime.trim_heap`: glibc's
+            ``malloc_trim``; no ``gc.collect()``, which holds a spawned worker's GIL for ~200 ms).
+            glibc keeps
             the heap pages a load freed resident: after 8 streams of ~2,000 tokens on SmolLM2-135M
             q4, 85 MB of the verifier's RSS (benchmarks/results/2026-12-03-serving-memory). Not
             during a load (its memory is live) and not between back-to-back requests (a request
@@ -235,7 +225,7 @@ class VerifierWorker:
                  params: Callable = default_params, release_memory: Callable[[], None] | None = None,
                  release_idle_s: float = 1.0):
         self.engine, self.info, self.config = engine, info, config
-        self._release_memory = release_memory or _trim_heap
+        self._release_memory = release_memory or trim_heap
         self._release_idle_s = release_idle_s
         self._release_at: float | None = None  # when the idle table's heap is handed back
         self.metrics = metrics or VerifierMetrics()
