@@ -54,6 +54,10 @@ from services.verifier.cost_model import StepCostModel
 
 log = logging.getLogger("verifier.policy")
 
+# a probe / an exploration verifies at most the nodes whose verify costs this many one-row steps
+# (GoodputPolicy.explore_budget): on the q4 CPU curve 1.22 at 4 rows, 1.63 at 5
+EXPLORE_STEP_COST = 1.25
+
 
 def resolve_knobs(spec, defaults: TreeKnobs, schedule: TreeSchedule | None = None, num_running: int = 1,
                   max_budget: int | None = None) -> TreeKnobs:
@@ -286,6 +290,7 @@ class GoodputPolicy:
         self._unforecast = 0      # such calls in the current step
         self.forecast_trees, self.widen_every = forecast_trees, widen_every
         self._plan: dict[str, int] = {}  # this step's drafting budget of each forecast-drafting request
+        self._sized: set[str] = set()    # ... of which probes / explorations (explore_budget; never widened)
         self._regime_calls: dict[str, int] = {}  # drafter calls of each method / regime (the widening)
         self._regime_trees: dict[str, deque] = {}  # recent trees of each method / regime (the forecast)
         self._curve_cache: dict[str, list[float]] = {}  # regime -> mean curve (until the next label / tree)
@@ -383,6 +388,22 @@ class GoodputPolicy:
         k, g, t = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + o)
         return max(c.forward_seconds(1) + o - t / g, 0.0) if k and g > 0 else 0.0
 
+    def explore_budget(self, curve: list[float]) -> int:
+        """Budget of a draft made regardless of the forecast (a probe or an exploration) whose regime
+        has a forecast ``curve``: one node more than the forecast's best budget at c = 1 (steady
+        drafter call; at least 2), and no more nodes than a verify costing at most
+        :data:`EXPLORE_STEP_COST` one-row steps holds (on a q4 CPU the kernel's 4-row tile: 3; on a
+        flat, memory-bound curve the cap). Such a draft asks whether the drafter is better than its
+        forecast, which its first nodes answer; drafting ``B_max`` there cost a full block and, on a
+        q4 CPU, up to a 9-row verify (~2.5 steps) in rounds the forecast expected not to pay. Deeper
+        nodes are learnt as before, by the widening calls. Always in ``[1, cap]``."""
+        c = self.cost
+        cap = self._cap()
+        k = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + c.overhead_seconds)[0]
+        one = c.forward_seconds(1)
+        within = max((n for n in range(1, cap + 1) if c.forward_seconds(1 + n) <= EXPLORE_STEP_COST * one), default=1)
+        return max(1, min(max(k + 1, 2), within, cap))
+
     def probe_pays(self, regime: str, st: _ReqState, owed: int, remaining: int | None) -> bool:
         """Whether a probe draft of a request that has not drafted yet pays for itself: expected
         seconds saved over its ``remaining`` tokens (None: its regime's mean request length minus what
@@ -457,6 +478,7 @@ class GoodputPolicy:
         forced_s, planned, self._unforecast = 0.0, 0.0, 0
         curves: list[tuple[float, str, list[float], float]] = []
         held: set[str] = set()  # not drafted yet and no probe due: plain (no catch-up paid)
+        sized: dict[str, int] = {}  # the drafting budget of each probe / exploration
         for r in rounds:
             st = self._state(r.rid)
             st.regime = f"{r.method}:{regime_of(r.temperature)}"  # one calibration table per method and regime
@@ -480,6 +502,8 @@ class GoodputPolicy:
                 forced_s += cost                         # draft regardless (explicit / no forecast / explore)
                 self._unforecast += not r.explicit_budget
                 planned += 0.0 if r.explicit_budget else cost
+                if explore:                              # a probe / an exploration: a small tree suffices
+                    sized[r.rid] = self.explore_budget(forecast)
                 continue
             curve = forecast
             curves.append((sum(curve), r.rid, curve, c.draft_cost(min(r.owed, 1))))
@@ -499,7 +523,8 @@ class GoodputPolicy:
         drafting = {rid for _, rid, _, _ in curves[:best_m]}
         self._skip = {rid for _, rid, _, _ in curves if rid not in drafting} | held
         pool = sorted((x for x in pool if x[1] in drafting), key=lambda x: -x[0])[:best_k]
-        self._plan = {rid: max(sum(1 for _, r in pool if r == rid), 1) for rid in drafting}
+        self._plan = {rid: max(sum(1 for _, r in pool if r == rid), 1) for rid in drafting} | sized
+        self._sized = set(sized)
 
     def draft_knobs(self, rid: str, spec) -> TreeKnobs | None:
         """``None`` (plain round, no drafter call) for a request :meth:`begin_step` left out; else the
@@ -522,7 +547,7 @@ class GoodputPolicy:
         plan = self._plan.get(rid)
         if spec.budget is None and plan is not None:
             calls = self._regime_calls[st.regime] = self._regime_calls.get(st.regime, 0) + 1
-            widen = self.widen_every and calls % self.widen_every == 0
+            widen = self.widen_every and calls % self.widen_every == 0 and rid not in self._sized
             knobs = replace(knobs, budget=min(knobs.budget, plan + int(bool(widen))))
         st.budget = knobs.budget
         return knobs
