@@ -87,18 +87,34 @@ class DrafterService:
             None = when the drafter runs in bfloat16 on a CPU with torch's int4 kernel and
             ``packed_gemm`` is on (next to a q4 or bfloat16 target). Drafts change a little
             (τ in the results above), the served output does not (the target decides every token).
+        context_chunk: positions by which a request's context buffer grows (see Context storage).
+
+    Context storage: each request's drafter context (the K/V of its committed positions, every
+    layer) lives in one buffer ``[cap, L, 2, Hkv, Dh]`` (positions first, so the filled part
+    ``[:T]`` is contiguous and each layer's K or V is a ``[1, Hkv, T, Dh]`` view of it whose strides
+    depend on T only: one compiled graph whatever the capacity). An append writes its positions in
+    place; when they do not fit, the buffer is reallocated to :meth:`context_capacity_for` its new
+    length (a multiple of ``context_chunk``, at most ``max_position_embeddings`` while the context
+    fits in it) and the filled part copied once. Slack: under ``context_chunk`` positions a request
+    (2 x L x Hkv x Dh x itemsize bytes a position: 2,304 B for the default drafter in bfloat16, so
+    < 0.6 MB a request at the default 256). A batched call copies the contexts into one reusable
+    scratch buffer (padded rows zeroed and masked), kept until the last context is released.
     Raises:
-        ValueError: ``block_rows`` outside ``[2, block_size]``, ``spare_rows < 0``.
+        ValueError: ``block_rows`` outside ``[2, block_size]``, ``spare_rows < 0``, ``context_chunk < 1``.
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
                  description: str = "", packed_gemm: bool = True, compile: bool = False,
-                 block_rows: int | None = None, spare_rows: int | None = 1, q4_linears: bool | None = None):
+                 block_rows: int | None = None, spare_rows: int | None = 1, q4_linears: bool | None = None,
+                 context_chunk: int = 256):
         block_rows = drafter.config.block_size if block_rows is None else int(block_rows)
         if not 2 <= block_rows <= drafter.config.block_size:
             raise ValueError(f"block_rows must be in [2, {drafter.config.block_size}] (got {block_rows})")
         if spare_rows is not None and spare_rows < 0:
             raise ValueError(f"spare_rows must be >= 0 or None (got {spare_rows})")
+        if context_chunk < 1:
+            raise ValueError(f"context_chunk must be >= 1 (got {context_chunk})")
+        self.context_chunk = int(context_chunk)
         self.block_rows, self.spare_rows = block_rows, spare_rows
         if drafter.has_markov:  # DSpark carries its own (frozen) copies of the target's embedding and lm_head
             if drafter.needs_target_io:  # saved without them: they ARE the target's, refill from it
@@ -131,8 +147,9 @@ class DrafterService:
             pack_linears_bf16(drafter, check=False)
             pack_linears_bf16(lm_head)
         self.description = description
-        self._ctx: dict[str, list[tuple[Tensor, Tensor]]] = {}
+        self._ctx: dict[str, Tensor] = {}  # request -> [cap, L, 2, Hkv, Dh] context K/V, filled up to _ctx_len
         self._ctx_len: dict[str, int] = {}
+        self._batch_ctx: Tensor | None = None  # [n * C * L * 2 * Hkv * Dh] scratch of block_logits_batch
         self.dtype = next(drafter.parameters()).dtype
         self.device = next(drafter.parameters()).device  # ids / positions / masks are built here (CUDA too)
         self.compiled = bool(compile)
@@ -184,14 +201,30 @@ class DrafterService:
         return len(self._ctx)
 
     def release(self, request_id: str) -> None:
-        """Drop a request's drafter context (idempotent)."""
+        """Drop a request's drafter context and its buffer (idempotent); the batch scratch goes with
+        the last context."""
         self._ctx.pop(request_id, None)
         self._ctx_len.pop(request_id, None)
+        if not self._ctx:
+            self._batch_ctx = None
+
+    def context_capacity(self, request_id: str) -> int:
+        """Positions the request's context buffer holds room for (0 without a context)."""
+        buf = self._ctx.get(request_id)
+        return 0 if buf is None else buf.shape[0]
+
+    def context_capacity_for(self, length: int) -> int:
+        """Capacity of a context buffer grown to hold ``length`` positions: ``length`` rounded up to
+        a multiple of :attr:`context_chunk`, cut to ``max_position_embeddings`` when ``length`` fits in it."""
+        cap = -(-length // self.context_chunk) * self.context_chunk
+        limit = self.cfg.max_position_embeddings
+        return min(cap, limit) if length <= limit else cap
 
     @torch.inference_mode()
     def append_context(self, request_id: str, features: Tensor, start: int) -> None:
         """Append ``features [n, F]``, the target features of positions ``[start - n, start)``, to
-        the request's drafter context (its K/V).
+        the request's drafter context (its K/V, written in place; the buffer grows by
+        :meth:`context_capacity_for` when full).
 
         Raises:
             ValueError: the context does not end at ``start - n`` (a gap or an overlap).
@@ -203,13 +236,32 @@ class DrafterService:
         if n == 0:
             return
         pos = torch.arange(start - n, start, device=self.device)
-        kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], pos)
-        old = self._ctx.get(request_id)
-        # contiguous from the first append on (later appends concatenate): one memory layout for the
-        # compiled block forward, whose guards check strides
-        self._ctx[request_id] = [(k.contiguous(), v.contiguous()) for k, v in kv] if old is None else [
-            (torch.cat([ok, k], 2), torch.cat([ov, v], 2)) for (ok, ov), (k, v) in zip(old, kv)]
+        kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], pos)  # L x ([1, Hkv, n, Dh] x 2)
+        buf = self._ctx.get(request_id)
+        if buf is None or buf.shape[0] < start:
+            k0 = kv[0][0]
+            grown = k0.new_empty(self.context_capacity_for(start), len(kv), 2, k0.shape[1], k0.shape[3])
+            if buf is not None:
+                grown[:have] = buf[:have]
+            self._ctx[request_id] = buf = grown
+        for li, (k, v) in enumerate(kv):
+            buf[have:start, li, 0] = k[0].transpose(0, 1)
+            buf[have:start, li, 1] = v[0].transpose(0, 1)
         self._ctx_len[request_id] = start
+
+    @staticmethod
+    def _layer_kv(ctx: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer ``(K, V)`` views ``[B, Hkv, C, Dh]`` of a contiguous ``ctx [B, C, L, 2, Hkv, Dh]``."""
+        return [(ctx[:, :, li, 0].transpose(1, 2), ctx[:, :, li, 1].transpose(1, 2)) for li in range(ctx.shape[2])]
+
+    def _batch_scratch(self, n: int, cmax: int, like: Tensor) -> Tensor:
+        """A contiguous ``[n, cmax, L, 2, Hkv, Dh]`` view of the reusable batch scratch (grown to
+        ``n`` x :meth:`context_capacity_for` ``cmax`` positions when too small; contents undefined)."""
+        row = like[0].numel()  # L * 2 * Hkv * Dh values a position
+        if self._batch_ctx is None or self._batch_ctx.numel() < n * cmax * row:
+            self._batch_ctx = None  # free the old scratch before allocating the new one
+            self._batch_ctx = like.new_empty(n * self.context_capacity_for(cmax) * row)
+        return self._batch_ctx[:n * cmax * row].view(n, cmax, *like.shape[1:])
 
     def rows_for(self, reach: int | None) -> int:
         """Block rows of a call whose trees use at most ``reach`` draft slots (None = every slot):
@@ -225,7 +277,8 @@ class DrafterService:
         q = self.rows_for(logit_rows)
         ids = torch.tensor([root_token] + [c.mask_token_id] * (q - 1), device=self.device)
         pos = torch.arange(start, start + q, device=self.device)
-        h = self._block_forward(self.embed(ids).to(self.dtype)[None], pos, self._ctx[request_id])[0]
+        ctx = self._layer_kv(self._ctx[request_id][:self._ctx_len[request_id]][None])
+        h = self._block_forward(self.embed(ids).to(self.dtype)[None], pos, ctx)[0]
         hd = h if c.shift_label else h[1:]
         return hd, self.lm_head(hd[:logit_rows].to(self.lm_head.weight.dtype)).float()
 
@@ -234,25 +287,23 @@ class DrafterService:
                            ) -> list[tuple[Tensor, Tensor]]:
         """The block of several requests (contexts already appended, :meth:`append_context`) in ONE
         forward: ``jobs`` are ``(request_id, root_token, start)``; contexts of different lengths are
-        padded and masked (``ctx_mask``). Returns ``(hd [D, H], base_logits [D', N] float32)`` per
-        job (D = the draft slots of :meth:`rows_for` ``logit_rows`` block rows; D' = ``min(D,
-        logit_rows)``, None = D: the output projection runs only over the slots a tree can reach;
-        N = the draft vocabulary: ``V`` unless reduced; column i is target id ``d2t[i]``)."""
+        copied into the reusable batch scratch, zero-padded and masked (``ctx_mask``). Returns
+        ``(hd [D, H], base_logits [D', N] float32)`` per job (D = the draft slots of :meth:`rows_for`
+        ``logit_rows`` block rows; D' = ``min(D, logit_rows)``, None = D: the output projection runs
+        only over the slots a tree can reach; N = the draft vocabulary: ``V`` unless reduced;
+        column i is target id ``d2t[i]``)."""
         if len(jobs) == 1:
             return [self._block(*jobs[0], logit_rows=logit_rows)]
         c = self.cfg
         n, q = len(jobs), self.rows_for(logit_rows)
         lens = [self._ctx_len.get(rid, 0) for rid, *_ in jobs]
         cmax = max(lens)
-        ctx = []
-        for li in range(len(self.drafter.layers)):
-            k0, _ = next(self._ctx[rid][li] for rid, *_ in jobs if rid in self._ctx)
-            k = k0.new_zeros(n, k0.shape[1], cmax, k0.shape[3])
-            v = torch.zeros_like(k)
-            for i, (rid, *_rest) in enumerate(jobs):
-                if lens[i]:
-                    k[i, :, :lens[i]], v[i, :, :lens[i]] = self._ctx[rid][li][0][0], self._ctx[rid][li][1][0]
-            ctx.append((k, v))
+        scratch = self._batch_scratch(n, cmax, next(self._ctx[rid] for rid, *_ in jobs if rid in self._ctx))
+        for i, (rid, *_rest) in enumerate(jobs):
+            if lens[i]:
+                scratch[i, :lens[i]] = self._ctx[rid][:lens[i]]
+            scratch[i, lens[i]:].zero_()  # padded rows are masked; zeros keep them finite
+        ctx = self._layer_kv(scratch)
         dev = self.device
         mask = (torch.arange(cmax, device=dev)[None, None, :]
                 < torch.tensor(lens, device=dev)[:, None, None]).expand(n, q, cmax)
