@@ -181,7 +181,11 @@ class DrafterWorker:
         self._last_draft = time.monotonic()
         self.metrics.batch_jobs.observe(len(jobs))
         try:
-            feats = self.transport.unpack([j.features for j in jobs], dec.frames, copy=True)
+            # a frame is viewed, not copied: the service reads features only inside draft_batch (its
+            # context keeps their K/V) and the frames live until this message is handled; a CUDA-IPC
+            # pool slot is copied out, as the peer rewrites it after num_slots further tensors
+            feats = self.transport.unpack([j.features for j in jobs], dec.frames,
+                                          copy=self.transport.kind != "frames")
         except Exception as exc:  # malformed frames: every job fails, the drafter keeps serving
             results = [exc] * len(jobs)
         else:

@@ -397,6 +397,28 @@ def test_drafter_error_is_reported_and_the_drafter_keeps_serving(sockdir):
         client.close()
 
 
+def test_drafter_views_received_feature_frames_without_copying():
+    """A DRAFT_BATCH's features reach the service as views of the received frames (no copy per frame)."""
+    torch = pytest.importorskip("torch")
+
+    class Recording(FakeDrafterService):
+        def draft_batch(self, jobs):
+            self.seen = [j.features for j in jobs]
+            return super().draft_batch(jobs)
+
+    service, transport = Recording(), FrameTransport()
+    info = p.PeerInfo(role="drafter", epoch="d1", vocab_size=400)
+    worker = DrafterWorker(service, info, transport, send=lambda *a: None)
+    feats = [torch.arange(16.0).view(2, 8), torch.ones(1, 8)]
+    metas, frames = transport.pack(feats)
+    frames = [bytes(f) for f in frames]  # the received frames
+    jobs = [p.DraftRequest(f"r{i}", 1, [1] * len(f), m, 1, len(f), _spec()) for i, (f, m) in enumerate(zip(feats, metas))]
+    worker.handle(b"v", decode(encode(p.DraftBatch(jobs), frames)))
+    for got, want, frame in zip(service.seen, feats, frames):
+        assert torch.equal(got, want)
+        assert got.data_ptr() == torch.frombuffer(frame, dtype=torch.uint8).data_ptr()
+
+
 def test_drafter_restart_loses_old_contexts_but_serves_new_requests(sockdir):
     torch = pytest.importorskip("torch")
     from services.verifier.remote_drafter import DrafterUnavailable
