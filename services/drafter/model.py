@@ -18,11 +18,19 @@ from torch import Tensor, nn
 
 from services.drafter.config import DrafterConfig as DrafterConfig  # re-export (torch-free module)
 from services.drafter.config import drafter_kind as drafter_kind  # re-export
-from services.drafter.layers import MLP, RMSNorm, read_model_safetensors, rope
+from services.drafter.layers import MLP, FusedInt4, RMSNorm, apply_rope, read_model_safetensors, rms_norm, rope, rope_cos_sin
 
 
 class Attention(nn.Module):
-    """Qwen3-style GQA attention whose keys/values are [context rows; block rows], non-causal."""
+    """Qwen3-style GQA attention whose keys/values are [context rows; block rows], non-causal.
+
+    Lean path (one forward per draft round, 1-4 rows on a CPU, where every small op costs 5-10 µs):
+    queries and keys are normed and rotated together, the rotary tables come from the caller (once
+    per forward, :func:`services.drafter.layers.rope_cos_sin`), and with int4 linears q/k/v run as one
+    kernel call (:class:`services.drafter.layers.FusedInt4`). Each op is elementwise the one of the
+    textbook sequence (separate norms and ropes), so the output is bit for bit the same
+    (``tests/engine/test_drafter_lean.py``).
+    """
 
     def __init__(self, c: DrafterConfig):
         super().__init__()
@@ -34,6 +42,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(nh * dh, h, bias=False)
         self.q_norm = RMSNorm(dh, c.rms_norm_eps)
         self.k_norm = RMSNorm(dh, c.rms_norm_eps)
+        self._qkv = FusedInt4()
+
+    def qk_norm_weight(self) -> Tensor:
+        """``[Hq + Hkv, Dh]``: q_norm's weight on the query heads, k_norm's on the key heads."""
+        c = self.c
+        return torch.cat([self.q_norm.weight.expand(c.num_attention_heads, -1),
+                          self.k_norm.weight.expand(c.num_key_value_heads, -1)])
 
     def kv(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         """Keys (normed, rotated) and values of rows ``x [..., T, H]`` at positions ``pos [T]``: ``[..., Hkv, T, Dh]``."""
@@ -42,16 +57,27 @@ class Attention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim)).transpose(-2, -3)
         return rope(k, pos, c.rope_theta), v
 
-    def forward(self, x: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, rope_cs: tuple[Tensor, Tensor], ctx_k: Tensor, ctx_v: Tensor,
+                ctx_mask: Tensor | None = None) -> Tensor:
         """Block queries ``x [B, Q, H]`` attend to cached context ``[B, Hkv, C, Dh]`` plus the block itself.
 
-        ``ctx_mask`` (optional, ``[B, Q, C]`` bool, True = visible) restricts context rows (training).
+        ``rope_cs``: :func:`~services.drafter.layers.rope_cos_sin` of the block's positions (``[Q, Dh]``
+        each, or ``[B, 1, Q, Dh]`` for per-row positions). ``ctx_mask`` (optional, ``[B, Q, C]`` bool,
+        True = visible) restricts context rows (training).
         """
         c = self.c
-        q = self.q_norm(self.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim))).transpose(1, 2)
-        q = rope(q, pos, c.rope_theta)
-        bk, bv = self.kv(x, pos)
-        k, v = torch.cat([ctx_k, bk], dim=2), torch.cat([ctx_v, bv], dim=2)
+        nh, nkv, dh = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        fused = self._qkv.get(self.q_proj, self.k_proj, self.v_proj)
+        if fused is not None:
+            qkv = fused(x).unflatten(-1, (nh + 2 * nkv, dh))  # [B, Q, Hq + 2 Hkv, Dh]
+            qk, v = qkv[:, :, :nh + nkv], qkv[:, :, nh + nkv:]
+        else:
+            qk = torch.cat([self.q_proj(x), self.k_proj(x)], -1).unflatten(-1, (nh + nkv, dh))
+            v = self.v_proj(x).unflatten(-1, (nkv, dh))
+        qk = rms_norm(qk, self.qk_norm_weight(), c.rms_norm_eps).transpose(1, 2)  # [B, Hq + Hkv, Q, Dh]
+        qk = apply_rope(qk, *rope_cs)
+        q, bk = qk[:, :nh], qk[:, nh:]
+        k, v = torch.cat([ctx_k, bk], dim=2), torch.cat([ctx_v, v.transpose(1, 2)], dim=2)
         mask = None
         if ctx_mask is not None:
             blk = torch.ones(*ctx_mask.shape[:2], x.shape[1], dtype=torch.bool, device=x.device)
@@ -70,8 +96,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, h: Tensor, pos: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_mask: Tensor | None = None) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), pos, ctx_k, ctx_v, ctx_mask)
+    def forward(self, h: Tensor, rope_cs: tuple[Tensor, Tensor], ctx_k: Tensor, ctx_v: Tensor,
+                ctx_mask: Tensor | None = None) -> Tensor:
+        """``h [B, Q, H]`` -> ``[B, Q, H]``; arguments as :meth:`Attention.forward`."""
+        h = h + self.self_attn(self.input_layernorm(h), rope_cs, ctx_k, ctx_v, ctx_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -129,6 +157,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(c.feature_dim, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self._ctx_kv = FusedInt4()  # every layer's k/v projection of the context rows
         if c.projector_type == "domino":
             self.prefix_gru = nn.GRU(c.target_hidden_size, c.gru_hidden_dim, num_layers=1, batch_first=True, bias=False)
             self.embed_proj = nn.Sequential(nn.Linear(c.hidden_size + c.gru_hidden_dim, c.emb_dim, bias=False),
@@ -200,16 +229,48 @@ class DFlashDrafter(nn.Module):
         self.needs_target_io = False
 
     def context_kv(self, features: Tensor, pos: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Per-layer context keys/values of target features ``[B, C, F]`` at positions ``pos [C]``."""
+        """Per-layer context keys/values ``[B, Hkv, C, Dh]`` of target features ``[B, C, F]`` at
+        positions ``pos [C]`` (or ``[B, C]``): views of :meth:`context_kv_packed`."""
+        kv = self.context_kv_packed(features, pos)  # [B, C, L, 2, Hkv, Dh]
+        return [(kv[:, :, li, 0].transpose(1, 2), kv[:, :, li, 1].transpose(1, 2)) for li in range(kv.shape[2])]
+
+    def context_kv_packed(self, features: Tensor, pos: Tensor) -> Tensor:
+        """Every layer's context keys (normed, rotated) and values of target features ``[B, C, F]`` at
+        positions ``pos [C]`` (or ``[B, C]``), positions first: ``[B, C, L, 2, Hkv, Dh]`` (``[..., 0,
+        :, :]`` keys, ``[..., 1, :, :]`` values).
+
+        The context rows are shared by every layer, so all layers' k/v projections run as one int4
+        kernel call (:class:`~services.drafter.layers.FusedInt4`; one call per projection otherwise)
+        and their key norms and rotary embedding as one op each; bit for bit what each layer's
+        :meth:`Attention.kv` gives (``tests/engine/test_drafter_lean.py``).
+        """
+        c = self.config
+        nkv, dh = c.num_key_value_heads, c.head_dim
         ctx = self.hidden_norm(self.fc(features))  # [B, C, H], shared by every layer
-        return [layer.self_attn.kv(ctx, pos) for layer in self.layers]
+        attns = [layer.self_attn for layer in self.layers]
+        fused = self._ctx_kv.get(*(p for a in attns for p in (a.k_proj, a.v_proj)))
+        if fused is not None:
+            kv = fused(ctx).unflatten(-1, (len(attns), 2, nkv, dh))  # [B, C, L, 2, Hkv, Dh]
+        else:
+            kv = torch.stack([torch.stack([a.k_proj(ctx), a.v_proj(ctx)], -2) for a in attns], -3
+                             ).unflatten(-1, (nkv, dh))
+        cos, sin = rope_cos_sin(pos, dh, c.rope_theta)  # [C, Dh] or [B, 1, C, Dh]
+        cos, sin = (cos[:, None, None], sin[:, None, None]) if pos.ndim == 1 else (
+            cos[:, 0, :, None, None], sin[:, 0, :, None, None])  # [(B,) C, 1, 1, Dh]
+        k_w = torch.stack([a.k_norm.weight for a in attns])[:, None]  # [L, 1, Dh]
+        k = apply_rope(rms_norm(kv[:, :, :, 0], k_w, c.rms_norm_eps), cos, sin)  # [B, C, L, Hkv, Dh]
+        return torch.stack([k, kv[:, :, :, 1]], 3)
 
     def block_forward(self, block_emb: Tensor, pos: Tensor, ctx_kv: list[tuple[Tensor, Tensor]],
                       ctx_mask: Tensor | None = None) -> Tensor:
-        """Block rows ``[B, Q, H]`` (target embeddings of [root, MASK...]) -> drafter states ``[B, Q, H]``."""
+        """Block rows ``[B, Q, H]`` (target embeddings of [root, MASK...]) at positions ``pos [Q]``
+        (or ``[B, Q]``) against per-layer context ``(K, V)`` ``[B, Hkv, C, Dh]`` (any strides) ->
+        drafter states ``[B, Q, H]``; ``ctx_mask [B, Q, C]`` bool (True = visible) or None.
+        The rotary tables are computed once for every layer."""
+        rope_cs = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)
         h = block_emb
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            h = layer(h, pos, k, v, ctx_mask)
+            h = layer(h, rope_cs, k, v, ctx_mask)
         return self.norm(h)
 
     # ----- Domino head pieces (docs/algorithms.md §2.1, §2.3) -----
