@@ -140,8 +140,10 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
         W, depth_max = pruned_reach(W, B, depth_max)
     cand_vals, cand_ids = candidates(base_logits, K)  # [D, K]
     k = cand_vals.shape[1]
-    states = scorer.root_state(root_token)  # [1, S]
     dev = base_logits.device  # the search runs where the logits are (CPU or CUDA); the tree comes back on CPU
+    # frontier states [P, S]; None = the root's, computed on first use: a tree that stops before any
+    # corrected slot or any child's state is needed (B = 1 under the Domino prefix) runs no scorer
+    states: Tensor | None = None
     frontier_scores = torch.zeros(1, device=dev)
     frontier_nodes = torch.tensor([-1], device=dev)
     toks, pars, deps, scs = [], [], [], []
@@ -150,13 +152,16 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
         quota = W if variant == "pruned" else math.ceil((B - created) / (depth_max - depth + 1))
         if quota <= 0:
             break
-        logits = _slot_logits(scorer, depth - 1, states, cand_ids, cand_vals, pure_draft_prefix_len)
+        if depth - 1 < pure_draft_prefix_len:  # base logits alone
+            logits = cand_vals[depth - 1][None, :].expand(frontier_scores.shape[0], -1)
+        else:
+            states = scorer.root_state(root_token) if states is None else states
+            logits = scorer.score(depth - 1, states, cand_ids[depth - 1], cand_vals[depth - 1]).float()
         log_q = logits - torch.logsumexp(logits, dim=-1, keepdim=True)  # [P, K]
         path = (frontier_scores[:, None] + log_q).flatten()  # [P * K]
         order = torch.sort(path, descending=True, stable=True).indices[:quota]
         pidx, rank = order // k, order % k
         child_tokens = cand_ids[depth - 1][rank]
-        states = scorer.advance(states[pidx], child_tokens)
         frontier_scores = path[order]
         toks.append(child_tokens)
         pars.append(frontier_nodes[pidx])
@@ -164,8 +169,11 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
         scs.append(frontier_scores)
         frontier_nodes = torch.arange(created, created + order.numel(), device=dev)
         created += order.numel()
-        if variant == "pruned" and created >= B and depth < depth_max and _prune_settled(scs, deps, B, beta, depth):
+        # the last depth built: no child state is needed (the fixed variant's next quota would be 0)
+        if depth == depth_max or (variant == "fixed" and created >= B) or (
+                variant == "pruned" and created >= B and _prune_settled(scs, deps, B, beta, depth)):
             break
+        states = scorer.advance((scorer.root_state(root_token) if states is None else states)[pidx], child_tokens)
     if not toks:
         return DraftTree.empty()
     tree = DraftTree(torch.cat(toks).long().cpu(), torch.cat(pars).long().cpu(), torch.cat(deps).cpu(),
