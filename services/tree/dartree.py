@@ -120,7 +120,9 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
     top-quota children (several per parent allowed), advance their states in one call. ``pruned``
     uses quota W at every depth, then keeps the global top-B by ``path + beta * depth`` (it stops
     descending once no deeper node can enter the top-B, :func:`_prune_settled`: same tree, fewer calls);
-    ``fixed`` uses quota ``ceil(remaining / remaining depths)`` and no prune.
+    ``fixed`` uses quota ``ceil(remaining / remaining depths)`` and no prune. The root state is
+    computed on first use and no state is advanced after the last depth built (same tree: B = 1
+    under a one-slot prefix calls no scorer at all).
 
     Args:
         base_logits: ``[D, V]`` drafter backbone logits (slot s predicts depth s + 1).
