@@ -98,7 +98,9 @@ class DrafterService:
     fits in it) and the filled part copied once. Slack: under ``context_chunk`` positions a request
     (2 x L x Hkv x Dh x itemsize bytes a position: 2,304 B for the default drafter in bfloat16, so
     < 0.6 MB a request at the default 256). A batched call copies the contexts into one reusable
-    scratch buffer (padded rows zeroed and masked), kept until the last context is released.
+    scratch buffer (padded rows zeroed and masked), kept until the last context is released: one
+    layer's K/V at a time, refilled as the block forward reaches each layer (eager), or every
+    layer's (compiled: the graph takes a list).
     Raises:
         ValueError: ``block_rows`` outside ``[2, block_size]``, ``spare_rows < 0``, ``context_chunk < 1``.
     """
@@ -149,7 +151,7 @@ class DrafterService:
         self.description = description
         self._ctx: dict[str, Tensor] = {}  # request -> [cap, L, 2, Hkv, Dh] context K/V, filled up to _ctx_len
         self._ctx_len: dict[str, int] = {}
-        self._batch_ctx: Tensor | None = None  # [n * C * L * 2 * Hkv * Dh] scratch of block_logits_batch
+        self._batch_ctx: Tensor | None = None  # [n * C * (1 or L) * 2 * Hkv * Dh] scratch of block_logits_batch
         self.dtype = next(drafter.parameters()).dtype
         self.device = next(drafter.parameters()).device  # ids / positions / masks are built here (CUDA too)
         self.compiled = bool(compile)
@@ -255,13 +257,25 @@ class DrafterService:
         return [(ctx[:, :, li, 0].transpose(1, 2), ctx[:, :, li, 1].transpose(1, 2)) for li in range(ctx.shape[2])]
 
     def _batch_scratch(self, n: int, cmax: int, like: Tensor) -> Tensor:
-        """A contiguous ``[n, cmax, L, 2, Hkv, Dh]`` view of the reusable batch scratch (grown to
+        """A contiguous ``[n, cmax, *like.shape[1:]]`` view of the reusable batch scratch (grown to
         ``n`` x :meth:`context_capacity_for` ``cmax`` positions when too small; contents undefined)."""
         row = like[0].numel()  # L * 2 * Hkv * Dh values a position
         if self._batch_ctx is None or self._batch_ctx.numel() < n * cmax * row:
             self._batch_ctx = None  # free the old scratch before allocating the new one
             self._batch_ctx = like.new_empty(n * self.context_capacity_for(cmax) * row)
         return self._batch_ctx[:n * cmax * row].view(n, cmax, *like.shape[1:])
+
+    def _batch_kv(self, bufs: list[Tensor | None], lens: list[int]):
+        """Per-layer ``(K, V)`` ``[n, Hkv, max(lens), Dh]`` of several contexts (``bufs``: their
+        buffers, None for an empty one), zero-padded, in the batch scratch: every layer at once
+        when compiled, else one layer at a time (:class:`_LayerwiseContext`)."""
+        like = next(b for b in bufs if b is not None)  # [cap, L, 2, Hkv, Dh]
+        scratch = self._batch_scratch(len(bufs), max(lens), like if self.compiled else like[:, :1])
+        for i, (buf, n) in enumerate(zip(bufs, lens)):
+            scratch[i, n:].zero_()  # padded rows are masked; zeros keep them finite
+            if n and self.compiled:
+                scratch[i, :n] = buf[:n]
+        return self._layer_kv(scratch) if self.compiled else _LayerwiseContext(scratch, bufs, lens, like.shape[1])
 
     def rows_for(self, reach: int | None) -> int:
         """Block rows of a call whose trees use at most ``reach`` draft slots (None = every slot):
@@ -298,12 +312,7 @@ class DrafterService:
         n, q = len(jobs), self.rows_for(logit_rows)
         lens = [self._ctx_len.get(rid, 0) for rid, *_ in jobs]
         cmax = max(lens)
-        scratch = self._batch_scratch(n, cmax, next(self._ctx[rid] for rid, *_ in jobs if rid in self._ctx))
-        for i, (rid, *_rest) in enumerate(jobs):
-            if lens[i]:
-                scratch[i, :lens[i]] = self._ctx[rid][:lens[i]]
-            scratch[i, lens[i]:].zero_()  # padded rows are masked; zeros keep them finite
-        ctx = self._layer_kv(scratch)
+        ctx = self._batch_kv([self._ctx.get(rid) for rid, *_ in jobs], lens)
         dev = self.device
         mask = (torch.arange(cmax, device=dev)[None, None, :]
                 < torch.tensor(lens, device=dev)[:, None, None]).expand(n, q, cmax)
@@ -412,6 +421,28 @@ class DrafterService:
         variant = method.split("-")[1]
         return dartree(base, scorer, root, K=k, W=width, B=budget, beta=beta if variant == "pruned" else 0.0,
                        variant=variant, pure_draft_prefix_len=prefix)
+
+
+class _LayerwiseContext:
+    """A batch's per-layer context ``(K, V)`` ``[n, Hkv, C, Dh]`` for :meth:`DFlashDrafter.block_forward`,
+    copied into one layer's scratch ``[n, C, 1, 2, Hkv, Dh]`` as the forward iterates its layers:
+    layer i+1 is copied when the forward asks for it (``zip(self.layers, ctx_kv)``), after layer i's
+    attention has read (concatenated) its K/V, so one layer's scratch serves all (1/L of the
+    memory). Padded rows are zeroed by the caller and never written here."""
+
+    def __init__(self, scratch: Tensor, bufs: list[Tensor | None], lens: list[int], num_layers: int):
+        self.scratch, self.bufs, self.lens, self.num_layers = scratch, bufs, lens, num_layers
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __iter__(self):
+        kv = DrafterService._layer_kv(self.scratch)[0]
+        for li in range(self.num_layers):
+            for i, (buf, n) in enumerate(zip(self.bufs, self.lens)):
+                if n:
+                    self.scratch[i, :n, 0] = buf[:n, li]
+            yield kv
 
 
 # methods whose B-node tree is at most B deep and identical when built over only B draft slots

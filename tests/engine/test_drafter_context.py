@@ -76,11 +76,14 @@ def test_small_appends_across_growth_boundaries_equal_the_concatenated_context(t
     torch.testing.assert_close(base, base1, atol=1e-5, rtol=0)
 
 
-def test_batched_block_equals_the_zero_padded_batch_and_drafts_equal_solo(target):
+@pytest.mark.parametrize("all_layers", [False, True])
+def test_batched_block_equals_the_zero_padded_batch_and_drafts_equal_solo(target, all_layers):
     """Three contexts of different lengths in one call equal the zero-padded concatenated batch bit for
     bit, even when the scratch held non-finite values (the padding is rewritten, not assumed); each
-    request's tree equals its tree drafted alone."""
+    request's tree equals its tree drafted alone. The scratch holds one layer at a time, or every
+    layer (the compiled service's list, here run eagerly)."""
     svc, solo = _service(target), _service(target)
+    svc.compiled = all_layers
     lengths, pieces = {"a": (5, 9, 2), "b": (1,), "c": (13, 3)}, {}
     starts = {}
     for k, (rid, ns) in enumerate(lengths.items()):
@@ -110,7 +113,8 @@ def test_batched_block_equals_the_zero_padded_batch_and_drafts_equal_solo(target
 def test_capacity_follows_the_chunk_rule_and_release_frees_it(target):
     """Capacity = the length rounded up to ``context_chunk`` positions, cut to max_position (62) while
     the context fits in it; an append within capacity writes in place (same buffer); release drops the
-    buffer and, with the last context, the batch scratch; a released request re-appends from 0."""
+    buffer and, with the last context, the batch scratch (one layer's K/V of 2 x the capacity of the
+    longest); a released request re-appends from 0."""
     svc = _service(target)
     feats, caps, ptrs, s = _feats(target, 70), [], [], 0
     for n in (3, 1, 1, 4, 9, 1, 43, 1, 7):
@@ -125,7 +129,7 @@ def test_capacity_follows_the_chunk_rule_and_release_frees_it(target):
     first = svc.block_logits_batch([("r", 5, s)])[0]
     svc.append_context("q", feats[:9], 9)
     svc.block_logits_batch([("r", 5, s), ("q", 5, 9)])
-    row = svc._ctx["r"][0].numel()  # L x 2 x Hkv x Dh
+    row = svc._ctx["r"][0, 0].numel()  # one layer's K/V of a position: 2 x Hkv x Dh
     assert svc._batch_ctx.numel() == 2 * svc.context_capacity_for(s) * row
     svc.release("q")
     assert svc.num_contexts() == 1 and svc._batch_ctx is not None
