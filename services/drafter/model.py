@@ -280,10 +280,18 @@ class DFlashDrafter(nn.Module):
         h = self.config.hidden_size
         return w0[:, :h], w0[:, h:], self.embed_proj[2].weight
 
-    def gru_cell(self, x: Tensor, h: Tensor) -> Tensor:
-        """Bias-free GRU cell (PyTorch gate order r, z, n): ``x [C, H_t]``, ``h [C, G]`` -> ``[C, G]``."""
+    def gru_cell(self, x: Tensor, h: Tensor | None) -> Tensor:
+        """Bias-free GRU cell (PyTorch gate order r, z, n): ``x [C, H_t]``, ``h [C, G]`` -> ``[C, G]``.
+
+        ``h = None`` is the zero state (a root): its ``h @ W_hh`` product, exactly zero, is not computed.
+        """
         w_ih, w_hh = self.prefix_gru.weight_ih_l0, self.prefix_gru.weight_hh_l0
-        gi, gh = x @ w_ih.T, h @ w_hh.T
+        gi = x @ w_ih.T
+        if h is None:
+            h = x.new_zeros(x.shape[0], w_hh.shape[1])
+            gh = x.new_zeros(x.shape[0], w_hh.shape[0])
+        else:
+            gh = h @ w_hh.T
         ir, iz, i_n = gi.chunk(3, -1)
         hr, hz, hn = gh.chunk(3, -1)
         r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)

@@ -221,3 +221,16 @@ def test_fused_int4_only_at_whole_pack_blocks() -> None:
     fused = FusedInt4().get(b, a)
     x = torch.randn(5, 64, generator=g).bfloat16()
     assert fused is not None and torch.equal(fused(x), torch.cat([b(x), a(x)], -1))
+
+
+def test_gru_cell_zero_state_equals_zeros() -> None:
+    """``gru_cell(x, None)`` (no ``h @ W_hh`` product) is bit for bit ``gru_cell(x, zeros)``."""
+    m = _drafter(9)
+    g = torch.Generator().manual_seed(9)
+    for dtype in (torch.float32, torch.bfloat16):
+        d = m.to(dtype)
+        for rows in (1, 3):
+            x = torch.randn(rows, d.config.target_hidden_size, generator=g).to(dtype)
+            zeros = torch.zeros(rows, d.config.gru_hidden_dim, dtype=dtype)
+            with torch.no_grad():
+                assert torch.equal(d.gru_cell(x, None), d.gru_cell(x, zeros))
