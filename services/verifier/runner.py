@@ -5,10 +5,14 @@ chunks; :mod:`services.tree.batch`) run flattened through the HF model's own mod
 embeddings, norms, rotary embeddings, q/k norms and MLPs stay the reference (llama, qwen2, qwen3
 alike); only attention is ours, registered with transformers' ``AttentionInterface``
 (:func:`services.hf_compat.register_slot_attention`): it writes the step's K/V rows into their
-slots, then runs ``F.scaled_dot_product_attention`` once per request, on that request's rows
-``[1, Hq, R_i, Dh]`` against its slot read up to its own (bucketed) KV length, with its own mask:
-the very call the request's step makes when it runs alone. Attention work therefore scales with
-each request's own context (rounded up to ``kv_bucket``), never with the configured capacity. A
+slots, then runs attention once per request, on that request's rows ``[1, Hq, R_i, Dh]`` against
+its slot read up to its own (bucketed) KV length, with its own mask: the very call the request's
+step makes when it runs alone. On CPU in bfloat16 / float16 that call is
+:func:`services.verifier.attention.grouped_attention` (two batched GEMMs, several times faster than
+torch's CPU SDPA for few rows at long contexts, and row invariant: its module docstring;
+``DARTREE_GROUPED_ATTENTION=0`` switches it off), elsewhere ``F.scaled_dot_product_attention``.
+Attention work therefore scales with each request's own context (rounded up to ``kv_bucket``),
+never with the configured capacity. A
 forward without step metadata (the HF reference paths of :class:`TargetModel`) falls through to
 transformers' SDPA.
 
@@ -34,6 +38,9 @@ row depends on ``R`` is the GEMM kernel's property (measured at 1 and 2 threads)
   ``R`` >= 2 differs from ``R`` = 1), so batched equals solo to float32 rounding (~1e-6 in the
   logits), not bitwise; with row-invariant linears the rest of the step is bitwise invariant
   (tests/engine/test_batch_invariance.py).
+- Attention: the grouped attention's rows are bitwise independent of the rows beside them and of
+  masked KV columns, so in q4 / bfloat16 a verify's rows equal the rows of plain decoding; SDPA
+  (float32, or switched off) changes a row's last bits with the row count.
 - Padded steps (``cuda_graphs``) run one padded attention call at the bucket's shape (a CUDA graph
   needs fixed shapes), and cuBLAS picks GEMM kernels per shape: no bitwise guarantee there, only
   equality to rounding.
@@ -58,6 +65,7 @@ from torch import Tensor
 from services import hf_compat
 from services.cuda_graphs import GraphBuckets, graphs_enabled
 from services.tree.batch import PackedRows, Segment, StepBucket, causal_segment, pack_segments, pad_packed, step_bucket
+from services.verifier.attention import additive_mask, grouped_attention, use_grouped
 from services.verifier.kv_cache import SlotKVCache
 
 _ACTIVE = threading.local()  # the step being run by this thread's forward (None outside a step)
@@ -109,24 +117,33 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
                                              enable_gqa=k.shape[1] != q.shape[1])
         return out.transpose(1, 2).flatten(0, 1)[p.padded_pos][None], None  # [1, R, Hq, Dh]
     outs = []
-    for a, b, slot, length, mask in parts:  # each request exactly as its solo step: batch invariant
+    for a, b, slot, length, mask, bias in parts:  # each request exactly as its solo step: batch invariant
         k, v = cache.read(layer, slot, length)  # [1, Hkv, L_i, Dh], a view of the slot
+        if bias is not None:  # bf16 / fp16 on CPU: batched GEMMs (services.verifier.attention)
+            outs.append(grouped_attention(query[:, :, a:b], k, v, bias,
+                                          scale if scale is not None else k.shape[-1] ** -0.5))
+            continue
         outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=mask, scale=scale,
                                                    enable_gqa=k.shape[1] != query.shape[1]))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, R, Dh]
     return out.transpose(1, 2), None
 
 
-def _request_parts(p: PackedRows) -> list[tuple[int, int, Tensor, int, Tensor]]:
-    """Per segment of ``p`` (unpadded): ``(first row, end row, slot [1], KV length, mask [1, 1, R_i, L_i])``,
-    the arguments of its attention call, equal to those of the segment's solo step (a
-    :func:`pack_segments` of it alone; contiguous masks, like a solo step's)."""
+def _request_parts(p: PackedRows, groups: int, dtype: torch.dtype) -> list[tuple]:
+    """Per segment of ``p`` (unpadded): ``(first row, end row, slot [1], KV length, mask [1, 1, R_i, L_i],
+    bias [G*R_i, L_i] or None)``, the arguments of its attention call, equal to those of the segment's
+    solo step (a :func:`pack_segments` of it alone; contiguous masks, like a solo step's). ``bias``
+    (:func:`~services.verifier.attention.additive_mask`, made once per step for every layer) is set
+    where the call runs :func:`~services.verifier.attention.grouped_attention` instead of SDPA
+    (:func:`~services.verifier.attention.use_grouped`); ``groups``: query heads per KV head."""
     bounds = p.cu_rows.tolist()
     parts = []
     for i, length in enumerate(p.segment_kv_lengths):
         a, b = bounds[i], bounds[i + 1]
         mask = p.attn_mask[i:i + 1, :, :b - a, :length]
-        parts.append((a, b, p.slots[i:i + 1], length, mask if len(bounds) == 2 else mask.contiguous()))
+        mask = mask if len(bounds) == 2 else mask.contiguous()
+        bias = additive_mask(mask, groups) if use_grouped(dtype, mask.device) else None
+        parts.append((a, b, p.slots[i:i + 1], length, mask, bias))
     return parts
 
 
@@ -202,6 +219,8 @@ class ModelRunner:
         self.cache = SlotKVCache.for_model(target.config, num_slots + int(self.graphed), capacity, target.dtype,
                                            target.device)
         self.kv_bucket = kv_bucket
+        heads = int(target.config.num_attention_heads)
+        self.query_groups = heads // int(getattr(target.config, "num_key_value_heads", None) or heads)  # G
         name = hf_compat.register_slot_attention(_slot_attention)
         hf_compat.set_attention_implementation(target.model, name)
         self.compiled = bool(compile) and not self.graphed
@@ -263,7 +282,7 @@ class ModelRunner:
         keep = logit_rows.to(dev) if logit_rows is not None else torch.arange(p.input_ids.numel(), device=dev)
         if self.compiled and not keep.is_inference():  # its dispatch keys would fail a guard: recompile
             keep = keep.clone()
-        parts = _request_parts(p)
+        parts = _request_parts(p, self.query_groups, self.target.dtype)
         ids, pos = p.input_ids[None], p.positions[None]
         if self.compiled and ids.shape[1] > 1:  # one graph for every row count > 1 (1 row: its own)
             for t, dim in ((ids, 1), (pos, 1), (keep, 0)):
