@@ -90,17 +90,20 @@ class DrafterService:
         context_chunk: positions by which a request's context buffer grows (see Context storage).
 
     Context storage: each request's drafter context (the K/V of its committed positions, every
-    layer) lives in one buffer ``[cap, L, 2, Hkv, Dh]`` (positions first, so the filled part
-    ``[:T]`` is contiguous and each layer's K or V is a ``[1, Hkv, T, Dh]`` view of it whose strides
-    depend on T only: one compiled graph whatever the capacity). An append writes its positions in
-    place; when they do not fit, the buffer is reallocated to :meth:`context_capacity_for` its new
-    length (a multiple of ``context_chunk``, at most ``max_position_embeddings`` while the context
-    fits in it) and the filled part copied once. Slack: under ``context_chunk`` positions a request
-    (2 x L x Hkv x Dh x itemsize bytes a position: 2,304 B for the default drafter in bfloat16, so
-    < 0.6 MB a request at the default 256). A batched call copies the contexts into one reusable
-    scratch buffer (padded rows zeroed and masked), kept until the last context is released: one
-    layer's K/V at a time, refilled as the block forward reaches each layer (eager), or every
-    layer's (compiled: the graph takes a list).
+    layer) lives in one buffer ``[L, 2, Hkv, cap, Dh]``; each layer's K or V is a ``[1, Hkv, T, Dh]``
+    view of its filled part (rows of T x Dh contiguous values per head). An append writes its
+    positions in place; when they leave no free position, the buffer is reallocated to
+    :meth:`context_capacity_for` its new length (the next multiple of ``context_chunk`` above it, at
+    most ``max_position_embeddings`` while the context is shorter) and the filled part copied once.
+    A buffer always keeps a free position so that the views are never contiguous: under ``compile``
+    dynamo takes their capacity-dependent strides as symbols, but a view that happened to be
+    contiguous (length = capacity) would fail the graph's guard and compile another (tested).
+    Slack: 1 to ``context_chunk`` positions a request (2 x L x Hkv x Dh x itemsize bytes a position:
+    2,304 B for the default drafter in bfloat16, so at most 0.59 MB a request at the default 256).
+    A batched call copies the contexts into one reusable scratch buffer ``[L or 1, 2, n, Hkv, C,
+    Dh]`` (padded rows zeroed and masked), kept until the last context is released: one layer's
+    K/V at a time, refilled as the block forward reaches each layer (eager), or every layer's
+    (compiled: the graph takes a list).
     Raises:
         ValueError: ``block_rows`` outside ``[2, block_size]``, ``spare_rows < 0``, ``context_chunk < 1``.
     """
@@ -149,9 +152,9 @@ class DrafterService:
             pack_linears_bf16(drafter, check=False)
             pack_linears_bf16(lm_head)
         self.description = description
-        self._ctx: dict[str, Tensor] = {}  # request -> [cap, L, 2, Hkv, Dh] context K/V, filled up to _ctx_len
+        self._ctx: dict[str, Tensor] = {}  # request -> [L, 2, Hkv, cap, Dh] context K/V, filled up to _ctx_len
         self._ctx_len: dict[str, int] = {}
-        self._batch_ctx: Tensor | None = None  # [n * C * (1 or L) * 2 * Hkv * Dh] scratch of block_logits_batch
+        self._batch_ctx: Tensor | None = None  # [(1 or L) * 2 * n * Hkv * C * Dh] scratch of block_logits_batch
         self.dtype = next(drafter.parameters()).dtype
         self.device = next(drafter.parameters()).device  # ids / positions / masks are built here (CUDA too)
         self.compiled = bool(compile)
@@ -213,14 +216,15 @@ class DrafterService:
     def context_capacity(self, request_id: str) -> int:
         """Positions the request's context buffer holds room for (0 without a context)."""
         buf = self._ctx.get(request_id)
-        return 0 if buf is None else buf.shape[0]
+        return 0 if buf is None else buf.shape[3]
 
     def context_capacity_for(self, length: int) -> int:
-        """Capacity of a context buffer grown to hold ``length`` positions: ``length`` rounded up to
-        a multiple of :attr:`context_chunk`, cut to ``max_position_embeddings`` when ``length`` fits in it."""
-        cap = -(-length // self.context_chunk) * self.context_chunk
+        """Capacity of a context buffer grown to hold ``length`` positions and at least one more:
+        the next multiple of :attr:`context_chunk` above ``length``, cut to
+        ``max_position_embeddings`` when ``length`` is below it."""
+        cap = (length // self.context_chunk + 1) * self.context_chunk
         limit = self.cfg.max_position_embeddings
-        return min(cap, limit) if length <= limit else cap
+        return min(cap, limit) if length < limit else cap
 
     @torch.inference_mode()
     def append_context(self, request_id: str, features: Tensor, start: int) -> None:
@@ -240,42 +244,44 @@ class DrafterService:
         pos = torch.arange(start - n, start, device=self.device)
         kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], pos)  # L x ([1, Hkv, n, Dh] x 2)
         buf = self._ctx.get(request_id)
-        if buf is None or buf.shape[0] < start:
+        if buf is None or buf.shape[3] <= start:  # keep a free position (see the class)
             k0 = kv[0][0]
-            grown = k0.new_empty(self.context_capacity_for(start), len(kv), 2, k0.shape[1], k0.shape[3])
+            grown = k0.new_empty(len(kv), 2, k0.shape[1], self.context_capacity_for(start), k0.shape[3])
             if buf is not None:
-                grown[:have] = buf[:have]
+                grown[..., :have, :] = buf[..., :have, :]
             self._ctx[request_id] = buf = grown
         for li, (k, v) in enumerate(kv):
-            buf[have:start, li, 0] = k[0].transpose(0, 1)
-            buf[have:start, li, 1] = v[0].transpose(0, 1)
+            buf[li, 0, :, have:start] = k[0]
+            buf[li, 1, :, have:start] = v[0]
         self._ctx_len[request_id] = start
 
     @staticmethod
     def _layer_kv(ctx: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Per-layer ``(K, V)`` views ``[B, Hkv, C, Dh]`` of a contiguous ``ctx [B, C, L, 2, Hkv, Dh]``."""
-        return [(ctx[:, :, li, 0].transpose(1, 2), ctx[:, :, li, 1].transpose(1, 2)) for li in range(ctx.shape[2])]
+        """Per-layer ``(K, V)`` views ``[B, Hkv, C, Dh]`` of ``ctx [L, 2, B, Hkv, C, Dh]``."""
+        return [(ctx[li, 0], ctx[li, 1]) for li in range(ctx.shape[0])]
 
-    def _batch_scratch(self, n: int, cmax: int, like: Tensor) -> Tensor:
-        """A contiguous ``[n, cmax, *like.shape[1:]]`` view of the reusable batch scratch (grown to
-        ``n`` x :meth:`context_capacity_for` ``cmax`` positions when too small; contents undefined)."""
-        row = like[0].numel()  # L * 2 * Hkv * Dh values a position
-        if self._batch_ctx is None or self._batch_ctx.numel() < n * cmax * row:
+    def _batch_scratch(self, layers: int, n: int, cmax: int, like: Tensor) -> Tensor:
+        """A contiguous ``[layers, 2, n, Hkv, cmax, Dh]`` view of the reusable batch scratch (grown
+        to :meth:`context_capacity_for` ``cmax`` positions a row when too small; contents undefined);
+        ``like``: a context buffer ``[L, 2, Hkv, cap, Dh]``."""
+        shape = (layers, 2, n, like.shape[2], cmax, like.shape[4])
+        need = layers * 2 * n * like.shape[2] * cmax * like.shape[4]
+        if self._batch_ctx is None or self._batch_ctx.numel() < need:
             self._batch_ctx = None  # free the old scratch before allocating the new one
-            self._batch_ctx = like.new_empty(n * self.context_capacity_for(cmax) * row)
-        return self._batch_ctx[:n * cmax * row].view(n, cmax, *like.shape[1:])
+            self._batch_ctx = like.new_empty(need // cmax * self.context_capacity_for(cmax))
+        return self._batch_ctx[:need].view(shape)
 
     def _batch_kv(self, bufs: list[Tensor | None], lens: list[int]):
         """Per-layer ``(K, V)`` ``[n, Hkv, max(lens), Dh]`` of several contexts (``bufs``: their
-        buffers, None for an empty one), zero-padded, in the batch scratch: every layer at once
-        when compiled, else one layer at a time (:class:`_LayerwiseContext`)."""
-        like = next(b for b in bufs if b is not None)  # [cap, L, 2, Hkv, Dh]
-        scratch = self._batch_scratch(len(bufs), max(lens), like if self.compiled else like[:, :1])
+        buffers ``[L, 2, Hkv, cap, Dh]``, None for an empty one), zero-padded, in the batch scratch:
+        every layer at once when compiled, else one layer at a time (:class:`_LayerwiseContext`)."""
+        like = next(b for b in bufs if b is not None)
+        scratch = self._batch_scratch(like.shape[0] if self.compiled else 1, len(bufs), max(lens), like)
         for i, (buf, n) in enumerate(zip(bufs, lens)):
-            scratch[i, n:].zero_()  # padded rows are masked; zeros keep them finite
+            scratch[:, :, i, :, n:].zero_()  # padded rows are masked; zeros keep them finite
             if n and self.compiled:
-                scratch[i, :n] = buf[:n]
-        return self._layer_kv(scratch) if self.compiled else _LayerwiseContext(scratch, bufs, lens, like.shape[1])
+                scratch[:, :, i, :, :n] = buf[..., :n, :]
+        return self._layer_kv(scratch) if self.compiled else _LayerwiseContext(scratch, bufs, lens, like.shape[0])
 
     def rows_for(self, reach: int | None) -> int:
         """Block rows of a call whose trees use at most ``reach`` draft slots (None = every slot):
@@ -291,7 +297,7 @@ class DrafterService:
         q = self.rows_for(logit_rows)
         ids = torch.tensor([root_token] + [c.mask_token_id] * (q - 1), device=self.device)
         pos = torch.arange(start, start + q, device=self.device)
-        ctx = self._layer_kv(self._ctx[request_id][:self._ctx_len[request_id]][None])
+        ctx = self._layer_kv(self._ctx[request_id][:, :, None, :, :self._ctx_len[request_id]])
         h = self._block_forward(self.embed(ids).to(self.dtype)[None], pos, ctx)[0]
         hd = h if c.shift_label else h[1:]
         return hd, self.lm_head(hd[:logit_rows].to(self.lm_head.weight.dtype)).float()
@@ -425,7 +431,7 @@ class DrafterService:
 
 class _LayerwiseContext:
     """A batch's per-layer context ``(K, V)`` ``[n, Hkv, C, Dh]`` for :meth:`DFlashDrafter.block_forward`,
-    copied into one layer's scratch ``[n, C, 1, 2, Hkv, Dh]`` as the forward iterates its layers:
+    copied into one layer's scratch ``[1, 2, n, Hkv, C, Dh]`` as the forward iterates its layers:
     layer i+1 is copied when the forward asks for it (``zip(self.layers, ctx_kv)``), after layer i's
     attention has read (concatenated) its K/V, so one layer's scratch serves all (1/L of the
     memory). Padded rows are zeroed by the caller and never written here."""
@@ -441,7 +447,7 @@ class _LayerwiseContext:
         for li in range(self.num_layers):
             for i, (buf, n) in enumerate(zip(self.bufs, self.lens)):
                 if n:
-                    self.scratch[i, :n, 0] = buf[:n, li]
+                    self.scratch[0, :, i, :, :n] = buf[li, :, :, :n]
             yield kv
 
 

@@ -111,8 +111,9 @@ def test_batched_block_equals_the_zero_padded_batch_and_drafts_equal_solo(target
 
 
 def test_capacity_follows_the_chunk_rule_and_release_frees_it(target):
-    """Capacity = the length rounded up to ``context_chunk`` positions, cut to max_position (62) while
-    the context fits in it; an append within capacity writes in place (same buffer); release drops the
+    """Capacity = the next multiple of ``context_chunk`` above the length (a free position always),
+    cut to max_position (62) while the length is below it; an append that leaves a free position
+    writes in place (same buffer); release drops the
     buffer and, with the last context, the batch scratch (one layer's K/V of 2 x the capacity of the
     longest); a released request re-appends from 0."""
     svc = _service(target)
@@ -123,13 +124,13 @@ def test_capacity_follows_the_chunk_rule_and_release_frees_it(target):
         caps.append(svc.context_capacity("r"))
         ptrs.append(svc._ctx["r"].data_ptr())
     # lengths 3 4 5 9 18 19 62 63 70
-    assert caps == [4, 4, 8, 12, 20, 20, 62, 64, 72]
-    assert ptrs[0] == ptrs[1] and ptrs[4] == ptrs[5] and ptrs[1] != ptrs[2]
-    assert [svc.context_capacity_for(n) for n in (1, 8, 61, 62, 63)] == [4, 8, 62, 62, 64]
+    assert caps == [4, 8, 8, 12, 20, 20, 64, 64, 72]
+    assert ptrs[1] == ptrs[2] and ptrs[4] == ptrs[5] and ptrs[6] == ptrs[7] and ptrs[0] != ptrs[1]
+    assert [svc.context_capacity_for(n) for n in (1, 3, 4, 8, 60, 61, 62, 63)] == [4, 4, 8, 12, 62, 62, 64, 64]
     first = svc.block_logits_batch([("r", 5, s)])[0]
     svc.append_context("q", feats[:9], 9)
     svc.block_logits_batch([("r", 5, s), ("q", 5, 9)])
-    row = svc._ctx["r"][0, 0].numel()  # one layer's K/V of a position: 2 x Hkv x Dh
+    row = svc._ctx["r"][0, :, :, 0].numel()  # one layer's K/V of a position: 2 x Hkv x Dh
     assert svc._batch_ctx.numel() == 2 * svc.context_capacity_for(s) * row
     svc.release("q")
     assert svc.num_contexts() == 1 and svc._batch_ctx is not None
