@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from services.drafter.config import DrafterConfig as DrafterConfig  # re-export (torch-free module)
 from services.drafter.config import drafter_kind as drafter_kind  # re-export
-from services.drafter.layers import MLP, FusedInt4, RMSNorm, apply_rope, read_model_safetensors, rms_norm, rope, rope_cos_sin
+from services.drafter.layers import MLP, FusedInt4, RMSNorm, apply_rope, read_model_safetensors, rms_norm, rope_cos_sin
 
 
 class Attention(nn.Module):
@@ -49,13 +49,6 @@ class Attention(nn.Module):
         c = self.c
         return torch.cat([self.q_norm.weight.expand(c.num_attention_heads, -1),
                           self.k_norm.weight.expand(c.num_key_value_heads, -1)])
-
-    def kv(self, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys (normed, rotated) and values of rows ``x [..., T, H]`` at positions ``pos [T]``: ``[..., Hkv, T, Dh]``."""
-        c = self.c
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim))).transpose(-2, -3)
-        v = self.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim)).transpose(-2, -3)
-        return rope(k, pos, c.rope_theta), v
 
     def forward(self, x: Tensor, rope_cs: tuple[Tensor, Tensor], ctx_k: Tensor, ctx_v: Tensor,
                 ctx_mask: Tensor | None = None) -> Tensor:
@@ -241,8 +234,8 @@ class DFlashDrafter(nn.Module):
 
         The context rows are shared by every layer, so all layers' k/v projections run as one int4
         kernel call (:class:`~services.drafter.layers.FusedInt4`; one call per projection otherwise)
-        and their key norms and rotary embedding as one op each; bit for bit what each layer's
-        :meth:`Attention.kv` gives (``tests/engine/test_drafter_lean.py``).
+        and their key norms and rotary embedding as one op each; bit for bit what each layer's own
+        key / value sequence gives (``tests/engine/test_drafter_lean.py``).
         """
         c = self.config
         nkv, dh = c.num_key_value_heads, c.head_dim
