@@ -389,14 +389,17 @@ class GoodputPolicy:
         return max(c.forward_seconds(1) + o - t / g, 0.0) if k and g > 0 else 0.0
 
     def explore_budget(self, curve: list[float]) -> int:
-        """Budget of a draft made regardless of the forecast (a probe or an exploration) whose regime
-        has a forecast ``curve``: one node more than the forecast's best budget at c = 1 (steady
-        drafter call; at least 2), and no more nodes than a verify costing at most
+        """Budget of an exploration (a draft made regardless of the forecast by a request that has
+        drafted before) whose forecast is ``curve``: one node more than the forecast's best budget
+        at c = 1 (steady drafter call; at least 2), and no more nodes than a verify costing at most
         :data:`EXPLORE_STEP_COST` one-row steps holds (on a q4 CPU the kernel's 4-row tile: 3; on a
-        flat, memory-bound curve the cap). Such a draft asks whether the drafter is better than its
-        forecast, which its first nodes answer; drafting ``B_max`` there cost a full block and, on a
-        q4 CPU, up to a 9-row verify (~2.5 steps) in rounds the forecast expected not to pay. Deeper
-        nodes are learnt as before, by the widening calls. Always in ``[1, cap]``."""
+        flat, memory-bound curve the cap). An exploration asks whether the drafter is better than
+        its forecast, which its first nodes answer; drafting ``B_max`` there cost a full block and,
+        on a q4 CPU, up to a 9-row verify (~2.5 steps) in rounds the forecast expected not to pay.
+        Deeper nodes are learnt as before, by the widening calls. A request's first draft (its
+        probe) keeps the whole budget: its own forecast starts from that tree, and a small first
+        tree left GSM8K requests plain through HTTP (0.98x of ``ar`` vs 1.07x with whole probes,
+        benchmarks/results/2026-12-03-cpu-small-trees-http-lean). Always in ``[1, cap]``."""
         c = self.cost
         cap = self._cap()
         k = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + c.overhead_seconds)[0]
@@ -478,7 +481,7 @@ class GoodputPolicy:
         forced_s, planned, self._unforecast = 0.0, 0.0, 0
         curves: list[tuple[float, str, list[float], float]] = []
         held: set[str] = set()  # not drafted yet and no probe due: plain (no catch-up paid)
-        sized: dict[str, int] = {}  # the drafting budget of each probe / exploration
+        sized: dict[str, int] = {}  # the drafting budget of each exploration (explore_budget)
         for r in rounds:
             st = self._state(r.rid)
             st.regime = f"{r.method}:{regime_of(r.temperature)}"  # one calibration table per method and regime
@@ -502,8 +505,8 @@ class GoodputPolicy:
                 forced_s += cost                         # draft regardless (explicit / no forecast / explore)
                 self._unforecast += not r.explicit_budget
                 planned += 0.0 if r.explicit_budget else cost
-                if explore:                              # a probe / an exploration: a small tree suffices
-                    sized[r.rid] = self.explore_budget(forecast)
+                if explore and st.probed:                # an exploration of a request that has drafted: a small
+                    sized[r.rid] = self.explore_budget(forecast)  # tree suffices (its first draft stays whole)
                 continue
             curve = forecast
             curves.append((sum(curve), r.rid, curve, c.draft_cost(min(r.owed, 1))))
