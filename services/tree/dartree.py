@@ -68,11 +68,12 @@ def candidates(base_logits: Tensor, K: int) -> tuple[Tensor, Tensor]:
     return torch.topk(base_logits.float(), k, dim=-1)
 
 
-def _slot_logits(scorer: TreeScorer, slot: int, states: Tensor, cand_ids: Tensor, cand_vals: Tensor,
+def _slot_logits(scorer: TreeScorer, slot: int, states: Tensor | None, cand_ids: Tensor, cand_vals: Tensor,
                  prefix_len: int) -> Tensor:
-    """Corrected candidate logits ``[P, K]`` for one slot (base logits alone while slot < prefix)."""
+    """Corrected candidate logits ``[P, K]`` for one slot (base logits alone while slot < prefix).
+    ``states [P, S]``; None = the root alone (P = 1), only under the prefix (no state computed yet)."""
     if slot < prefix_len:
-        return cand_vals[slot].float()[None, :].expand(states.shape[0], -1)
+        return cand_vals[slot].float()[None, :].expand(1 if states is None else states.shape[0], -1)
     return scorer.score(slot, states, cand_ids[slot], cand_vals[slot]).float()
 
 
@@ -154,11 +155,9 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
         quota = W if variant == "pruned" else math.ceil((B - created) / (depth_max - depth + 1))
         if quota <= 0:
             break
-        if depth - 1 < pure_draft_prefix_len:  # base logits alone
-            logits = cand_vals[depth - 1][None, :].expand(frontier_scores.shape[0], -1)
-        else:
-            states = scorer.root_state(root_token) if states is None else states
-            logits = scorer.score(depth - 1, states, cand_ids[depth - 1], cand_vals[depth - 1]).float()
+        if states is None and depth - 1 >= pure_draft_prefix_len:  # the first corrected slot
+            states = scorer.root_state(root_token)
+        logits = _slot_logits(scorer, depth - 1, states, cand_ids, cand_vals, pure_draft_prefix_len)
         log_q = logits - torch.logsumexp(logits, dim=-1, keepdim=True)  # [P, K]
         path = (frontier_scores[:, None] + log_q).flatten()  # [P * K]
         order = torch.sort(path, descending=True, stable=True).indices[:quota]
