@@ -42,7 +42,7 @@ class DominoScorer:
 
     def root_state(self, root_token: int) -> Tensor:
         x = self.embed(torch.tensor([root_token], device=self.z.device)).to(self.z.dtype)
-        return self.drafter.gru_cell(x, torch.zeros(1, self.ws.shape[1], dtype=self.z.dtype, device=self.z.device))
+        return self.drafter.gru_cell(x, None)  # the zero state, without its h @ W_hh product
 
     def score(self, slot: int, parent_states: Tensor, cand_ids: Tensor | None, cand_vals: Tensor) -> Tensor:
         mid = F.silu(self.z[slot][None, :] + parent_states @ self.ws.T)  # [P, E]
@@ -242,17 +242,15 @@ class DrafterService:
         if n == 0:
             return
         pos = torch.arange(start - n, start, device=self.device)
-        kv = self.drafter.context_kv(features.to(self.device, self.dtype)[None], pos)  # L x ([1, Hkv, n, Dh] x 2)
+        kv = self.drafter.context_kv_packed(features.to(self.device, self.dtype)[None], pos)[0]  # [n, L, 2, Hkv, Dh]
+        kv = kv.permute(1, 2, 3, 0, 4)  # [L, 2, Hkv, n, Dh], the buffer's layout
         buf = self._ctx.get(request_id)
         if buf is None or buf.shape[3] <= start:  # keep a free position (see the class)
-            k0 = kv[0][0]
-            grown = k0.new_empty(len(kv), 2, k0.shape[1], self.context_capacity_for(start), k0.shape[3])
+            grown = kv.new_empty(*kv.shape[:3], self.context_capacity_for(start), kv.shape[4])
             if buf is not None:
                 grown[..., :have, :] = buf[..., :have, :]
             self._ctx[request_id] = buf = grown
-        for li, (k, v) in enumerate(kv):
-            buf[li, 0, :, have:start] = k[0]
-            buf[li, 1, :, have:start] = v[0]
+        buf[..., have:start, :] = kv
         self._ctx_len[request_id] = start
 
     @staticmethod
