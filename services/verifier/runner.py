@@ -141,8 +141,9 @@ def _request_parts(p: PackedRows, groups: int, dtype: torch.dtype) -> list[tuple
     for i, length in enumerate(p.segment_kv_lengths):
         a, b = bounds[i], bounds[i + 1]
         mask = p.attn_mask[i:i + 1, :, :b - a, :length]
-        mask = mask if len(bounds) == 2 else mask.contiguous()
         bias = additive_mask(mask, groups) if use_grouped(dtype, mask.device) else None
+        if bias is None and len(bounds) > 2:
+            mask = mask.contiguous()  # SDPA reads it: contiguous, like a solo step's
         parts.append((a, b, p.slots[i:i + 1], length, mask, bias))
     return parts
 
