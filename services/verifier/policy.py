@@ -54,7 +54,7 @@ from services.verifier.cost_model import StepCostModel
 
 log = logging.getLogger("verifier.policy")
 
-# a probe / an exploration verifies at most the nodes whose verify costs this many one-row steps
+# an exploration drafts at most the nodes whose verify costs this many one-row steps
 # (GoodputPolicy.explore_budget): on the q4 CPU curve 1.22 at 4 rows, 1.63 at 5
 EXPLORE_STEP_COST = 1.25
 
@@ -290,7 +290,7 @@ class GoodputPolicy:
         self._unforecast = 0      # such calls in the current step
         self.forecast_trees, self.widen_every = forecast_trees, widen_every
         self._plan: dict[str, int] = {}  # this step's drafting budget of each forecast-drafting request
-        self._sized: set[str] = set()    # ... of which probes / explorations (explore_budget; never widened)
+        self._sized: set[str] = set()    # ... of which explorations (explore_budget; never widened)
         self._regime_calls: dict[str, int] = {}  # drafter calls of each method / regime (the widening)
         self._regime_trees: dict[str, deque] = {}  # recent trees of each method / regime (the forecast)
         self._curve_cache: dict[str, list[float]] = {}  # regime -> mean curve (until the next label / tree)
@@ -405,7 +405,7 @@ class GoodputPolicy:
         k = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + c.overhead_seconds)[0]
         one = c.forward_seconds(1)
         within = max((n for n in range(1, cap + 1) if c.forward_seconds(1 + n) <= EXPLORE_STEP_COST * one), default=1)
-        return max(1, min(max(k + 1, 2), within, cap))
+        return min(max(k + 1, 2), within)  # within is in [1, cap]
 
     def probe_pays(self, regime: str, st: _ReqState, owed: int, remaining: int | None) -> bool:
         """Whether a probe draft of a request that has not drafted yet pays for itself: expected
