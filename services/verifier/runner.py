@@ -3,7 +3,8 @@
 vLLM's / SGLang's *model runner*. The rows of all requests (verify trees, ``ar`` rows, prompt
 chunks; :mod:`services.tree.batch`) run flattened through the HF model's own modules, so its
 embeddings, norms, rotary embeddings, q/k norms and MLPs stay the reference (llama, qwen2, qwen3
-alike); only attention is ours, registered with transformers' ``AttentionInterface``
+alike); a Llama target's eager steps run the same computation, bit for bit, with fewer calls
+(:mod:`services.verifier.lean_step`); only attention is ours, registered with transformers' ``AttentionInterface``
 (:func:`services.hf_compat.register_slot_attention`): it writes the step's K/V rows into their
 slots, then runs attention once per request, on that request's rows ``[1, Hq, R_i, Dh]`` against
 its slot read up to its own (bucketed) KV length, with its own mask: the very call the request's
@@ -67,6 +68,7 @@ from services.cuda_graphs import GraphBuckets, graphs_enabled
 from services.tree.batch import PackedRows, Segment, StepBucket, causal_segment, pack_segments, pad_packed, step_bucket
 from services.verifier.attention import additive_mask, grouped_attention, use_grouped
 from services.verifier.kv_cache import SlotKVCache
+from services.verifier.lean_step import LeanLlamaStep, lean_step_enabled
 
 _ACTIVE = threading.local()  # the step being run by this thread's forward (None outside a step)
 
@@ -127,6 +129,11 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
                                                    enable_gqa=k.shape[1] != query.shape[1]))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, R, Dh]
     return out.transpose(1, 2), None
+
+
+def _lean_attention(layer: int, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+    """The slot attention as :class:`~services.verifier.lean_step.LeanLlamaStep` calls it: ``[1, R, Hq, Dh]``."""
+    return _slot_attention_eager(layer, query, key, value, None, scaling=scaling)[0]
 
 
 def _request_parts(p: PackedRows, groups: int, dtype: torch.dtype) -> list[tuple]:
@@ -240,6 +247,9 @@ class ModelRunner:
                     attn.register_buffer("dartree_layer", torch.tensor(int(attn.layer_idx)), persistent=False)
             hf_compat.mark_layers_as_compile_regions(target.model)
             self._forward = torch.compile(target.model, options={"guard_filter_fn": _step_guards})
+        self.lean = None  # eager unpadded steps of a llama target: services.verifier.lean_step
+        if not self.compiled and not self.graphed and lean_step_enabled() and LeanLlamaStep.supports(target.model):
+            self.lean = LeanLlamaStep(target.model, _lean_attention, target._taps, target.target_layer_ids)
 
     @torch.inference_mode()
     def warm_up(self, rows: tuple[int, ...] = (1, 9)) -> float:
@@ -291,12 +301,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         _ACTIVE.step = (self.cache, p, parts, False)
         try:
-            out = self._forward(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
-                                logits_to_keep=keep)
+            if self.lean is not None:
+                logits = self.lean(ids, pos, keep)
+            else:
+                logits = self._forward(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
+                                       logits_to_keep=keep).logits
         finally:
             _ACTIVE.step = None
         feats = self.target._features()
-        return StepOutput(out.logits[0].float(), feats, p, _elapsed(t0, dev))
+        return StepOutput(logits[0].float(), feats, p, _elapsed(t0, dev))
 
     def _execute_padded(self, p: PackedRows, logit_rows: Tensor | None) -> StepOutput:
         """:meth:`execute` at the step's bucket: pad, run (replay) the bucket's step, slice the real rows."""

@@ -1,0 +1,74 @@
+"""The runner's lean Llama step (:mod:`services.verifier.lean_step`) against the HF modules' step.
+
+Oracle: the same runner steps through transformers' Llama modules (``runner.lean = None``), on a
+second runner over the same target. Checked bitwise, in every weight format, on SmolLM2-135M's
+attention geometry: logits and tapped features of prompt chunks, ``ar`` rows, tree verifies and
+steps that mix them (q4 also runs the fused q/k/v and gate/up int4 calls). Plus when the lean step
+is (not) used.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.testing import tiny_causal_lm
+from services.tree.batch import causal_segment
+from services.verifier.lean_step import LeanLlamaStep
+from services.verifier.runner import ModelRunner
+from services.verifier.target import TargetModel
+from tests.engine.test_batch_invariance import FORMATS, V, _target, _tree_segment
+
+
+def _steps(runner: ModelRunner, seed: int = 0):
+    """Yield the ``StepOutput`` of a fixed sequence of steps on two slots: prompt chunks, then rounds
+    mixing an ``ar`` row of one request with a tree verify of the other (or each alone)."""
+    rng = random.Random(seed)
+    slots = [runner.cache.alloc() for _ in range(2)]
+    for s, n in zip(slots, (37, 90)):
+        yield runner.execute([causal_segment([rng.randrange(3, V) for _ in range(n)], 0, s)], torch.tensor([n - 1]))
+        runner.cache.extend(s, n)
+    for step in range(6):
+        lengths = [runner.cache.length(s) for s in slots]
+        ar = causal_segment([rng.randrange(3, V)], lengths[0], slots[0])
+        tree = _tree_segment(rng, 1 + step, lengths[1], slots[1])
+        segs = [ar, tree] if step % 3 == 0 else [ar] if step % 3 == 1 else [tree]
+        yield runner.execute(segs)
+        runner.cache.extend(slots[0], 1)
+        runner.cache.commit(slots[1], lengths[1], torch.tensor([0]))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_lean_step_equals_the_modules_bitwise(fmt):
+    """Every step's logits and features are the HF modules' bits (float32, bfloat16, q4)."""
+    target = _target(fmt)
+    lean = ModelRunner(target, num_slots=2, capacity=400, kv_bucket=16)
+    modules = ModelRunner(target, num_slots=2, capacity=400, kv_bucket=16)
+    modules.lean = None
+    assert lean.lean is not None
+    if fmt == "q4":  # the fused int4 calls run (SmolLM2's q/k/v and gate/up widths fuse)
+        (_, _, _, q, k, v, qkv, _, _, gate, up, gate_up, _, _) = lean.lean.layers[0]
+        assert qkv.get(q, k, v) is not None and gate_up.get(gate, up) is not None
+    n = 0
+    for a, b in zip(_steps(lean), _steps(modules)):
+        assert torch.equal(a.logits, b.logits), (fmt, n)
+        assert torch.equal(a.features, b.features), (fmt, n)
+        n += 1
+    assert n == 8
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("DARTREE_LEAN_STEP", "0")
+    assert ModelRunner(_target("float32"), num_slots=1, capacity=64).lean is None
+
+
+def test_other_architectures_keep_the_modules():
+    """A model that is not ``llama`` (here qwen3, with q/k norms) runs through its modules."""
+    model = tiny_causal_lm("qwen3", vocab_size=V, hidden_size=64, intermediate_size=128, num_layers=2,
+                           num_heads=4, num_kv_heads=2, max_position_embeddings=256)
+    assert not LeanLlamaStep.supports(model)
+    assert ModelRunner(TargetModel(model, [0, 1]), num_slots=1, capacity=64).lean is None
+    with pytest.raises(ValueError, match="llama"):
+        LeanLlamaStep(model, None, {}, [0])
