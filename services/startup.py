@@ -81,16 +81,22 @@ def module_bytes(module) -> int:
     return total
 
 
-def object_memory_parts(obj) -> dict[str, int]:
+def object_memory_parts(obj) -> dict[str, int | str]:
     """``{"weights", "GEMM packs"}`` of the torch modules among ``obj``'s attributes (a drafter
-    service: the drafter, the borrowed embedding and lm_head), each storage once."""
+    service: the drafter, the borrowed embedding and lm_head), each storage once; a
+    :class:`~services.drafter.service.MappedEmbedding` (a view of a file mapping, resident only
+    where read) is shown apart as ``"mapped embedding"``, its weight's bytes."""
     import torch
 
     from services.cpu_gemm import packed_bytes
 
     mods = [v for v in vars(obj).values() if isinstance(v, torch.nn.Module)]
-    holder = torch.nn.ModuleList(mods)
-    return {"weights": module_bytes(holder), "GEMM packs": packed_bytes(holder)}
+    mapped = [m for m in mods if getattr(m, "mapped", False)]
+    holder = torch.nn.ModuleList([m for m in mods if m not in mapped])
+    parts: dict[str, int | str] = {"weights": module_bytes(holder), "GEMM packs": packed_bytes(holder)}
+    if mapped:
+        parts["mapped embedding"] = f"{mb(sum(m.weight.nbytes for m in mapped))} of file, resident as read"
+    return parts
 
 
 def kv_committed_bytes(cache) -> int:

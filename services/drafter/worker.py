@@ -38,7 +38,7 @@ from services.protocol import (
     special_token_ids,
     tokenizer_hash,
 )
-from services.runtime import check_dtype
+from services.runtime import check_dtype, trim_heap
 from services.spec import TreeKnobs
 from services.wire import Decoded
 
@@ -99,11 +99,21 @@ class DrafterWorker:
         info: this drafter's handshake info.
         transport: a :class:`services.ipc_pool.TensorTransport`.
         send: ``send(identity, msg, frames)`` (the I/O thread's :meth:`ServerIO.send`).
+        release_memory: called after a message is handled (and dropped, its frames with it) when
+            that message carried at least ``release_after_bytes`` of features (a prompt's, 11.8 MB
+            for 2,041 rows of SmolLM2's 2,880 bfloat16 features) or released the last context
+            (default :func:`services.runtime.trim_heap`: glibc keeps the freed heap of a prompt's
+            context temporaries and frames resident otherwise).
+        release_after_bytes: features bytes of one draft batch that make :attr:`release_memory` due.
     """
 
     def __init__(self, service, info: PeerInfo, transport, metrics: DrafterMetrics | None = None,
-                 send: Callable | None = None):
+                 send: Callable | None = None, release_memory: Callable[[], None] | None = None,
+                 release_after_bytes: int = 1 << 20):
         self.service, self.info, self.transport = service, info, transport
+        self._release_memory = release_memory or trim_heap
+        self.release_after_bytes = release_after_bytes
+        self._release_due = False
         self.metrics = metrics or DrafterMetrics()
         self.send = send
         self.inbox: queue.Queue = queue.Queue()
@@ -133,11 +143,20 @@ class DrafterWorker:
     def event_loop(self, stop: threading.Event) -> None:
         """recv -> dispatch -> compute -> send, until ``stop`` is set or a drain is over (:meth:`drained`)."""
         while not stop.is_set() and not self.drained():
-            try:
-                identity, dec = self.inbox.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            self.handle(identity, dec)
+            self.run_once()
+
+    def run_once(self, timeout: float = 0.1) -> None:
+        """Handle one queued message (waiting up to ``timeout`` seconds for one), then, when it made
+        it due, drop the message (its frames) and call ``release_memory``."""
+        try:
+            identity, dec = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self.handle(identity, dec)
+        del dec  # its frames go before the heap is trimmed
+        if self._release_due:
+            self._release_due = False
+            self._release_memory()
 
     def begin_drain(self, timeout_s: float) -> None:
         """Keep serving drafts, report "not ready", end when idle or after ``timeout_s`` seconds (idempotent)."""
@@ -190,6 +209,7 @@ class DrafterWorker:
             results = [exc] * len(jobs)
         else:
             results = self._draft_jobs(jobs, feats)
+            self._release_due |= sum(getattr(f, "nbytes", 0) for f in feats) >= self.release_after_bytes
         for j, res in zip(jobs, results):
             frames: list = []
             if isinstance(res, BaseException):
@@ -227,7 +247,9 @@ class DrafterWorker:
 
     def _forget(self, request_id: str) -> None:
         self.service.release(request_id)
+        had = bool(self._contexts)
         self._contexts.discard(request_id)
+        self._release_due |= had and not self._contexts
 
 
 class _Job:
@@ -262,7 +284,8 @@ def build_drafter_service(config: DrafterWorkerConfig):
     target_dir = resolve_target(config.target)
     drafter_dir = Path(config.drafter) if config.drafter else DEFAULT_DRAFTER_DIR
     drafter = load_drafter(drafter_dir, dtype=dtype, device=config.device)
-    embed, head = load_borrowed_weights(target_dir, dtype)
+    # on CPU the embedding stays a view of the target's file: only the rows drafted from become resident
+    embed, head = load_borrowed_weights(target_dir, dtype, mapped=torch.device(config.device).type == "cpu")
     service = make_service(drafter, embed.to(config.device), head.to(config.device),
                            description=str(drafter_dir), packed_gemm=config.packed_gemm, compile=config.compile)
     if getattr(service, "compiled", False):
