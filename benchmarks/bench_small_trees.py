@@ -16,7 +16,9 @@ and pooled (all emitted / all rounds).
 the goodput policy's start-up sweep: an empty KV slot; float32 pre-packed for every M as a server
 packs its verify rows) and the drafter's wall time per round (context append + block forward +
 output projection + tree build, through the in-process client) for each (B, L), replayed on a few
-prompts; formats, row counts and configurations interleaved, medians. ``c(M)`` and ``d(B)`` are
+prompts; formats, row counts and configurations interleaved, medians. With ``--verify-context N``
+each M-row forward is timed as a verify is run: after N committed positions, with logits for every
+row (the sweep's forward computes the last row's only). ``c(M)`` and ``d(B)`` are
 also given in units of the q4 one-row forward (``--unit q4``, the default format's plain step) and
 of each format's own one-row forward.
 
@@ -166,6 +168,7 @@ def run_cost(a) -> dict:
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.replay import replay_rounds
     from services.training.heldout import greedy_turns
+    from services.tree.batch import causal_segment
     from services.verifier.build import make_runner, time_forward
     from services.verifier.engine import EngineConfig, SpecParams
     from services.verifier.target import TargetModel
@@ -190,10 +193,21 @@ def run_cost(a) -> dict:
                 engines[block].drafter = _TimedClient(engines[block].drafter)
         fmts[w] = {"drafter_dtype": str(ddt).removeprefix("torch."), "runner": runner, "turns": turns,
                    "engines": engines, "fwd": {r: [] for r in a.rows}, "draft": {}, "nodes": {}}
+    for f in fmts.values():  # --verify-context: one slot holding that many committed positions
+        f["slot"] = None
+        if a.verify_context:
+            f["slot"] = f["runner"].cache.alloc()
+            for c in range(0, a.verify_context, 256):
+                n = min(256, a.verify_context - c)
+                f["runner"].execute([causal_segment([3] * n, c, f["slot"])], torch.tensor([n - 1]))
+                f["runner"].cache.extend(f["slot"], n)
     for i in range(a.repeats + 1):  # round 0 warms up (first calls, lazy packs); formats / rows interleaved
         for w, f in fmts.items():
             for r in a.rows:
-                s = time_forward(f["runner"], r)
+                if f["slot"] is None:
+                    s = time_forward(f["runner"], r)
+                else:  # a verify's forward: M rows after the context, logits for every row (slot unchanged)
+                    s = f["runner"].execute([causal_segment([3] * r, a.verify_context, f["slot"])]).seconds
                 if i:
                     f["fwd"][r].append(s)
         if i >= a.draft_repeats:
@@ -214,7 +228,7 @@ def run_cost(a) -> dict:
     res = {"bench": "small-trees-cost", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "drafter": str(ddir), "rows": a.rows, "repeats": a.repeats, "draft_repeats": a.draft_repeats,
            "prompts": len(prompts), "max_tokens": a.max_tokens, "width": a.width, "unit": a.unit,
-           "drafter_linears": a.drafter_linears,
+           "drafter_linears": a.drafter_linears, "verify_context": a.verify_context,
            "unit_ms": round(1e3 * unit, 3) if unit else None, "machine": _machine(), "formats": {}}
     for w, f in fmts.items():
         one = statistics.median(f["fwd"][1])
@@ -473,6 +487,9 @@ def main(argv: list[str] | None = None) -> dict:
     c.add_argument("--repeats", type=int, default=7, help="timed rounds of the forward sweep")
     c.add_argument("--draft-repeats", type=int, default=2, help="rounds (incl. one warm-up) of the draft replay")
     c.add_argument("--unit", default="q4", help="format whose one-row forward is the unit step")
+    c.add_argument("--verify-context", type=int, default=0,
+                   help="time each M-row forward as a verify: after this many committed positions, logits for "
+                        "every row (0: the goodput policy's start-up sweep, an empty slot, the last row's logits)")
     c.add_argument("--drafter-linears", choices=["auto", "dense", "q4"], default="auto",
                    help="the drafter's linears: DrafterService's default, dense, or Q4_1 (int4 kernel)")
     t = sub.choices["tau"]
