@@ -115,3 +115,40 @@ def test_gateway_trims_the_heap_after_loading_its_tokenizer(monkeypatch, bytelev
     monkeypatch.setattr(server, "trim_heap", lambda: events.append("trim"))
     server.build_app(GatewayConfig(target=str(bytelevel_dir)))
     assert events == ["tokenizer", "trim"]
+
+
+def _mapped_rss(path: Path) -> int:
+    """Resident bytes of this process's mappings of ``path`` (``/proc/self/smaps``)."""
+    total, cur = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":") and len(head) >= 5:
+            cur = len(head) > 5 and head[5] == str(path.resolve())
+        elif cur and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
+def test_drop_file_pages_unmaps_clean_weight_pages_and_keeps_written_ones(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from services.runtime import drop_file_pages
+
+    clean_file, dirty_file = tmp_path / "clean.safetensors", tmp_path / "dirty.safetensors"
+    want = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    save_file({"w": want}, clean_file)
+    save_file({"w": want}, dirty_file)
+    with safe_open(str(clean_file), "pt") as f:
+        clean = f.get_tensor("w")
+    with safe_open(str(dirty_file), "pt") as f:
+        dirty = f.get_tensor("w")
+    dirty[0] = -1.0  # a copy-on-write page: that mapping must be left alone
+    assert float(clean.sum()) == float(want.sum()) and float(dirty[1:].sum()) == float(want[1:].sum())
+    assert _mapped_rss(clean_file) >= 4 << 20 and _mapped_rss(dirty_file) >= 4 << 20
+    assert drop_file_pages() >= 4 << 20
+    assert _mapped_rss(clean_file) == 0  # read once, then nothing resident
+    assert _mapped_rss(dirty_file) >= 4 << 20
+    assert torch.equal(clean, want)  # read again: faulted back from the file
+    assert float(dirty[0]) == -1.0

@@ -4,6 +4,8 @@ never while requests run and not between back-to-back requests."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from services import protocol as p
 from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
 from tests.doubles import FakeEngine
@@ -64,3 +66,30 @@ def test_a_request_within_the_idle_delay_cancels_the_release():
         if calls:
             break
     assert calls == [0]  # once, after 0.3 s idle
+
+
+class _PrefillEngine(FakeEngine):
+    """A step that runs a request's first round (its prefill) reports prompt-chunk rows."""
+
+    def step_batch(self, request_ids):
+        first = sum(self.active.get(rid) == 0 for rid in request_ids)
+        out = super().step_batch(request_ids)
+        self.last_step = dataclasses.replace(self.last_step, prefill_tokens=64 * first)
+        return out
+
+
+def test_memory_is_released_after_each_prefill_step_only():
+    engine = _PrefillEngine(rounds=[[5], [6], [7], [8]])
+    worker, calls, _ = _worker(engine, idle_s=60.0)  # the idle release stays out of the way
+    worker.post(b"a", _gen("a"))
+    worker.post(b"b", _gen("b"))
+    worker.run_once(idle_timeout=0.01)  # both prefill
+    assert calls == [2]  # after the step, both requests still running
+    for _ in range(2):
+        worker.run_once(idle_timeout=0.01)  # decode-only steps
+    assert calls == [2]
+    worker.post(b"c", _gen("c"))
+    worker.run_once(idle_timeout=0.01)  # a and b finish, c prefills
+    assert calls == [2, 1]
+    worker.run_once(idle_timeout=0.01)
+    assert calls == [2, 1]
