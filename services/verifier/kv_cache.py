@@ -237,6 +237,17 @@ class SlotKVCache:
         self.keys[layer][slot_idx, :, pos_idx] = keys
         self.values[layer][slot_idx, :, pos_idx] = values
 
+    def write_block(self, layer: int, slot: int, start: int, keys: Tensor, values: Tensor) -> None:
+        """Write ``keys/values [H_kv, R, Dh]`` to columns ``start .. start + R - 1`` of ``slot`` in ``layer``
+        (the same values :meth:`write` stores for one segment's consecutive columns, as two slice copies)."""
+        n = keys.shape[1]
+        self.keys[layer][slot, :, start:start + n] = keys
+        self.values[layer][slot, :, start:start + n] = values
+
+    def read_slot(self, layer: int, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        """``keys, values [1, H_kv, length, Dh]``: views of one slot's first ``length`` columns."""
+        return self.keys[layer][slot:slot + 1, :, :length], self.values[layer][slot:slot + 1, :, :length]
+
     def read(self, layer: int, slots: Tensor, length: int, gather: bool = False) -> tuple[Tensor, Tensor]:
         """``keys, values [n, H_kv, length, Dh]`` of ``slots`` (a view when they are consecutive;
         ``gather=True`` always gathers: no look at the slot values, hence no host sync on CUDA)."""

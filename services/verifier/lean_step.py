@@ -13,7 +13,7 @@ the same parameters with fewer calls, and gives **the same bits** as the modules
 - queries and keys rotated in one elementwise pass over both (elementwise ops give each element
   the bits it gets alone);
 - q/k/v and gate/up each as one int4 kernel call where the linears are 4-bit
-  (:class:`services.drafter.layers.FusedInt4`: the kernel computes each output column on its own;
+  (:class:`services.int4_fused.FusedInt4`: the kernel computes each output column on its own;
   a probe call checks it when built);
 - RMSNorm as torch's fused CPU op (``aten._fused_rms_norm``) where a probe at build gives the bits
   of the model's own norm module for this dtype and width, else the module itself.
@@ -31,7 +31,7 @@ import os
 import torch
 from torch import Tensor
 
-from services.drafter.layers import FusedInt4
+from services.int4_fused import FusedInt4
 
 _FUSED_RMS = getattr(torch.ops.aten, "_fused_rms_norm", None)
 

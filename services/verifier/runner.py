@@ -110,17 +110,19 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
     if step is None:
         return hf_compat.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     cache, p, parts, fixed = step
-    cache.write(layer, p.write_slot, p.write_pos, key[0].transpose(0, 1), value[0].transpose(0, 1))
     scale = kwargs.get("scaling")
     if fixed:  # a padded step: one call over the bucket's layout (fixed shapes, no host sync)
+        cache.write(layer, p.write_slot, p.write_pos, key[0].transpose(0, 1), value[0].transpose(0, 1))
         k, v = cache.read(layer, p.slots, p.kv_length, gather=True)  # [n, Hkv, L, Dh]
         q = query[0].transpose(0, 1)[p.row_index.clamp(min=0)].transpose(1, 2)  # [n, Hq, Rm, Dh]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.attn_mask, scale=scale,
                                              enable_gqa=k.shape[1] != q.shape[1])
         return out.transpose(1, 2).flatten(0, 1)[p.padded_pos][None], None  # [1, R, Hq, Dh]
+    for a, b, slot, start, length, _, _ in parts:  # each segment's rows: consecutive columns from its start
+        cache.write_block(layer, slot, start, key[0, :, a:b], value[0, :, a:b])
     outs = []
-    for a, b, slot, length, mask, bias in parts:  # each request exactly as its solo step: batch invariant
-        k, v = cache.read(layer, slot, length)  # [1, Hkv, L_i, Dh], a view of the slot
+    for a, b, slot, _, length, mask, bias in parts:  # each request exactly as its solo step: batch invariant
+        k, v = cache.read_slot(layer, slot, length)  # [1, Hkv, L_i, Dh], a view of the slot
         if bias is not None:  # bf16 / fp16 on CPU: batched GEMMs (services.verifier.attention)
             outs.append(grouped_attention(query[:, :, a:b], k, v, bias,
                                           scale if scale is not None else k.shape[-1] ** -0.5))
@@ -137,13 +139,15 @@ def _lean_attention(layer: int, query: Tensor, key: Tensor, value: Tensor, scali
 
 
 def _request_parts(p: PackedRows, groups: int, dtype: torch.dtype) -> list[tuple]:
-    """Per segment of ``p`` (unpadded): ``(first row, end row, slot [1], KV length, mask [1, 1, R_i, L_i],
-    bias [G*R_i, L_i] or None)``, the arguments of its attention call, equal to those of the segment's
+    """Per segment of ``p`` (unpadded): ``(first row, end row, slot, start, KV length, mask [1, 1, R_i, L_i],
+    bias [G*R_i, L_i] or None)`` (``slot``, ``start``: ints; the segment's K/V rows go to columns
+    ``start ..`` of its slot), the arguments of its attention call, equal to those of the segment's
     solo step (a :func:`pack_segments` of it alone; contiguous masks, like a solo step's). ``bias``
     (:func:`~services.verifier.attention.additive_mask`, made once per step for every layer) is set
     where the call runs :func:`~services.verifier.attention.grouped_attention` instead of SDPA
     (:func:`~services.verifier.attention.use_grouped`); ``groups``: query heads per KV head."""
     bounds = p.cu_rows.tolist()
+    slots, starts = p.slots.tolist(), p.starts.tolist()
     parts = []
     for i, length in enumerate(p.segment_kv_lengths):
         a, b = bounds[i], bounds[i + 1]
@@ -151,7 +155,7 @@ def _request_parts(p: PackedRows, groups: int, dtype: torch.dtype) -> list[tuple
         bias = additive_mask(mask, groups) if use_grouped(dtype, mask.device) else None
         if bias is None and len(bounds) > 2:
             mask = mask.contiguous()  # SDPA reads it: contiguous, like a solo step's
-        parts.append((a, b, p.slots[i:i + 1], length, mask, bias))
+        parts.append((a, b, slots[i], starts[i], length, mask, bias))
     return parts
 
 
