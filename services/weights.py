@@ -274,10 +274,14 @@ def quantize_q4_1(w: Tensor) -> Q4Blocks:
     return Q4Blocks(q, d, m)
 
 
-def quantize_linears_q4(module: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+def quantize_linears_q4(module: nn.Module, dtype: torch.dtype = torch.bfloat16,
+                        names: tuple[str, ...] | None = None) -> int:
     """Replace every ``nn.Linear`` under ``module`` whose shape the int4 kernel packs (``out % 16 == 0``,
     ``in % 32 == 0``) by an :class:`Int4Linear` of its weight rounded to Q4_1 blocks
-    (:func:`quantize_q4_1`), in place; activations in ``dtype``. Returns the number replaced.
+    (:func:`quantize_q4_1`), in place; activations in ``dtype``. ``names``: only the submodules of
+    these qualified names (``("layers", "fc")``: a container or a linear itself, replaced in its
+    parent) and what lies under them; None = every linear under ``module``. Returns the number
+    replaced.
 
     Used for the drafter next to a q4 target (:class:`services.drafter.service.DrafterService`): at
     the 1-4 rows of a small tree's block the int4 kernel reads a quarter of the bfloat16 bytes (the
@@ -286,17 +290,33 @@ def quantize_linears_q4(module: nn.Module, dtype: torch.dtype = torch.bfloat16) 
 
     Raises:
         RuntimeError: this torch lacks the int4 kernel.
+        ValueError: ``module`` is itself an ``nn.Linear`` (a module cannot replace itself: pass its
+            parent and its name in ``names``), or a name in ``names`` is not a submodule.
     """
     if not int4_kernel_available():
         raise RuntimeError("this torch build has no int4 CPU kernel (aten::_weight_int4pack_mm_for_cpu)")
+    if isinstance(module, nn.Linear):
+        raise ValueError("quantize_linears_q4 replaces linears in their parent: pass the parent module "
+                         "and the linear's name in `names`")
+    missing = [n for n in names or () if not _has_submodule(module, n)]
+    if missing:
+        raise ValueError(f"no submodule {missing[0]!r} to quantize")
     todo = [(name, m) for name, m in module.named_modules()
-            if isinstance(m, nn.Linear) and m.out_features % 16 == 0 and m.in_features % Q4_GROUP == 0]
+            if name and isinstance(m, nn.Linear) and m.out_features % 16 == 0 and m.in_features % Q4_GROUP == 0
+            and (names is None or any(name == n or name.startswith(n + ".") for n in names))]
     for name, lin in todo:
-        new = Int4Linear(quantize_q4_1(lin.weight), lin.bias, dtype)
-        if name:
-            parent_name, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(parent_name) if parent_name else module, attr, new)
-    return len([n for n, _ in todo if n])
+        parent_name, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent_name) if parent_name else module, attr,
+                Int4Linear(quantize_q4_1(lin.weight), lin.bias, dtype))
+    return len(todo)
+
+
+def _has_submodule(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def apply_q4(model: nn.Module, gguf_path: str | Path, cache: bool = False) -> dict:

@@ -175,8 +175,7 @@ def test_int4_fused_projections_equal_separate_calls(batch: int, q: int, per_row
     """bfloat16 drafter on the int4 kernel: the fused q/k/v, gate/up and context k/v calls give what
     the separate Int4Linear calls give, bit for bit (per-column independence of the kernel)."""
     m = _drafter(1).to(torch.bfloat16)
-    for mod in (m.layers, m.fc):
-        quantize_linears_q4(mod, torch.bfloat16)
+    quantize_linears_q4(m, torch.bfloat16, names=("layers", "fc"))
     feats, pos_ctx, emb, pos_blk, mask = _inputs(m, batch, 13, q, per_row, torch.bfloat16)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -234,3 +233,20 @@ def test_gru_cell_zero_state_equals_zeros() -> None:
             zeros = torch.zeros(rows, d.config.gru_hidden_dim, dtype=dtype)
             with torch.no_grad():
                 assert torch.equal(d.gru_cell(x, None), d.gru_cell(x, zeros))
+
+
+@needs_int4
+def test_quantize_names_reach_the_feature_projection() -> None:
+    """``names=("layers", "fc")`` puts ``fc`` itself on the int4 kernel (a linear named directly is
+    replaced in its parent) and leaves every other linear dense; a bare linear or a missing name is
+    refused instead of being skipped silently."""
+    m = _drafter(3).to(torch.bfloat16)
+    n_layers = sum(type(x) is torch.nn.Linear for x in m.layers.modules())
+    assert quantize_linears_q4(m, torch.bfloat16, names=("layers", "fc")) == n_layers + 1
+    assert type(m.fc) is Int4Linear
+    assert not any(type(x) is torch.nn.Linear for x in m.layers.modules())
+    assert all(type(x) is torch.nn.Linear for x in m.embed_proj if isinstance(x, torch.nn.Linear))
+    with pytest.raises(ValueError, match="parent"):
+        quantize_linears_q4(torch.nn.Linear(64, 64), torch.bfloat16)
+    with pytest.raises(ValueError, match="nope"):
+        quantize_linears_q4(m, torch.bfloat16, names=("nope",))
