@@ -83,10 +83,10 @@ class DrafterService:
             draft of a fixed ``block_rows`` of that many rows); None = always ``block_rows``.
             The default 1 (B + 1 rows for a shift-label drafter) keeps τ within 1-3 % of the
             trained block (benchmarks/results/2026-12-03-draft-cost).
-        q4_linears: the drafter's decoder layers, its feature projection ``fc`` and a private copy of
-            the output projection (the borrowed lm_head, cut to the draft vocabulary) as
+        q4_linears: the drafter's decoder layers and its feature projection ``fc`` as
             :class:`services.weights.Int4Linear` (weights rounded to Q4_1 blocks at load,
-            :func:`services.weights.quantize_linears_q4`; the target's own lm_head is untouched);
+            :func:`services.weights.quantize_linears_q4`; the output projection stays bfloat16: on
+            the int4 kernel it cost 1.5-3.6 % of replayed τ, benchmarks/results/2026-12-03-draft-cost-small);
             None = when the drafter runs in bfloat16 on a CPU with torch's int4 kernel and
             ``packed_gemm`` is on (next to a q4 or bfloat16 target). Drafts change a little
             (τ in the results above), the served output does not (the target decides every token).
@@ -134,33 +134,25 @@ class DrafterService:
         self.d2t = drafter.draft_to_target()  # [N] target ids, or None (full vocabulary)
         if self.d2t is not None:
             lm_head = _frozen_linear(lm_head.weight.detach()[self.d2t.to(lm_head.weight.device)].clone())
-        self.head_dtype = lm_head.weight.dtype  # the output projection's input dtype
+        self.lm_head = lm_head
         self.q4_linears = _want_q4(drafter, packed_gemm) if q4_linears is None else bool(q4_linears)
         if self.q4_linears:
-            from services.weights import Int4Linear, quantize_linears_q4, quantize_q4_1
+            from services.weights import quantize_linears_q4
 
             quantize_linears_q4(drafter, self._dtype_of(drafter), names=("layers", "fc"))
-            v, h = lm_head.weight.shape
-            if v % 16 == 0 and h % 32 == 0:  # a private int4 copy: the target's own lm_head is untouched
-                lm_head = Int4Linear(quantize_q4_1(lm_head.weight.detach()), None, self._dtype_of(drafter))
-                self.head_dtype = self._dtype_of(drafter)
-        self.lm_head = lm_head
-        if packed_gemm and isinstance(lm_head, torch.nn.Linear):
-            from services.cpu_gemm import pack_linears, pack_linears_bf16
-
-            pack_linears(lm_head, [self.cfg.num_draft_slots])
-            pack_linears(lm_head, [2, 4, 8], lazy=True)  # a small tree's slots (_reach): packed on first use
-            pack_linears_bf16(lm_head)
         if packed_gemm:
             from services.cpu_gemm import pack_linears, pack_linears_bf16
 
             pack_linears(drafter, sorted({self.cfg.block_size, block_rows}))
             if spare_rows is not None:  # the rows of a small budget's block: packed on first use
                 pack_linears(drafter, [2, 4, 8], lazy=True)
+            pack_linears(lm_head, [self.cfg.num_draft_slots])
+            pack_linears(lm_head, [2, 4, 8], lazy=True)  # a small tree's slots (_reach): packed on first use
             # bfloat16 drafters: oneDNN's pre-packed kernel (no-op in float32), one call per linear
             # whatever the rows: the drafter only proposes, so its rows need not be batch-invariant
             # (cutting the 576 x 1536 down projection into 1-row calls cost 3-4 ms of a 16-row block)
             pack_linears_bf16(drafter, check=False)
+            pack_linears_bf16(lm_head)
         self.description = description
         self._ctx: dict[str, Tensor] = {}  # request -> [L, 2, Hkv, cap, Dh] context K/V, filled up to _ctx_len
         self._ctx_len: dict[str, int] = {}
@@ -308,7 +300,7 @@ class DrafterService:
         ctx = self._layer_kv(self._ctx[request_id][:, :, None, :, :self._ctx_len[request_id]])
         h = self._block_forward(self.embed(ids).to(self.dtype)[None], pos, ctx)[0]
         hd = h if c.shift_label else h[1:]
-        return hd, self.lm_head(hd[:logit_rows].to(self.head_dtype)).float()
+        return hd, self.lm_head(hd[:logit_rows].to(self.lm_head.weight.dtype)).float()
 
     @torch.inference_mode()
     def block_logits_batch(self, jobs: list[tuple[str, int, int]], logit_rows: int | None = None
@@ -334,7 +326,7 @@ class DrafterService:
         pos = torch.stack([torch.arange(start, start + q, device=dev) for _, _, start in jobs])
         h = self._block_forward(self.embed(ids).to(self.dtype), pos, ctx, mask)  # [n, Q, H]
         hd = h if c.shift_label else h[:, 1:]
-        logits = self.lm_head(hd[:, :logit_rows].to(self.head_dtype)).float()
+        logits = self.lm_head(hd[:, :logit_rows].to(self.lm_head.weight.dtype)).float()
         return [(hd[i], logits[i]) for i in range(n)]
 
     @torch.inference_mode()
