@@ -37,12 +37,20 @@ class DominoScorer:
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, hd: Tensor, d2t: Tensor | None = None):
-        self.drafter, self.embed, self.d2t = drafter, embed, d2t
-        wz, self.ws, self.wout = drafter.head_split()
-        self.z = hd @ wz.T  # [D, E]
+        self.drafter, self.embed, self.d2t, self.hd = drafter, embed, d2t, hd
+        self.wz, self.ws, self.wout = drafter.head_split()
+        self._z: Tensor | None = None
+
+    @property
+    def z(self) -> Tensor:
+        """``[D, E]`` = ``hd W_zᵀ``, computed on first use (the same product: a round whose tree
+        scores no slot, B = 1 or an early prune, skips it)."""
+        if self._z is None:
+            self._z = self.hd @ self.wz.T
+        return self._z
 
     def root_state(self, root_token: int) -> Tensor:
-        x = self.embed(torch.tensor([root_token], device=self.z.device)).to(self.z.dtype)
+        x = self.embed(torch.tensor([root_token], device=self.hd.device)).to(self.hd.dtype)
         return self.drafter.gru_cell(x, None)  # the zero state, without its h @ W_hh product
 
     def score(self, slot: int, parent_states: Tensor, cand_ids: Tensor | None, cand_vals: Tensor) -> Tensor:

@@ -168,3 +168,15 @@ def test_lean_equals_eager_domino_scorer() -> None:
             got = dartree(base, scorer, 5, **kw)
             _assert_identical(got, _eager_dartree(base, scorer, 5, **kw))
             got.validate(budget=budget, vocab_size=50)
+
+
+@torch.inference_mode()
+def test_domino_scorer_computes_z_on_first_score() -> None:
+    """``DominoScorer.z`` is ``hd W_zᵀ`` bit for bit, computed only when a slot is scored: a B = 1
+    tree under the one-slot prefix never computes it."""
+    scorer, base = _domino_scorer(4)
+    dartree(base, scorer, 5, K=12, W=12, B=1, beta=-0.2, variant="pruned", pure_draft_prefix_len=1)
+    assert scorer._z is None
+    dartree(base, scorer, 5, K=12, W=12, B=4, beta=-0.2, variant="pruned", pure_draft_prefix_len=1)
+    wz = scorer.drafter.head_split()[0]
+    assert scorer._z is not None and torch.equal(scorer._z, scorer.hd @ wz.T)
