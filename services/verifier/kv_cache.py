@@ -248,16 +248,10 @@ class SlotKVCache:
         """``keys, values [1, H_kv, length, Dh]``: views of one slot's first ``length`` columns."""
         return self.keys[layer][slot:slot + 1, :, :length], self.values[layer][slot:slot + 1, :, :length]
 
-    def read(self, layer: int, slots: Tensor, length: int, gather: bool = False) -> tuple[Tensor, Tensor]:
-        """``keys, values [n, H_kv, length, Dh]`` of ``slots`` (a view when they are consecutive;
-        ``gather=True`` always gathers: no look at the slot values, hence no host sync on CUDA)."""
-        k, v = self.keys[layer], self.values[layer]
-        if gather:
-            return k[slots, :, :length], v[slots, :, :length]
-        first = int(slots[0])
-        if slots.numel() == 1 or bool((slots[1:] - slots[:-1] == 1).all()):
-            return k[first:first + slots.numel(), :, :length], v[first:first + slots.numel(), :, :length]
-        return k[slots, :, :length], v[slots, :, :length]
+    def read(self, layer: int, slots: Tensor, length: int) -> tuple[Tensor, Tensor]:
+        """``keys, values [n, H_kv, length, Dh]`` of ``slots``, gathered (no look at the slot values,
+        hence no host sync on CUDA: the padded steps' read; :meth:`read_slot` views one slot)."""
+        return self.keys[layer][slots, :, :length], self.values[layer][slots, :, :length]
 
     @torch.inference_mode()
     def commit(self, slot: int, start: int, accepted_rows: Tensor) -> None:

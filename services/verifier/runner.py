@@ -113,7 +113,7 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
     scale = kwargs.get("scaling")
     if fixed:  # a padded step: one call over the bucket's layout (fixed shapes, no host sync)
         cache.write(layer, p.write_slot, p.write_pos, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        k, v = cache.read(layer, p.slots, p.kv_length, gather=True)  # [n, Hkv, L, Dh]
+        k, v = cache.read(layer, p.slots, p.kv_length)  # [n, Hkv, L, Dh], gathered
         q = query[0].transpose(0, 1)[p.row_index.clamp(min=0)].transpose(1, 2)  # [n, Hq, Rm, Dh]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.attn_mask, scale=scale,
                                              enable_gqa=k.shape[1] != q.shape[1])
