@@ -513,6 +513,8 @@ def main(argv: list[str] | None = None) -> dict:
     h.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[],
                    help="more `dartree serve` flags (last on the command line)")
     a = ap.parse_args(argv)
+    if a.cmd == "cost" and a.verify_context < 0:
+        ap.error(f"--verify-context must be >= 0, got {a.verify_context}")
     if a.cmd == "e2e":
         a.settings_parsed = [tuple(int(x) for x in v.split("/")) for v in a.settings]
     torch.set_num_threads(a.threads)
