@@ -14,7 +14,7 @@ the same parameters with fewer calls, and gives **the same bits** as the modules
   the bits it gets alone);
 - q/k/v and gate/up each as one int4 kernel call where the linears are 4-bit
   (:class:`services.int4_fused.FusedInt4`: the kernel computes each output column on its own;
-  a probe call checks it when built);
+  a probe call checks it when built, which is when the step is built);
 - RMSNorm as torch's fused CPU op (``aten._fused_rms_norm``) where a probe at build gives the bits
   of the model's own norm module for this dtype and width, else the module itself.
 
@@ -114,6 +114,11 @@ class LeanLlamaStep:
                                 _Norm(layer.post_attention_layernorm, fused), mlp.gate_proj, mlp.up_proj,
                                 FusedInt4(), mlp.down_proj, mlp.act_fn))
         self.norm = _Norm(inner.norm, _fused_norm_matches(inner.norm, dtype))
+        for (_, _, _, q_proj, k_proj, v_proj, qkv_fused, _, _, gate_proj, up_proj, gate_up_fused, _, _) in self.layers:
+            # the fused packs now, not at the first step: a server that drops the weight-file pages
+            # they supersede after start-up (services.runtime.drop_file_pages) finds them read already
+            qkv_fused.get(q_proj, k_proj, v_proj)
+            gate_up_fused.get(gate_proj, up_proj)
         self.fused_norms = fused
 
     @staticmethod

@@ -50,6 +50,7 @@ def test_lean_step_equals_the_modules_bitwise(fmt):
     assert lean.lean is not None
     if fmt == "q4":  # the fused int4 calls run (SmolLM2's q/k/v and gate/up widths fuse)
         (_, _, _, q, k, v, qkv, _, _, gate, up, gate_up, _, _) = lean.lean.layers[0]
+        assert qkv._mod is not None and gate_up._mod is not None  # built with the step, before any step ran
         assert qkv.get(q, k, v) is not None and gate_up.get(gate, up) is not None
     n = 0
     for a, b in zip(_steps(lean), _steps(modules)):
