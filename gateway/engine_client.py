@@ -59,11 +59,12 @@ class EngineClient(ABC):
     @property
     @abstractmethod
     def ready(self) -> bool:
-        """Handshake done, verifier answering, model loaded, drafter reachable, not draining."""
+        """Handshake done, verifier answering, model loaded, not draining (a down drafter only slows decoding)."""
 
     @property
     def detail(self) -> str:
-        """Why not ready ("" when ready)."""
+        """Why not ready; while ready, the verifier's notice ("" when none), e.g. that it decodes
+        without speculation while the drafter is down."""
         return ""
 
     async def start(self) -> None:
@@ -177,7 +178,7 @@ class ZmqEngineClient(_QueueClient):
     @property
     def detail(self) -> str:
         if self.ready:
-            return ""
+            return self._pong.detail
         if self._handshaken and self._pong is not None:
             if self._pong.draining:
                 return "the verifier is draining"
@@ -320,7 +321,7 @@ class InprocEngineClient(_QueueClient):
 
     @property
     def detail(self) -> str:
-        return "" if self.ready else (self._status().detail or "draining")
+        return self._status().detail if self.ready else (self._status().detail or "draining")
 
     def _send(self, msg) -> None:
         self._post(msg)

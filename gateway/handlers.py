@@ -106,7 +106,7 @@ class Gateway:
             return False, "draining"
         if not self.engine.ready:
             return False, self.engine.detail or "starting"
-        return True, "ready"
+        return True, self.engine.detail or "ready"
 
     def models(self) -> dict:
         """``GET /v1/models``: the one model this server serves."""

@@ -50,13 +50,18 @@ class GenerateProbe:
         # an explicit budget: the goodput policy may skip drafting for a request that leaves it unset,
         # and this probe must go through the drafter whenever the server has one
         gen = Generate(f"health-{uuid.uuid4().hex[:16]}", list(self.prompt_ids), sampling, SpecSpec(budget=2))
-        num_tokens = 0
+        num_tokens = draft_tokens = 0
         try:
             async for chunk in self.engine.generate(gen, deadline=t0 + self.timeout_s):
                 num_tokens += len(chunk.token_ids)
+                draft_tokens += chunk.num_draft_tokens
         except EngineError as err:
             why = f"no answer within {self.timeout_s:g} s" if err.status == 504 else err.message
             return False, why, time.monotonic() - t0
         if num_tokens != NUM_TOKENS:
             return False, f"{num_tokens} tokens came back, {NUM_TOKENS} were asked for", time.monotonic() - t0
+        info = self.engine.info
+        if info is not None and len(info.methods) > 1 and not draft_tokens:  # a drafter runs, but did not draft
+            return False, "the drafter took no part (the verifier decodes without speculation while it is down)", \
+                time.monotonic() - t0
         return True, "ok", time.monotonic() - t0

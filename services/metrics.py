@@ -7,7 +7,8 @@ owns a disjoint set and exports it from its own registry:
   ``dartree_num_requests_running`` / ``_waiting``, ``dartree_aborts_total{reason}``,
   ``dartree_spec_scheduled_budget`` / ``_width`` (the ``--tree-schedule`` pick at the current load);
   the speculation policy's ``dartree_spec_policy_*`` (budget per round, predicted vs realised tau,
-  predicted vs measured step seconds, steps with / without speculation);
+  predicted vs measured step seconds, steps with / without speculation); ``dartree_verifier_drafter_up``
+  (0 while the drafter is unreachable and every round decodes without speculation);
 - gateway: ``dartree_time_to_first_token_seconds``, ``dartree_inter_token_latency_seconds`` (time
   between two streamed rounds of one request), ``dartree_e2e_request_latency_seconds``,
   ``dartree_requests_total{finish_reason}``, ``dartree_prompt_tokens_total``,
@@ -92,6 +93,7 @@ STEP_ROWS = "dartree_step_rows"
 PREFILL_CHUNK_TOKENS = "dartree_prefill_chunk_tokens_total"
 DRAFTER_WAIT = "dartree_verifier_drafter_wait_seconds_total"
 DRAFTER_BUSY = "dartree_verifier_drafter_busy_seconds_total"
+DRAFTER_UP = "dartree_verifier_drafter_up"
 KV_SLOTS = "dartree_kv_slots"
 PREFIX_QUERIED = "dartree_prefix_cache_queried_tokens_total"
 PREFIX_HITS = "dartree_prefix_cache_hit_tokens_total"
@@ -188,6 +190,9 @@ class VerifierMetrics:
                                buckets=TTFT_BUCKETS, registry=r)
         self.running = Gauge(REQUESTS_RUNNING, "Requests being decoded.", registry=r)
         self.waiting = Gauge(REQUESTS_WAITING, "Requests waiting for admission.", registry=r)
+        self.drafter_up = Gauge(DRAFTER_UP, "1 while the drafter answers; 0 while every round decodes without "
+                                "speculation (same tokens, slower).", registry=r)
+        self.drafter_up.set(1)
         self.scheduled_budget = Gauge(SCHEDULED_BUDGET, "Tree budget the load schedule picks at the current running "
                                       "count, for requests that set none (0 = no schedule: drafter default).",
                                       registry=r)

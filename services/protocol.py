@@ -207,11 +207,11 @@ class Pong(Struct, **_opts()):
 
     nonce: int
     epoch: ShortStr
-    ready: bool                 # model loaded and (verifier) drafter reachable
+    ready: bool                 # model loaded (a verifier serves plainly while its drafter is down)
     draining: bool = False
     num_running: NonNeg = 0
     num_waiting: NonNeg = 0
-    detail: MessageStr = ""     # why not ready
+    detail: MessageStr = ""     # why not ready; while ready, a notice (verifier: the drafter is down)
 
 
 class Generate(Struct, **_opts()):

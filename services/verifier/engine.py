@@ -18,6 +18,7 @@ target": never the draft's q or a constant).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from math import isfinite
@@ -35,7 +36,10 @@ from services.verifier.drafter_client import DraftJob, DrafterClient
 from services.verifier.policy import Drafted, FixedPolicy, RoundInfo
 from services.verifier.prefix_cache import Placement, common_prefix
 from services.verifier.runner import ModelRunner
+from services.verifier.remote_drafter import DrafterUnavailable
 from services.verifier.scheduler import Candidate, StepPlan, plan_step
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -188,6 +192,7 @@ class _Request:
     hist_feats: list[torch.Tensor] = field(default_factory=list)  # their features (kept only with a drafter)
     pending: object = None             # a submitted draft for the next round (overlap), or None
     skip_round: bool = False           # the policy chose a plain round (decided before the batched draft)
+    resync: bool = False               # the drafter lost this request's context: next draft sends the history
     prefill_seconds: float = 0.0
     generated: int = 0
     sample_seed: int = 0               # T > 0: the token at position t is drawn with position_uniforms(sample_seed, t)
@@ -336,6 +341,17 @@ class SpecEngine:
         self.runner.cache.prefix.enabled = bool(config.prefix_cache)
         self._reqs: dict[str, _Request] = {}
         self.last_step = StepStats()
+        self.drafter_up = drafter is not None  # drafts may be requested (see set_drafter_up)
+
+    def set_drafter_up(self, up: bool) -> None:
+        """Say whether the drafter is reachable (the verifier worker calls this from its drafter
+        heartbeat thread). While it is down, every round is a plain round: the output is the same
+        tokens (speculation is lossless), only slower. A draft that fails with
+        :class:`~services.verifier.remote_drafter.DrafterUnavailable` sets it down too, until the
+        next ``set_drafter_up(True)``; each request whose drafter context was lost (a drafter
+        restart) sends its whole committed history with its next draft (docs/design.md, "A drafter
+        failure never fails a request")."""
+        self.drafter_up = bool(up) and self.drafter is not None
 
     @staticmethod
     def kv_positions(target, config: EngineConfig) -> int:
@@ -700,7 +716,7 @@ class SpecEngine:
         cands = []
         for rid in dict.fromkeys(request_ids):
             req = self._reqs[rid]
-            can_draft = req.decoding and req.spec.method != "ar" and self.drafter is not None \
+            can_draft = req.decoding and req.spec.method != "ar" and self.drafter_up \
                 and self.draft_depth(req.start) > 0
             cands.append(Candidate(rid, req.slot, len(req.prompt_ids), req.prefilled, can_draft, len(req.ctx_ids)))
         return plan_step(cands, self.config.max_step_tokens, self.config.prefill_chunk)
@@ -806,26 +822,54 @@ class SpecEngine:
         drafted = skipped = False
         if req.pending is not None:
             handle, req.pending = req.pending, None
-            if isinstance(handle, BaseException):
-                raise handle
-            tree, dt = self.drafter.collect(handle)
-            timings.update(dt)
-            drafted = True
+            try:
+                if isinstance(handle, BaseException):
+                    raise handle
+                tree, dt = self.drafter.collect(handle)
+                timings.update(dt)
+                drafted = True
+            except DrafterUnavailable as exc:
+                self._drafter_lost(exc)  # this round (and each other pending one) runs plainly
+                req.resync = True
         elif req.skip_round:
             req.skip_round, skipped = False, True
         timings["draft_wait"] = time.perf_counter() - t0
         timings["_t0"] = t0
         return _Planned(rid, req, None, tree=tree, timings=timings, drafted=drafted, skipped=skipped)
 
+    def _drafter_lost(self, exc: Exception) -> None:
+        """A draft failed with :class:`DrafterUnavailable`: stop drafting until the drafter is up
+        again (:meth:`set_drafter_up`) and turn every other submitted draft into a plain round (their
+        replies cannot come either: the client has dropped the connection), each request to resend
+        its history with its next draft."""
+        if self.drafter_up:
+            log.warning("drafter unavailable, decoding plainly until it is back: %s", exc)
+        self.drafter_up = False
+        for r in self._reqs.values():
+            if r.pending is not None:
+                if not isinstance(r.pending, BaseException):
+                    self.drafter.discard(r.pending)
+                r.pending, r.resync = None, True
+
+    def _resync(self, rid: str, req: _Request) -> None:
+        """Make the request's next draft carry its whole committed history (a drafter that lost its
+        context rebuilds it from these ids and features, as after a prefill)."""
+        self.drafter.release(rid)  # the client forgets the old drafter process's context
+        req.ctx_feats = torch.cat(req.hist_feats) if len(req.hist_feats) > 1 else req.hist_feats[0]
+        req.hist_feats = [req.ctx_feats]
+        req.ctx_ids, req.owed_feats, req.resync = list(req.hist_ids), [], False
+
     def _draft_job(self, rid: str, req: _Request) -> DraftJob | None:
-        """The next draft of a decoding request (None: ``ar``, no room left for a draft, or the
-        policy chose a plain round)."""
+        """The next draft of a decoding request (None: ``ar``, no room left for a draft, the
+        drafter is down, or the policy chose a plain round)."""
         depth = self.draft_depth(req.start)
-        if req.spec.method == "ar" or depth <= 0 or self.drafter is None:
+        if req.spec.method == "ar" or depth <= 0 or not self.drafter_up:
             return None
         knobs = self.policy.draft_knobs(rid, req.spec)  # resolved; None: the policy chose a plain round
         if knobs is None:
             return None
+        if req.resync:
+            self._resync(rid, req)
         return DraftJob(rid, list(req.ctx_ids), self._ctx_feats(req), req.root, req.start, req.spec.method, knobs,
                         depth)
 
@@ -888,6 +932,8 @@ class SpecEngine:
             req.owed_feats.append(new_feats)
         else:
             req.ctx_ids, req.ctx_feats, req.owed_feats = new_ids, new_feats, []
+            if not item.drafted and req.spec.method != "ar" and self.drafter is not None:
+                req.resync = True  # a plain round the drafter never heard of (it was down): resend the history
         req.hist_ids.extend(new_ids)
         if self.drafter is not None:
             req.hist_feats.append(new_feats)

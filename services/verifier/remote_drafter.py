@@ -4,7 +4,8 @@ Called on the verifier's compute thread, which needs each reply before it can ve
 DEALER socket lives on that thread (a hop through an I/O thread would add latency to every round
 and overlap nothing). Every wait has a deadline and also watches the socket monitor: a drafter
 that dies, restarts (new epoch) or hangs raises :class:`DrafterUnavailable` quickly instead of
-blocking the loop. Requests whose drafter context was lost in a restart fail; new ones re-handshake.
+blocking the loop. The engine then decodes those rounds plainly and resends the lost contexts once the drafter is back
+(``SpecEngine.set_drafter_up``); a new process is re-handshaken.
 Torch is imported lazily (the module is importable by torch-free tooling).
 """
 
@@ -80,6 +81,7 @@ class ZmqDrafterClient:
         self._req_epoch: dict[str, str] = {}
         self._pending: set[int] = set()      # round ids submitted and not yet collected
         self._stash: dict[int, object] = {}  # replies of pending rounds that arrived early
+        self._gone = threading.Event()       # the heartbeat's verdict: the drafter is not answering
 
     # ----------------------------------------------------------------------------- handshake
 
@@ -216,6 +218,16 @@ class ZmqDrafterClient:
             return False
         return pong.ready
 
+    def set_available(self, ok: bool) -> None:
+        """The drafter heartbeat's verdict (any thread). While ``ok`` is False a draft being waited
+        for gives up within 0.1 s (``DrafterUnavailable``) instead of waiting for its deadline: a
+        hung drafter then costs the running requests one heartbeat verdict, not the whole draft
+        deadline, and they go on decoding plainly."""
+        if ok:
+            self._gone.clear()
+        else:
+            self._gone.set()
+
     def close(self) -> None:
         self._sock.disable_monitor()
         self._monitor.close(0)
@@ -233,14 +245,18 @@ class ZmqDrafterClient:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        drafting = what.startswith("draft")  # a draft wait also ends at the heartbeat's verdict
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
+            gone = drafting and self._gone.is_set()
+            if left <= 0 or gone:
                 self.peer = None
                 self._pending.clear()
                 self._stash.clear()
+                if gone:
+                    raise DrafterUnavailable(f"the drafter stopped answering its heartbeat ({what})")
                 raise DrafterUnavailable(f"no answer from the drafter within {nominal_s or timeout_s:g} s ({what})")
-            events = dict(poller.poll(int(left * 1000) + 1))
+            events = dict(poller.poll(int(min(left, 0.1 if drafting else left) * 1000) + 1))
             if self._monitor in events and zmq.EVENT_DISCONNECTED in drain_monitor(self._monitor):
                 self.peer = None
                 raise DrafterDisconnected(f"lost the connection to the drafter ({what})")

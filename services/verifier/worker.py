@@ -278,8 +278,12 @@ class VerifierWorker:
         return HelloAck(PROTOCOL_VERSION, reason is None, self.info, reason or "")
 
     def status(self, nonce: int = 0) -> Pong:
-        detail = "" if self.drafter_ok else (self.drafter_detail or "the drafter is not answering")
-        return Pong(nonce, self.info.epoch, ready=self.drafter_ok, draining=self.draining,
+        """A :class:`Pong` snapshot. Ready whether or not the drafter answers: while it is down every
+        round is a plain round (same tokens, slower; ``SpecEngine.set_drafter_up``), and ``detail``
+        says so."""
+        detail = "" if self.drafter_ok else \
+            f"decoding without speculation: {self.drafter_detail or 'the drafter is not answering'}"
+        return Pong(nonce, self.info.epoch, ready=True, draining=self.draining,
                     num_running=len(self._running), num_waiting=len(self._waiting), detail=detail)
 
     # ------------------------------------------------------------------------- compute thread
@@ -462,7 +466,7 @@ class VerifierWorker:
 
     def _step_failed(self, entry: _Entry, exc: Exception) -> None:
         if isinstance(exc, DrafterUnavailable):
-            self.drafter_ok = False
+            self._set_drafter(False, str(exc))
             log.error("drafter unavailable: %s", exc)
             self._error(entry, 503, f"the drafter is unavailable: {exc}", None, "drafter_unavailable")
         elif isinstance(exc, DrafterError):
@@ -511,7 +515,14 @@ class VerifierWorker:
         """The heartbeat thread's verdict on the drafter (see ``DrafterHeartbeat``); feeds readiness."""
         if ok != self.drafter_ok:
             log.info("drafter is %s", "reachable again" if ok else f"not ready: {detail}")
+        self._set_drafter(ok, detail)
+
+    def _set_drafter(self, ok: bool, detail: str) -> None:
+        """Record the drafter's state for the status, the engine (plain rounds while it is down)
+        and the ``dartree_drafter_up`` gauge."""
         self.drafter_ok, self.drafter_detail = ok, detail
+        self.engine.set_drafter_up(ok)
+        self.metrics.drafter_up.set(1 if ok else 0)
 
     def _check_drafter(self) -> None:
         if self._drafter_ping is None or time.monotonic() - self._last_ping < self.config.health_interval_s:
@@ -520,7 +531,7 @@ class VerifierWorker:
         ok = self._drafter_ping()
         if ok != self.drafter_ok:
             log.info("drafter is %s", "reachable again" if ok else "unreachable")
-        self.drafter_ok = ok
+        self._set_drafter(ok, "" if ok else "the drafter is not answering")
 
 
 def _wire_logprobs(lp) -> TokenLogprobs | None:
@@ -677,8 +688,12 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     if drafter_client is not None:  # drafter liveness off the compute thread (readiness never waits on a round)
         from services.verifier.remote_drafter import DrafterHeartbeat
 
+        def on_heartbeat(ok: bool, detail: str) -> None:
+            drafter_client.set_available(ok)  # a draft being waited for gives up at once
+            worker.on_drafter_heartbeat(ok, detail)
+
         heartbeat = DrafterHeartbeat(drafter_client.endpoint, ctx, config.health_interval_s, DRAFTER_PING_TIMEOUT_S,
-                                     worker.on_drafter_heartbeat).start()
+                                     on_heartbeat).start()
     on_stop_signals(worker.begin_drain, stop.set, supervised=parent_pid is not None)
     endpoint = config.verifier_endpoint or ipc_endpoint("verifier")
     io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,

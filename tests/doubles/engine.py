@@ -67,6 +67,10 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.last_step = FakeStepStats()
         self.lock = threading.Lock()
+        self.drafter_up: list[bool] = []  # every set_drafter_up call, in order
+
+    def set_drafter_up(self, up: bool) -> None:
+        self.drafter_up.append(bool(up))
 
     def add_request(self, request_id, prompt_ids, sampling, spec) -> None:
         if 399 in prompt_ids:

@@ -4,8 +4,11 @@
   after a random delay: mid-round included) leave nothing behind: the gateway's in-flight gauge,
   the verifier's running/waiting gauges and the drafter's per-request contexts return to zero, and
   the next greedy request with the same prompt returns what a fresh server returned (B20 class).
-- A hung worker (SIGSTOP) is detected by a deadline, never waited on forever: in-flight streams end
+- A hung verifier (SIGSTOP) is detected by a deadline, never waited on forever: in-flight streams end
   with an error event, readiness goes false, and after SIGCONT the server is ready and serves again.
+- A hung or killed drafter costs speed, never a request: in-flight and new requests decode without
+  speculation (the same text as plain decoding), readiness stays 200 with the reason in its detail,
+  and speculation comes back with the drafter (the same one after SIGCONT, a new one after kill -9).
 - ``GET /health/generate`` runs a real generation through the verifier and the drafter (their
   counters move, the gateway's request counters do not) and answers 503 within its deadline while
   either worker is stopped, then 200 again after SIGCONT.
@@ -159,8 +162,77 @@ def _stream_until_error(server, body: dict, freeze, timeout: float = 30.0) -> tu
             return rest, time.monotonic() - t0
 
 
-@pytest.mark.parametrize("victim,code", [("dartree-drafter", "drafter_unavailable"),
-                                         ("dartree-verifie", "engine_unavailable")], ids=["drafter", "verifier"])
+def _drafter_up(server) -> float:
+    return metric_total(httpx.get(f"http://127.0.0.1:{server.metrics_ports[0]}/metrics").text,
+                        "dartree_verifier_drafter_up")
+
+
+def _ready_detail(server) -> str:
+    """``/health/ready``'s detail; the status must be 200 (a drafter's state never makes it 503)."""
+    r = httpx.get(server.base + "/health/ready", timeout=5)
+    assert r.status_code == 200, r.text
+    return r.json()["detail"]
+
+
+def _wait_for(cond, timeout: float, what: str) -> float:
+    """Poll ``cond()`` every 0.1 s until true; seconds waited (AssertionError naming ``what`` at ``timeout``)."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"{what} not within {timeout:g} s"
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def _stream_text(server, body: dict, during=None) -> tuple[str, str | None, float, list[dict]]:
+    """Stream ``body``; ``during()`` runs after the first event. Returns the text, the last finish
+    reason, the longest gap between two events (s) and every event."""
+    events, gaps, last = [], [0.0], None
+    with httpx.Client(base_url=server.base, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+                events.append(json.loads(line[6:]))
+                if len(events) == 1 and during is not None:
+                    during()
+    choices = [e["choices"][0] for e in events if e.get("choices")]
+    return "".join(ch["text"] for ch in choices), choices[-1]["finish_reason"], max(gaps), events
+
+
+def test_a_hung_drafter_costs_speed_never_a_request(hang_server):
+    """SIGSTOP of the drafter mid-stream: the stream goes on without speculation after one heartbeat
+    verdict (no error event, the same text as plain decoding), readiness stays 200 and says why,
+    the gauge drops to 0; after SIGCONT the same drafter is used again."""
+    proc = hang_server.child("dartree-drafter")
+    pid = proc.pid
+    body = {"prompt": "x", "max_tokens": 240, "temperature": 0, "stream": True,
+            "speculative": {"method": "dflash", "budget": 8}}  # explicit budget: drafts every round
+    ref = httpx.post(hang_server.base + "/v1/completions", timeout=60,
+                     json={**body, "stream": False, "speculative": {"method": "ar"}}).json()["choices"][0]
+    try:
+        text, finish, gap, events = _stream_text(hang_server, body, lambda: proc.send_signal(signal.SIGSTOP))
+        assert not any("error" in e for e in events), [e for e in events if "error" in e]
+        assert (text, finish) == (ref["text"], ref["finish_reason"])
+        assert gap < 6.0  # the heartbeat's verdict or the 1.5 s draft deadline, not forever
+        _wait_for(lambda: _drafter_up(hang_server) == 0, 10, "the gauge at 0")  # the heartbeat's verdict
+        _wait_for(lambda: "without speculation" in _ready_detail(hang_server), 5, "the reason in /health/ready")
+        plain = httpx.post(hang_server.base + "/v1/completions", timeout=30, json={**body, "stream": False})
+        assert plain.status_code == 200 and plain.json()["choices"][0]["text"] == ref["text"]
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    _wait_for(lambda: _drafter_up(hang_server) == 1, 30, "the drafter back up")
+    assert hang_server.child("dartree-drafter").pid == pid  # recovered, not restarted
+    _wait_for(lambda: _ready_detail(hang_server) == "ready", 5, "/health/ready without a notice")
+    state = _wait_idle(hang_server)
+    assert state["running"] == state["waiting"] == state["drafter_contexts"] == state["gateway_in_flight"] == 0, state
+
+
+@pytest.mark.parametrize("victim,code", [("dartree-verifie", "engine_unavailable")], ids=["verifier"])
 def test_hung_worker_is_detected_by_a_deadline_and_recovers(hang_server, victim, code):
     proc = hang_server.child(victim)
     pid = proc.pid
@@ -204,7 +276,43 @@ def test_abandoned_requests_are_aborted_in_a_resumed_verifier(hang_server):
     assert aborts() == before + 1
 
 
-@pytest.mark.parametrize("victim", ["dartree-drafter", "dartree-verifie"], ids=["drafter", "verifier"])
+def test_kill_9_of_the_drafter_during_a_non_streaming_request_loses_nothing(hang_server):
+    """The request finishes without speculation (the text of plain decoding); the supervisor starts a
+    new drafter, and speculation comes back: a later request drafts again (the draft-token counter moves)."""
+    import threading
+
+    body = {"prompt": "x", "max_tokens": 240, "temperature": 0, "speculative": {"method": "dflash", "budget": 8}}
+    ref = httpx.post(hang_server.base + "/v1/completions", timeout=60,
+                     json={**body, "speculative": {"method": "ar"}}).json()["choices"][0]
+    old = hang_server.child("dartree-drafter")
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(r=httpx.post(hang_server.base + "/v1/completions", timeout=60,
+                                                                 json=body)))
+    t.start()
+    vport = hang_server.metrics_ports[0]
+    for _ in range(200):  # wait until the verifier runs it
+        if metric_total(httpx.get(f"http://127.0.0.1:{vport}/metrics").text, "dartree_num_requests_running") > 0:
+            break
+        time.sleep(0.01)
+    old.send_signal(signal.SIGKILL)
+    t.join(60)
+    r = box["r"]
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ref["text"]
+    hang_server.wait_replaced("dartree-drafter", old.pid)
+    drafts = lambda: metric_total(httpx.get(f"http://127.0.0.1:{vport}/metrics").text,  # noqa: E731
+                                  "dartree_spec_draft_tokens_total")
+
+    def drafts_again() -> bool:
+        before = drafts()
+        again = httpx.post(hang_server.base + "/v1/completions", json={**body, "max_tokens": 16}, timeout=60)
+        assert again.status_code == 200 and ref["text"].startswith(again.json()["choices"][0]["text"]), again.text
+        return drafts() > before
+
+    _wait_for(drafts_again, 60, "speculation with the new drafter")
+
+
+@pytest.mark.parametrize("victim", ["dartree-verifie"], ids=["verifier"])
 def test_kill_9_during_a_non_streaming_request_is_a_503(hang_server, victim):
     """The streaming case is in tests/service/test_e2e_tiny.py; this is the non-streaming one."""
     import threading

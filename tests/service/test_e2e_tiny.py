@@ -246,7 +246,44 @@ def test_concurrent_different_requests_share_steps_and_equal_plain_decoding(serv
     assert _metric(after, 'dartree_kv_slots{state="used"}') == 0
 
 
-@pytest.mark.parametrize("victim", ["dartree-drafter", "dartree-verifie"], ids=["drafter", "verifier"])
+def test_kill_9_of_the_drafter_mid_stream_loses_nothing_and_speculation_comes_back(server):
+    """The stream goes on without speculation (no error event, the text of plain decoding); the
+    supervisor starts a new drafter and later requests draft with it (the draft-token counter moves)."""
+    server.wait_ready(timeout=180)
+    body = {"prompt": "x", "max_tokens": 240, "temperature": 0, "stream": True,
+            "speculative": {"budget": 8}}  # explicit budget: drafts every round
+    ref = httpx.post(server.base + "/v1/completions", timeout=60,
+                     json={**body, "stream": False, "speculative": {"method": "ar"}}).json()["choices"][0]
+    old = server.child("dartree-drafter")
+    events = []
+    with httpx.Client(base_url=server.base, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    if not events:
+                        old.send_signal(signal.SIGKILL)
+                    events.append(json.loads(line[6:]))
+    assert not any("error" in e for e in events), [e for e in events if "error" in e]
+    choices = [e["choices"][0] for e in events if e.get("choices")]
+    assert "".join(ch["text"] for ch in choices) == ref["text"]
+    assert choices[-1]["finish_reason"] == ref["finish_reason"]
+    server.wait_replaced("dartree-drafter", old.pid)  # the supervisor notices the death and starts a new one
+    vport = server.metrics_ports[0]
+    drafts = lambda: _metric(httpx.get(f"http://127.0.0.1:{vport}/metrics").text,  # noqa: E731
+                             "dartree_spec_draft_tokens_total")
+    deadline = time.monotonic() + 120
+    while True:
+        before = drafts()
+        again = httpx.post(server.base + "/v1/completions", json={**body, "stream": False, "max_tokens": 16}, timeout=60)
+        assert again.status_code == 200 and ref["text"].startswith(again.json()["choices"][0]["text"]), again.text
+        if drafts() > before:
+            break
+        assert time.monotonic() < deadline, "no draft with the new drafter within 120 s"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("victim", ["dartree-verifie"], ids=["verifier"])
 def test_kill_9_of_a_worker_mid_stream_gives_a_clean_error_and_recovers(server, victim):
     server.wait_ready(timeout=180)  # a previous kill's restart can still flip readiness for a heartbeat or two
     old = server.child(victim)

@@ -381,6 +381,30 @@ def test_hung_drafter_hits_the_deadline(sockdir):
         client.close()
 
 
+def test_a_draft_wait_ends_at_the_heartbeats_verdict_not_the_deadline(sockdir):
+    """A hung drafter: once the heartbeat says it is not answering (``set_available(False)``, from
+    another thread), the wait for a draft ends within 0.1 s, not at its 30 s deadline; a verdict of
+    True lets the next draft through."""
+    torch = pytest.importorskip("torch")
+    from services.verifier.remote_drafter import DrafterUnavailable
+
+    service = FakeDrafterService(hang_s=1.5)
+    with running_drafter(sockdir, service) as (worker, io, endpoint):
+        client = drafter_client(endpoint, timeout_s=30.0)
+        client.connect(wait_s=5)
+        timer = threading.Timer(0.3, client.set_available, (False,))
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(DrafterUnavailable, match="heartbeat"):
+            _draft(client, "r", [1], torch.zeros(1, 8), 1, 1, _spec())
+        assert time.monotonic() - t0 < 1.2  # the verdict (0.3 s), not the 1.5 s hang or the 30 s deadline
+        client.set_available(True)
+        service.hang_s = 0.0
+        tree, _ = _draft(client, "r2", [1], torch.zeros(1, 8), 1, 1, _spec())
+        assert tree.num_nodes > 0
+        client.close()
+
+
 def test_drafter_error_is_reported_and_the_drafter_keeps_serving(sockdir):
     torch = pytest.importorskip("torch")
     from services.verifier.remote_drafter import DrafterError
