@@ -334,7 +334,7 @@ def _http_request(client, base: str, vmetrics: str, ids: list[int], method: str 
     """One streaming completion; tokens/s at the client and the verifier's counters around it."""
     import httpx
 
-    from services.metrics import SPEC_ACCEPTED_TOKENS, SPEC_ROUNDS
+    from services.metrics import ROUND_SECONDS, SPEC_ACCEPTED_TOKENS, SPEC_ROUNDS
 
     before = httpx.get(vmetrics, timeout=10).text
     body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
@@ -356,8 +356,17 @@ def _http_request(client, base: str, vmetrics: str, ids: list[int], method: str 
     used = method or "dartree-pruned"
     rounds = metric_sum(after, SPEC_ROUNDS, method=used) - metric_sum(before, SPEC_ROUNDS, method=used)
     acc = metric_sum(after, SPEC_ACCEPTED_TOKENS, method=used) - metric_sum(before, SPEC_ACCEPTED_TOKENS, method=used)
+    phases = {ph: round(metric_sum(after, ROUND_SECONDS + "_sum", phase=ph)
+                        - metric_sum(before, ROUND_SECONDS + "_sum", phase=ph), 6) for ph in HTTP_PHASES}
     return {"tokens": len(out), "seconds": wall, "tokens_per_s": len(out) / wall, "rounds": int(rounds),
-            "accepted": int(acc), "budgets": _budget_hist(before, after, used), "ids": out}
+            "accepted": int(acc), "budgets": _budget_hist(before, after, used), "phase_seconds": phases, "ids": out}
+
+
+# the verifier's round phases (``dartree_round_seconds{phase}``, summed over a request's rounds):
+# the drafter's own compute (draft, tree_build), the transport (ipc), how long the round waited for
+# its draft (draft_wait), its share of the step's target forward (verify), walk + commit (commit),
+# and the whole round from its draft wait to its commit (total)
+HTTP_PHASES = ("draft", "tree_build", "ipc", "draft_wait", "verify", "commit", "total")
 
 
 def _start_server(a, log_path: str):
@@ -400,7 +409,15 @@ def _summary(rows: list[dict]) -> dict:
     for x in spec:
         for k, v in x["budgets"].items():
             hist[k] = hist.get(k, 0) + v
+    per_round = {}
+    for arm, xs in (("spec", spec), ("ar", ar)):
+        n = sum(x["rounds"] for x in xs)
+        if n and all("phase_seconds" in x for x in xs):  # ms per round; "outside": client wall time not in a round
+            per_round[arm] = {ph: round(1e3 * sum(x["phase_seconds"][ph] for x in xs) / n, 3) for ph in HTTP_PHASES}
+            per_round[arm]["outside"] = round(1e3 * (sum(x["seconds"] for x in xs)
+                                                     - sum(x["phase_seconds"]["total"] for x in xs)) / n, 3)
     return {"requests": len(rows), "tokens_per_s_spec": round(tps_s, 2), "tokens_per_s_ar": round(tps_a, 2),
+            "ms_per_round": per_round,
             "ratio": round(tps_s / tps_a, 3),
             "ratio_median_paired": round(statistics.median(x["tokens_per_s"] / y["tokens_per_s"]
                                                            for x, y in zip(spec, ar)), 3),
@@ -460,6 +477,8 @@ def run_http(a) -> dict:
             print(f"{ds:9s} pass {p!s:3s} spec {g['tokens_per_s_spec']:6.2f} ar {g['tokens_per_s_ar']:6.2f} tok/s "
                   f"= {g['ratio']:.3f}x (paired median {g['ratio_median_paired']:.3f}) tau {g['tau']} "
                   f"budgets {g['budget_hist']}", flush=True)
+            for arm, ms in g["ms_per_round"].items():
+                print(f"    {arm:4s} ms/round " + " ".join(f"{k} {v:.2f}" for k, v in ms.items()), flush=True)
     return res
 
 
