@@ -365,8 +365,8 @@ def _http_request(client, base: str, vmetrics: str, ids: list[int], method: str 
 # the verifier's round phases (``dartree_round_seconds{phase}``, summed over a request's rounds):
 # the drafter's own compute (draft, tree_build), the transport (ipc), how long the round waited for
 # its draft (draft_wait), its share of the step's target forward (verify), walk + commit (commit),
-# and the whole round from its draft wait to its commit (total)
-HTTP_PHASES = ("draft", "tree_build", "ipc", "draft_wait", "verify", "commit", "total")
+# the whole round from its draft wait to its commit (total), and the first token's prefill step (prefill)
+HTTP_PHASES = ("draft", "tree_build", "ipc", "draft_wait", "verify", "commit", "total", "prefill")
 
 
 def _start_server(a, log_path: str):

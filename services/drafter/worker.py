@@ -16,6 +16,7 @@ signal) stops it at once.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -67,6 +68,9 @@ class DrafterWorkerConfig:
         compile: the drafter's block forward through ``torch.compile`` (warm-up at start, logged;
             :class:`services.drafter.service.DrafterService`); ``dartree serve --compile`` sets it
             together with the verifier's.
+        drafter_threads: the drafter process's intra-op CPU threads (0 = auto: 1 on a machine with
+            at most 2 cores, else half of them; the verifier shares the cores and its own threads
+            keep spinning for a while after each step; see :func:`drafter_threads`).
     """
 
     target: str = "smollm2-135m-instruct"
@@ -84,11 +88,36 @@ class DrafterWorkerConfig:
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
     compile: bool = False
+    drafter_threads: int = 0
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.drafter_threads < 0:
+            raise ValueError(f"drafter_threads must be >= 0 (0 = auto; got {self.drafter_threads})")
+
+
+def drafter_threads(setting: int, device: str, cores: int | None) -> int | None:
+    """The drafter process's intra-op thread count for ``--drafter-threads`` (None: leave torch's default).
+
+    ``setting`` > 0 is taken as given. Auto (0) on CPU: 1 thread on a machine with at most 2 cores,
+    else half of them. At one request the drafter and the verifier take turns, and the verifier's
+    OpenMP threads spin-wait for a while after each parallel region, so a drafter using every core
+    competes with them: on the project's 2-core VM the drafter's compute per drafted round fell
+    from 8.0 + 4.9 ms (block + tree build, 2 threads) to 5.6 + 3.3 ms (1 thread) and the default
+    server's GSM8K ratio over ``ar`` rose (benchmarks/results/2026-12-04-drafter-threads). A CUDA
+    drafter keeps torch's default (its host threads only launch kernels).
+
+    Args:
+        setting: the configured value (0 = auto); device: the drafter's device; cores:
+            ``os.cpu_count()`` (None = unknown: 1 thread).
+    """
+    if setting > 0:
+        return setting
+    if not device.startswith("cpu"):
+        return None
+    return 1 if not cores or cores <= 2 else cores // 2
 
 
 class DrafterWorker:
@@ -316,6 +345,12 @@ def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = No
     from services.wire import ServerIO, ipc_endpoint, new_epoch
 
     prepare_process("dartree-drafter", config.log_level, parent_pid)
+    threads = drafter_threads(config.drafter_threads, config.device, os.cpu_count())
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+        log.info("drafter uses %d CPU thread%s", threads, "" if threads == 1 else "s")
     from services.startup import memory_line, object_memory_parts, phase
 
     with phase("drafter", "drafter loaded"):

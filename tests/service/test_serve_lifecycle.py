@@ -67,6 +67,7 @@ def listener():
     (("--width", "0"), None, "width must be in [1, 256]"),
     (("--candidates", "0"), None, "candidates must be in [1, 1024]"),
     (("--depth-bonus", "0.5"), None, "depth_bonus must be a finite number <= 0"),
+    (("--drafter-threads", "-1"), None, "drafter_threads must be >= 0 (0 = auto; got -1)"),
     (("--default-method", "medusa"), None, "invalid choice: 'medusa'"),
     (("--dtype", "float64"), None, "invalid choice: 'float64'"),
     ((), {"DARTREE_MAX_RUNNING": "abc"}, "DARTREE_MAX_RUNNING='abc' is not a valid int"),

@@ -641,3 +641,12 @@ def test_draft_batch_over_zmq_one_message_one_reply_per_job(sockdir):
         assert service.batches == [["a", "bad", "c"]]
         assert worker.metrics.registry.get_sample_value("dartree_drafter_batch_jobs_sum") == 3
         client.close()
+
+
+@pytest.mark.parametrize("setting, device, cores, want", [
+    (0, "cpu", 2, 1), (0, "cpu", 1, 1), (0, "cpu", None, 1), (0, "cpu", 16, 8), (0, "cpu", 3, 1),
+    (3, "cpu", 2, 3), (0, "cuda", 16, None), (0, "cuda:1", 2, None), (2, "cuda", 16, 2)])
+def test_drafter_threads_auto_and_explicit(setting, device, cores, want):
+    from services.drafter.worker import drafter_threads
+
+    assert drafter_threads(setting, device, cores) == want
