@@ -105,8 +105,9 @@ def drafter_threads(setting: int, device: str, cores: int | None) -> int | None:
     else half of them. At one request the drafter and the verifier take turns, and the verifier's
     OpenMP threads spin-wait for a while after each parallel region, so a drafter using every core
     competes with them: on the project's 2-core VM the drafter's compute per drafted round fell
-    from 8.0 + 4.9 ms (block + tree build, 2 threads) to 5.6 + 3.3 ms (1 thread) and the default
-    server's GSM8K ratio over ``ar`` rose (benchmarks/results/2026-12-04-drafter-threads). A CUDA
+    from 9.4 + 5.1 ms (block + tree build, 2 threads) to 6.3 + 3.5 ms (1 thread) and the default
+    server's GSM8K ratio over ``ar`` through HTTP rose from 1.047x to 1.137x
+    (benchmarks/results/2026-12-04-drafter-threads/). A CUDA
     drafter keeps torch's default (its host threads only launch kernels).
 
     Args:
