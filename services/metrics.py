@@ -8,7 +8,7 @@ owns a disjoint set and exports it from its own registry:
   ``dartree_spec_scheduled_budget`` / ``_width`` (the ``--tree-schedule`` pick at the current load);
   the speculation policy's ``dartree_spec_policy_*`` (budget per round, predicted vs realised tau,
   predicted vs measured step seconds, steps with / without speculation); ``dartree_verifier_drafter_up``
-  (0 while the drafter is unreachable and every round decodes without speculation);
+  (0 while the drafter is unreachable and every round decodes without speculation, and without a drafter);
 - gateway: ``dartree_time_to_first_token_seconds``, ``dartree_inter_token_latency_seconds`` (time
   between two streamed rounds of one request), ``dartree_e2e_request_latency_seconds``,
   ``dartree_requests_total{finish_reason}``, ``dartree_prompt_tokens_total``,
@@ -191,8 +191,7 @@ class VerifierMetrics:
         self.running = Gauge(REQUESTS_RUNNING, "Requests being decoded.", registry=r)
         self.waiting = Gauge(REQUESTS_WAITING, "Requests waiting for admission.", registry=r)
         self.drafter_up = Gauge(DRAFTER_UP, "1 while the drafter answers; 0 while every round decodes without "
-                                "speculation (same tokens, slower).", registry=r)
-        self.drafter_up.set(1)
+                                "speculation (same tokens, slower), or when no drafter runs.", registry=r)
         self.scheduled_budget = Gauge(SCHEDULED_BUDGET, "Tree budget the load schedule picks at the current running "
                                       "count, for requests that set none (0 = no schedule: drafter default).",
                                       registry=r)

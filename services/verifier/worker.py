@@ -240,6 +240,7 @@ class VerifierWorker:
         self.inbox: queue.Queue = queue.Queue()
         self.drafter_ok = True
         self.drafter_detail = ""  # why the drafter is not ok (set with drafter_ok by the heartbeat)
+        self.metrics.drafter_up.set(1 if drafter_ping is not None else 0)  # 0 without a drafter at all
         self.draining = False
         self._drafter_ping, self._params = drafter_ping, params
         self.tree_schedule = parse_tree_schedule(config.tree_schedule)

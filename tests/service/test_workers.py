@@ -650,3 +650,26 @@ def test_drafter_threads_auto_and_explicit(setting, device, cores, want):
     from services.drafter.worker import drafter_threads
 
     assert drafter_threads(setting, device, cores) == want
+
+
+def test_drafter_verdicts_keep_the_verifier_ready_and_reach_engine_and_gauge():
+    """The heartbeat's "not answering" leaves the verifier ready with the reason in its status, turns
+    the engine's drafting off and the gauge to 0; "answering" turns both back; no drafter: gauge 0."""
+    from services.metrics import DRAFTER_UP
+
+    def gauge(worker) -> float:
+        return worker.metrics.registry.get_sample_value(DRAFTER_UP)
+
+    engine = FakeEngine()
+    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), VerifierWorkerConfig(),
+                            params=fake_params, drafter_ping=lambda: True)
+    assert gauge(worker) == 1 and worker.status().ready and worker.status().detail == ""
+    worker.on_drafter_heartbeat(False, "the drafter did not answer 2 pings within 1 s each")
+    pong = worker.status()
+    assert pong.ready and pong.detail == "decoding without speculation: the drafter did not answer 2 pings within 1 s each"
+    assert gauge(worker) == 0 and engine.drafter_up == [False]
+    worker.on_drafter_heartbeat(True, "")
+    assert worker.status().detail == "" and gauge(worker) == 1 and engine.drafter_up == [False, True]
+    alone = VerifierWorker(FakeEngine(), verifier_info(400, epoch=new_epoch()), VerifierWorkerConfig(),
+                           params=fake_params)
+    assert gauge(alone) == 0
