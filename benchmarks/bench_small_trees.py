@@ -293,6 +293,7 @@ def run_e2e(a) -> dict:
             outs = r.pop("outputs")
             ref = outs if ref is None else ref
             r["equals_ar"] = outs == ref
+            r["mismatches"] = _mismatches(ref, outs)  # per prompt: where the output left ar's
             runs.setdefault(label, []).append(r)
             print(f"rep {rep} {label:18s} {r['tokens_per_s']:6.2f} tok/s tau {r['tau']:.2f} "
                   f"plain {r['plain_round_fraction']:.2f} equals_ar {r['equals_ar']}", flush=True)
@@ -310,10 +311,24 @@ def run_e2e(a) -> dict:
                                       x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(rs, runs["ar"])), 3),
                                   "tau": round(statistics.median(x["tau"] for x in rs), 3),
                                   "plain_round_fraction": round(statistics.median(x["plain_round_fraction"] for x in rs), 3),
-                                  "equals_ar": all(x["equals_ar"] for x in rs)}
+                                  "equals_ar": all(x["equals_ar"] for x in rs),
+                                  "mismatches": [m | {"repeat": i} for i, x in enumerate(rs) for m in x["mismatches"]]}
         print(f"{label:18s} median {res['settings'][label]['tokens_per_s']:.2f} tok/s = "
               f"{res['settings'][label]['vs_ar']:.3f}x ar (paired {res['settings'][label]['vs_ar_paired']:.3f})", flush=True)
     return res
+
+
+def _mismatches(ref: dict[int, list[int]], outs: dict[int, list[int]]) -> list[dict]:
+    """Each prompt whose tokens differ from the reference's (``{prompt index: tokens}`` both): its
+    index, the first differing position and the two tokens there (None past an output's end)."""
+    out = []
+    for i in sorted(ref):
+        a, b = ref[i], outs.get(i, [])
+        if a != b:
+            pos = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            out.append({"prompt": i, "position": pos, "ar": a[pos] if pos < len(a) else None,
+                        "got": b[pos] if pos < len(b) else None})
+    return out
 
 
 def _budget_hist(before: str, after: str, method: str) -> dict[str, int]:
