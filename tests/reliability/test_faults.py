@@ -279,27 +279,15 @@ def test_abandoned_requests_are_aborted_in_a_resumed_verifier(hang_server):
 def test_kill_9_of_the_drafter_during_a_non_streaming_request_loses_nothing(hang_server):
     """The request finishes without speculation (the text of plain decoding); the supervisor starts a
     new drafter, and speculation comes back: a later request drafts again (the draft-token counter moves)."""
-    import threading
-
     body = {"prompt": "x", "max_tokens": 240, "temperature": 0, "speculative": {"method": "dflash", "budget": 8}}
     ref = httpx.post(hang_server.base + "/v1/completions", timeout=60,
                      json={**body, "speculative": {"method": "ar"}}).json()["choices"][0]
     old = hang_server.child("dartree-drafter")
-    box: dict = {}
-    t = threading.Thread(target=lambda: box.update(r=httpx.post(hang_server.base + "/v1/completions", timeout=60,
-                                                                 json=body)))
-    t.start()
-    vport = hang_server.metrics_ports[0]
-    for _ in range(200):  # wait until the verifier runs it
-        if metric_total(httpx.get(f"http://127.0.0.1:{vport}/metrics").text, "dartree_num_requests_running") > 0:
-            break
-        time.sleep(0.01)
-    old.send_signal(signal.SIGKILL)
-    t.join(60)
-    r = box["r"]
+    r = _kill_mid_request(hang_server, old, body)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == ref["text"]
     hang_server.wait_replaced("dartree-drafter", old.pid)
+    vport = hang_server.metrics_ports[0]
     drafts = lambda: metric_total(httpx.get(f"http://127.0.0.1:{vport}/metrics").text,  # noqa: E731
                                   "dartree_spec_draft_tokens_total")
 
@@ -312,29 +300,31 @@ def test_kill_9_of_the_drafter_during_a_non_streaming_request_loses_nothing(hang
     _wait_for(drafts_again, 60, "speculation with the new drafter")
 
 
-@pytest.mark.parametrize("victim", ["dartree-verifie"], ids=["verifier"])
-def test_kill_9_during_a_non_streaming_request_is_a_503(hang_server, victim):
-    """The streaming case is in tests/service/test_e2e_tiny.py; this is the non-streaming one."""
+def _kill_mid_request(server, proc, body: dict):
+    """POST ``body`` (non-streaming) on a thread, SIGKILL ``proc`` once the verifier runs the request;
+    the response."""
     import threading
 
-    old = hang_server.child(victim)
     box: dict = {}
-
-    def request():
-        box["r"] = httpx.post(hang_server.base + "/v1/completions", timeout=60, json={
-            "prompt": "x", "max_tokens": 240,
-            "speculative": {"method": "dflash", "budget": 8}})  # explicit budget: drafts every round
-
-    t = threading.Thread(target=request)
+    t = threading.Thread(target=lambda: box.update(r=httpx.post(server.base + "/v1/completions", timeout=60,
+                                                                 json=body)))
     t.start()
-    vport = hang_server.metrics_ports[0]
+    vport = server.metrics_ports[0]
     for _ in range(200):  # wait until the verifier runs it
         if metric_total(httpx.get(f"http://127.0.0.1:{vport}/metrics").text, "dartree_num_requests_running") > 0:
             break
         time.sleep(0.01)
-    old.send_signal(signal.SIGKILL)
-    t.join(30)
-    r = box["r"]
+    proc.send_signal(signal.SIGKILL)
+    t.join(60)
+    return box["r"]
+
+
+@pytest.mark.parametrize("victim", ["dartree-verifie"], ids=["verifier"])
+def test_kill_9_during_a_non_streaming_request_is_a_503(hang_server, victim):
+    """The streaming case is in tests/service/test_e2e_tiny.py; this is the non-streaming one."""
+    old = hang_server.child(victim)
+    r = _kill_mid_request(hang_server, old, {"prompt": "x", "max_tokens": 240,  # explicit budget: drafts every round
+                                             "speculative": {"method": "dflash", "budget": 8}})
     assert r.status_code == 503, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     hang_server.wait_replaced(victim, old.pid)

@@ -43,6 +43,29 @@ def _ready(server) -> int:
         return 0
 
 
+def _stream_in_background(server) -> tuple[threading.Thread, dict]:
+    """A 240-token stream on a thread (an explicit budget drafts every round: the goodput policy may
+    decode plainly), returned once its first event arrived; ``box["lines"]``: its ``data:`` lines."""
+    box: dict = {}
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.Client(base_url=server.base, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 240, "stream": True,
+                                                           "speculative": {"method": "dflash", "budget": 8}}) as r:
+                lines = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        started.set()
+                box["lines"] = lines
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(30)
+    return t, box
+
+
 def _detail(server) -> str:
     r = httpx.get(server.base + "/health/ready", timeout=2)
     assert r.status_code == 200, r.text
@@ -51,18 +74,7 @@ def _detail(server) -> str:
 
 def test_a_hung_drafter_keeps_the_server_ready_and_the_stream_finishes(ready_server):
     proc = ready_server.child("dartree-drafter")
-    box: dict = {}
-    started = threading.Event()
-
-    def stream() -> None:
-        with httpx.Client(base_url=ready_server.base, timeout=60) as c:
-            with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 240, "stream": True,
-                                                           "speculative": {"method": "dflash", "budget": 8}}) as r:
-                box["lines"] = [line for line in r.iter_lines() if line.startswith("data: ") and not started.set()]
-
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(30)
+    t, box = _stream_in_background(ready_server)
     proc.send_signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -86,23 +98,7 @@ def test_a_hung_drafter_keeps_the_server_ready_and_the_stream_finishes(ready_ser
 @pytest.mark.parametrize("victim", ["dartree-verifie"], ids=["verifier"])
 def test_readiness_is_503_soon_after_a_worker_hangs_with_a_stream_in_flight(ready_server, victim):
     proc = ready_server.child(victim)
-    box: dict = {}
-    started = threading.Event()
-
-    def stream() -> None:  # an explicit budget drafts every round (the goodput policy may decode plainly)
-        with httpx.Client(base_url=ready_server.base, timeout=60) as c:
-            with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 240, "stream": True,
-                                                           "speculative": {"method": "dflash", "budget": 8}}) as r:
-                lines = []
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        lines.append(line)
-                        started.set()
-                box["lines"] = lines
-
-    t = threading.Thread(target=stream)
-    t.start()
-    assert started.wait(30)
+    t, box = _stream_in_background(ready_server)
     proc.send_signal(signal.SIGSTOP)
     try:
         t0 = time.monotonic()
