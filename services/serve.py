@@ -70,7 +70,8 @@ class SupervisorConfig:
     Attributes:
         startup_timeout_s: how long to wait for readiness (model conversion and loading included).
         drain_timeout_s: SIGTERM drain budget of the gateway (and then the workers).
-        max_restarts: restarts of one worker within ``restart_window_s`` before giving up.
+        max_restarts: restarts of one worker within ``restart_window_s`` before giving up on it (the
+            gateway or verifier: the server stops; the drafter: it serves on without speculation).
         restart_window_s: the sliding window, in seconds, over which ``max_restarts`` counts a worker's restarts.
         drafter: drafter checkpoint ("" = the default drafter if present, "none" = no drafter: AR only).
         start_method: how workers start: ``auto`` (a forkserver that imported torch and the worker
@@ -211,7 +212,9 @@ class Supervisor:
     A worker that exits with an error before the server was ever ready stops the whole server with
     that worker's error line (:class:`StartupError`): start-up failures are configuration problems
     that a restart repeats (a worker killed by a signal is restarted instead). After readiness a dead
-    worker is restarted (``max_restarts`` within ``restart_window_s``).
+    worker is restarted (``max_restarts`` within ``restart_window_s``); past that a dead gateway or
+    verifier stops the server, while a drafter is left dead and the verifier serves on without
+    speculation (the same tokens; docs/design.md, "A drafter failure never fails a request").
     """
 
     def __init__(self, sup: SupervisorConfig, gateway: GatewayConfig, verifier: VerifierWorkerConfig,
@@ -320,8 +323,15 @@ class Supervisor:
             while child.restarts and now - child.restarts[0] > self.sup.restart_window_s:
                 child.restarts.popleft()
             if len(child.restarts) >= self.sup.max_restarts:
-                self.failure = (f"the {child.name} died {len(child.restarts) + 1} times within "
-                                f"{self.sup.restart_window_s:.0f} s; last error: {why}")
+                too_often = (f"the {child.name} died {len(child.restarts) + 1} times within "
+                             f"{self.sup.restart_window_s:.0f} s; last error: {why}")
+                if child.name == "drafter":  # speculation is lossless: the verifier serves on without it
+                    log.error("%s; serving without speculation from now on (restart the server to draft again)",
+                              too_often)
+                    child.proc = None
+                    continue
+                self.failure = too_often
+                log.error("%s; stopping the server", too_often)
                 return False
             log.error("%s died (%s); restarting it", child.name, why)
             child.restarts.append(now)

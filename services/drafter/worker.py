@@ -94,8 +94,8 @@ class DrafterWorkerConfig:
         check_dtype(self.dtype)
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
-        if self.drafter_threads < 0:
-            raise ValueError(f"drafter_threads must be >= 0 (0 = auto; got {self.drafter_threads})")
+        if not 0 <= self.drafter_threads <= 1024:
+            raise ValueError(f"drafter_threads must be in [0, 1024] (0 = auto; got {self.drafter_threads})")
 
 
 def drafter_threads(setting: int, device: str, cores: int | None) -> int | None:

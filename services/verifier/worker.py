@@ -94,8 +94,8 @@ class VerifierWorkerConfig:
             the drafter receives resolved knobs only; the GEMM packs are sized by ``budget``.
         draft_timeout_s: deadline of one drafter round trip; drafter_wait_s: how long to wait for the
             drafter at start; health_interval_s: period of the drafter heartbeat (a thread of its own,
-            so a hung drafter makes the verifier unready within ``health_interval_s`` + 2 s even
-            while requests run; ``DrafterHeartbeat``).
+            so a hung drafter is seen within ``health_interval_s`` + 2 s even while requests run, and
+            the verifier decodes without speculation until it answers again; ``DrafterHeartbeat``).
         drain_timeout_s: on SIGTERM, how long running requests may finish.
         cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC pool for features (CUDA devices only).
         packed_gemm: on a float32 CPU, pack the target's GEMM weights for the step sizes of the
@@ -241,6 +241,7 @@ class VerifierWorker:
         self.drafter_ok = True
         self.drafter_detail = ""  # why the drafter is not ok (set with drafter_ok by the heartbeat)
         self.metrics.drafter_up.set(1 if drafter_ping is not None else 0)  # 0 without a drafter at all
+        self._heartbeat_seen = False  # a DrafterHeartbeat reports (then the idle ping defers to it)
         self.draining = False
         self._drafter_ping, self._params = drafter_ping, params
         self.tree_schedule = parse_tree_schedule(config.tree_schedule)
@@ -513,7 +514,9 @@ class VerifierWorker:
         self.metrics.scheduled_width.set(width)
 
     def on_drafter_heartbeat(self, ok: bool, detail: str) -> None:
-        """The heartbeat thread's verdict on the drafter (see ``DrafterHeartbeat``); feeds readiness."""
+        """The heartbeat thread's verdict on the drafter (see ``DrafterHeartbeat``); feeds the status,
+        the engine and the gauge."""
+        self._heartbeat_seen = True
         if ok != self.drafter_ok:
             log.info("drafter is %s", "reachable again" if ok else f"not ready: {detail}")
         self._set_drafter(ok, detail)
@@ -526,7 +529,13 @@ class VerifierWorker:
         self.metrics.drafter_up.set(1 if ok else 0)
 
     def _check_drafter(self) -> None:
+        """The idle compute thread's own ping (it also re-handshakes a restarted drafter, so the next
+        draft does not). Skipped while the heartbeat says the drafter is down: a ping of a dead
+        drafter blocks this thread up to its 1 s deadline, which a request arriving meanwhile would
+        wait for (the heartbeat says when the drafter is back)."""
         if self._drafter_ping is None or time.monotonic() - self._last_ping < self.config.health_interval_s:
+            return
+        if self._heartbeat_seen and not self.drafter_ok:
             return
         self._last_ping = time.monotonic()
         ok = self._drafter_ping()

@@ -365,3 +365,26 @@ def test_generation_probe_is_a_503_while_a_worker_hangs(hang_server, victim):
     assert waited < PROBE_TIMEOUT_S + 1.5, waited  # the probe's own deadline, not the client's
     hang_server.wait_ready(timeout=30)
     assert httpx.get(hang_server.base + "/health/generate", timeout=30).status_code == 200
+
+
+def test_a_drafter_past_its_restart_budget_leaves_the_server_serving_plainly(tiny_models, tmp_path):
+    """``--max-restarts 1``: the second death of the drafter within the window is not restarted, and
+    instead of stopping the server the supervisor logs it and the verifier serves on without
+    speculation (200, the text of plain decoding, readiness 200 with the reason)."""
+    target_dir, drafter_dir = tiny_models
+    body = {"prompt": "x", "max_tokens": 32, "temperature": 0, "speculative": {"method": "dflash", "budget": 8}}
+    with start_tiny_server(target_dir, drafter_dir, tmp_path / "serve.log", "--max-restarts", "1",
+                           "--health-interval-s", "0.5") as srv:
+        ref = httpx.post(srv.base + "/v1/completions", timeout=60,
+                         json={**body, "speculative": {"method": "ar"}}).json()["choices"][0]["text"]
+        first = srv.child("dartree-drafter")
+        first.send_signal(signal.SIGKILL)
+        second = srv.wait_replaced("dartree-drafter", first.pid)
+        second.send_signal(signal.SIGKILL)
+        _wait_for(lambda: "serving without speculation from now on" in srv.log.read_text(), 30, "the supervisor's verdict")
+        _wait_for(lambda: "without speculation" in _ready_detail(srv), 10, "the reason in /health/ready")
+        r = httpx.post(srv.base + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref, r.text
+        assert srv.proc.poll() is None  # the supervisor still runs
+        with pytest.raises(LookupError):
+            srv.child("dartree-drafter")  # and did not start a third drafter
