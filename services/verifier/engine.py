@@ -342,6 +342,7 @@ class SpecEngine:
         self._reqs: dict[str, _Request] = {}
         self.last_step = StepStats()
         self.drafter_up = drafter is not None  # drafts may be requested (see set_drafter_up)
+        self._forget_contexts = False  # the drafter went down: release every request's context
 
     def set_drafter_up(self, up: bool) -> None:
         """Say whether the drafter is reachable (the verifier worker calls this from its drafter
@@ -350,8 +351,13 @@ class SpecEngine:
         :class:`~services.verifier.remote_drafter.DrafterUnavailable` sets it down too, until the
         next ``set_drafter_up(True)``; each request whose drafter context was lost (a drafter
         restart) sends its whole committed history with its next draft (docs/design.md, "A drafter
-        failure never fails a request")."""
-        self.drafter_up = bool(up) and self.drafter is not None
+        failure never fails a request"). Going down also releases every running request's drafter
+        context (at the next step, on the compute thread): a draining drafter then need not wait
+        for requests that no longer draft."""
+        up = bool(up) and self.drafter is not None
+        if self.drafter_up and not up:
+            self._forget_contexts = True  # on the compute thread, at the next step (the client is its own)
+        self.drafter_up = up
 
     @staticmethod
     def kv_positions(target, config: EngineConfig) -> int:
@@ -601,6 +607,9 @@ class SpecEngine:
             request of the step is freed).
         """
         t_step = time.perf_counter()
+        if self._forget_contexts and not self.drafter_up:
+            self._forget_contexts = False
+            self._release_drafter_contexts()
         self._resolve_waits()
         plan = self.plan_step([r for r in request_ids if self._reqs[r].wait_for is None])
         reqs = {e.rid: self._reqs[e.rid] for e in plan.entries}
@@ -850,6 +859,15 @@ class SpecEngine:
                 if not isinstance(r.pending, BaseException):
                     self.drafter.discard(r.pending)
                 r.pending, r.resync = None, True
+
+    def _release_drafter_contexts(self) -> None:
+        """Release every running request's drafter context (their next drafts resend the history)."""
+        for rid, r in self._reqs.items():
+            if r.decoding and r.spec.method != "ar":
+                if r.pending is not None and not isinstance(r.pending, BaseException):
+                    self.drafter.discard(r.pending)
+                r.pending, r.resync = None, True
+                self.drafter.release(rid)
 
     def _resync(self, rid: str, req: _Request) -> None:
         """Make the request's next draft carry its whole committed history (a drafter that lost its

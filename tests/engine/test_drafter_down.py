@@ -104,7 +104,7 @@ def test_a_drafter_death_decodes_plainly_then_resyncs(llama, at, overlap):
 
 def test_plain_rounds_while_down_are_resent_even_without_a_failed_draft(llama):
     """Rounds the engine ran plainly because it was told the drafter is down (no draft failed) are
-    part of the history the next draft carries."""
+    part of the history the next draft carries; going down releases the request's drafter context."""
     prompt = PROMPTS["a"]
     ref = greedy_reference(llama.model, prompt, N)
     oracle = OracleDrafter({"r": prompt + ref}, depth=D, distractors=1, vocab_size=V, seed=2)
@@ -115,6 +115,7 @@ def test_plain_rounds_while_down_are_resent_even_without_a_failed_draft(llama):
     n_calls = len(oracle.calls)
     out += [t for _ in range(3) for t in engine.step("r").token_ids]
     assert len(oracle.calls) == n_calls
+    assert oracle.released == ["r"]  # its context was released at once (a draining drafter need not wait)
     engine.set_drafter_up(True)
     while len(out) < N:
         out += engine.step("r").token_ids
