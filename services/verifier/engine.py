@@ -839,7 +839,6 @@ class SpecEngine:
                 drafted = True
             except DrafterUnavailable as exc:
                 self._drafter_lost(exc)  # this round (and each other pending one) runs plainly
-                req.resync = True
         elif req.skip_round:
             req.skip_round, skipped = False, True
         timings["draft_wait"] = time.perf_counter() - t0
@@ -848,20 +847,17 @@ class SpecEngine:
 
     def _drafter_lost(self, exc: Exception) -> None:
         """A draft failed with :class:`DrafterUnavailable`: stop drafting until the drafter is up
-        again (:meth:`set_drafter_up`) and turn every other submitted draft into a plain round (their
-        replies cannot come either: the client has dropped the connection), each request to resend
-        its history with its next draft."""
+        again (:meth:`set_drafter_up`) and release every request's drafter context, which turns every
+        other submitted draft into a plain round (their replies cannot come either: the client has
+        dropped the connection)."""
         if self.drafter_up:
             log.warning("drafter unavailable, decoding plainly until it is back: %s", exc)
-        self.drafter_up = False
-        for r in self._reqs.values():
-            if r.pending is not None:
-                if not isinstance(r.pending, BaseException):
-                    self.drafter.discard(r.pending)
-                r.pending, r.resync = None, True
+        self.drafter_up, self._forget_contexts = False, False
+        self._release_drafter_contexts()
 
     def _release_drafter_contexts(self) -> None:
-        """Release every running request's drafter context (their next drafts resend the history)."""
+        """Release every running request's drafter context and discard its submitted draft (their
+        next drafts resend the history)."""
         for rid, r in self._reqs.items():
             if r.decoding and r.spec.method != "ar":
                 if r.pending is not None and not isinstance(r.pending, BaseException):
