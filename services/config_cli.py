@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import fields
 
-from services.runtime import DTYPES, START_METHODS, WEIGHT_CHOICES
+from services.runtime import DRAFTER_PLACEMENTS, DTYPES, START_METHODS, WEIGHT_CHOICES
 from services.spec import METHODS, POLICIES
 
 
@@ -94,7 +94,7 @@ def _to_bool(s: str) -> bool:
 # Fields whose values come from a fixed set (argparse ``choices``: a typo is a one-line error at start).
 CHOICES = {"dtype": DTYPES, "weights": WEIGHT_CHOICES, "default_method": METHODS, "spec_policy": POLICIES,
            "json_whitespace": ("flexible", "compact"),
-           "start_method": START_METHODS,
+           "start_method": START_METHODS, "drafter_placement": DRAFTER_PLACEMENTS,
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "debug", "info", "warning", "error",
                          "critical")}
 

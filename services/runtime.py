@@ -109,6 +109,7 @@ def exit_with_parent(parent_pid: int | None) -> None:
 
 
 START_METHODS = ("auto", "forkserver", "spawn")  # how the supervisor starts its workers (--start-method)
+DRAFTER_PLACEMENTS = ("auto", "process", "verifier")  # where the drafter runs (--drafter-placement)
 FORKSERVER_PRELOAD = "services.forkserver_preload"
 
 

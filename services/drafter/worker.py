@@ -68,9 +68,11 @@ class DrafterWorkerConfig:
         compile: the drafter's block forward through ``torch.compile`` (warm-up at start, logged;
             :class:`services.drafter.service.DrafterService`); ``dartree serve --compile`` sets it
             together with the verifier's.
-        drafter_threads: the drafter process's intra-op CPU threads (0 = auto: 1 on a machine with
-            at most 2 cores, else half of them; the verifier shares the cores and its own threads
-            keep spinning for a while after each step; see :func:`drafter_threads`).
+        drafter_threads: the drafter's intra-op CPU threads. In a drafter process (0 = auto: 1 on
+            a machine with at most 2 cores, else half of them; the verifier shares the cores and its
+            own threads keep spinning for a while after each step; see :func:`drafter_threads`).
+            Inside the verifier (``--drafter-placement verifier``): 0 = the verifier's own threads,
+            N = N threads while drafting.
     """
 
     target: str = "smollm2-135m-instruct"

@@ -80,15 +80,53 @@ class _BatchHandle:
 
 class InprocDrafterClient:
     """Calls a :class:`DrafterService` (or ``Eagle3Service``) in the same process: ``submit`` drafts
-    the whole batch at once with ``draft_batch`` (one drafter forward)."""
+    the whole batch at once with ``draft_batch`` (one drafter forward), on the caller's thread.
 
-    def __init__(self, service):
-        self.service = service
+    This is the engine's drafter in ``dartree generate``, the benchmarks and the tests, and in a
+    server whose drafter runs inside the verifier process (``--drafter-placement verifier``,
+    docs/design.md "Drafter placement").
+
+    Args:
+        service: the drafter service.
+        metrics: a :class:`services.metrics.DrafterMetrics` to record calls, batch sizes, errors,
+            live contexts and the per-phase compute seconds (None: nothing recorded).
+        threads: intra-op CPU threads while drafting (``torch.set_num_threads`` around each
+            ``draft_batch``, the previous count restored after; None: the process's own count).
+    """
+
+    def __init__(self, service, metrics=None, threads: int | None = None):
+        self.service, self.metrics, self.threads = service, metrics, threads
 
     def submit(self, jobs: list[DraftJob]) -> list[_BatchHandle]:
         """Draft ``jobs`` now, as ONE batched forward; one handle per job for :meth:`collect`."""
-        results = self.service.draft_batch(list(jobs))
+        results = self._draft(list(jobs))
+        if self.metrics is not None:
+            self._record(len(jobs), results)
         return [_BatchHandle(results, i) for i in range(len(jobs))]
+
+    def _draft(self, jobs: list[DraftJob]) -> list:
+        if self.threads is None:
+            return self.service.draft_batch(jobs)
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            return self.service.draft_batch(jobs)
+        finally:
+            torch.set_num_threads(before)
+
+    def _record(self, num_jobs: int, results: list) -> None:
+        m = self.metrics
+        m.calls.labels("draft_batch").inc()
+        m.batch_jobs.observe(num_jobs)
+        for res in results:
+            if isinstance(res, BaseException):
+                m.errors.inc()
+            else:
+                for phase, seconds in res[1].items():
+                    m.seconds.labels(phase).observe(seconds)
+        m.contexts.set(self.service.num_contexts())
 
     def collect(self, handle: _BatchHandle) -> tuple[DraftTree, dict[str, float]]:
         """The tree of a submitted job (re-raises its error)."""
@@ -99,6 +137,9 @@ class InprocDrafterClient:
 
     def release(self, request_id: str) -> None:
         self.service.release(request_id)
+        if self.metrics is not None:
+            self.metrics.calls.labels("release").inc()
+            self.metrics.contexts.set(self.service.num_contexts())
 
     def info(self) -> dict:
         return self.service.info()

@@ -70,6 +70,10 @@ def listener():
     (("--drafter-threads", "-1"), None, "drafter_threads must be in [0, 1024] (0 = auto; got -1)"),
     (("--drafter-threads", "99999999999999999999"), None, "drafter_threads must be in [0, 1024]"),
     (("--default-method", "medusa"), None, "invalid choice: 'medusa'"),
+    (("--drafter-placement", "gpu"), None, "invalid choice: 'gpu'"),
+    (("--drafter-placement", "verifier", "--overlap"), None, "--overlap needs a drafter process"),
+    (("--drafter-endpoint", "tcp://127.0.0.1:1", "--drafter-placement", "verifier"), None,
+     "--drafter-endpoint names a drafter process's address"),
     (("--dtype", "float64"), None, "invalid choice: 'float64'"),
     ((), {"DARTREE_MAX_RUNNING": "abc"}, "DARTREE_MAX_RUNNING='abc' is not a valid int"),
     ((), {"DARTREE_METRICS_AUTH": "maybe"}, "DARTREE_METRICS_AUTH='maybe' is not a valid boolean"),
@@ -129,6 +133,18 @@ def test_a_worker_that_fails_at_start_stops_the_server_with_its_error_line(tmp_p
     _assert_one_line_error(r, "the drafter failed to start:")
     assert "model.safetensors" in r.stderr.strip().splitlines()[-1], out[-3000:]
     assert out.count("started drafter") == 1, out[-3000:]  # not restarted
+
+
+def test_a_drafter_inside_the_verifier_that_fails_to_load_stops_the_server_with_its_error_line(tmp_path):
+    target_dir, drafter_dir = make_tiny_models(tmp_path)
+    bad = tmp_path / "bad-drafter"
+    bad.mkdir()
+    (bad / "config.json").write_text((drafter_dir / "config.json").read_text())
+    r = _serve(*TINY_FLAGS, "--drafter-placement", "verifier", "--target", str(target_dir), "--drafter", str(bad))
+    out = r.stdout + r.stderr
+    _assert_one_line_error(r, "the verifier failed to start:")
+    assert "model.safetensors" in r.stderr.strip().splitlines()[-1], out[-3000:]
+    assert "started drafter" not in out and out.count("started verifier") == 1, out[-3000:]
 
 
 @pytest.mark.parametrize("drain_s, signals", [("1", 1), ("60", 2)])

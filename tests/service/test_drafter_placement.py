@@ -1,0 +1,114 @@
+"""``--drafter-placement``: the drafter in its own process or inside the verifier process.
+
+The rule of ``auto`` (:func:`services.serve.resolve_drafter_placement`), the processes the supervisor
+starts for each placement, and a tiny server with the drafter inside the verifier: greedy answers
+equal plain decoding for every drafting method, rounds draft, no drafter process runs, and the
+drafter's metrics are still served on the drafter's port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+
+import httpx
+import pytest
+
+from services.serve import Supervisor, add_serve_args, plan, resolve_drafter_placement
+from services.testing import served_ar_reference, start_server
+
+from .tiny import TINY_FLAGS, make_tiny_models
+
+
+@pytest.mark.parametrize("setting, device, overlap, endpoint, want", [
+    ("auto", "cpu", False, "", "verifier"),
+    ("auto", "cuda", False, "", "process"),
+    ("auto", "cuda:1", False, "", "process"),
+    ("auto", "cpu", True, "", "process"),
+    ("auto", "cpu", False, "tcp://127.0.0.1:5555", "process"),
+    ("process", "cpu", False, "", "process"),
+    ("process", "cpu", True, "", "process"),
+    ("verifier", "cpu", False, "", "verifier"),
+    ("verifier", "cuda", False, "", "verifier"),
+])
+def test_the_placement_rule(setting, device, overlap, endpoint, want):
+    assert resolve_drafter_placement(setting, device, overlap, endpoint) == want
+
+
+@pytest.mark.parametrize("overlap, endpoint, fragment", [(True, "", "--overlap"), (False, "ipc:///x", "--drafter-endpoint")])
+def test_a_drafter_in_the_verifier_refuses_what_needs_a_drafter_process(overlap, endpoint, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        resolve_drafter_placement("verifier", "cpu", overlap, endpoint)
+
+
+def _plan(tmp_path, monkeypatch, *flags: str):
+    target, drafter = make_tiny_models(tmp_path)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    for name in ("DARTREE_DRAFTER_PLACEMENT", "DARTREE_OVERLAP", "DARTREE_DRAFTER_ENDPOINT", "DARTREE_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--target", str(target), "--drafter", str(drafter), "--weights", "float32",
+                              "--port", "18441", "--verifier-metrics-port", "18442", "--drafter-metrics-port",
+                              "18443", *flags])
+    sup, gateway, verifier, drafter_cfg, rt = plan(args)
+    if rt is not None:
+        shutil.rmtree(rt, ignore_errors=True)
+    return sup, Supervisor(sup, gateway, verifier, drafter_cfg), verifier, drafter_cfg
+
+
+def test_on_cpu_the_default_runs_the_drafter_inside_the_verifier(tmp_path, monkeypatch):
+    sup, supervisor, verifier, drafter_cfg = _plan(tmp_path, monkeypatch)
+    assert sup.drafter_placement == "verifier"
+    assert set(supervisor.children) == {"verifier", "gateway"}
+    assert supervisor.children["verifier"].config == (verifier, drafter_cfg)
+
+
+@pytest.mark.parametrize("flags", [("--drafter-placement", "process"), ("--overlap",)])
+def test_a_drafter_process_when_asked_for_or_needed(tmp_path, monkeypatch, flags):
+    sup, supervisor, verifier, drafter_cfg = _plan(tmp_path, monkeypatch, *flags)
+    assert sup.drafter_placement == "process"
+    assert set(supervisor.children) == {"drafter", "verifier", "gateway"}
+    assert supervisor.children["verifier"].config == verifier
+    assert supervisor.children["drafter"].config == drafter_cfg
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and \
+                all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.split()[-1])
+    return total
+
+
+@pytest.mark.e2e
+def test_a_server_with_the_drafter_inside_the_verifier_drafts_losslessly(tmp_path):
+    from gateway.text import TextModel
+
+    target_dir, drafter_dir = make_tiny_models(tmp_path)
+    with start_server(*TINY_FLAGS, "--drafter-placement", "verifier", "--budget", "8", "--candidates", "8",
+                      "--width", "4", log=tmp_path / "serve.log", target=target_dir, drafter=drafter_dir,
+                      env={"OMP_NUM_THREADS": "1"}) as srv:
+        with pytest.raises(LookupError):
+            srv.child("dartree-drafter")  # one process drafts and verifies
+        srv.child("dartree-verifie")  # the process title, cut to 15 characters
+        vport, dport = srv.metrics_ports
+        ready = httpx.get(srv.base + "/health/ready", timeout=10)
+        assert ready.status_code == 200 and ready.json()["detail"] == "ready", ready.text
+        reference = served_ar_reference(target_dir, TextModel(target_dir).encode("Hello world"), 24)
+        for method in ("dartree-pruned", "ddtree", "dflash", "ar"):
+            r = httpx.post(srv.base + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "Hello world", "max_tokens": 24, "return_token_ids": True,
+                "speculative": {"method": method, "budget": 8}})
+            assert r.status_code == 200, r.text
+            ids = r.json()["choices"][0]["token_ids"]
+            assert ids and ids == reference[:len(ids)], method
+        verifier = httpx.get(f"http://127.0.0.1:{vport}/metrics", timeout=10).text
+        assert _metric(verifier, "dartree_spec_draft_tokens_total") > 0
+        assert _metric(verifier, "dartree_verifier_drafter_up") == 1
+        drafter = httpx.get(f"http://127.0.0.1:{dport}/metrics", timeout=10).text
+        assert _metric(drafter, "dartree_drafter_calls_total", type="draft_batch") >= 3
+        assert _metric(drafter, "dartree_drafter_seconds_count") > 0
+        assert _metric(drafter, "dartree_drafter_contexts") == 0  # every finished request released its context
+        assert "drafter runs in the verifier process" in srv.log_tail(200_000)
