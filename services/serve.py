@@ -100,10 +100,11 @@ def resolve_drafter_placement(setting: str, device: str, overlap: bool, drafter_
     ``auto`` is ``verifier`` on a CPU device unless ``--overlap`` (which needs a drafter drafting
     while the target verifies) or an explicit ``--drafter-endpoint`` asks for a drafter process;
     ``process`` on any other device (CUDA IPC between the two processes, the drafter on its own
-    stream). On the project's 2-core CPU the default server through HTTP drafted its GSM8K answers
-    1.23x faster than plain decoding with the drafter in the verifier against 1.05x with a drafter
-    process (benchmarks/results/2026-12-04-drafter-placement/): a round saves the ZeroMQ hops and
-    the serialisation (~0.8 ms) and the two processes no longer take turns on the same cores.
+    stream). On the project's 2-core CPU the default server through HTTP ran GSM8K at 1.19x plain
+    decoding with the drafter in the verifier against 1.08x with a drafter process, MT-Bench 0.98x
+    vs 0.97x, ShareGPT 1.09x vs 1.01x (benchmarks/results/2026-12-04-drafter-placement/): a round
+    saves the ZeroMQ hops and the serialisation (~0.8 ms) and the two processes no longer take
+    turns on the same cores.
 
     Raises:
         ValueError: ``verifier`` together with ``--overlap`` or ``--drafter-endpoint`` (one line).
