@@ -35,13 +35,19 @@ def _prompts(tok, dataset: str, n: int) -> list[list[int]]:
 
 
 def run_level(engine, prompts: list[list[int]], c: int, method: str, budget: int | None, max_tokens: int) -> dict:
-    """All ``prompts`` through ``engine`` with ``c`` in flight; returns tokens/s, tau and per-request stats."""
+    """All ``prompts`` through ``engine`` with ``c`` in flight; returns tokens/s, tau and per-request stats.
+
+    ``step_ms``: the decode steps' mean wall time split into the target forward, the wait for the
+    drafts (an in-process drafter drafts inside it) and the rest (``other``: sampling, tree
+    buffers, walk, commit, scheduling), in ms per step, from ``engine.last_step``; steps that
+    prefilled a prompt chunk are left out."""
     from services.verifier.engine import SamplingParams, SpecParams
 
     queue = list(enumerate(prompts))
     live: dict[str, dict] = {}
     done: dict[int, dict] = {}
     emitted = rounds = drafted = 0
+    split = {"wall": 0.0, "forward": 0.0, "draft_wait": 0.0, "steps": 0}
     t0 = time.perf_counter()
     while queue or live:
         while queue and len(live) < c:
@@ -50,7 +56,14 @@ def run_level(engine, prompts: list[list[int]], c: int, method: str, budget: int
             engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=False),
                                SpecParams(method, budget=budget))
             live[rid] = {"i": i, "tokens": [], "rounds": []}
-        for rid, out in engine.step_batch(list(live)).items():
+        outs = engine.step_batch(list(live))
+        st_ = engine.last_step
+        if st_.requests and not st_.prefill_tokens:
+            split["wall"] += st_.wall_seconds
+            split["forward"] += st_.forward_seconds
+            split["draft_wait"] += st_.draft_wait_seconds
+            split["steps"] += 1
+        for rid, out in outs.items():
             if isinstance(out, BaseException):
                 raise out
             if out is None:
@@ -83,7 +96,18 @@ def run_level(engine, prompts: list[list[int]], c: int, method: str, budget: int
             "calib_tau_error_per_request": statistics.mean(bias) if bias else None,
             "calib_error_per_request": statistics.mean(errs) if errs else None,
             "calib_error_spec_rounds": statistics.mean(errs_spec) if errs_spec else None,
-            "outputs": {i: d["tokens"] for i, d in done.items()}}
+            "step_ms": _step_ms(split), "outputs": {i: d["tokens"] for i, d in done.items()}}
+
+
+def _step_ms(split: dict) -> dict:
+    """Mean ms per decode step: wall, forward, draft wait and the rest (``other``)."""
+    n = split["steps"]
+    if not n:
+        return {}
+    out = {k: round(1e3 * split[k] / n, 3) for k in ("wall", "forward", "draft_wait")}
+    out["other"] = round(out["wall"] - out["forward"] - out["draft_wait"], 3)
+    out["steps"] = n
+    return out
 
 
 def plot(res: dict, path: Path) -> None:

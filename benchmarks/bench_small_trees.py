@@ -312,6 +312,10 @@ def run_e2e(a) -> dict:
                                   "tau": round(statistics.median(x["tau"] for x in rs), 3),
                                   "plain_round_fraction": round(statistics.median(x["plain_round_fraction"] for x in rs), 3),
                                   "equals_ar": all(x["equals_ar"] for x in rs),
+                                  # ms per decode step (median over repeats): forward, draft wait, the rest
+                                  "step_ms": {k: round(statistics.median(x["step_ms"][k] for x in rs), 3)
+                                              for k in ("wall", "forward", "draft_wait", "other")}
+                                  if all(x.get("step_ms") for x in rs) else {},
                                   "mismatches": [m | {"repeat": i} for i, x in enumerate(rs) for m in x["mismatches"]]}
         print(f"{label:18s} median {res['settings'][label]['tokens_per_s']:.2f} tok/s = "
               f"{res['settings'][label]['vs_ar']:.3f}x ar (paired {res['settings'][label]['vs_ar_paired']:.3f})", flush=True)

@@ -4,12 +4,16 @@ One round of a B-node tree emits τ(B) tokens (replayed) and costs one verify fo
 rows, ``c(M)`` one-row steps, plus the draft, ``d(B)`` steps (drafter block forward, output projection,
 tree build). Plain decoding emits one token per one-row step, so
 
-    speedup(B) = τ(B) (1 + o) / (c(B + 1) + d(B) + o)     and the best point is max over B (B = 0: 1.0)
+    speedup(B) = τ(B) (1 + o) / (c(B + 1) + d(B) + o + e)     and the best point is max over B (B = 0: 1.0)
 
 where ``o`` is the per-step work outside the target forward (sampling, commit, the engine's
-bookkeeping) in one-row steps, paid once per round by both: it is taken from an ``e2e`` run
-(``--e2e``: the ``ar`` step's wall time minus the one-row forward, in milliseconds, the same
-milliseconds for every format), else 0 (docs/roofline.md). Inputs: the two JSON files of
+bookkeeping) in one-row steps, paid once per round by both, and ``e`` what a round that verifies a
+tree adds to it (its tree buffers and mask, the walk, the commit of several tokens). Both come
+from an ``e2e`` run (``--e2e``): ``o`` = the ``ar`` steps' mean time outside their forward, ``e`` =
+the fixed settings' mean time outside forward and draft, less ``o`` (engine step timings, ms, the
+same ms for every format); an ``e2e`` file without step timings gives ``o`` = the ``ar`` step's
+wall time minus the one-row forward and ``e`` = 0; no ``e2e`` run, both 0 (docs/roofline.md).
+Inputs: the two JSON files of
 :mod:`benchmarks.bench_small_trees` (``tau`` and ``cost``), optionally bench results JSONs of the τ
 protocol at larger budgets (``--protocol``, table 1 of ``dartree bench``), which enter only the
 memory-bound model below (no draft cost was measured for them here).
@@ -51,28 +55,31 @@ def load_protocol(paths: list[str]) -> dict[int, dict]:
     return out
 
 
-def predict(t: float, c: float, d: float, o: float) -> float:
+def predict(t: float, c: float, d: float, o: float, e: float = 0.0) -> float:
     """Speedup over plain decoding of rounds emitting ``t`` tokens for a verify of ``c``, a draft of
-    ``d`` and a per-step overhead of ``o`` one-row steps."""
-    return t * (1 + o) / (c + d + o)
+    ``d``, a per-step overhead of ``o`` and a tree round's extra overhead ``e``, in one-row steps."""
+    return t * (1 + o) / (c + d + o + e)
 
 
-def speedups(tau: dict, cost: dict, fmt: str, overhead_ms: float = 0.0, dataset: str = "mean") -> list[dict]:
-    """Rows ``{B, L, tau, c, d, o, speedup, speedup_vs_unit}`` of one format, every (B, L) with a draft time
-    (``o`` = ``overhead_ms`` in the format's one-row steps; ``speedup_vs_unit``: over the unit format's
-    plain decoding, whose step is its one-row forward plus the same ``overhead_ms``)."""
+def speedups(tau: dict, cost: dict, fmt: str, overhead_ms: float = 0.0, dataset: str = "mean",
+             tree_ms: float = 0.0) -> list[dict]:
+    """Rows ``{B, L, tau, c, d, o, e, speedup, speedup_vs_unit}`` of one format, every (B, L) with a
+    draft time (``o`` = ``overhead_ms`` and ``e`` = ``tree_ms`` in the format's one-row steps;
+    ``speedup_vs_unit``: over the unit format's plain decoding, whose step is its one-row forward
+    plus the same ``overhead_ms``)."""
     f = cost["formats"][fmt]
     one = f["forward_ms"]["1"]
     unit_one = cost["formats"].get(cost["unit"], f)["forward_ms"]["1"]
-    o = overhead_ms / one
+    o, e = overhead_ms / one, tree_ms / one
     rows = []
     for key, dr in sorted(f["draft"].items(), key=lambda kv: tuple(int(x) for x in kv[0].split("/"))):
         b, block = (int(x) for x in key.split("/"))
         if (b, block) not in tau or str(b + 1) not in f["c"]:
             continue
         t, c, d = tau[(b, block)][dataset], f["c"][str(b + 1)], dr["d"]
-        s = predict(t, c, d, o)
-        rows.append({"B": b, "L": block, "tau": t, "c": c, "d": d, "o": round(o, 3), "speedup": round(s, 3),
+        s = predict(t, c, d, o, e)
+        rows.append({"B": b, "L": block, "tau": t, "c": c, "d": d, "o": round(o, 3), "e": round(e, 3),
+                     "speedup": round(s, 3),
                      "speedup_vs_unit": round(s * (unit_one + overhead_ms) / (one + overhead_ms), 3)})
     return rows
 
@@ -87,19 +94,35 @@ def gpu_rows(tau: dict, protocol: dict, draft: float) -> list[dict]:
 
 
 def overhead_of(e2e: dict | None, cost: dict) -> float:
-    """Milliseconds of an ``ar`` step outside its one-row forward (0 without an ``e2e`` run)."""
+    """Milliseconds of an ``ar`` step outside its forward: the engine's step timings of the ``e2e``
+    run (``step_ms.other``), else its ``ar`` step's wall time minus the cost file's one-row forward
+    (0 without an ``e2e`` run)."""
     if not e2e:
         return 0.0
-    ar_ms = 1e3 / e2e["settings"]["ar"]["tokens_per_s"]
-    return max(ar_ms - cost["formats"][e2e["weights"]]["forward_ms"]["1"], 0.0)
+    ar = e2e["settings"]["ar"]
+    if ar.get("step_ms"):
+        return max(ar["step_ms"]["other"], 0.0)
+    return max(1e3 / ar["tokens_per_s"] - cost["formats"][e2e["weights"]]["forward_ms"]["1"], 0.0)
 
 
-def check_e2e(tau: dict, cost: dict, e2e: dict, overhead_ms: float) -> list[dict]:
+def tree_overhead_of(e2e: dict | None) -> float:
+    """Milliseconds a round that verifies a tree spends outside its forward and its draft beyond an
+    ``ar`` step's: the mean over the ``e2e`` run's fixed settings of ``step_ms.other`` less the
+    ``ar`` setting's (0 without step timings)."""
+    if not e2e or not e2e["settings"]["ar"].get("step_ms"):
+        return 0.0
+    base = e2e["settings"]["ar"]["step_ms"]["other"]
+    extra = [m["step_ms"]["other"] - base for label, m in e2e["settings"].items()
+             if label.startswith("fixed") and m.get("step_ms")]
+    return max(sum(extra) / len(extra), 0.0) if extra else 0.0
+
+
+def check_e2e(tau: dict, cost: dict, e2e: dict, overhead_ms: float, tree_ms: float = 0.0) -> list[dict]:
     """Predicted vs measured speedup of each fixed ``B=.. L=..`` setting of an ``e2e`` run (τ of its datasets)."""
     out = []
     rows = {}
     for ds in e2e["datasets"]:
-        for r in speedups(tau, cost, e2e["weights"], overhead_ms, ds):
+        for r in speedups(tau, cost, e2e["weights"], overhead_ms, ds, tree_ms):
             rows.setdefault((r["B"], r["L"]), []).append(r["speedup"])
     for label, m in e2e["settings"].items():
         if not label.startswith("fixed"):
@@ -115,20 +138,22 @@ def check_e2e(tau: dict, cost: dict, e2e: dict, overhead_ms: float) -> list[dict
 def report(tau: dict, cost: dict, protocol: dict, gpu_draft: float, e2e: dict | None = None) -> tuple[str, dict]:
     unit = cost["unit"]
     one = {w: f["forward_ms"]["1"] for w, f in cost["formats"].items()}
-    o_ms = overhead_of(e2e, cost)
+    o_ms, e_ms = overhead_of(e2e, cost), tree_overhead_of(e2e)
     lines = [f"Machine: {cost['machine']['processor']}, torch {cost['machine']['torch']}, "
              f"{cost['machine']['threads']} thread(s); unit step: {unit} one-row forward = {cost['unit_ms']} ms; "
-             f"per-step overhead o = {o_ms:.1f} ms" + (" (from the e2e run's `ar`)." if e2e else " (no e2e run: 0)."), ""]
+             f"per-step overhead o = {o_ms:.1f} ms, a tree round's extra e = {e_ms:.1f} ms"
+             + (" (from the e2e run's step timings)." if e2e else " (no e2e run: 0)."), ""]
     lines += ["| format | 1-row ms | " + " | ".join(f"c({r})" for r in cost["rows"]) + " |",
               "|---|---:|" + "---:|" * len(cost["rows"])]
     for w, f in cost["formats"].items():
         lines.append(f"| {w} | {one[w]:.1f} | " + " | ".join(f"{f['c'][str(r)]:.2f}" for r in cost["rows"]) + " |")
-    out = {"overhead_ms": round(o_ms, 2), "formats": {}, "gpu": None, "e2e": None}
+    out = {"overhead_ms": round(o_ms, 2), "tree_overhead_ms": round(e_ms, 2), "formats": {}, "gpu": None, "e2e": None}
     for w in cost["formats"]:
-        rows = speedups(tau, cost, w, o_ms)
+        rows = speedups(tau, cost, w, o_ms, tree_ms=e_ms)
         out["formats"][w] = rows
-        lines += ["", f"**{w}** (drafter {cost['formats'][w]['drafter_dtype']}, o = {o_ms / one[w]:.2f}): "
-                  f"speedup = τ (1 + o) / (c(B+1) + d + o), in {w} one-row steps, τ the mean over datasets; "
+        lines += ["", f"**{w}** (drafter {cost['formats'][w]['drafter_dtype']}, o = {o_ms / one[w]:.2f}, "
+                  f"e = {e_ms / one[w]:.2f}): "
+                  f"speedup = τ (1 + o) / (c(B+1) + d + o + e), in {w} one-row steps, τ the mean over datasets; "
                   f"last column over {unit} plain decoding", "",
                   f"| B | L | τ | c(B+1) | d | speedup | vs {unit} `ar` |", "|---:|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
@@ -144,7 +169,7 @@ def report(tau: dict, cost: dict, protocol: dict, gpu_draft: float, e2e: dict | 
               "| B | τ | speedup |", "|---:|---:|---:|"]
     lines += [f"| {r['B']} | {r['tau']:.2f} | {r['speedup']:.2f}× |" for r in g]
     if e2e:
-        chk = check_e2e(tau, cost, e2e, o_ms)
+        chk = check_e2e(tau, cost, e2e, o_ms, e_ms)
         out["e2e"] = chk
         lines += ["", f"**predicted vs measured** ({e2e['weights']}, {', '.join(e2e['datasets'])}, c = 1, τ of "
                   "those datasets)", "", "| setting | predicted | measured (median) | paired | predicted / measured - 1 |",
