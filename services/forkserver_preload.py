@@ -27,6 +27,7 @@ import torch  # noqa: F401
 import transformers.models.llama.modeling_llama  # noqa: F401
 
 import gateway.app  # noqa: F401
+import services.colocated  # noqa: F401
 import services.drafter.worker  # noqa: F401
 import services.startup  # noqa: F401
 import services.verifier.worker  # noqa: F401

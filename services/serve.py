@@ -179,10 +179,13 @@ def _verifier_entry(config: VerifierWorkerConfig, parent_pid: int) -> None:
 
 def _verifier_drafter_entry(configs: tuple[VerifierWorkerConfig, DrafterWorkerConfig], parent_pid: int) -> None:
     """The verifier process with the drafter inside it (``--drafter-placement verifier``)."""
+    import functools
+
+    from services.colocated import inproc_drafter
     from services.verifier.worker import run_verifier_process
 
     os.setpgrp()
-    run_verifier_process(configs[0], parent_pid, drafter=configs[1])
+    run_verifier_process(configs[0], parent_pid, drafter=functools.partial(inproc_drafter, configs[1]))
 
 
 def _drafter_entry(config: DrafterWorkerConfig, parent_pid: int) -> None:

@@ -587,33 +587,6 @@ def _connect_drafter(config: VerifierWorkerConfig, target_dir, ctx, epoch: str):
     return client, peer
 
 
-def _inproc_drafter(config: VerifierWorkerConfig, drafter_config, epoch: str):
-    """The drafter inside this process (``--drafter-placement verifier``, docs/design.md "Drafter
-    placement"): ``(client, drafter info, drafter metrics)``. Its Prometheus registry is served on
-    the drafter's metrics port, as a drafter process serves it.
-
-    ``drafter_config.drafter_threads`` > 0 sets the intra-op threads while drafting; 0 (auto) keeps
-    the verifier's own (the two never compute at the same time here).
-    """
-    from services.drafter.worker import build_drafter_service, drafter_info
-    from services.ipc_pool import make_transport
-    from services.metrics import DrafterMetrics
-    from services.runtime import start_metrics_server
-    from services.startup import memory_line, object_memory_parts, phase
-    from services.verifier.drafter_client import InprocDrafterClient
-
-    with phase("verifier", "drafter loaded (in the verifier process)"):
-        service, target_dir = build_drafter_service(drafter_config)
-    log.info("%s", memory_line("drafter", object_memory_parts(service)))
-    info = drafter_info(service, target_dir, epoch, drafter_config.device, make_transport(drafter_config.device, False))
-    metrics = DrafterMetrics(drafter=info.model)
-    start_metrics_server(drafter_config.drafter_metrics_port, drafter_config.metrics_host, metrics.registry)
-    client = InprocDrafterClient(service, metrics, threads=drafter_config.drafter_threads or None)
-    log.info("drafter runs in the verifier process (block %d, methods %s, %s threads)", info.block_size,
-             ", ".join(info.methods), drafter_config.drafter_threads or "the verifier's")
-    return client, info, metrics
-
-
 def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo | None):
     """Load the target (tapping the drafter's layers) and wrap it in a ``SpecEngine``: ``(engine, target, dir)``."""
     import torch
@@ -697,14 +670,17 @@ def log_memory(target, engine) -> None:
         "prefix cache": prefix_cache_part(cache.prefix)}))
 
 
-def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = None, drafter=None) -> None:
+def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = None,
+                         drafter: Callable | None = None) -> None:
     """Entry of the verifier process (blocking until drained after SIGTERM).
 
     Args:
         config: the verifier's settings; parent_pid: the supervisor's pid (the process stops when
             it is gone; None: run alone).
-        drafter: a :class:`services.drafter.worker.DrafterWorkerConfig` to run the drafter inside
-            this process (``--drafter-placement verifier``); None: the drafter process at
+        drafter: ``drafter(epoch) -> (client, drafter info, drafter metrics)`` builds the drafter
+            inside this process (``--drafter-placement verifier``;
+            :func:`services.colocated.inproc_drafter`, which the supervisor binds to the drafter's
+            config: this package never imports the drafter's); None: the drafter process at
             ``config.drafter_endpoint`` (or none at all when that is ``"none"``).
     """
     import zmq
@@ -719,7 +695,7 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
 
     inproc = drafter is not None
     if inproc:
-        drafter_client, drafter, _ = _inproc_drafter(config, drafter, epoch)
+        drafter_client, drafter, _ = drafter(epoch)
     else:
         with phase("verifier", "drafter connected"):
             drafter_client, drafter = _connect_drafter(config, resolve_target(config.target), ctx, epoch)

@@ -14,6 +14,7 @@ import shutil
 import httpx
 import pytest
 
+from benchmarks.bench_served import metric_sum as _metric
 from services.serve import Supervisor, add_serve_args, plan, resolve_drafter_placement
 from services.testing import served_ar_reference, start_server
 
@@ -71,15 +72,6 @@ def test_a_drafter_process_when_asked_for_or_needed(tmp_path, monkeypatch, flags
     assert set(supervisor.children) == {"drafter", "verifier", "gateway"}
     assert supervisor.children["verifier"].config == verifier
     assert supervisor.children["drafter"].config == drafter_cfg
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and \
-                all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.split()[-1])
-    return total
 
 
 @pytest.mark.e2e
