@@ -72,14 +72,19 @@ def given_by(args: argparse.Namespace, name: str) -> str | None:
     return _env_var(name) if _env_var(name) in os.environ else None
 
 
-def _checked(convert, type_name: str):
-    """An argparse ``type``: ``convert`` with a one-line error that names the env var a bad default came from."""
+def _checked(convert, type_name: str, choices=None):
+    """An argparse ``type``: ``convert`` with a one-line error that names the env var a bad default
+    came from. ``choices``: the allowed values, checked here for an env var's value (argparse checks
+    ``choices`` only for values given on the command line, never for a default)."""
     def parse(s: str):
         try:
-            return convert(s)
+            value = convert(s)
         except (ValueError, TypeError):
             where = f"{s.var}={str(s)!r}" if isinstance(s, _EnvValue) else repr(s)
             raise argparse.ArgumentTypeError(f"{where} is not a valid {type_name}") from None
+        if choices is not None and isinstance(s, _EnvValue) and value not in choices:
+            raise argparse.ArgumentTypeError(f"{s.var}={str(s)!r} is not one of: {', '.join(map(str, choices))}")
+        return value
 
     parse.__name__ = type_name
     return parse
@@ -215,7 +220,8 @@ def _add_field(group, f, tp, doc: str) -> None:
                            type=_checked(_to_bool, "boolean"), help=help_text)
     else:
         name = getattr(typing.get_args(tp)[0] if typing.get_args(tp) else tp, "__name__", str(tp))
-        group.add_argument(flag, dest=f.name, type=_checked(_parser_type(tp), name), default=default,
+        group.add_argument(flag, dest=f.name, type=_checked(_parser_type(tp), name, CHOICES.get(f.name)),
+                           default=default,
                            choices=CHOICES.get(f.name), help=help_text, action=_StoreGiven)
 
 

@@ -94,7 +94,8 @@ class SupervisorConfig:
     drafter_placement: str = "auto"
 
 
-def resolve_drafter_placement(setting: str, device: str, overlap: bool, drafter_endpoint: str) -> str:
+def resolve_drafter_placement(setting: str, device: str, overlap: bool, drafter_endpoint: str,
+                              source: str = "--drafter-placement") -> str:
     """``process`` or ``verifier`` for ``--drafter-placement`` (docs/design.md, "Drafter placement").
 
     ``auto`` is ``verifier`` on a CPU device unless ``--overlap`` (which needs a drafter drafting
@@ -106,16 +107,25 @@ def resolve_drafter_placement(setting: str, device: str, overlap: bool, drafter_
     saves the ZeroMQ hops and the serialisation (~0.8 ms) and the two processes no longer take
     turns on the same cores.
 
+    ``source`` names where ``setting`` came from (the flag or ``DARTREE_DRAFTER_PLACEMENT``) in
+    the error.
+
     Raises:
-        ValueError: ``verifier`` together with ``--overlap`` or ``--drafter-endpoint`` (one line).
+        ValueError: an unknown ``setting``, or ``verifier`` together with ``--overlap`` or
+            ``--drafter-endpoint`` (one line).
     """
+    from services.runtime import DRAFTER_PLACEMENTS
+
+    if setting not in DRAFTER_PLACEMENTS:
+        raise ValueError(f"{source} must be one of {', '.join(DRAFTER_PLACEMENTS)} (got {setting!r})")
     if setting == "auto":
         return "verifier" if device.startswith("cpu") and not overlap and not drafter_endpoint else "process"
     if setting == "verifier" and overlap:
-        raise ValueError("--overlap needs a drafter process: pass --drafter-placement process (or drop --overlap)")
+        raise ValueError(f"--overlap needs a drafter process, but {source} is 'verifier': pass "
+                         "--drafter-placement process (or drop --overlap)")
     if setting == "verifier" and drafter_endpoint:
-        raise ValueError("--drafter-endpoint names a drafter process's address: pass --drafter-placement process "
-                         "(or drop --drafter-endpoint)")
+        raise ValueError(f"--drafter-endpoint names a drafter process's address, but {source} is 'verifier': "
+                         "pass --drafter-placement process (or drop --drafter-endpoint)")
     return setting
 
 
@@ -516,6 +526,11 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
 
     if args.drafter.strip().lower() == "none":  # "none" in any case means no drafter, never a directory
         args.drafter = "none"
+    if args.drafter_endpoint.strip().lower() == "none":  # the verifier's "no drafter": the same as --drafter none
+        if args.drafter != "none" and given_by(args, "drafter"):
+            raise ValueError(f"--drafter-endpoint none runs no drafter, but {given_by(args, 'drafter')} names one "
+                             f"({args.drafter}): drop one of the two")
+        args.drafter, args.drafter_endpoint = "none", ""
     sup = config_from_args(SupervisorConfig, args)
     use_drafter = bool(sup.drafter != "none" and (sup.drafter or _default_drafter_present()))
     # every config is built once before the target is resolved and the runtime dir exists: a bad value
@@ -523,8 +538,11 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
     config_from_args(GatewayConfig, args)
     config_from_args(VerifierWorkerConfig, args)
     config_from_args(DrafterWorkerConfig, args)
-    placement = resolve_drafter_placement(sup.drafter_placement, args.device, args.overlap, args.drafter_endpoint)
-    sup = dataclasses.replace(sup, drafter_placement=placement)
+    placement = sup.drafter_placement
+    if use_drafter:  # without a drafter the placement means nothing (and --overlap has nothing to overlap)
+        placement = resolve_drafter_placement(placement, args.device, args.overlap, args.drafter_endpoint,
+                                              given_by(args, "drafter_placement") or "--drafter-placement")
+        sup = dataclasses.replace(sup, drafter_placement=placement)
     preflight(args, use_drafter)
     with phase("supervisor", "target and weight format resolved"):
         target, fmt, act_dtype, drafter_dtype = _resolve_model(args)
@@ -535,12 +553,15 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
     if use_drafter:
         log.info("drafter placement: %s%s", placement, " (auto)" if given_by(args, "drafter_placement") is None else "")
     rt = None
-    if not args.verifier_endpoint or (not args.drafter_endpoint and use_drafter):
+    drafter_process = use_drafter and placement == "process"
+    if not args.verifier_endpoint or (not args.drafter_endpoint and drafter_process):
         rt = runtime_dir(unique=True)
     try:
         endpoints = {"verifier_endpoint": args.verifier_endpoint or ipc_endpoint("verifier", rt)}
-        endpoints["drafter_endpoint"] = ((args.drafter_endpoint or ipc_endpoint("drafter", rt)) if use_drafter
-                                         else "none")
+        # a drafter inside the verifier has no endpoint ("" in both configs: nothing binds or connects)
+        endpoints["drafter_endpoint"] = ("none" if not use_drafter else
+                                         (args.drafter_endpoint or ipc_endpoint("drafter", rt)) if drafter_process
+                                         else "")
         gateway = config_from_args(GatewayConfig, args, target=target,
                                    verifier_endpoint=endpoints["verifier_endpoint"],
                                    served_model_name=args.served_model_name or Path(args.target).name)
@@ -597,7 +618,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m services.serve FLAGS``: the same as ``dartree serve FLAGS``."""
-    parser = Parser(prog="dartree serve", description="start gateway + verifier + drafter, supervised")
+    parser = Parser(prog="dartree serve", description="start the gateway, the verifier and the drafter (in the verifier on CPU), supervised")
     add_serve_args(parser)
     return run_command(serve_main, parser.parse_args(argv))
 

@@ -62,7 +62,8 @@ class DrafterWorkerConfig:
         cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC tensor pool (used only on a CUDA device).
         packed_gemm: on a float32 CPU, pre-pack GEMM weights for the round's fixed row counts
             (``services/cpu_gemm.py``: same numerics, ~1.2x faster rounds on the CI CPU).
-        drafter_metrics_port, metrics_host: Prometheus endpoint (port 0 = off).
+        drafter_metrics_port, metrics_host: the drafter's Prometheus endpoint (port 0 = off); served by
+            the verifier process when the drafter runs inside it (``--drafter-placement``).
         max_tensor_bytes: largest tensor frame accepted.
         drain_timeout_s: on SIGTERM, how long the drafter may keep serving the requests in flight.
         compile: the drafter's block forward through ``torch.compile`` (warm-up at start, logged;

@@ -40,16 +40,25 @@ def test_the_placement_rule(setting, device, overlap, endpoint, want):
 def test_a_drafter_in_the_verifier_refuses_what_needs_a_drafter_process(overlap, endpoint, fragment):
     with pytest.raises(ValueError, match=fragment):
         resolve_drafter_placement("verifier", "cpu", overlap, endpoint)
+    with pytest.raises(ValueError, match="DARTREE_DRAFTER_PLACEMENT is 'verifier'"):  # names where it came from
+        resolve_drafter_placement("verifier", "cpu", overlap, endpoint, "DARTREE_DRAFTER_PLACEMENT")
 
 
-def _plan(tmp_path, monkeypatch, *flags: str):
+@pytest.mark.parametrize("setting", ["bogus", "VERIFIER", ""])
+def test_an_unknown_placement_is_refused(setting):
+    with pytest.raises(ValueError, match=r"DARTREE_DRAFTER_PLACEMENT must be one of auto, process, verifier"):
+        resolve_drafter_placement(setting, "cpu", False, "", "DARTREE_DRAFTER_PLACEMENT")
+
+
+def _plan(tmp_path, monkeypatch, *flags: str, drafter_flag: bool = True):
     target, drafter = make_tiny_models(tmp_path)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     for name in ("DARTREE_DRAFTER_PLACEMENT", "DARTREE_OVERLAP", "DARTREE_DRAFTER_ENDPOINT", "DARTREE_DEVICE"):
         monkeypatch.delenv(name, raising=False)
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    args = parser.parse_args(["--target", str(target), "--drafter", str(drafter), "--weights", "float32",
+    args = parser.parse_args(["--target", str(target), *(("--drafter", str(drafter)) if drafter_flag else ()),
+                              "--weights", "float32",
                               "--port", "18441", "--verifier-metrics-port", "18442", "--drafter-metrics-port",
                               "18443", *flags])
     sup, gateway, verifier, drafter_cfg, rt = plan(args)
@@ -63,6 +72,32 @@ def test_on_cpu_the_default_runs_the_drafter_inside_the_verifier(tmp_path, monke
     assert sup.drafter_placement == "verifier"
     assert set(supervisor.children) == {"verifier", "gateway"}
     assert supervisor.children["verifier"].config == (verifier, drafter_cfg)
+    assert verifier.drafter_endpoint == drafter_cfg.drafter_endpoint == ""  # nothing binds or connects
+
+
+def test_a_drafter_process_gets_an_ipc_endpoint(tmp_path, monkeypatch):
+    _, _, verifier, drafter_cfg = _plan(tmp_path, monkeypatch, "--drafter-placement", "process")
+    assert verifier.drafter_endpoint == drafter_cfg.drafter_endpoint
+    assert verifier.drafter_endpoint.startswith("ipc://")
+
+
+def test_drafter_endpoint_none_serves_without_a_drafter(tmp_path, monkeypatch):
+    sup, supervisor, verifier, drafter_cfg = _plan(tmp_path, monkeypatch, "--drafter-endpoint", "none",
+                                                   drafter_flag=False)
+    assert (sup.drafter, drafter_cfg, verifier.drafter_endpoint, verifier.default_method) == ("none", None, "none", "ar")
+    assert set(supervisor.children) == {"verifier", "gateway"}
+    assert supervisor.children["verifier"].config == verifier
+
+
+def test_drafter_endpoint_none_with_a_drafter_directory_is_refused(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="--drafter-endpoint none runs no drafter, but --drafter names one"):
+        _plan(tmp_path, monkeypatch, "--drafter-endpoint", "none")
+
+
+def test_without_a_drafter_the_placement_is_not_checked(tmp_path, monkeypatch):
+    sup, supervisor, verifier, drafter_cfg = _plan(tmp_path, monkeypatch, "--drafter", "none",
+                                                   "--drafter-placement", "verifier", "--overlap", drafter_flag=False)
+    assert drafter_cfg is None and set(supervisor.children) == {"verifier", "gateway"}
 
 
 @pytest.mark.parametrize("flags", [("--drafter-placement", "process"), ("--overlap",)])
