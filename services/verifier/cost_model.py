@@ -7,6 +7,9 @@ Pure (no torch, no models). A step costs
                  owed_r = context tokens the drafter has not seen yet: a request that decoded plainly
                  for a while pays its catch-up in its next draft)
     + overhead = o * (requests)      (walk, commit, emit per request)
+               + t * (drafting)      (a drafted round's own work: its tree's buffers and mask, the
+                                     policy's forecast and cut, the calibration labels, the walk and
+                                     commit of several tokens)
 
 ``table`` holds a moving average of the measured seconds per row count and interpolates
 piecewise-linearly between the row counts it has seen (made non-decreasing in R by isotonic
@@ -16,7 +19,13 @@ some row counts) and the next dozens nearly free, which no straight line capture
 largest row count seen, and while fewer than two row counts are known, the line ``a + b * R``
 applies, fitted by least squares with exponential forgetting (each new sample multiplies the
 weight of the old ones by ``forget``), so the model follows a machine whose speed changes.
-``o`` is an exponential moving average of measured seconds; ``d`` and ``e`` a two-coefficient least-squares fit
+``o`` and ``t`` are a two-coefficient least-squares fit (with forgetting) of each step's time outside
+the forward and the drafter wait on its requests and its drafting requests (``o`` alone, an
+exponential moving average, and ``t = 0`` until the drafting count varies enough to separate the two:
+a server that never drafted has no evidence of ``t``). On the 2-core CPU, ``t`` is ~0.5-2 ms a
+drafted round at 8 running requests against a ~35 ms step: left out, it made one request's draft
+look like a gain in steps where it was a loss (docs/roofline.md, "Tree round overhead").
+``d`` and ``e`` a two-coefficient least-squares fit
 (with forgetting) of each step's drafter wait on its drafting requests and their owed tokens (``d`` alone,
 the moving average, until the owed tokens vary enough to separate the two). A start-up sweep (:func:`startup_sweep`) times a few forwards at every row count
 1 .. 8 and at 9, 17 and 33 (row counts interleaved, a warm-up round excluded; each row count's
@@ -72,7 +81,8 @@ class StepCostModel:
     table_ema: float = 0.2
     draft_seconds: float | None = None     # per drafting request (moving average)
     _d: list = field(default_factory=lambda: [0.0] * 5)  # sum n^2, n k, k^2, n y, k y (n drafts, k owed, y s)
-    overhead_seconds: float = 0.0          # per request in the step
+    overhead_seconds: float = 0.0          # per request in the step (moving average over all steps)
+    _o: list = field(default_factory=lambda: [0.0] * 5)  # sum n^2, n m, m^2, n y, m y (n requests, m drafting, y s)
     samples: int = 0
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w x, w y, w x^2, w x y
     _table: dict = field(default_factory=dict)                   # rows -> moving average of seconds
@@ -133,10 +143,47 @@ class StepCostModel:
             return None
         return d, e
 
-    def observe_overhead(self, seconds_per_request: float) -> None:
-        """Add one measured per-request overhead (step wall time - forward - draft, per request)."""
-        if seconds_per_request >= 0:
-            self.overhead_seconds = (1 - self.ema) * self.overhead_seconds + self.ema * seconds_per_request
+    def observe_overhead(self, seconds_per_request: float, requests: int = 0, drafting: int = 0) -> None:
+        """Add one measured per-request overhead (step wall time - forward - draft, per request) of a
+        step of ``requests`` decoding requests of which ``drafting`` called the drafter (0 requests:
+        unknown, the moving average only)."""
+        if seconds_per_request < 0:
+            return
+        self.overhead_seconds = (1 - self.ema) * self.overhead_seconds + self.ema * seconds_per_request
+        if requests < 1:
+            return
+        n, m, y = float(requests), float(min(max(drafting, 0), requests)), seconds_per_request * requests
+        s = self._o
+        for i in range(5):
+            s[i] *= self.forget
+        s[0] += n * n
+        s[1] += n * m
+        s[2] += m * m
+        s[3] += n * y
+        s[4] += m * y
+
+    def overhead_coefficients(self) -> tuple[float, float] | None:
+        """``(o, t)``: a step's time outside its forward and drafter wait is ``o * requests + t *
+        drafting``; None while the drafting count has not varied enough against the request count to
+        separate the two (or a fit would be negative)."""
+        nn, nm, mm, ny, my = self._o
+        det = nn * mm - nm * nm
+        if nn <= 0 or det <= 1e-9 * max(nn * mm, 1e-30):
+            return None
+        o, t = (mm * ny - nm * my) / det, (nn * my - nm * ny) / det
+        if o < 0 or t < 0:
+            return None
+        return o, t
+
+    def request_overhead(self) -> float:
+        """Seconds a step spends per request outside its forward and drafter wait (``o``)."""
+        fit = self.overhead_coefficients()
+        return fit[0] if fit is not None else self.overhead_seconds
+
+    def round_overhead(self) -> float:
+        """Extra seconds per drafting request of a step (``t``; 0 before the fit can see it)."""
+        fit = self.overhead_coefficients()
+        return fit[1] if fit is not None else 0.0
 
     def coefficients(self) -> tuple[float, float]:
         """``(a, b)``: forward seconds = a + b * rows. Falls back to the prior (or a proportional
@@ -215,14 +262,17 @@ class StepCostModel:
         return self.draft_seconds or 0.0
 
     def step_seconds(self, rows: int, drafting: int, requests: int) -> float:
-        """Predicted wall seconds of a step: forward + drafter calls + per-request overhead."""
-        return self.forward_seconds(rows) + self.draft_cost() * drafting + self.overhead_seconds * requests
+        """Predicted wall seconds of a step: forward + drafter calls + per-request and per-drafted-round
+        overhead."""
+        return self.forward_seconds(rows) + (self.draft_cost() + self.round_overhead()) * drafting + \
+            self.request_overhead() * requests
 
     def state(self) -> dict:
         """JSON-able fitted state (for the cache)."""
         a, b = self.coefficients()
         return {"a": a, "b": b, "table": {str(k): v for k, v in sorted(self._points().items())},
-                "draft_seconds": self.draft_seconds, "overhead_seconds": self.overhead_seconds}
+                "draft_seconds": self.draft_seconds, "overhead_seconds": self.request_overhead(),
+                "round_overhead_seconds": self.round_overhead()}
 
     def seed(self, samples: Iterable[tuple[int, float]]) -> None:
         """Add start-up samples ``(rows, seconds)``: they seed the line like real samples, and the
