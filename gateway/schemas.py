@@ -216,6 +216,11 @@ _UNSUPPORTED_EXTRA = {
     "chat_template": (None, ""), "documents": (None, []), "detokenize": (True, None),
     "return_tokens_as_token_ids": (False, None), "prompt_embeds": (None,), "vllm_xargs": (None, {}),
     "web_search_options": (None,), "verbosity": (None,),
+    # llama.cpp / Ollama samplers (their companions, e.g. mirostat_tau or dry_base, change nothing while
+    # these are off, so only these are checked)
+    "mirostat": (None, 0), "dry_multiplier": (None, 0), "xtc_probability": (None, 0), "tfs_z": (None, 1),
+    "dynatemp_range": (None, 0), "top_n_sigma": (None, -1), "smoothing_factor": (None, 0),
+    "epsilon_cutoff": (None, 0), "eta_cutoff": (None, 0),
 }
 # The same, per endpoint: fields of the other endpoint (or vLLM extensions) that would be ignored here.
 _UNSUPPORTED_EXTRA_COMPLETION = {"max_completion_tokens": (None,), "add_special_tokens": (True, None),

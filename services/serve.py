@@ -95,7 +95,7 @@ class SupervisorConfig:
 
 
 def resolve_drafter_placement(setting: str, device: str, overlap: bool, drafter_endpoint: str,
-                              source: str = "--drafter-placement") -> str:
+                              source: str = "--drafter-placement", overlap_source: str = "--overlap") -> str:
     """``process`` or ``verifier`` for ``--drafter-placement`` (docs/design.md, "Drafter placement").
 
     ``auto`` is ``verifier`` on a CPU device unless ``--overlap`` (which needs a drafter drafting
@@ -107,8 +107,8 @@ def resolve_drafter_placement(setting: str, device: str, overlap: bool, drafter_
     saves the ZeroMQ hops and the serialisation (~0.8 ms) and the two processes no longer take
     turns on the same cores.
 
-    ``source`` names where ``setting`` came from (the flag or ``DARTREE_DRAFTER_PLACEMENT``) in
-    the error.
+    ``source`` and ``overlap_source`` name where ``setting`` and ``overlap`` came from (the flag or
+    its ``DARTREE_*`` variable) in the error.
 
     Raises:
         ValueError: an unknown ``setting``, or ``verifier`` together with ``--overlap`` or
@@ -121,8 +121,8 @@ def resolve_drafter_placement(setting: str, device: str, overlap: bool, drafter_
     if setting == "auto":
         return "verifier" if device.startswith("cpu") and not overlap and not drafter_endpoint else "process"
     if setting == "verifier" and overlap:
-        raise ValueError(f"--overlap needs a drafter process, but {source} is 'verifier': pass "
-                         "--drafter-placement process (or drop --overlap)")
+        raise ValueError(f"{overlap_source} needs a drafter process, but {source} is 'verifier': pass "
+                         f"--drafter-placement process (or drop {overlap_source})")
     if setting == "verifier" and drafter_endpoint:
         raise ValueError(f"--drafter-endpoint names a drafter process's address, but {source} is 'verifier': "
                          "pass --drafter-placement process (or drop --drafter-endpoint)")
@@ -456,6 +456,12 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
     """
     from services.drafter.worker import check_drafter_dir
 
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; "
+                             "use --device cpu")
     listeners = [(args.host, args.port, "--port"), (args.metrics_host, args.verifier_metrics_port,
                                                      "--verifier-metrics-port")]
     if use_drafter:
@@ -541,7 +547,8 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
     placement = sup.drafter_placement
     if use_drafter:  # without a drafter the placement means nothing (and --overlap has nothing to overlap)
         placement = resolve_drafter_placement(placement, args.device, args.overlap, args.drafter_endpoint,
-                                              given_by(args, "drafter_placement") or "--drafter-placement")
+                                              given_by(args, "drafter_placement") or "--drafter-placement",
+                                              given_by(args, "overlap") or "--overlap")
         sup = dataclasses.replace(sup, drafter_placement=placement)
     preflight(args, use_drafter)
     with phase("supervisor", "target and weight format resolved"):

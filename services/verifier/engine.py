@@ -333,6 +333,9 @@ class SpecEngine:
         self.vocab_size = target.vocab_size
         self.config = config
         self.max_context = min(config.max_context or target.max_context, target.max_context)
+        if config.max_context and config.max_context > target.max_context:
+            log.warning("max_context %d is above the target's %d positions: serving %d", config.max_context,
+                        target.max_context, self.max_context)
         self.eos_token_ids = target.eos_token_ids
         self.max_draft_depth = max_draft_depth
         self.runner = runner if runner is not None else ModelRunner(

@@ -696,6 +696,8 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     inproc = drafter is not None
     if inproc:
         drafter_client, drafter, _ = drafter(epoch)
+    elif config.drafter_endpoint == "none":
+        drafter_client, drafter = None, None
     else:
         with phase("verifier", "drafter connected"):
             drafter_client, drafter = _connect_drafter(config, resolve_target(config.target), ctx, epoch)

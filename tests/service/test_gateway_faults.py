@@ -367,6 +367,12 @@ IGNORED_FIELDS = [
     ("/v1/completions", {"prompt": "x", "add_special_tokens": False}, "add_special_tokens"),
     ("/v1/completions", {"prompt": "x", "detokenize": False}, "detokenize"),
     ("/v1/completions", {"prompt": "x", "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ("/v1/completions", {"prompt": "x", "mirostat": 2}, "mirostat"),
+    ("/v1/chat/completions", {"messages": [USER], "dry_multiplier": 0.8}, "dry_multiplier"),
+    ("/v1/completions", {"prompt": "x", "xtc_probability": 0.5}, "xtc_probability"),
+    ("/v1/completions", {"prompt": "x", "tfs_z": 0.9}, "tfs_z"),
+    ("/v1/chat/completions", {"messages": [USER], "dynatemp_range": 0.5}, "dynatemp_range"),
+    ("/v1/completions", {"prompt": "x", "top_n_sigma": 1.0}, "top_n_sigma"),
 ]
 
 

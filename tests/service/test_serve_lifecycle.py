@@ -74,6 +74,8 @@ def listener():
     (("--drafter-placement", "verifier", "--overlap"), None, "--overlap needs a drafter process"),
     (("--overlap",), {"DARTREE_DRAFTER_PLACEMENT": "verifier"},
      "--overlap needs a drafter process, but DARTREE_DRAFTER_PLACEMENT is 'verifier'"),
+    (("--drafter-placement", "verifier"), {"DARTREE_OVERLAP": "1"},
+     "DARTREE_OVERLAP needs a drafter process, but --drafter-placement is 'verifier'"),
     ((), {"DARTREE_DRAFTER_PLACEMENT": "bogus"},
      "DARTREE_DRAFTER_PLACEMENT='bogus' is not one of: auto, process, verifier"),
     ((), {"DARTREE_START_METHOD": "bogus"}, "DARTREE_START_METHOD='bogus' is not one of:"),
@@ -115,6 +117,16 @@ def test_bad_settings_are_one_line_errors_before_anything_starts(tmp_path, flags
     _assert_one_line_error(r, fragment)
     assert time.monotonic() - t0 < 60
     assert "started " not in r.stderr  # no worker was spawned
+
+
+def test_cuda_without_a_cuda_device_is_one_line_before_anything_starts():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    r = _serve("--device", "cuda")
+    _assert_one_line_error(r, "--device cuda: this torch")
+    assert "started " not in r.stderr
 
 
 @pytest.mark.parametrize("which", ["--port", "--verifier-metrics-port", "--drafter-metrics-port"])
