@@ -62,6 +62,31 @@ SWEEP_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33)
 RULE_SLOPE = {"float32": 0.1, "default": 0.03}
 
 
+def _add_pair(sums: list, forget: float, x1: float, x2: float, y: float) -> None:
+    """Add a sample ``y = c1 * x1 + c2 * x2`` to the forgetful sums ``[x1 x1, x1 x2, x2 x2, x1 y, x2 y]``
+    of a two-coefficient least-squares fit without intercept (old samples weigh ``forget`` each)."""
+    for i in range(5):
+        sums[i] *= forget
+    sums[0] += x1 * x1
+    sums[1] += x1 * x2
+    sums[2] += x2 * x2
+    sums[3] += x1 * y
+    sums[4] += x2 * y
+
+
+def _solve_pair(sums: list) -> tuple[float, float] | None:
+    """``(c1, c2)`` of :func:`_add_pair`'s sums; None while ``x1`` and ``x2`` have not varied enough
+    apart to separate them, or when a coefficient would be negative."""
+    aa, ab, bb, ay, by = sums
+    det = aa * bb - ab * ab
+    if aa <= 0 or det <= 1e-9 * max(aa * bb, 1e-30):
+        return None
+    c1, c2 = (bb * ay - ab * by) / det, (aa * by - ab * ay) / det
+    if c1 < 0 or c2 < 0:
+        return None
+    return c1, c2
+
+
 @dataclass
 class StepCostModel:
     """Online linear model of step time.
@@ -121,27 +146,12 @@ class StepCostModel:
         self.draft_seconds = seconds_per_request if d is None else (1 - self.ema) * d + self.ema * seconds_per_request
         if owed_tokens is None or drafting < 1:
             return
-        n, k, y = float(drafting), float(owed_tokens), seconds_per_request * drafting
-        s = self._d
-        for i in range(5):
-            s[i] *= self.forget
-        s[0] += n * n
-        s[1] += n * k
-        s[2] += k * k
-        s[3] += n * y
-        s[4] += k * y
+        _add_pair(self._d, self.forget, float(drafting), float(owed_tokens), seconds_per_request * drafting)
 
     def draft_coefficients(self) -> tuple[float, float] | None:
         """``(d, e)``: a draft costs ``d + e * owed`` seconds; None while the owed tokens have not varied
         enough to separate the two (or a fit would be negative)."""
-        nn, nk, kk, ny, ky = self._d
-        det = nn * kk - nk * nk
-        if nn <= 0 or det <= 1e-9 * max(nn * kk, 1e-30):
-            return None
-        d, e = (kk * ny - nk * ky) / det, (nn * ky - nk * ny) / det
-        if d < 0 or e < 0:
-            return None
-        return d, e
+        return _solve_pair(self._d)
 
     def observe_overhead(self, seconds_per_request: float, requests: int = 0, drafting: int = 0) -> None:
         """Add one measured per-request overhead (step wall time - forward - draft, per request) of a
@@ -152,28 +162,14 @@ class StepCostModel:
         self.overhead_seconds = (1 - self.ema) * self.overhead_seconds + self.ema * seconds_per_request
         if requests < 1:
             return
-        n, m, y = float(requests), float(min(max(drafting, 0), requests)), seconds_per_request * requests
-        s = self._o
-        for i in range(5):
-            s[i] *= self.forget
-        s[0] += n * n
-        s[1] += n * m
-        s[2] += m * m
-        s[3] += n * y
-        s[4] += m * y
+        _add_pair(self._o, self.forget, float(requests), float(min(max(drafting, 0), requests)),
+                  seconds_per_request * requests)
 
     def overhead_coefficients(self) -> tuple[float, float] | None:
         """``(o, t)``: a step's time outside its forward and drafter wait is ``o * requests + t *
         drafting``; None while the drafting count has not varied enough against the request count to
         separate the two (or a fit would be negative)."""
-        nn, nm, mm, ny, my = self._o
-        det = nn * mm - nm * nm
-        if nn <= 0 or det <= 1e-9 * max(nn * mm, 1e-30):
-            return None
-        o, t = (mm * ny - nm * my) / det, (nn * my - nm * ny) / det
-        if o < 0 or t < 0:
-            return None
-        return o, t
+        return _solve_pair(self._o)
 
     def request_overhead(self) -> float:
         """Seconds a step spends per request outside its forward and drafter wait (``o``)."""
