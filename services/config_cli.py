@@ -150,11 +150,13 @@ CLASS_GROUP = {"GatewayConfig": "Gateway", "VerifierWorkerConfig": "Verifier: sc
 _GROUP_OF = {name: title for title, names in HELP_GROUPS.items() for name in names}
 _ENTRY_RE = re.compile(r"^(\w+(?:,\s*\w+)*):\s+(.*)$")  # "name: text" or "a, b: text"
 _INNER_RE = re.compile(r";\s+(\w+(?:,\s*\w+)*):\s+")  # "...; other_field: text" inside an entry
+_ROLE_RE = re.compile(r":[a-z]+:`~?(?:[\w.]+\.)?([^`]+)`")  # ":func:`~a.b.name`" -> "name" in --help
 
 
 def field_docs(cls) -> dict[str, str]:
     """Each field's text in the ``Attributes:`` section of ``cls``'s docstring (``a, b: text`` gives
-    both the text; ``a: text; b: more`` splits at a field name), code quotes removed."""
+    both the text; ``a: text; b: more`` splits at a field name), code quotes and cross-reference
+    markup removed (``:func:`services.x.name``` reads ``name``)."""
     names = {f.name for f in fields(cls)}
     entries: list[list] = []
     section = False
@@ -172,7 +174,7 @@ def field_docs(cls) -> dict[str, str]:
     for head, text in entries:
         for part in _split_entry(head, text, names):
             for name in re.split(r",\s*", part[0]):
-                docs[name] = part[1].replace("``", "").strip().rstrip(".;")
+                docs[name] = _ROLE_RE.sub(r"\1", part[1].replace("``", "")).strip().rstrip(".;")
     return docs
 
 

@@ -73,6 +73,28 @@ def test_field_docs_reads_shared_and_chained_attribute_entries():
                                "b": "second code", "c": "uses a: colon; d is not a field"}
 
 
+def test_help_texts_carry_no_cross_reference_markup():
+    """``--help`` is read by users: docstring roles (``:func:`services.x.name```) read as the name."""
+    from dataclasses import dataclass
+
+    from services.config_cli import field_docs
+
+    @dataclass
+    class Toy:
+        """Toy.
+
+        Attributes:
+            a: forked from one forkserver (:func:`services.runtime.worker_context`), a
+                :class:`~services.x.Thing` each.
+        """
+
+        a: int = 0
+
+    assert field_docs(Toy) == {"a": "forked from one forkserver (worker_context), a Thing each"}
+    text = _sub("serve").format_help()
+    assert not any(role in text for role in (":func:", ":class:", ":meth:", ":mod:", ":data:")), text
+
+
 def test_spec_names_come_from_one_place():
     from services.spec import DEFAULT_METHOD, DEFAULT_POLICY, METHODS, POLICIES
 
