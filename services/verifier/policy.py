@@ -378,6 +378,17 @@ class GoodputPolicy:
         f = self.cal.request_factor(rid)
         return [min(v * f, 1.0) for v in curve[:next((i for i, v in enumerate(curve) if v <= 0.0), len(curve))]]
 
+    def _overheads(self, requests: int) -> tuple[float, float]:
+        """``(o, t)`` the step of ``requests`` decoding requests is priced with: the cost model's fit
+        (:meth:`~services.verifier.cost_model.StepCostModel.request_overhead`, ``round_overhead``) when
+        several requests share the step; alone, the per-request moving average and no ``t`` (pricing
+        ``t`` there made a lone request draft less and run slower: 1.32x of ``ar`` against 1.37x, q4,
+        1 thread, GSM8K, in process; at 4 and 8 requests it is what keeps drafts from losing,
+        benchmarks/results/2026-12-04-goodput-overhead)."""
+        if requests > 1:
+            return self.cost.request_overhead(), self.cost.round_overhead()
+        return self.cost.overhead_seconds, 0.0
+
     def _fresh_labels(self) -> int:
         """New calibration labels after which a cached forecast curve is recomputed: the running count."""
         return max(1, self._running)
@@ -385,9 +396,9 @@ class GoodputPolicy:
     def _could_pay(self) -> bool:
         """Whether a steady drafter call could pay at all at c = 1: a chain of k <= 16 nodes (a drafter
         block), every one accepted, beats a plain step on the cost curve for some k within the budget."""
-        c, o = self.cost, self.cost.request_overhead()
+        c, (o, t) = self.cost, self._overheads(1)
         plain = 1.0 / (c.forward_seconds(1) + o)
-        d = c.draft_cost(1) + c.round_overhead()
+        d = c.draft_cost(1) + t
         top = min(self.max_budget or self.defaults.budget, 16)
         return any((1 + k) / (d + c.forward_seconds(1 + k) + o) > plain for k in range(1, top + 1))
 
@@ -395,8 +406,8 @@ class GoodputPolicy:
         """Seconds per emitted token a request saves over plain decoding at c = 1 when it drafts with
         the forecast ``curve`` (steady drafter call, best number of nodes); 0 where drafting does not
         pay."""
-        c, o = self.cost, self.cost.request_overhead()
-        k, g, t = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + c.round_overhead() + o)
+        c, (o, e) = self.cost, self._overheads(1)
+        k, g, t = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + e + o)
         return max(c.forward_seconds(1) + o - t / g, 0.0) if k and g > 0 else 0.0
 
     def explore_budget(self, curve: list[float]) -> int:
@@ -413,7 +424,7 @@ class GoodputPolicy:
         benchmarks/results/2026-12-03-cpu-small-trees-http-lean). Always in ``[1, cap]``."""
         c = self.cost
         cap = self._cap()
-        k = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + c.round_overhead() + c.request_overhead())[0]
+        k = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + sum(self._overheads(1)))[0]
         one = c.forward_seconds(1)
         within = max((n for n in range(1, cap + 1) if c.forward_seconds(1 + n) <= EXPLORE_STEP_COST * one), default=1)
         return min(max(k + 1, 2), within)  # within is in [1, cap]
@@ -434,7 +445,7 @@ class GoodputPolicy:
             return self._could_pay()
         best = self._saving_per_token([1.0] * self._cap())
         per_token = (sum(saved) + best) / (len(saved) + 1)
-        return remaining * per_token > self.cost.draft_cost(max(owed, 1)) + self.cost.round_overhead()
+        return remaining * per_token > self.cost.draft_cost(max(owed, 1)) + self._overheads(1)[1]
 
     def _mean_curve(self, window, regime: str) -> list[float]:
         """Mean sorted calibrated P (with ``optimism``) of a window of ``(tree, budget)``, position k
@@ -489,7 +500,7 @@ class GoodputPolicy:
         """
         self._running = num_running
         c = self.cost
-        e = c.round_overhead()  # a drafted round's own work in the step, beyond its drafter call
+        o, e = self._overheads(len(rounds))  # e: a drafted round's own work in the step, beyond its drafter call
         forced_s, planned, self._unforecast = 0.0, 0.0, 0
         curves: list[tuple[float, str, list[float], float]] = []
         held: set[str] = set()  # not drafted yet and no probe due: plain (no catch-up paid)
@@ -524,7 +535,7 @@ class GoodputPolicy:
             curves.append((sum(curve), r.rid, curve, c.draft_cost(min(r.owed, 1)) + e))
         curves.sort(key=lambda x: -x[0])
         n = len(rounds)
-        per_req = c.request_overhead() * n
+        per_req = o * n
         best_m, best_ratio, best_k = 0, -1.0, 0
         pool: list[tuple[float, str]] = []
         draft_s = forced_s
@@ -601,8 +612,8 @@ class GoodputPolicy:
             for i, p in enumerate(p_sorted[:min(self._cap(), st.budget or self._cap())].tolist()):
                 cands.append((p, i, rid))
         cands.sort(key=lambda x: (-x[0], x[1]))  # a request's own nodes stay in its order (P sorted, ties by i)
-        e = c.round_overhead()
-        fixed_s = sum(c.draft_cost(d.info.owed) + e for d in items if d.drafted) + c.request_overhead() * len(items)
+        o, e = self._overheads(len(items))
+        fixed_s = sum(c.draft_cost(d.info.owed) + e for d in items if d.drafted) + o * len(items)
         k, _, seconds = self._best_prefix(gain0, rows0, [p for p, _, _ in cands], fixed_s)
         chosen = {rid: (probs[rid].numel() if rid in explicit else 0) for rid in orders}
         for _, _, rid in cands[:k]:
