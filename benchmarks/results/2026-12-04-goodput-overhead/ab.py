@@ -1,6 +1,10 @@
-"""In-process A/B of the goodput policy's step pricing at c concurrent GSM8K requests (q4, 2 threads).
+"""In-process A/B of the goodput policy's step pricing at c concurrent GSM8K requests (q4, 2 threads
+unless ``OMP_NUM_THREADS`` says otherwise).
 
-Arms, one engine (shared calibration and cost model), interleaved with the order rotated each rep:
+``prev``: t priced at every step, a lone request's too (the policy of commit f6bbf7a).
+
+Arms, one engine (shared calibration and cost model), interleaved with the order rotated each rep
+(``c1.json``, ``c4.json``, ``c8.json`` were taken at commit f6bbf7a, before ``prev`` existed):
 ``ar`` (plain decoding), ``old`` (no per-drafted-round overhead: t = 0, o = the moving average of
 all steps; every request's forecast curve recomputed after every calibration label), ``new`` (the
 policy as committed: o and t fitted, curves refreshed after as many labels as running requests).
@@ -20,6 +24,10 @@ cost = engine.policy.cost
 new_ro, new_req = cost.round_overhead, cost.request_overhead
 def set_arm(arm):
     pol = engine.policy
+    if arm == "prev":
+        pol._overheads = lambda n: (cost.request_overhead(), cost.round_overhead())
+        return
+    pol.__dict__.pop("_overheads", None)
     if arm == "old":
         pol._fresh_labels = lambda: 1
         cost.round_overhead = lambda: 0.0
