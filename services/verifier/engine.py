@@ -360,6 +360,8 @@ class SpecEngine:
         up = bool(up) and self.drafter is not None
         if self.drafter_up and not up:
             self._forget_contexts = True  # on the compute thread, at the next step (the client is its own)
+        elif up and not self.drafter_up:
+            log.info("drafter is back: speculative decoding resumes")
         self.drafter_up = up
 
     @staticmethod
