@@ -308,14 +308,16 @@ def test_kill_9_of_a_worker_mid_stream_gives_a_clean_error_and_recovers(server, 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(server):
     server.wait_ready(timeout=180)
     with httpx.Client(base_url=server.base, timeout=60) as c:
-        with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 240, "stream": True}) as r:
+        # six sequences of 240 tokens: a drain that outlasts the first probe even on a fast machine (one
+        # sequence of the tiny model was done, and the gateway gone, before the probe connected)
+        with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 240, "n": 6, "stream": True}) as r:
             lines = r.iter_lines()
             for line in lines:
                 if line.startswith("data: {"):
                     break
             server.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 3.0  # the drain reaches the gateway within a moment of the signal
-            while True:  # (the batched engine finishes 240 tiny-model tokens in about a second)
+            while True:  # (the batched engine finishes 6 x 240 tiny-model tokens in a few seconds)
                 refused = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
                 if refused.status_code == 503 or time.monotonic() > deadline:
                     break

@@ -36,10 +36,12 @@ def _serve(*flags: str, env: dict | None = None, timeout: float = 120) -> subpro
     port, vport, dport = free_loopback_ports(3)
     base = ["--port", str(port), "--verifier-metrics-port", str(vport), "--drafter-metrics-port", str(dport)]
     environ = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR" and not k.startswith("DARTREE_")}
+    t0 = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "services.serve", *base, *flags], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**environ, **ENV, **(env or {})})
     out, err = proc.communicate(timeout=timeout)
-    assert not Path(f"/tmp/dartree-{os.getuid()}-{proc.pid}").exists(), "the runtime dir was left behind"
+    rt = Path(f"/tmp/dartree-{os.getuid()}-{proc.pid}")  # one of an earlier process with this pid is not ours
+    assert not (rt.exists() and rt.stat().st_mtime >= t0 - 1), "the runtime dir was left behind"
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
