@@ -96,7 +96,7 @@ def _add_workers(sub) -> None:
     from services import serve
 
     for name, add, main, what in (
-            ("serve", serve.add_serve_args, serve.serve_main, "start the gateway, the verifier and the drafter (in the verifier on CPU), supervised"),
+            ("serve", serve.add_serve_args, serve.serve_main, serve.SERVE_DESCRIPTION),
             ("gateway", serve.add_gateway_args, serve.gateway_main, "run the HTTP gateway alone"),
             ("verifier", serve.add_verifier_args, serve.verifier_main, "run the verifier worker alone"),
             ("drafter", serve.add_drafter_args, serve.drafter_main, "run the drafter worker alone")):

@@ -94,6 +94,10 @@ class SupervisorConfig:
     drafter_placement: str = "auto"
 
 
+# what ``dartree serve`` does, in its --help and ``dartree --help``
+SERVE_DESCRIPTION = "start the gateway, the verifier and the drafter (in the verifier on CPU), supervised"
+
+
 def resolve_drafter_placement(setting: str, device: str, overlap: bool, drafter_endpoint: str,
                               source: str = "--drafter-placement", overlap_source: str = "--overlap") -> str:
     """``process`` or ``verifier`` for ``--drafter-placement`` (docs/design.md, "Drafter placement").
@@ -625,7 +629,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m services.serve FLAGS``: the same as ``dartree serve FLAGS``."""
-    parser = Parser(prog="dartree serve", description="start the gateway, the verifier and the drafter (in the verifier on CPU), supervised")
+    parser = Parser(prog="dartree serve", description=SERVE_DESCRIPTION)
     add_serve_args(parser)
     return run_command(serve_main, parser.parse_args(argv))
 

@@ -380,14 +380,15 @@ class GoodputPolicy:
 
     def _overheads(self, requests: int) -> tuple[float, float]:
         """``(o, t)`` the step of ``requests`` decoding requests is priced with: the cost model's fit
-        (:meth:`~services.verifier.cost_model.StepCostModel.request_overhead`, ``round_overhead``) when
-        several requests share the step; alone, the per-request moving average and no ``t`` (pricing
+        (:meth:`~services.verifier.cost_model.StepCostModel.overhead_coefficients`) when several
+        requests share the step and the fit exists; alone (the c = 1 prices of :meth:`_could_pay`,
+        :meth:`_saving_per_token`, :meth:`explore_budget`, :meth:`probe_pays` too), the per-request
+        moving average and no ``t`` (pricing
         ``t`` there made a lone request draft less and run slower: 1.32x of ``ar`` against 1.37x, q4,
         1 thread, GSM8K, in process; at 4 and 8 requests it is what keeps drafts from losing,
         benchmarks/results/2026-12-04-goodput-overhead)."""
-        if requests > 1:
-            return self.cost.request_overhead(), self.cost.round_overhead()
-        return self.cost.overhead_seconds, 0.0
+        fit = self.cost.overhead_coefficients() if requests > 1 else None
+        return fit if fit is not None else (self.cost.overhead_seconds, 0.0)
 
     def _fresh_labels(self) -> int:
         """New calibration labels after which a cached forecast curve is recomputed: the running count."""
@@ -396,9 +397,9 @@ class GoodputPolicy:
     def _could_pay(self) -> bool:
         """Whether a steady drafter call could pay at all at c = 1: a chain of k <= 16 nodes (a drafter
         block), every one accepted, beats a plain step on the cost curve for some k within the budget."""
-        c, (o, t) = self.cost, self._overheads(1)
+        c, o = self.cost, self.cost.overhead_seconds  # a lone request: no t (_overheads)
         plain = 1.0 / (c.forward_seconds(1) + o)
-        d = c.draft_cost(1) + t
+        d = c.draft_cost(1)
         top = min(self.max_budget or self.defaults.budget, 16)
         return any((1 + k) / (d + c.forward_seconds(1 + k) + o) > plain for k in range(1, top + 1))
 
@@ -406,8 +407,8 @@ class GoodputPolicy:
         """Seconds per emitted token a request saves over plain decoding at c = 1 when it drafts with
         the forecast ``curve`` (steady drafter call, best number of nodes); 0 where drafting does not
         pay."""
-        c, (o, e) = self.cost, self._overheads(1)
-        k, g, t = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + e + o)
+        c, o = self.cost, self.cost.overhead_seconds  # a lone request: no t (_overheads)
+        k, g, t = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + o)
         return max(c.forward_seconds(1) + o - t / g, 0.0) if k and g > 0 else 0.0
 
     def explore_budget(self, curve: list[float]) -> int:
@@ -424,7 +425,7 @@ class GoodputPolicy:
         benchmarks/results/2026-12-03-cpu-small-trees-http-lean). Always in ``[1, cap]``."""
         c = self.cost
         cap = self._cap()
-        k = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + sum(self._overheads(1)))[0]
+        k = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + c.overhead_seconds)[0]
         one = c.forward_seconds(1)
         within = max((n for n in range(1, cap + 1) if c.forward_seconds(1 + n) <= EXPLORE_STEP_COST * one), default=1)
         return min(max(k + 1, 2), within)  # within is in [1, cap]
@@ -445,7 +446,7 @@ class GoodputPolicy:
             return self._could_pay()
         best = self._saving_per_token([1.0] * self._cap())
         per_token = (sum(saved) + best) / (len(saved) + 1)
-        return remaining * per_token > self.cost.draft_cost(max(owed, 1)) + self._overheads(1)[1]
+        return remaining * per_token > self.cost.draft_cost(max(owed, 1))
 
     def _mean_curve(self, window, regime: str) -> list[float]:
         """Mean sorted calibrated P (with ``optimism``) of a window of ``(tree, budget)``, position k

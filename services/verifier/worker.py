@@ -569,14 +569,13 @@ def verifier_info(target_dir, engine, target, epoch: str, config: VerifierWorker
 
 
 def _connect_drafter(config: VerifierWorkerConfig, target_dir, ctx, epoch: str):
-    """``(client, drafter info)`` or ``(None, None)`` when running without a drafter."""
+    """``(client, drafter info)`` of the drafter process at ``config.drafter_endpoint`` (the caller
+    handles ``"none"``: no drafter)."""
     from services.ipc_pool import make_transport
     from services.protocol import config_eos_token_id, special_token_ids, tokenizer_hash
     from services.verifier.remote_drafter import ZmqDrafterClient
     from services.wire import ipc_endpoint
 
-    if config.drafter_endpoint == "none":
-        return None, None
     local = PeerInfo(role="verifier", epoch=epoch, tokenizer_hash=tokenizer_hash(target_dir),
                      eos_token_id=config_eos_token_id(target_dir), special_token_ids=special_token_ids(target_dir))
     transport = make_transport(config.device, config.cuda_ipc, config.ipc_slots, config.ipc_slot_bytes)
