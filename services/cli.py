@@ -55,10 +55,11 @@ def _add_generate(sub) -> None:
                    help="older spelling: pins --weights to this dense precision when --weights is auto")
     p.add_argument("--no-packed-gemm", dest="packed_gemm", action="store_false",
                    help="do not pre-pack float32 CPU weights for the round's row counts (services/cpu_gemm.py)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="run the target's steps (CUDA graphs on a GPU) and the drafter's block forward through "
-                        "torch.compile (a warm-up of about a minute the first time on a small CPU, less once "
-                        "inductor's disk cache is warm; default: off)")
+                        "torch.compile (a warm-up of about a minute the first time on a small CPU, seconds once "
+                        "its kernels are cached); default (unset): the target's steps only, for a q4 llama "
+                        "target on CPU; --no-compile: eager")
     p.add_argument("--spec-policy", choices=POLICIES, default=DEFAULT_POLICY,
                    help="goodput (default): each round's tree budget (0 = plain decoding) is chosen to maximise "
                         "tokens/s from calibrated acceptance and a measured cost model, --budget is its maximum; "

@@ -96,6 +96,11 @@ def _to_bool(s: str) -> bool:
     return s.lower() in ("1", "true", "yes")
 
 
+def _to_auto_bool(s: str) -> bool | None:
+    """A ``bool | None`` field's environment value: a boolean, or ``auto`` (None)."""
+    return None if s.lower() == "auto" else _to_bool(s)
+
+
 # Fields whose values come from a fixed set (argparse ``choices``: a typo is a one-line error at start).
 CHOICES = {"dtype": DTYPES, "weights": WEIGHT_CHOICES, "default_method": METHODS, "spec_policy": POLICIES,
            "json_whitespace": ("flexible", "compact"),
@@ -115,9 +120,10 @@ FIELD_HELP = {"drafter": "drafter checkpoint directory ('' = the default drafter
               "drain_timeout_s": "on SIGTERM, how long in-flight requests may finish (new ones get 503); each "
                                  "process drains with this budget, the gateway first",
               "log_level": "python logging level name",
-              "compile": "run the target's batched steps and the drafter's block forward through torch.compile "
-                         "(a warm-up at start: minutes the first time on a small CPU, less once inductor's disk "
-                         "cache is warm)",
+              "compile": "run the target's steps and the drafter's block forward through torch.compile (a "
+                         "warm-up at start: about a minute the first time on a small CPU, seconds once its kernels "
+                         "are cached); unset (auto): the target's steps only, for a q4 llama target on CPU; "
+                         "--no-compile: eager steps",
               "packed_gemm": "on a float32 CPU, pre-pack the GEMM weights for the rows of a round (same numerics, "
                              "faster rounds; more RAM)",
               "cuda_ipc": "share feature tensors between the workers through a CUDA-IPC pool (CUDA devices only)",
@@ -217,9 +223,10 @@ def add_config_args(parser: argparse.ArgumentParser, *classes) -> None:
 def _add_field(group, f, tp, doc: str) -> None:
     default = _env_default(f.name, f.default)
     flag, help_text = "--" + f.name.replace("_", "-"), _help(f.name, doc, default)
-    if tp is bool:
+    if tp is bool or tp == (bool | None):  # bool | None: unset (None) means "auto"
         group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                           type=_checked(_to_bool, "boolean"), help=help_text)
+                           type=_checked(_to_bool if tp is bool else _to_auto_bool,
+                                         "boolean" if tp is bool else "boolean or auto"), help=help_text)
     else:
         name = getattr(typing.get_args(tp)[0] if typing.get_args(tp) else tp, "__name__", str(tp))
         group.add_argument(flag, dest=f.name, type=_checked(_parser_type(tp), name, CHOICES.get(f.name)),

@@ -12,7 +12,7 @@ import torch
 
 
 def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torch.dtype, defaults=None,
-                    packed_gemm: bool = True, weights: str | None = None, compile: bool = False,
+                    packed_gemm: bool = True, weights: str | None = None, compile: bool | None = False,
                     compile_drafter: bool | None = None, spec_policy: str = "fixed"):
     """Load target + drafter in one process: ``(engine, tokenizer, drafter_note)``; the engine is
     assembled by :func:`services.verifier.build.build_engine`, as the verifier's is.
@@ -24,8 +24,9 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     (:func:`services.verifier.build.pack_rule`) and the drafter's block (:mod:`services.cpu_gemm`).
 
     ``compile``: the target's steps and the drafter's block forward through ``torch.compile`` (both
-    warmed up here, after packing); ``compile_drafter`` (None = ``compile``) can leave the drafter
-    eager (``ar`` never calls it).
+    warmed up here, after packing); None: the target's steps where
+    :func:`services.verifier.runner.auto_compile` says so, the drafter eager; ``compile_drafter``
+    (None = ``compile``) can leave the drafter eager (``ar`` never calls it).
     ``weights``: the target's format (:mod:`services.weights`; None = dense ``dtype``); ``dtype`` is
     the activations' precision; the drafter runs in :func:`services.weights.drafter_dtype` of it
     (float32 on a CPU without native bfloat16).
@@ -71,13 +72,15 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     defaults = defaults or default_tree_knobs("cpu")
     embed, head = borrow_target_io(target.embed_tokens(), target.lm_head(), ddtype)
     service = make_service(drafter, embed, head, description=note,
-                           packed_gemm=packed_gemm, compile=compile and compile_drafter is not False)
+                           packed_gemm=packed_gemm, compile=bool(compile) and compile_drafter is not False)
     from services.verifier.engine import EngineConfig
+    from services.verifier.runner import auto_compile
 
-    engine = build_engine(target, InprocDrafterClient(service), EngineConfig(compile=compile),
+    steps_compiled = auto_compile(target) if compile is None else bool(compile)
+    engine = build_engine(target, InprocDrafterClient(service), EngineConfig(compile=steps_compiled),
                           max_draft_depth=drafter.config.num_draft_slots, policy=spec_policy, defaults=defaults,
                           cost_key=(tdir.name, str(target.weights), "cpu"), packed_gemm=packed_gemm)
-    if compile and getattr(service, "compiled", False):
+    if getattr(service, "compiled", False):
         service.warm_up()
     return engine, tok, note
 

@@ -12,6 +12,7 @@ file                           what                                             
 ``onednn_rows.json``           :func:`services.cpu_gemm.invariant_rows` verdicts    :func:`machine_id` + threads + shape
 ``q4/<model>-<hash>.safetensors``  the q4 linears as torch's int4 kernel packs them  :func:`services.weights.q4_pack_key`
 ``calibration.json``           the goodput policy's learnt acceptance calibration  :func:`services.verifier.calibration_store.calibration_key`
+``inductor/``                  compiled steps' kernels (torch inductor's cache)    inductor's own (graph + torch)
 =============================  ==================================================  ===========================
 
 A JSON file maps key -> entry (a dict with ``time``, epoch seconds); writes go to a temporary file
@@ -34,6 +35,7 @@ log = logging.getLogger("dartree.cache")
 
 ONEDNN_ROWS = "onednn_rows.json"
 Q4_PACKS = "q4"
+INDUCTOR = "inductor"
 
 
 def state_dir() -> Path:
@@ -102,3 +104,14 @@ def _write(path: Path, data: dict) -> bool:
         log.warning("could not write the cache %s: %s", path, e)
         return False
     return True
+
+
+def use_inductor_cache() -> Path:
+    """Point torch inductor's on-disk cache (``$TORCHINDUCTOR_CACHE_DIR``) at ``<state dir>/inductor``
+    unless the variable is already set; returns the directory used. Call before the first compile:
+    a restart then loads the compiled steps' kernels instead of generating them again."""
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not path:
+        path = str(state_dir() / INDUCTOR)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return Path(path)

@@ -94,6 +94,8 @@ class DrafterWorkerConfig:
     drafter_threads: int = 0
 
     def __post_init__(self) -> None:
+        # the CLI's --compile is unset (None, "auto") by default: auto leaves the drafter eager
+        object.__setattr__(self, "compile", bool(self.compile))
         check_dtype(self.dtype)
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")

@@ -64,8 +64,8 @@ def build_policy(name: str, runner: ModelRunner, defaults: TreeKnobs = DEFAULT_K
                 schedule: TreeSchedule | None = None, max_budget: int | None = None, cost_sweep: bool = True,
                 cost_key: tuple[str, str, str] = ("model", "float32", "cpu")):
     """The named speculation policy (:data:`services.spec.POLICIES`); ``goodput``'s cost model starts
-    from a sweep timed on ``runner`` (cached per machine / ``cost_key`` = ``(model, weights, device)``;
-    none with ``cost_sweep=False``).
+    from a sweep timed on ``runner`` (cached per machine / ``cost_key`` = ``(model, weights, device)`` and
+    whether the runner's steps are compiled; none with ``cost_sweep=False``).
 
     Raises:
         ValueError: unknown policy name, or a bad ``max_budget`` / ``defaults``.
@@ -77,7 +77,8 @@ def build_policy(name: str, runner: ModelRunner, defaults: TreeKnobs = DEFAULT_K
     if name != "goodput":
         return pol.make_policy(name, schedule=schedule, defaults=defaults)
     model, dtype, device = cost_key
-    key = cache_key(model, dtype, device, torch.get_num_threads())
+    # compiled steps cost what eager ones do not: their own sweep
+    key = cache_key(model, dtype + ("+compiled" if runner.compiled else ""), device, torch.get_num_threads())
     with lazy_packing_paused():  # the sweep times row counts serving may never run: it packs none
         return pol.goodput_with_sweep(lambda rows: time_forward(runner, rows), key, max_budget, cost_sweep,
                                       dtype=dtype, threads=torch.get_num_threads(), schedule=schedule,

@@ -18,10 +18,21 @@ the same parameters with fewer calls, and gives **the same bits** as the modules
 - RMSNorm as torch's fused CPU op (``aten._fused_rms_norm``) where a probe at build gives the bits
   of the model's own norm module for this dtype and width, else the module itself.
 
-It applies to a model whose ``config.model_type`` is ``llama`` on CPU, eager (compiled or CUDA
-graph steps keep the modules), and is switched off with ``DARTREE_LEAN_STEP=0``. The attention
-call is the runner's slot attention, unchanged. Tapped layer outputs go to the target's tap table
+It applies to a model whose ``config.model_type`` is ``llama`` on CPU (CUDA-graph steps keep the
+modules), and is switched off with ``DARTREE_LEAN_STEP=0``. The attention call is the runner's slot
+attention, unchanged. Tapped layer outputs go to the target's tap table
 (:class:`services.verifier.target.TargetModel`), as its forward hooks would put them.
+
+**Compiled** (``compiled=True``, the runner's ``compile`` on CPU): the same pass is what
+``torch.compile`` traces, the fused int4 modules resolved when the step is built and the attention
+the opaque op ``dartree::slot_attention``. Inductor then fuses the norms, rotary, residual adds and
+the SiLU gate into a few kernels per layer (the eager step's ~200 ATen calls a layer were most of
+its time outside the weights' arithmetic). Its bits are not the eager step's (inductor reduces the
+norms in its own order), so every step of a compiled runner goes through the compiled pass, and
+what speculation needs holds there as it does eagerly: a row's values do not depend on the other
+rows of its step (the fused kernels work row by row; inductor's ``emulate_precision_casts`` rounds
+every intermediate to the activation dtype as the eager ops do). ``docs/design.md``, "Compiled
+steps on CPU", has the measurements.
 """
 
 from __future__ import annotations
@@ -86,11 +97,14 @@ class LeanLlamaStep:
             scaling) -> [1, R, Hq, Dh]``: the runner's slot attention of the active step.
         taps: the target's tap table; layer ``i``'s output ``[1, R, D]`` is stored under ``i`` for
             every ``i`` in ``tap_layers``.
+        compiled: the pass ``torch.compile`` traces (module docstring): the fused int4 modules fixed
+            now, and ``attention`` called as ``attention(layer, q, k, v, scaling)`` with ``layer``
+            each attention module's 0-d ``dartree_layer`` buffer (registered here) instead of an int.
     Raises:
         ValueError: a model this class does not cover (:meth:`supports` is False).
     """
 
-    def __init__(self, model, attention, taps: dict, tap_layers):
+    def __init__(self, model, attention, taps: dict, tap_layers, compiled: bool = False):
         if not self.supports(model):
             raise ValueError(f"the lean step covers llama models on CPU, not {model.config.model_type!r} "
                              f"on {next(model.parameters()).device}")
@@ -120,6 +134,14 @@ class LeanLlamaStep:
             qkv_fused.get(q_proj, k_proj, v_proj)
             gate_up_fused.get(gate_proj, up_proj)
         self.fused_norms = fused
+        self.compiled = bool(compiled)
+        self._fixed = []  # compiled: per layer (layer index tensor, fused qkv or None, fused gate/up or None)
+        if self.compiled:
+            for layer, entry in zip(inner.layers, self.layers):
+                attn = layer.self_attn
+                if "dartree_layer" not in attn._buffers:
+                    attn.register_buffer("dartree_layer", torch.tensor(int(attn.layer_idx)), persistent=False)
+                self._fixed.append((attn.dartree_layer, entry[6].get(*entry[3:6]), entry[11].get(*entry[9:11])))
 
     @staticmethod
     def supports(model) -> bool:
@@ -140,10 +162,11 @@ class LeanLlamaStep:
         cos, sin = cos[:, None], sin[:, None]
         r = h.shape[1]
         dh, hq, hkv = self.head_dim, self.heads, self.kv_heads
-        for (idx, scaling, norm1, q_proj, k_proj, v_proj, qkv_fused, o_proj, norm2, gate_proj, up_proj,
-             gate_up_fused, down_proj, act) in self.layers:
+        for j, (idx, scaling, norm1, q_proj, k_proj, v_proj, qkv_fused, o_proj, norm2, gate_proj, up_proj,
+                gate_up_fused, down_proj, act) in enumerate(self.layers):
             x = norm1(h)
-            fused = qkv_fused.get(q_proj, k_proj, v_proj)
+            fixed = self._fixed[j] if self.compiled else None
+            fused = fixed[1] if fixed is not None else qkv_fused.get(q_proj, k_proj, v_proj)
             if fused is not None:
                 qkv = fused(x).view(1, r, hq + 2 * hkv, dh)
                 qk = qkv[:, :, :hq + hkv].transpose(1, 2)  # [1, Hq + Hkv, R, Dh]
@@ -152,10 +175,11 @@ class LeanLlamaStep:
                 qk = torch.cat((q_proj(x).view(1, r, hq, dh), k_proj(x).view(1, r, hkv, dh)), 2).transpose(1, 2)
                 v = v_proj(x).view(1, r, hkv, dh).transpose(1, 2)
             qk = qk * cos + _rotate_half(qk) * sin
-            out = self.attention(idx, qk[:, :hq], qk[:, hq:], v, scaling)  # [1, R, Hq, Dh]
+            out = self.attention(fixed[0] if fixed is not None else idx, qk[:, :hq], qk[:, hq:], v,
+                                 scaling)  # [1, R, Hq, Dh]
             h = h + o_proj(out.reshape(1, r, hq * dh))
             x = norm2(h)
-            fused = gate_up_fused.get(gate_proj, up_proj)
+            fused = fixed[2] if fixed is not None else gate_up_fused.get(gate_proj, up_proj)
             if fused is not None:
                 gate, up = fused(x).chunk(2, -1)
             else:

@@ -138,6 +138,12 @@ def _lean_attention(layer: int, query: Tensor, key: Tensor, value: Tensor, scali
     return _slot_attention_eager(layer, query, key, value, None, scaling=scaling)[0]
 
 
+def _compiled_lean_attention(layer: Tensor, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+    """The slot attention as the compiled :class:`~services.verifier.lean_step.LeanLlamaStep` calls it: the
+    opaque op ``dartree::slot_attention`` (``layer``: the attention module's 0-d index buffer); ``[1, R, Hq, Dh]``."""
+    return torch.ops.dartree.slot_attention(query, key, value, layer, scaling)
+
+
 def _request_parts(p: PackedRows, groups: int, dtype: torch.dtype) -> list[tuple]:
     """Per segment of ``p`` (unpadded): ``(first row, end row, slot, start, KV length, mask [1, 1, R_i, L_i],
     bias [G*R_i, L_i] or None)`` (``slot``, ``start``: ints; the segment's K/V rows go to columns
@@ -244,15 +250,26 @@ class ModelRunner:
             self.cache.reserve(self.scratch_slot)
             self.graphs = GraphBuckets(self._make_step, enabled=on_cuda and graphs_enabled(), max_graphs=96,
                                        overflow="eager")
+        lean = not self.graphed and lean_step_enabled() and LeanLlamaStep.supports(target.model)
+        self.lean = None  # unpadded steps of a llama target on CPU: services.verifier.lean_step
+        self._lean_call = None  # compiled: the lean step's torch.compile'd pass
         if self.compiled:
+            from services.machine_cache import use_inductor_cache
+
+            use_inductor_cache()
+        if self.compiled and lean:
+            self.lean = LeanLlamaStep(target.model, _compiled_lean_attention, target._taps, target.target_layer_ids,
+                                      compiled=True)
+            self._lean_call = torch.compile(self.lean.__call__, options={
+                "guard_filter_fn": _step_guards, "emulate_precision_casts": True})
+        elif self.compiled:
             for layer in hf_compat.decoder_layers(target.model):
                 attn = layer.self_attn
                 if "dartree_layer" not in attn._buffers:
                     attn.register_buffer("dartree_layer", torch.tensor(int(attn.layer_idx)), persistent=False)
             hf_compat.mark_layers_as_compile_regions(target.model)
             self._forward = torch.compile(target.model, options={"guard_filter_fn": _step_guards})
-        self.lean = None  # eager unpadded steps of a llama target: services.verifier.lean_step
-        if not self.compiled and not self.graphed and lean_step_enabled() and LeanLlamaStep.supports(target.model):
+        elif lean:
             self.lean = LeanLlamaStep(target.model, _lean_attention, target._taps, target.target_layer_ids)
 
     @torch.inference_mode()
@@ -306,7 +323,7 @@ class ModelRunner:
         _ACTIVE.step = (self.cache, p, parts, False)
         try:
             if self.lean is not None:
-                logits = self.lean(ids, pos, keep)
+                logits = (self._lean_call if self.lean.compiled else self.lean)(ids, pos, keep)
             else:
                 logits = self._forward(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
                                        logits_to_keep=keep).logits
@@ -352,6 +369,15 @@ class ModelRunner:
             return out.logits[0].float(), self.target._features()
 
         return step
+
+
+def auto_compile(target) -> bool:
+    """Whether ``dartree serve``'s default (``--compile`` unset) compiles the target's steps: a llama
+    target on CPU in ``q4`` that the lean step covers (:class:`~services.verifier.lean_step.LeanLlamaStep`;
+    the compiled pass ran its plain decoding 15-20 % faster than eager steps on a 2-core AMD EPYC,
+    ``docs/design.md`` "Compiled steps on CPU"). Other formats and devices stay eager unless asked."""
+    return (torch.device(target.device).type == "cpu" and str(getattr(target, "weights", "")) == "q4"
+            and lean_step_enabled() and LeanLlamaStep.supports(target.model))
 
 
 def _elapsed(t0: float, dev) -> float:

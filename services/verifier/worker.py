@@ -58,7 +58,9 @@ class VerifierWorkerConfig:
         drafter_endpoint: the drafter's endpoint ("" = default ipc:// socket; "none" = no drafter, AR only).
         device, dtype: where and in which precision the target runs.
         compile: run the target's batched steps through ``torch.compile`` (warm-up at start, logged;
-            minutes the first time on a small CPU, faster once inductor's disk cache is warm).
+            about a minute the first time on a small CPU, seconds once inductor's disk cache under the
+            state directory is warm). None (auto): compiled for a q4 llama target on CPU
+            (:func:`services.verifier.runner.auto_compile`), eager otherwise.
         weights: the target's weight format (``services/weights.py``): float32, bfloat16, q4 (the
             GGUF's 4-bit blocks, bfloat16 activations) or auto (the fastest here, measured once and
             cached); a concrete format overrides ``dtype``.
@@ -125,7 +127,7 @@ class VerifierWorkerConfig:
     max_step_tokens: int = 512
     kv_bucket: int = 64
     overlap: bool = False
-    compile: bool = False
+    compile: bool | None = None
     default_method: str = DEFAULT_METHOD
     spec_policy: str = DEFAULT_POLICY
     spec_max_budget: int = 0
@@ -593,6 +595,7 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     from services.models.registry import resolve_target
     from services.verifier.build import build_engine as assemble
     from services.verifier.engine import EngineConfig
+    from services.verifier.runner import auto_compile
     from services.verifier.target import TargetModel
 
     from services.startup import phase
@@ -609,7 +612,8 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
     engine_config = EngineConfig(max_context=config.max_context or None, max_running=config.max_running,
                                  prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
-                                 kv_bucket=config.kv_bucket, overlap=config.overlap, compile=config.compile,
+                                 kv_bucket=config.kv_bucket, overlap=config.overlap,
+                                 compile=auto_compile(target) if config.compile is None else config.compile,
                                  prefix_cache=config.prefix_cache)
     with phase("verifier", "engine built (KV cache, GEMM packs, step cost model)"):
         engine = assemble(target, drafter_client, engine_config,

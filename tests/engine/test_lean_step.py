@@ -19,7 +19,7 @@ from services.tree.batch import causal_segment
 from services.verifier.lean_step import LeanLlamaStep
 from services.verifier.runner import ModelRunner
 from services.verifier.target import TargetModel
-from tests.engine.test_batch_invariance import FORMATS, V, _target, _tree_segment
+from tests.engine.test_batch_invariance import FORMATS, V, _solo_vs_mixed, _target, _tree_segment
 
 
 def _steps(runner: ModelRunner, seed: int = 0):
@@ -73,3 +73,42 @@ def test_other_architectures_keep_the_modules():
     assert ModelRunner(TargetModel(model, [0, 1]), num_slots=1, capacity=64).lean is None
     with pytest.raises(ValueError, match="llama"):
         LeanLlamaStep(model, None, {}, [0])
+
+
+def test_compiled_lean_step_rows_equal_solo_bitwise():
+    """The compiled pass (``compile=True`` on CPU: the serving default for q4): every row of a step
+    mixing an ``ar`` row with trees of 9 and 17 rows gives bitwise the logits and features of its
+    solo step (the one-row graph for the ``ar`` row, the many-row graph for the rest), so plain
+    decoding and speculation stay token-identical through it; and its values are the eager step's
+    to bfloat16 rounding (inductor reduces the norms in its own order)."""
+    from torch._dynamo.utils import counters
+
+    target = _target("q4")
+    torch._dynamo.reset()
+    counters.clear()
+    runner = ModelRunner(target, num_slots=3, capacity=400, kv_bucket=16, compile=True)
+    assert runner.compiled and runner.lean is not None and runner.lean.compiled
+    n = 0
+    for step, i, solo, mixed, solo_f, mixed_f in _solo_vs_mixed(runner, steps=4):
+        assert torch.equal(solo, mixed), (step, i, (solo - mixed).abs().max().item())
+        assert torch.equal(solo_f, mixed_f), (step, i)
+        n += 1
+    assert n == 12
+    assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
+    for slot in range(3):
+        runner.cache.free(slot)
+    eager = ModelRunner(target, num_slots=3, capacity=400, kv_bucket=16)
+    assert not eager.compiled and not eager.lean.compiled
+    for (_, _, c, _, cf, _), (_, _, e, _, ef, _) in zip(_solo_vs_mixed(runner, steps=2), _solo_vs_mixed(eager, steps=2)):
+        torch.testing.assert_close(c, e, atol=0.1, rtol=0.02)
+        torch.testing.assert_close(cf.float(), ef.float(), atol=0.1, rtol=0.02)
+
+
+def test_auto_compile_rule(monkeypatch):
+    """``--compile`` unset: compiled steps for a q4 llama target on CPU only."""
+    from services.verifier.runner import auto_compile
+
+    assert auto_compile(_target("q4"))
+    assert not auto_compile(_target("float32")) and not auto_compile(_target("bfloat16"))
+    monkeypatch.setenv("DARTREE_LEAN_STEP", "0")
+    assert not auto_compile(_target("q4"))

@@ -139,3 +139,24 @@ def test_a_server_with_the_drafter_inside_the_verifier_drafts_losslessly(tmp_pat
         assert _metric(drafter, "dartree_drafter_seconds_count") > 0
         assert _metric(drafter, "dartree_drafter_contexts") == 0  # every finished request released its context
         assert "drafter runs in the verifier process" in srv.log_tail(200_000)
+
+
+@pytest.mark.parametrize("flags,env,want", [((), None, None), ((), "auto", None), (("--compile",), None, True),
+                                            (("--no-compile",), None, False), ((), "1", True), ((), "0", False),
+                                            (("--no-compile",), "1", False)])
+def test_compile_is_auto_unless_set(tmp_path, monkeypatch, flags, env, want):
+    """``--compile`` unset (or ``DARTREE_COMPILE=auto``): the verifier decides (compiled steps for a
+    q4 llama target on CPU), the drafter stays eager; a flag or a boolean variable sets both."""
+    if env is None:
+        monkeypatch.delenv("DARTREE_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("DARTREE_COMPILE", env)
+    _, _, verifier, drafter_cfg = _plan(tmp_path, monkeypatch, *flags)
+    assert verifier.compile is want and drafter_cfg.compile is bool(want)
+
+
+def test_a_bad_compile_variable_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DARTREE_COMPILE", "sometimes")
+    with pytest.raises(SystemExit) as e:
+        _plan(tmp_path, monkeypatch)
+    assert e.value.code == 2 and "DARTREE_COMPILE='sometimes' is not" in capsys.readouterr().err
