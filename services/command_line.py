@@ -25,8 +25,13 @@ class Parser(argparse.ArgumentParser):
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """``func(args)`` as an exit code: its own (None = 0), 130 on Ctrl-C, 2 with a one-line
     ``dartree: error: ...`` for bad input (ValueError), a path problem (OSError: permissions, a full
-    disk) or a refused start (RuntimeError)."""
+    disk) or a refused start (RuntimeError). Before it runs, torch inductor's cache is pointed at the
+    state directory (:func:`services.machine_cache.use_inductor_cache`; the workers inherit it), so
+    compiled steps load on a restart."""
+    from services.machine_cache import use_inductor_cache
+
     try:
+        use_inductor_cache()
         return int(func(args) or 0)
     except KeyboardInterrupt:
         return 130

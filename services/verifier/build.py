@@ -114,6 +114,9 @@ def build_engine(target, drafter, config: EngineConfig = EngineConfig(), *, max_
         log.info("compiling the target's steps (%s, rows %s) ...",
                  "CUDA graphs" if runner.graphed else "torch.compile", rows)
         log.info("compiled steps ready in %.1f s", runner.warm_up(rows))
+        from services.weights import release_freed_memory
+
+        release_freed_memory()  # tracing and code generation free ~100 MB that glibc would keep resident
     if cost_key is None:
         cost_key = (getattr(target, "name", "model"), str(getattr(target, "weights", "float32")), str(target.device))
     spec_policy = build_policy(policy, runner, defaults, schedule, max_budget, cost_sweep, cost_key)

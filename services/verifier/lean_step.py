@@ -31,8 +31,8 @@ its time outside the weights' arithmetic). Its bits are not the eager step's (in
 norms in its own order), so every step of a compiled runner goes through the compiled pass, and
 what speculation needs holds there as it does eagerly: a row's values do not depend on the other
 rows of its step (the fused kernels work row by row; inductor's ``emulate_precision_casts`` rounds
-every intermediate to the activation dtype as the eager ops do). ``docs/design.md``, "Compiled
-steps on CPU", has the measurements.
+every intermediate to the activation dtype as the eager ops do). ``docs/weights.md``, "Compiled
+steps", has the measurements.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from services.int4_fused import FusedInt4
 
@@ -97,9 +97,10 @@ class LeanLlamaStep:
             scaling) -> [1, R, Hq, Dh]``: the runner's slot attention of the active step.
         taps: the target's tap table; layer ``i``'s output ``[1, R, D]`` is stored under ``i`` for
             every ``i`` in ``tap_layers``.
-        compiled: the pass ``torch.compile`` traces (module docstring): the fused int4 modules fixed
-            now, and ``attention`` called as ``attention(layer, q, k, v, scaling)`` with ``layer``
-            each attention module's 0-d ``dartree_layer`` buffer (registered here) instead of an int.
+        compiled: the pass ``torch.compile`` traces (module docstring): each decoder layer a
+            :class:`_CompiledLayer` (one nested compile region: traced once, reused for every layer),
+            ``attention`` called with each attention module's 0-d ``dartree_layer`` buffer
+            (registered here) instead of the layer's int index.
     Raises:
         ValueError: a model this class does not cover (:meth:`supports` is False).
     """
@@ -135,13 +136,14 @@ class LeanLlamaStep:
             gate_up_fused.get(gate_proj, up_proj)
         self.fused_norms = fused
         self.compiled = bool(compiled)
-        self._fixed = []  # compiled: per layer (layer index tensor, fused qkv or None, fused gate/up or None)
+        self.blocks: list[_CompiledLayer] = []  # compiled: one module per decoder layer (one traced region)
         if self.compiled:
             for layer, entry in zip(inner.layers, self.layers):
                 attn = layer.self_attn
                 if "dartree_layer" not in attn._buffers:
                     attn.register_buffer("dartree_layer", torch.tensor(int(attn.layer_idx)), persistent=False)
-                self._fixed.append((attn.dartree_layer, entry[6].get(*entry[3:6]), entry[11].get(*entry[9:11])))
+                self.blocks.append(_CompiledLayer(entry, attn.dartree_layer, attention, self.heads, self.kv_heads,
+                                                  self.head_dim))
 
     @staticmethod
     def supports(model) -> bool:
@@ -162,11 +164,16 @@ class LeanLlamaStep:
         cos, sin = cos[:, None], sin[:, None]
         r = h.shape[1]
         dh, hq, hkv = self.head_dim, self.heads, self.kv_heads
-        for j, (idx, scaling, norm1, q_proj, k_proj, v_proj, qkv_fused, o_proj, norm2, gate_proj, up_proj,
-                gate_up_fused, down_proj, act) in enumerate(self.layers):
+        if self.compiled:
+            for block in self.blocks:
+                h = block(h, cos, sin)
+                if block.index in self.tap_layers:
+                    self.taps[block.index] = h
+            return self.model.lm_head(self.norm(h[:, keep]))
+        for (idx, scaling, norm1, q_proj, k_proj, v_proj, qkv_fused, o_proj, norm2, gate_proj, up_proj,
+             gate_up_fused, down_proj, act) in self.layers:
             x = norm1(h)
-            fixed = self._fixed[j] if self.compiled else None
-            fused = fixed[1] if fixed is not None else qkv_fused.get(q_proj, k_proj, v_proj)
+            fused = qkv_fused.get(q_proj, k_proj, v_proj)
             if fused is not None:
                 qkv = fused(x).view(1, r, hq + 2 * hkv, dh)
                 qk = qkv[:, :, :hq + hkv].transpose(1, 2)  # [1, Hq + Hkv, R, Dh]
@@ -175,11 +182,10 @@ class LeanLlamaStep:
                 qk = torch.cat((q_proj(x).view(1, r, hq, dh), k_proj(x).view(1, r, hkv, dh)), 2).transpose(1, 2)
                 v = v_proj(x).view(1, r, hkv, dh).transpose(1, 2)
             qk = qk * cos + _rotate_half(qk) * sin
-            out = self.attention(fixed[0] if fixed is not None else idx, qk[:, :hq], qk[:, hq:], v,
-                                 scaling)  # [1, R, Hq, Dh]
+            out = self.attention(idx, qk[:, :hq], qk[:, hq:], v, scaling)  # [1, R, Hq, Dh]
             h = h + o_proj(out.reshape(1, r, hq * dh))
             x = norm2(h)
-            fused = fixed[2] if fixed is not None else gate_up_fused.get(gate_proj, up_proj)
+            fused = gate_up_fused.get(gate_proj, up_proj)
             if fused is not None:
                 gate, up = fused(x).chunk(2, -1)
             else:
@@ -188,3 +194,58 @@ class LeanLlamaStep:
             if idx in self.tap_layers:
                 self.taps[idx] = h
         return self.model.lm_head(self.norm(h[:, keep]))  # the norm is per row: only the kept rows
+
+
+class _CompiledLayer(nn.Module):
+    """One decoder layer of the compiled lean step, as a ``torch.compiler.nested_compile_region``:
+    ``torch.compile`` traces the first layer and reuses the graph for the others (a 30-layer target
+    traced layer by layer took ~10 s of every start). Per-layer values reach the region as tensors
+    (the weights, the layer index buffer); what is a constant (heads, eps, scaling, which linears
+    are fused) is the same for every layer of a model.
+
+    Args:
+        entry: the layer's tuple in :attr:`LeanLlamaStep.layers`; layer: its 0-d int64 index tensor;
+        attention: ``attention(layer, q, k, v, scaling) -> [1, R, Hq, Dh]`` (the opaque slot op).
+    ``forward(h [1, R, D], cos [1, 1, R, Dh], sin) -> h [1, R, D]``.
+    """
+
+    def __init__(self, entry: tuple, layer: Tensor, attention, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        (idx, scaling, norm1, q_proj, k_proj, v_proj, qkv_fused, o_proj, norm2, gate_proj, up_proj, gate_up_fused,
+         down_proj, act) = entry
+        self.index, self.scaling, self.attention = idx, scaling, attention
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.norm1, self.norm2, self.fused_norms, self.eps = norm1.module, norm2.module, norm1.fused, norm1.eps
+        self.qkv = qkv_fused.get(q_proj, k_proj, v_proj)  # None: q / k / v one by one
+        self.q_proj, self.k_proj, self.v_proj = (None, None, None) if self.qkv is not None else (q_proj, k_proj, v_proj)
+        self.gate_up = gate_up_fused.get(gate_proj, up_proj)
+        self.gate_proj, self.up_proj = (None, None) if self.gate_up is not None else (gate_proj, up_proj)
+        self.o_proj, self.down_proj, self.act = o_proj, down_proj, act
+        self.register_buffer("layer", layer, persistent=False)
+
+    def _norm(self, module: nn.Module, x: Tensor) -> Tensor:
+        if self.fused_norms:
+            return module.weight * _FUSED_RMS(x, [x.shape[-1]], None, self.eps)[0]
+        return module(x)
+
+    @torch.compiler.nested_compile_region
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        r = h.shape[1]
+        dh, hq, hkv = self.head_dim, self.heads, self.kv_heads
+        x = self._norm(self.norm1, h)
+        if self.qkv is not None:
+            qkv = self.qkv(x).view(1, r, hq + 2 * hkv, dh)
+            qk = qkv[:, :, :hq + hkv].transpose(1, 2)  # [1, Hq + Hkv, R, Dh]
+            v = qkv[:, :, hq + hkv:].transpose(1, 2)
+        else:
+            qk = torch.cat((self.q_proj(x).view(1, r, hq, dh), self.k_proj(x).view(1, r, hkv, dh)), 2).transpose(1, 2)
+            v = self.v_proj(x).view(1, r, hkv, dh).transpose(1, 2)
+        qk = qk * cos + _rotate_half(qk) * sin
+        out = self.attention(self.layer, qk[:, :hq], qk[:, hq:], v, self.scaling)  # [1, R, Hq, Dh]
+        h = h + self.o_proj(out.reshape(1, r, hq * dh))
+        x = self._norm(self.norm2, h)
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, -1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return h + self.down_proj(self.act(gate) * up)

@@ -204,9 +204,13 @@ class ModelRunner:
             outside a step, so :meth:`TargetModel.verify` / ``prefill`` keep working).
         num_slots: KV slots (concurrent requests); capacity: columns per slot.
         kv_bucket: the KV length a step reads is rounded up to a multiple of this.
-        compile: run steps through ``torch.compile`` (inductor; CPU or CUDA) with each decoder
-            layer a nested compile region (:func:`services.hf_compat.mark_layers_as_compile_regions`:
-            one layer is traced and compiled, the others reuse it): a static graph for one-row steps,
+        compile: run steps through ``torch.compile`` (inductor; CPU or CUDA). A llama target on CPU
+            compiles its lean step (:class:`~services.verifier.lean_step.LeanLlamaStep` with
+            ``compiled=True``: every step through the compiled pass, rows invariant to their step's
+            other rows; ``docs/weights.md``, "Compiled steps"); other models compile the HF modules
+            with each decoder layer a nested compile region
+            (:func:`services.hf_compat.mark_layers_as_compile_regions`: one layer is traced and
+            compiled, the others reuse it). Either way: a static graph for one-row steps,
             one with a dynamic row count for every other step (rows marked dynamic, KV length inside
             the opaque slot-attention op), and one more when only some rows need logits. Call
             :meth:`warm_up` at start (tens of seconds on a 2-core CPU; inductor caches its kernels on
@@ -284,6 +288,10 @@ class ModelRunner:
         slot = self.cache.alloc()
         try:
             for n in rows:
+                if n > 1 and self.compiled:  # first logits for 2 of n rows: the graph's row and logit-row
+                    # counts then get sizes of their own (a first graph with all n rows would tie them, and
+                    # a serving step whose counts differ, e.g. a prompt chunk beside decode rows, recompiles)
+                    self.execute([causal_segment([1] * n, 0, slot)], torch.tensor([0, n - 1]))
                 self.execute([causal_segment([1] * n, 0, slot)])
                 if n > 1:
                     self.execute([causal_segment([1] * n, 0, slot)], torch.tensor([n - 1]))
@@ -314,6 +322,9 @@ class ModelRunner:
         keep = logit_rows.to(dev) if logit_rows is not None else torch.arange(p.input_ids.numel(), device=dev)
         if self.compiled and not keep.is_inference():  # its dispatch keys would fail a guard: recompile
             keep = keep.clone()
+        no_logits = self.compiled and keep.numel() == 0  # a prompt chunk before the last: no graph of its
+        if no_logits:  # own for zero logit rows; the last row's are computed and dropped
+            keep = torch.tensor([p.input_ids.numel() - 1], device=dev)
         parts = _request_parts(p, self.query_groups, self.target.dtype)
         ids, pos = p.input_ids[None], p.positions[None]
         if self.compiled and ids.shape[1] > 1:  # one graph for every row count > 1 (1 row: its own)
@@ -330,6 +341,8 @@ class ModelRunner:
         finally:
             _ACTIVE.step = None
         feats = self.target._features()
+        if no_logits:
+            logits = logits[:, :0]
         return StepOutput(logits[0].float(), feats, p, _elapsed(t0, dev))
 
     def _execute_padded(self, p: PackedRows, logit_rows: Tensor | None) -> StepOutput:
@@ -375,7 +388,7 @@ def auto_compile(target) -> bool:
     """Whether ``dartree serve``'s default (``--compile`` unset) compiles the target's steps: a llama
     target on CPU in ``q4`` that the lean step covers (:class:`~services.verifier.lean_step.LeanLlamaStep`;
     the compiled pass ran its plain decoding 15-20 % faster than eager steps on a 2-core AMD EPYC,
-    ``docs/design.md`` "Compiled steps on CPU"). Other formats and devices stay eager unless asked."""
+    ``docs/weights.md``, "Compiled steps"). Other formats and devices stay eager unless asked."""
     return (torch.device(target.device).type == "cpu" and str(getattr(target, "weights", "")) == "q4"
             and lean_step_enabled() and LeanLlamaStep.supports(target.model))
 

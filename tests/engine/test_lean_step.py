@@ -88,15 +88,23 @@ def test_compiled_lean_step_rows_equal_solo_bitwise():
     counters.clear()
     runner = ModelRunner(target, num_slots=3, capacity=400, kv_bucket=16, compile=True)
     assert runner.compiled and runner.lean is not None and runner.lean.compiled
+    runner.warm_up((1, 9))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 3 and not counters["graph_break"]  # one row; many rows; many rows, one logit row
     n = 0
     for step, i, solo, mixed, solo_f, mixed_f in _solo_vs_mixed(runner, steps=4):
         assert torch.equal(solo, mixed), (step, i, (solo - mixed).abs().max().item())
         assert torch.equal(solo_f, mixed_f), (step, i)
         n += 1
     assert n == 12
-    assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"]
     for slot in range(3):
         runner.cache.free(slot)
+    slot = runner.cache.alloc()  # logits for some rows of a step (a prompt chunk beside decode rows)
+    runner.execute([causal_segment(list(range(3, 40)), 0, slot)], torch.tensor([4, 20, 36]))
+    out = runner.execute([causal_segment(list(range(3, 40)), 0, slot)], torch.tensor([], dtype=torch.long))
+    assert out.logits.shape == (0, V) and out.features.shape[0] == 37  # a chunk before a prompt's last
+    runner.cache.free(slot)
+    assert counters["stats"]["unique_graphs"] == graphs  # serving's steps compile nothing after the warm-up
     eager = ModelRunner(target, num_slots=3, capacity=400, kv_bucket=16)
     assert not eager.compiled and not eager.lean.compiled
     for (_, _, c, _, cf, _), (_, _, e, _, ef, _) in zip(_solo_vs_mixed(runner, steps=2), _solo_vs_mixed(eager, steps=2)):
