@@ -8,8 +8,10 @@ measures the median step without a profiler, then runs the same number of steps 
 - ``dense_linears``: oneDNN / MKL / ``aten::addmm`` / ``aten::mm`` / ``aten::linear`` (the bf16
   lm_head under q4; every linear under float32 / bfloat16);
 - ``attention``: ``aten::_scaled_dot_product*`` / ``aten::bmm`` / ``aten::_softmax`` (the slot
-  attention of every layer);
-- ``other_ops``: every other ATen op (norms, rotary, residual adds, KV writes, sampling);
+  attention of every layer), and the Python of the opaque ``dartree::slot_attention`` op that
+  compiled steps call;
+- ``other_ops``: every other ATen op (norms, rotary, residual adds, KV writes, sampling; with
+  ``--compile`` inductor's fused kernels, ``CompiledFxGraph``);
 - ``outside_ops``: the profiled step's wall time minus all op self time: Python, transformers'
   module code, dispatcher overhead.
 
@@ -17,7 +19,7 @@ With a ``--context`` the prompt is padded to about that many tokens (a repeated 
 attention over a long slot shows. Threads: ``--threads``. Run on an idle machine (a busy one
 inflates every kind; the JSON records the load average).
 
-    python -m benchmarks.profile_step --weights q4 --threads 2 --tokens 32 [--context 2000]
+    python -m benchmarks.profile_step --weights q4 --threads 2 --tokens 32 [--context 2000] [--compile]
 
 Prints a table and, as its last line, one JSON object (also written to ``--out`` when given).
 """
@@ -45,7 +47,8 @@ def op_kind(name: str) -> str:
     if name.startswith("mkldnn::") or name in ("aten::addmm", "aten::mm", "aten::linear", "aten::matmul") \
             or "mkl_linear" in name or "linear_pointwise" in name:
         return "dense_linears"
-    if "scaled_dot_product" in name or name in ("aten::bmm", "aten::_softmax", "aten::softmax"):
+    if "scaled_dot_product" in name or "slot_attention" in name or name in ("aten::bmm", "aten::_softmax",
+                                                                           "aten::softmax"):
         return "attention"
     return "other_ops"
 
@@ -72,6 +75,8 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--tokens", type=int, default=32, help="ar steps measured (and profiled)")
     p.add_argument("--context", type=int, default=0, help="pad the prompt to about this many tokens (0 = the bare prompt)")
+    p.add_argument("--compile", action="store_true", help="the target's steps through torch.compile (the "
+                   "server's default for q4 on CPU; warmed up before anything is timed)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
     if a.threads < 1 or a.tokens < 2 or a.context < 0:
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     from services.weights import compute_dtype
 
     torch.set_num_threads(a.threads)
-    engine, tok, _ = build_inprocess(None, None, compute_dtype(a.weights), weights=a.weights)
+    engine, tok, _ = build_inprocess(None, None, compute_dtype(a.weights), weights=a.weights, compile=a.compile)
     text = PROMPT
     while a.context and len(tok(text)["input_ids"]) < a.context:
         text = FILLER + text
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         walls = run(a.tokens, "profiled")
     split = split_profile(prof.key_averages(), len(walls), sum(walls))
-    rec = {"weights": a.weights, "threads": a.threads, "prompt_tokens": len(ids), "steps": len(walls),
+    rec = {"weights": a.weights, "compiled": engine.runner.compiled, "threads": a.threads, "prompt_tokens": len(ids),
+           "steps": len(walls),
            "step_ms": round(step_ms, 2), "profiled_step_ms": round(1000 * sum(walls) / len(walls), 2),
            **{k + "_ms": round(v, 2) for k, v in split.items()},
            "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),

@@ -105,8 +105,8 @@ def _to_auto_bool(s: str) -> bool | None:
 CHOICES = {"dtype": DTYPES, "weights": WEIGHT_CHOICES, "default_method": METHODS, "spec_policy": POLICIES,
            "json_whitespace": ("flexible", "compact"),
            "start_method": START_METHODS, "drafter_placement": DRAFTER_PLACEMENTS,
-           "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", "debug", "info", "warning", "error",
-                         "critical")}
+           "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
+UPPER_CASE = frozenset({"log_level"})  # fields whose values are read case-insensitively (stored upper-case)
 
 
 # Help of fields that several processes share (one flag sets them all) or that no docstring names; the
@@ -229,13 +229,30 @@ def _add_field(group, f, tp, doc: str) -> None:
                                          "boolean" if tp is bool else "boolean or auto"), help=help_text)
     else:
         name = getattr(typing.get_args(tp)[0] if typing.get_args(tp) else tp, "__name__", str(tp))
-        group.add_argument(flag, dest=f.name, type=_checked(_parser_type(tp), name, CHOICES.get(f.name)),
+        convert = (lambda v: str(v).upper()) if f.name in UPPER_CASE else _parser_type(tp)
+        group.add_argument(flag, dest=f.name, type=_checked(convert, name, CHOICES.get(f.name)),
                            default=default,
                            choices=CHOICES.get(f.name), help=help_text, action=_StoreGiven)
 
 
 def config_from_args(cls, args: argparse.Namespace, **overrides):
-    """``cls`` built from the parsed flags it has (plus ``overrides``)."""
+    """``cls`` built from the parsed flags it has (plus ``overrides``).
+
+    Raises:
+        ValueError: the class refused a value; a field name written in the message as an identifier
+            (``max_running must be >= 1``) is given as its flag (``--max-running must be >= 1``).
+    """
     values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
     values.update(overrides)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise ValueError(_as_flags(str(e), [f.name for f in fields(cls) if f.name not in overrides])) from None
+
+
+def _as_flags(message: str, names: list[str]) -> str:
+    """``message`` with each of ``names`` that has an underscore (an identifier, not an English word)
+    written as its flag."""
+    for name in sorted((n for n in names if "_" in n), key=len, reverse=True):
+        message = re.sub(rf"(?<![\w-]){re.escape(name)}\b", "--" + name.replace("_", "-"), message)
+    return message

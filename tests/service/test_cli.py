@@ -224,3 +224,22 @@ def test_generate_refusal_prints_only_the_error_line(tmp_path):
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dartree: error: ") and "context" in lines[0], lines
+
+
+def test_log_level_is_case_insensitive_and_listed_once(monkeypatch):
+    parser = _sub("serve")
+    action = next(a for a in parser._actions if a.dest == "log_level")
+    assert list(action.choices) == ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+    assert parser.parse_args(["--log-level", "debug"]).log_level == "DEBUG"
+    monkeypatch.setenv("DARTREE_LOG_LEVEL", "warning")
+    assert _sub("serve").parse_args([]).log_level == "WARNING"
+
+
+def test_a_refused_setting_names_its_flag():
+    """A value the configuration refuses is named as its flag, not as the field behind it."""
+    from services.config_cli import config_from_args
+    from services.verifier.worker import VerifierWorkerConfig
+
+    args = _sub("serve").parse_args(["--max-running", "0"])
+    with pytest.raises(ValueError, match=r"^--max-running must be >= 1"):
+        config_from_args(VerifierWorkerConfig, args)
