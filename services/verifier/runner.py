@@ -264,8 +264,11 @@ class ModelRunner:
         if self.compiled and lean:
             self.lean = LeanLlamaStep(target.model, _compiled_lean_attention, target._taps, target.target_layer_ids,
                                       compiled=True)
+            # no size/stride asserts in the generated code: dynamo's guards already check every input,
+            # and the asserts cost ~1,100 calls a step (each of the 30 layer calls checks its weights)
             self._lean_call = torch.compile(self.lean.__call__, options={
-                "guard_filter_fn": _step_guards, "emulate_precision_casts": True})
+                "guard_filter_fn": _step_guards, "emulate_precision_casts": True, "size_asserts": False,
+                "scalar_asserts": False})
         elif self.compiled:
             for layer in hf_compat.decoder_layers(target.model):
                 attn = layer.self_attn

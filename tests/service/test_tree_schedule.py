@@ -67,7 +67,7 @@ def test_cli_reports_a_bad_schedule_in_one_line(argv_env, monkeypatch, capsys):
         monkeypatch.setenv(k, v)
     assert main(["verifier", "--drafter-endpoint", "none", *argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("dartree: error: tree_schedule:") and err.count("\n") == 1
+    assert err.startswith("dartree: error: --tree-schedule:") and err.count("\n") == 1
 
 
 # ------------------------------------------------------------------------------- worker, fake engine
