@@ -1,4 +1,5 @@
-"""Pooled and per-run ratios of the drafter-placement A/B (``python summarize.py DIR``)."""
+"""Pooled and per-run ratios of an A/B of ``bench_small_trees http`` runs named ``rN-ARM.json`` in DIR
+(``python summarize.py DIR``; the drafter-placement and compiled-steps A/Bs)."""
 import glob
 import json
 import statistics
@@ -11,7 +12,7 @@ for f in sorted(glob.glob(sys.argv[1] + "/r*-*.json")):
     print(name, "  ".join(f"{ds} {d['groups'][ds + ' pass all']['ratio']:.3f} (ar {d['groups'][ds + ' pass all']['tokens_per_s_ar']:.1f},"
                           f" tau {d['groups'][ds + ' pass all']['tau']})" for ds in d["datasets"]),
           "same", sum(r["same_tokens"] for r in d["rows"]), "/", len(d["rows"]))
-for arm in ("verifier", "process"):
+for arm in dict.fromkeys(n.split("-", 1)[1] for n in runs):  # the arms, as the files name them
     sel = [d for n, d in runs.items() if n.endswith("-" + arm)]
     for ds in ("mt-bench", "gsm8k", "sharegpt"):
         rows = [r for d in sel for r in d["rows"] if r["dataset"] == ds]
