@@ -3,9 +3,11 @@
 One screen: the CPU's capabilities (vector ISA, native bf16, MKL / oneDNN packing, the int4
 kernel, threads, RAM), what start-ups keep in the state directory (:mod:`services.machine_cache`):
 the weight-format choices (``weights_choice.json``), step-cost sweeps (``cost_model.json``),
-oneDNN row-invariance verdicts (``onednn_rows.json``), packed q4 linears (``q4/``) and the goodput
-policy's acceptance calibrations (``calibration.json``), with their figures and age, and, with ``--remeasure``, a fresh weight
-choice and cost sweep for a target (each cached only when the measurement is trusted).
+oneDNN row-invariance verdicts (``onednn_rows.json``), packed q4 linears (``q4/``), compiled steps'
+kernels (``inductor/``) and the goodput policy's acceptance calibrations (``calibration.json``), with
+their figures and age, and, with ``--remeasure``, a fresh weight choice and cost sweep for a target,
+of the steps the server runs (compiled for q4 on CPU; each cached only when the measurement is
+trusted).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def capability_lines() -> list[str]:
 
 def cache_lines(now: float | None = None) -> list[str]:
     """The cached choices and sweeps, one line each (path first; 'none' when absent)."""
-    from services.machine_cache import ONEDNN_ROWS, Q4_PACKS, read_entries, state_dir
+    from services.machine_cache import ONEDNN_ROWS, Q4_PACKS, read_entries, state_dir, use_inductor_cache
     from services.verifier.calibration_store import default_store_path
     from services.verifier.cost_model import default_cache_path
     from services.weight_choice import choice_cache_path, read_choices
@@ -100,6 +102,15 @@ def cache_lines(now: float | None = None) -> list[str]:
         out.append(f"  {f.name}: {st.st_size / 2**20:.0f} MB, {_age(now - st.st_mtime)}")
     if not packs:
         out.append("  none")
+    path = use_inductor_cache()
+    files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else []
+    out.append(f"compiled steps  {path}")
+    if files:
+        newest = max(f.stat().st_mtime for f in files)
+        out.append(f"  {len(files)} files, {sum(f.stat().st_size for f in files) / 2**20:.0f} MB, newest "
+                   f"{_age(now - newest)} (torch inductor's cache; delete it to compile afresh)")
+    else:
+        out.append("  none")
     path = default_store_path()
     out.append(f"calibrations    {path}")
     calibrations = {k: e for k, e in read_entries(path).items() if isinstance(e, dict) and isinstance(e.get("state"), dict)}
@@ -115,23 +126,28 @@ def remeasure(target_ref: str | None) -> list[str]:
     import torch
 
     from services.models.registry import resolve_target
-    from services.verifier.cost_model import cache_key, forget_cached, startup_sweep
-    from services.verifier.build import make_runner, time_forward
+    from services.verifier.cost_model import forget_cached, startup_sweep
+    from services.verifier.build import make_runner, sweep_key, time_forward
     from services.verifier.engine import EngineConfig
+    from services.verifier.runner import auto_compile
     from services.verifier.target import TargetModel
     from services.weights import choose_weights
 
     target_dir = resolve_target(target_ref)
     fmt = choose_weights("auto", target_dir, remeasure=True)
     target = TargetModel.from_pretrained(target_dir, [0], weights=fmt)  # taps unused here
-    runner = make_runner(target, EngineConfig(max_running=1, max_context=256))
+    # the steps the server runs by default: compiled where --compile's auto rule compiles them
+    runner = make_runner(target, EngineConfig(max_running=1, max_context=256, compile=auto_compile(target)))
     target.pack_for_steps(8, 16, 1, lazy=True)
-    key = cache_key(target_dir.name, fmt, "cpu", torch.get_num_threads())
+    if runner.compiled:
+        runner.warm_up((1, 9))
+    key = sweep_key(target_dir.name, fmt, "cpu", runner)
     forget_cached(key)
     samples, source = startup_sweep(lambda rows: time_forward(runner, rows), key, fmt,
                                     threads=torch.get_num_threads())
     pts = " ".join(f"{r}:{s * 1e3:.1f}" for r, s in samples)
-    return [f"weights auto -> {fmt}", f"cost sweep ({source}): rows:ms {pts}"]
+    return [f"weights auto -> {fmt}", f"cost sweep ({source}{', compiled steps' if runner.compiled else ''}): "
+                                      f"rows:ms {pts}"]
 
 
 def doctor_main(args: argparse.Namespace) -> int:

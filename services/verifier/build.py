@@ -60,6 +60,15 @@ def pack_rule(budget: int, max_draft_depth: int, max_running: int, drafts: bool)
     return (budget, max_draft_depth, max_running) if drafts else (1, 1, max_running)
 
 
+def sweep_key(model: str, weights: str, device: str, runner: ModelRunner) -> str:
+    """The cost-sweep cache key of ``runner``'s steps (:func:`services.verifier.cost_model.cache_key`
+    at torch's current thread count): compiled steps cost what eager ones do not, so they get a key
+    of their own (``<weights>+compiled``)."""
+    from services.verifier.cost_model import cache_key
+
+    return cache_key(model, weights + ("+compiled" if runner.compiled else ""), device, torch.get_num_threads())
+
+
 def build_policy(name: str, runner: ModelRunner, defaults: TreeKnobs = DEFAULT_KNOBS,
                 schedule: TreeSchedule | None = None, max_budget: int | None = None, cost_sweep: bool = True,
                 cost_key: tuple[str, str, str] = ("model", "float32", "cpu")):
@@ -72,13 +81,11 @@ def build_policy(name: str, runner: ModelRunner, defaults: TreeKnobs = DEFAULT_K
     """
     from services.cpu_gemm import lazy_packing_paused
     from services.verifier import policy as pol
-    from services.verifier.cost_model import cache_key
 
     if name != "goodput":
         return pol.make_policy(name, schedule=schedule, defaults=defaults)
     model, dtype, device = cost_key
-    # compiled steps cost what eager ones do not: their own sweep
-    key = cache_key(model, dtype + ("+compiled" if runner.compiled else ""), device, torch.get_num_threads())
+    key = sweep_key(model, dtype, device, runner)
     with lazy_packing_paused():  # the sweep times row counts serving may never run: it packs none
         return pol.goodput_with_sweep(lambda rows: time_forward(runner, rows), key, max_budget, cost_sweep,
                                       dtype=dtype, threads=torch.get_num_threads(), schedule=schedule,

@@ -112,6 +112,8 @@ def test_doctor_prints_capabilities_and_cached_choices(tmp_path):
         "time": time.time() - 5 * 86400, "state": {"tables": {}}}}))
     (cache / "q4").mkdir()
     (cache / "q4" / "smollm2-135m-instruct-0123abcd.safetensors").write_bytes(b"\0" * 3 * 2**20)
+    (cache / "inductor" / "ab").mkdir(parents=True)  # compiled steps' kernels (torch inductor's cache)
+    (cache / "inductor" / "ab" / "kernel.so").write_bytes(b"\0" * 2 * 2**20)
     env = {"PATH": "/usr/bin:/bin", "DARTREE_CACHE": str(cache), "DARTREE_CACHE_DIR": str(cache),
            "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
     r = subprocess.run([sys.executable, "-m", "services.cli", "doctor"], cwd=REPO, capture_output=True, text=True,
@@ -124,7 +126,8 @@ def test_doctor_prints_capabilities_and_cached_choices(tmp_path):
     assert "576 x 1536: 1, 49152 x 576: 128, 3 d old" in out
     assert "smollm2-135m-instruct-0123abcd.safetensors: 3 MB, " in out
     assert "  smollm2/q4/cpu/drafter, 5 d old" in out
-    assert len(out.splitlines()) < 25  # one screen
+    assert f"compiled steps  {cache / 'inductor'}" in out and "  1 files, 2 MB, newest " in out
+    assert len(out.splitlines()) < 27  # one screen
 
 
 def test_a_kv_cache_beyond_the_ram_is_a_one_line_configuration_error():
@@ -150,6 +153,8 @@ def test_doctor_remeasure_on_a_tiny_target(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "re-measured:" in r.stdout and "weights auto -> " in r.stdout and "cost sweep (" in r.stdout
     assert "rows:ms 1:" in r.stdout and " 8:" in r.stdout
+    chosen = r.stdout.split("weights auto -> ")[1].split()[0]
+    assert (", compiled steps)" in r.stdout) == (chosen == "q4")  # the steps the server runs by default
 
 
 _PLAN_SCRIPT = """
