@@ -63,7 +63,7 @@ def capability_lines() -> list[str]:
 
 def cache_lines(now: float | None = None) -> list[str]:
     """The cached choices and sweeps, one line each (path first; 'none' when absent)."""
-    from services.machine_cache import ONEDNN_ROWS, Q4_PACKS, read_entries, state_dir, use_inductor_cache
+    from services.machine_cache import ONEDNN_ROWS, Q4_PACKS, inductor_cache_dir, read_entries, state_dir
     from services.verifier.calibration_store import default_store_path
     from services.verifier.cost_model import default_cache_path
     from services.weight_choice import choice_cache_path, read_choices
@@ -102,7 +102,7 @@ def cache_lines(now: float | None = None) -> list[str]:
         out.append(f"  {f.name}: {st.st_size / 2**20:.0f} MB, {_age(now - st.st_mtime)}")
     if not packs:
         out.append("  none")
-    path = use_inductor_cache()
+    path = inductor_cache_dir()
     files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else []
     out.append(f"compiled steps  {path}")
     if files:

@@ -106,12 +106,15 @@ def _write(path: Path, data: dict) -> bool:
     return True
 
 
+def inductor_cache_dir() -> Path:
+    """Torch inductor's on-disk cache: ``$TORCHINDUCTOR_CACHE_DIR`` when set, else ``<state dir>/inductor``."""
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or state_dir() / INDUCTOR)
+
+
 def use_inductor_cache() -> Path:
-    """Point torch inductor's on-disk cache (``$TORCHINDUCTOR_CACHE_DIR``) at ``<state dir>/inductor``
-    unless the variable is already set; returns the directory used. Call before the first compile:
-    a restart then loads the compiled steps' kernels instead of generating them again."""
-    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not path:
-        path = str(state_dir() / INDUCTOR)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    return Path(path)
+    """Point torch inductor's on-disk cache (``$TORCHINDUCTOR_CACHE_DIR``) at :func:`inductor_cache_dir`
+    (``<state dir>/inductor`` unless the variable is already set); returns it. Call before the first
+    compile: a restart then loads the compiled steps' kernels instead of generating them again."""
+    path = inductor_cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path

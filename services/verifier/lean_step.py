@@ -63,14 +63,19 @@ class _Norm:
 
     def __init__(self, module, fused_ok: bool):
         self.module = module
-        self.weight = module.weight
         self.eps = float(module.variance_epsilon)
         self.fused = fused_ok
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.fused:
-            return self.weight * _FUSED_RMS(x, [x.shape[-1]], None, self.eps)[0]
-        return self.module(x)
+        return _rms_norm(self.module, x, self.fused, self.eps)
+
+
+def _rms_norm(module, x: Tensor, fused: bool, eps: float) -> Tensor:
+    """RMSNorm ``module`` of ``x [..., D]``: ``aten._fused_rms_norm`` times its weight when ``fused``
+    (where it gives the module's bits, :func:`_fused_norm_matches`), else the module itself."""
+    if fused:
+        return module.weight * _FUSED_RMS(x, [x.shape[-1]], None, eps)[0]
+    return module(x)
 
 
 def _fused_norm_matches(module, dtype: torch.dtype) -> bool:
@@ -223,16 +228,11 @@ class _CompiledLayer(nn.Module):
         self.o_proj, self.down_proj, self.act = o_proj, down_proj, act
         self.register_buffer("layer", layer, persistent=False)
 
-    def _norm(self, module: nn.Module, x: Tensor) -> Tensor:
-        if self.fused_norms:
-            return module.weight * _FUSED_RMS(x, [x.shape[-1]], None, self.eps)[0]
-        return module(x)
-
     @torch.compiler.nested_compile_region
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         r = h.shape[1]
         dh, hq, hkv = self.head_dim, self.heads, self.kv_heads
-        x = self._norm(self.norm1, h)
+        x = _rms_norm(self.norm1, h, self.fused_norms, self.eps)
         if self.qkv is not None:
             qkv = self.qkv(x).view(1, r, hq + 2 * hkv, dh)
             qk = qkv[:, :, :hq + hkv].transpose(1, 2)  # [1, Hq + Hkv, R, Dh]
@@ -243,7 +243,7 @@ class _CompiledLayer(nn.Module):
         qk = qk * cos + _rotate_half(qk) * sin
         out = self.attention(self.layer, qk[:, :hq], qk[:, hq:], v, self.scaling)  # [1, R, Hq, Dh]
         h = h + self.o_proj(out.reshape(1, r, hq * dh))
-        x = self._norm(self.norm2, h)
+        x = _rms_norm(self.norm2, h, self.fused_norms, self.eps)
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, -1)
         else:
