@@ -80,9 +80,11 @@ def _configs(budgets: list[int], blocks: list[int]) -> list[tuple[int, int]]:
     return [(b, block) for block in blocks for b in budgets if block in (0, full) or block >= b]
 
 
-def _engine(target, drafter, dtype, block: int, packed: bool, q4_linears: bool | None = None):
+def _engine(target, drafter, dtype, block: int, packed: bool, q4_linears: bool | None = None,
+            compile: bool = False):
     """An engine whose drafter runs ``block`` rows per call (0 = the trained block's rows cut to the
-    call's budget plus one, ``DrafterService(spare_rows=1)``, the default); ``q4_linears`` as
+    call's budget plus one, ``DrafterService(spare_rows=1)``, the default); ``q4_linears`` and
+    ``compile`` (its block forward through ``torch.compile``, warmed up here) as
     :class:`DrafterService` (None = its default)."""
     from services.drafter.service import DrafterService, borrow_target_io
     from services.verifier.build import build_engine
@@ -90,7 +92,9 @@ def _engine(target, drafter, dtype, block: int, packed: bool, q4_linears: bool |
 
     embed, head = borrow_target_io(target.embed_tokens(), target.lm_head(), dtype)
     svc = DrafterService(drafter, embed, head, packed_gemm=packed, block_rows=block or None,
-                         spare_rows=1 if block == 0 else None, q4_linears=q4_linears)
+                         spare_rows=1 if block == 0 else None, q4_linears=q4_linears, compile=compile)
+    if compile:
+        svc.warm_up()
     return build_engine(target, InprocDrafterClient(svc), max_draft_depth=svc.block_rows, packed_gemm=False)
 
 
@@ -189,13 +193,16 @@ def run_cost(a) -> dict:
         drafter = load_drafter(ddir, dtype=ddt)
         target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, weights=w)
         target.pack_gemm([r for r in a.rows if r >= 2])  # float32: every verify row count packed, as served
-        runner = make_runner(target, EngineConfig())
+        runner = make_runner(target, EngineConfig(compile=a.compile))
+        if a.compile:
+            runner.warm_up(tuple(a.rows))
         turns = greedy_turns(target, prompts, a.max_tokens)
         engines = {}
         for b, block in _configs(a.budgets, a.blocks):
             if block not in engines:
                 engines[block] = _engine(target, drafter, ddt, block, packed=True,
-                                         q4_linears={"auto": None, "dense": False, "q4": True}[a.drafter_linears])
+                                         q4_linears={"auto": None, "dense": False, "q4": True}[a.drafter_linears],
+                                         compile=a.drafter_compile)
                 engines[block].drafter = _TimedClient(engines[block].drafter)
         fmts[w] = {"drafter_dtype": str(ddt).removeprefix("torch."), "runner": runner, "turns": turns,
                    "engines": engines, "fwd": {r: [] for r in a.rows}, "draft": {}, "nodes": {}}
@@ -238,6 +245,7 @@ def run_cost(a) -> dict:
            "drafter": str(ddir), "rows": a.rows, "warm_drafts": a.warm_drafts, "repeats": a.repeats, "draft_repeats": a.draft_repeats,
            "prompts": len(prompts), "max_tokens": a.max_tokens, "width": a.width, "unit": a.unit,
            "drafter_linears": a.drafter_linears, "verify_context": a.verify_context,
+           "compile": a.compile, "drafter_compile": a.drafter_compile,
            "unit_ms": round(1e3 * unit, 3) if unit else None, "machine": _machine(), "formats": {}}
     for w, f in fmts.items():
         one = statistics.median(f["fwd"][1])
@@ -278,7 +286,7 @@ def run_e2e(a) -> dict:
     engine0, tok, note = build_inprocess(None, None, compute_dtype(a.weights), weights=a.weights)
     svc = engine0.drafter.service
     defaults = engine0.policy.defaults
-    engine = build_engine(engine0.target, engine0.drafter, EngineConfig(max_running=1),
+    engine = build_engine(engine0.target, engine0.drafter, EngineConfig(max_running=1, compile=a.compile),
                           max_draft_depth=engine0.max_draft_depth, policy="goodput", defaults=defaults,
                           cost_key=("smollm2-135m-instruct", a.weights, "cpu"))
     goodput, fixed = engine.policy, FixedPolicy(defaults=defaults)
@@ -310,7 +318,7 @@ def run_e2e(a) -> dict:
     ar_med = statistics.median(x["tokens_per_s"] for x in runs["ar"])
     res = {"bench": "small-trees-e2e", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "note": note,
            "weights": a.weights, "datasets": a.datasets, "prompts_per_dataset": a.prompts, "max_tokens": a.max_tokens,
-           "repeats": a.repeats, "machine": _machine(), "settings": {}}
+           "repeats": a.repeats, "compile": a.compile, "machine": _machine(), "settings": {}}
     for label, rs in runs.items():
         tps = [x["tokens_per_s"] for x in rs]
         res["settings"][label] = {"tokens_per_s_runs": [round(x, 3) for x in tps],
@@ -543,6 +551,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "every row (0: the goodput policy's start-up sweep, an empty slot, the last row's logits)")
     c.add_argument("--drafter-linears", choices=["auto", "dense", "q4"], default="auto",
                    help="the drafter's linears: DrafterService's default, dense, or Q4_1 (int4 kernel)")
+    c.add_argument("--compile", action="store_true",
+                   help="the target's steps compiled and warmed up, as `dartree serve` runs a q4 Llama target on CPU")
+    c.add_argument("--drafter-compile", action="store_true",
+                   help="the drafter's block forward through torch.compile (DrafterService(compile=True))")
     t = sub.choices["tau"]
     t.add_argument("--drafter-dtype", choices=["float32", "bfloat16"], default="float32")
     t.add_argument("--drafter-linears", choices=["dense", "q4"], default="dense",
@@ -551,6 +563,8 @@ def main(argv: list[str] | None = None) -> dict:
     e.add_argument("--weights", default="q4")
     e.add_argument("--settings", nargs="*", default=["3/16", "3/4"], help="fixed B/L settings beside ar and goodput")
     e.add_argument("--repeats", type=int, default=3)
+    e.add_argument("--compile", action="store_true",
+                   help="the target's steps compiled, as `dartree serve` runs a q4 Llama target on CPU")
     e.add_argument("--goodput-max-budgets", type=int, nargs="*", default=[],
                    help="also run the goodput policy with these B_max (its own policy object each)")
     h = sub.choices["http"]

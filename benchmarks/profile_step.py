@@ -77,6 +77,7 @@ def build_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=0, help="pad the prompt to about this many tokens (0 = the bare prompt)")
     p.add_argument("--compile", action="store_true", help="the target's steps through torch.compile (the "
                    "server's default for q4 on CPU; warmed up before anything is timed)")
+    p.add_argument("--top", type=int, default=0, help="also list this many ops by self time a step")
     p.add_argument("--out", default=None, help="also write the JSON here")
     a = p.parse_args(argv)
     if a.threads < 1 or a.tokens < 2 or a.context < 0:
@@ -130,6 +131,12 @@ def main(argv: list[str] | None = None) -> None:
           f"(profiled {rec['profiled_step_ms']} ms)")
     for k in KINDS:
         print(f"  {k:<14} {split[k]:7.2f} ms")
+    if a.top:
+        rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:a.top]
+        rec["top_ops"] = [{"op": e.key, "kind": op_kind(e.key), "calls_per_step": round(e.count / len(walls), 1),
+                           "self_ms_per_step": round(e.self_cpu_time_total / 1e3 / len(walls), 3)} for e in rows]
+        for r in rec["top_ops"]:
+            print(f"    {r['self_ms_per_step']:7.3f} ms {r['calls_per_step']:6.1f} calls  {r['op']} ({r['kind']})")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rec, f, indent=1)

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -191,6 +192,20 @@ def _step_guards(entries) -> list[bool]:
                  or e.orig_guard.source.is_unspecialized_nn_module()) for e in entries]
 
 
+def _private_frame(fn):
+    """``fn`` behind a function with a code object of its own, for ``torch.compile``.
+
+    Dynamo keeps compiled graphs per code object, and :func:`_step_guards` drops the guards on the
+    model's parameters and modules; two compiled runners would otherwise share the entries of one
+    code object (``LeanLlamaStep.__call__``, a module's ``forward``), and a runner over another
+    model (another weight format, other shapes) would run the first model's graph: a ``KeyError``
+    on a missing module at best, wrong logits at worst. With a private frame each runner compiles
+    and guards its own graphs (and its own recompile budget)."""
+    def step(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return types.FunctionType(step.__code__.replace(), step.__globals__, "dartree_step", None, step.__closure__)
+
+
 class ModelRunner:
     """Runs batched steps of a :class:`TargetModel` over a slot KV cache.
 
@@ -266,7 +281,7 @@ class ModelRunner:
                                       compiled=True)
             # no size/stride asserts in the generated code: dynamo's guards already check every input,
             # and the asserts cost ~1,100 calls a step (each of the 30 layer calls checks its weights)
-            self._lean_call = torch.compile(self.lean.__call__, options={
+            self._lean_call = torch.compile(_private_frame(self.lean.__call__), options={
                 "guard_filter_fn": _step_guards, "emulate_precision_casts": True, "size_asserts": False,
                 "scalar_asserts": False})
         elif self.compiled:
@@ -275,7 +290,7 @@ class ModelRunner:
                 if "dartree_layer" not in attn._buffers:
                     attn.register_buffer("dartree_layer", torch.tensor(int(attn.layer_idx)), persistent=False)
             hf_compat.mark_layers_as_compile_regions(target.model)
-            self._forward = torch.compile(target.model, options={"guard_filter_fn": _step_guards})
+            self._forward = torch.compile(_private_frame(target.model), options={"guard_filter_fn": _step_guards})
         elif lean:
             self.lean = LeanLlamaStep(target.model, _lean_attention, target._taps, target.target_layer_ids)
 

@@ -120,3 +120,37 @@ def test_auto_compile_rule(monkeypatch):
     assert not auto_compile(_target("float32")) and not auto_compile(_target("bfloat16"))
     monkeypatch.setenv("DARTREE_LEAN_STEP", "0")
     assert not auto_compile(_target("q4"))
+
+
+def test_compiled_runners_of_different_models_in_one_process():
+    """Two compiled runners in one process keep their own graphs: a q4 and a bfloat16 target (other
+    modules: fused int4 calls or dense linears) and a second q4 target with other weights, used in
+    turn, each give its own eager runner's logits (before each runner had a private frame, the
+    second runner ran the first one's graph: ``KeyError: 'qkv'``)."""
+    import services.weights as W
+    from tests.engine.test_batch_invariance import GEOMETRY, _q4_linears
+
+    other = tiny_causal_lm("llama", **{**GEOMETRY, "seed": 7}, dtype=W.compute_dtype("q4"))
+    _q4_linears(other)
+    from services.cpu_gemm import pack_linears_bf16
+
+    pack_linears_bf16(other)
+    second_q4 = TargetModel(other, [0, 1])
+    second_q4.weights = "q4"
+    targets = [_target("q4"), _target("bfloat16"), second_q4]
+    compiled = [ModelRunner(t, num_slots=1, capacity=128, kv_bucket=16, compile=True) for t in targets]
+    eager = [ModelRunner(t, num_slots=1, capacity=128, kv_bucket=16) for t in targets]
+    ids = list(range(3, 20))
+
+    def logits(runner):
+        slot = runner.cache.alloc()
+        try:
+            return runner.execute([causal_segment(ids, 0, slot)]).logits
+        finally:
+            runner.cache.free(slot)
+
+    want = [logits(r) for r in eager]
+    assert (want[0] - want[2]).abs().max() > 1.0  # the two q4 targets' logits differ: the check can tell them apart
+    for _ in range(2):  # in turn, twice: each call finds its runner's own graph
+        for runner, ref in zip(compiled, want):
+            torch.testing.assert_close(logits(runner), ref, atol=0.1, rtol=0.02)
