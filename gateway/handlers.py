@@ -45,7 +45,7 @@ class Delta:
     text: str
     tokens: list[TokenOut] = field(default_factory=list)
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string matched, or the stop token id (not EOS)
     index: int = 0  # the choice it belongs to (``n`` > 1)
 
     @property
@@ -219,7 +219,8 @@ class Gateway:
                     return
                 tail = text.finish() if chunk.finish_reason else ""
                 finish = "stop" if text.stopped is not None else chunk.finish_reason
-                yield Delta(step.text + tail, _tokens(text, rows), finish, text.stopped)
+                reason = text.stopped if text.stopped is not None else chunk.stop_token_id if finish == "stop" else None
+                yield Delta(step.text + tail, _tokens(text, rows), finish, reason)
                 if finish:
                     return
         except EngineError:

@@ -44,6 +44,19 @@ def model_dir(target: str) -> Path:
     return path
 
 
+class ListeningLogFilter(logging.Filter):
+    """Rewords uvicorn's start-up line ("Uvicorn running on URL (Press CTRL+C to quit)"), logged when
+    the socket is bound, long before the workers are ready: "listening on URL; not ready until the
+    workers are (GET /health/ready)". Other records pass unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Uvicorn running on "):
+            record.msg = "listening on " + record.msg.removeprefix("Uvicorn running on ").split(" (Press")[0] \
+                + "; not ready until the workers are (GET /health/ready)"
+            record.__dict__.pop("color_message", None)
+        return True
+
+
 def setup_logging(level: str) -> None:
     handler = logging.StreamHandler()
     handler.addFilter(RequestIdLogFilter())
@@ -124,4 +137,5 @@ def run_gateway(config: GatewayConfig) -> None:
     app = build_app(config)
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level.lower(),
                         access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+    logging.getLogger("uvicorn.error").addFilter(ListeningLogFilter())  # after uvicorn's own logging set-up
     _DrainingServer(uv, app, config.drain_timeout_s).run()

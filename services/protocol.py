@@ -38,7 +38,7 @@ from services.spec import (DFLASH_METHODS, EAGLE3_METHODS, HEAD_METHODS, MARKOV_
 # (DraftRequest is its job, no longer a message of its own: tag 20 is unused); v5: PeerInfo.default_spec
 # is gone (the verifier owns the tree defaults; every draft job carries resolved knobs); v6:
 # SamplingSpec.grammar (structured output and tool calls)
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (OpenAI chat's top_logprobs limit)
 LOGPROB_FLOOR = -9999.0     # logprobs are clamped to [LOGPROB_FLOOR, 0] (finite, JSON-safe; vLLM's floor)
@@ -249,6 +249,7 @@ class RoundChunk(Struct, **_opts()):
     num_draft_tokens: NonNeg = 0        # tree nodes proposed this round
     accept_length: NonNeg = 0           # accepted draft tokens emitted (bonus excluded)
     logprobs: TokenLogprobs | None = None   # only when the request asked; one row per token_ids entry
+    stop_token_id: TokenId | None = None    # finish "stop" on an entry of stop_token_ids (not EOS): that id
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and len(self.logprobs.logprobs) != len(self.token_ids):

@@ -25,6 +25,7 @@ EXAMPLES = [
     p.Generate("r1", [1, 2, 3], p.SamplingSpec(max_tokens=5, temperature=0.5, seed=3, stop_token_ids=(9,), logprobs=5),
                p.SpecSpec(method="dartree-pruned", budget=16, depth_bonus=-0.2)),
     p.RoundChunk("r1", [4, 5, 6], "stop", num_draft_tokens=16, accept_length=2),
+    p.RoundChunk("r1", [4], "stop", stop_token_id=9),
     p.RoundChunk("r1", [4, 5], None, logprobs=p.TokenLogprobs([-0.5, -9999.0], [[4, 7], [1, 5]],
                                                               [[-0.5, -1.5], [-0.1, -2.0]])),
     p.RoundChunk("r1", [4], "length", logprobs=p.TokenLogprobs([0.0])),

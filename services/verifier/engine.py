@@ -146,6 +146,8 @@ class RoundOutput:
     Attributes:
         token_ids: emitted tokens (accepted drafts + bonus), cut before any terminator / at max_tokens.
         finish_reason: None while running, "stop" (EOS or stop id) or "length".
+        stop_token_id: with ``finish_reason`` "stop", the entry of ``stop_token_ids`` that ended the
+            request (excluded from ``token_ids``); None for EOS, a grammar's end, or another finish.
         num_draft_tokens: draft nodes verified this round (0 for prefill and AR rounds).
         accept_length: accepted draft tokens among ``token_ids`` (bonus excluded).
         accepted_per_depth: ``[1] * accept_length`` (depth d accepted), for per-depth counters.
@@ -173,6 +175,7 @@ class RoundOutput:
     predicted_tau: float | None = None
     grammar_masked: int = 0
     cached_tokens: int = 0
+    stop_token_id: int | None = None
 
 
 @dataclass
@@ -204,6 +207,7 @@ class _Request:
     wait_for: str | None = None             # the request whose prefill this one waits for (prefix sharing)
     wait_len: int = 0                       # ... until it has committed this many shared prompt positions
     cached: int = 0                         # prompt positions not prefilled (reused in place or copied)
+    stop_token_id: int | None = None        # the stop id (not EOS) that ended the request
 
     @property
     def decoding(self) -> bool:
@@ -795,11 +799,14 @@ class SpecEngine:
 
     def _emit(self, req: _Request, tokens: list[int]) -> tuple[list[int], str | None]:
         """Commit semantics: cut at the first terminator (excluded) or when max_tokens is reached.
-        With a grammar, EOS always ends the request and so does the grammar's last token (included)."""
+        With a grammar, EOS always ends the request and so does the grammar's last token (included).
+        A stop id that is not an EOS the request stops on is kept in ``req.stop_token_id``."""
         s = req.sampling
         out: list[int] = []
         for tok in tokens:
-            if (tok in self.eos_token_ids and (not s.ignore_eos or req.grammar is not None)) or tok in s.stop_token_ids:
+            eos = tok in self.eos_token_ids and (not s.ignore_eos or req.grammar is not None)
+            if eos or tok in s.stop_token_ids:
+                req.stop_token_id = None if eos else tok
                 return out, "stop"
             out.append(tok)
             req.generated += 1
@@ -968,7 +975,8 @@ class SpecEngine:
         return RoundOutput(ids, finish, num_draft_tokens=item.tree.num_nodes, accept_length=n_acc,
                            accepted_per_depth=[1] * n_acc, timings=timings,
                            logprobs=self._logprobs(req, logits, rows, ids), drafted=item.drafted,
-                           predicted_tau=item.predicted_tau, grammar_masked=req.grammar_masked)
+                           predicted_tau=item.predicted_tau, grammar_masked=req.grammar_masked,
+                           stop_token_id=req.stop_token_id if finish == "stop" else None)
 
     def _finish_chunk(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
         req = item.req
@@ -996,7 +1004,7 @@ class SpecEngine:
         dt = req.prefill_seconds + time.perf_counter() - t0
         return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True,
                            logprobs=self._logprobs(req, logits, torch.zeros(1, dtype=torch.long), ids),
-                           cached_tokens=req.cached)
+                           cached_tokens=req.cached, stop_token_id=req.stop_token_id if finish == "stop" else None)
 
     def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams):
         """Yield :class:`RoundOutput` until the request finishes (convenience for CLI and tests)."""

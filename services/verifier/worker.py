@@ -461,7 +461,8 @@ class VerifierWorker:
             self._drop(rid)  # before sending: the table (and gauges) never outlive the last chunk
         self.send(entry.identity, RoundChunk(rid, list(out.token_ids), out.finish_reason,
                                              num_draft_tokens=out.num_draft_tokens, accept_length=out.accept_length,
-                                             logprobs=_wire_logprobs(out.logprobs)))
+                                             logprobs=_wire_logprobs(out.logprobs),
+                                             stop_token_id=out.stop_token_id))
 
     def tree_knobs(self) -> tuple[int, int] | None:
         """``(budget, width)`` the schedule picks at the current running count (None = no pick), for

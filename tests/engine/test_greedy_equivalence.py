@@ -215,6 +215,8 @@ def test_terminator_at_every_depth_of_an_accepted_path(llama, distinct_case, pos
     tokens, outs = _run(engine, "r", prompt, sampling)
     assert tokens == ref[:pos]  # stops exactly before the terminator, which is not emitted
     assert outs[-1].finish_reason == "stop" and all(o.finish_reason is None for o in outs[:-1])
+    assert outs[-1].stop_token_id == (stop if how == "stop_id" else None)  # the stop_reason the API reports
+    assert all(o.stop_token_id is None for o in outs[:-1])
     _check_usage(outs, pos)
     if pos > 0:
         depth = (pos - 1) % (D + 1) + 1  # depth of the terminator inside its round (D + 1 = bonus)

@@ -36,6 +36,7 @@ class Script:
     error_after_rounds: int | None = None  # send a RequestError after this many rounds
     error_status: int = 500
     delay_s: float = 0.0                   # sleep between rounds
+    stop_token_id: int | None = None       # with finish "stop": the stop id the engine cut at
 
     def rounds(self, max_tokens: int, logprobs: int | None = None) -> list[RoundChunk | RequestError]:
         """The rounds; with ``logprobs`` (top-k), each token carries :func:`fake_logprobs` of its position."""
@@ -51,7 +52,8 @@ class Script:
             done = i >= len(ids)
             lp = None if logprobs is None else fake_logprobs(chunk, range(i - n, i - n + len(chunk)), logprobs)
             out.append(RoundChunk("?", chunk, finish if done else None, num_draft_tokens=8,
-                                  accept_length=max(0, len(chunk) - 1), logprobs=lp))
+                                  accept_length=max(0, len(chunk) - 1), logprobs=lp,
+                                  stop_token_id=self.stop_token_id if done and finish == "stop" else None))
             if done:
                 return out
 

@@ -82,6 +82,33 @@ def test_completions_and_chat_stream_equal_non_stream_and_equal_plain_decoding(s
     assert streamed == chat.choices[0].message.content
 
 
+def test_stop_token_id_is_the_stop_reason_and_the_log_says_listening(server):
+    """A request ended on an entry of ``stop_token_ids`` reports it as ``stop_reason`` through the
+    real workers (the verifier's round chunk carries it), streamed and not; and the gateway's
+    start-up line says it is listening, not that the server is running."""
+    from gateway.text import TextModel
+
+    client = _client(server)
+    prompt_ids = TextModel(server.target_dir).encode("Hello world")
+    ref = _ar_reference(server.target_dir, prompt_ids, 16)
+    unseen = next(t for t in range(3, 300) if t not in ref)
+    # the tiny target repeats one token after this prompt: a stop on it ends the request at its first
+    # token (the prefill's), a stop id it never generates leaves the request to max_tokens
+    for method in ("dartree-pruned", "ar"):
+        for stop, want_ids, finish, reason in ((ref[0], [], "stop", ref[0]), (unseen, ref, "length", None)):
+            body = {"speculative": {"method": method}, "return_token_ids": True, "stop_token_ids": [stop],
+                    "ignore_eos": True}
+            choice = client.completions.create(model="tiny", prompt="Hello world", max_tokens=16,
+                                               extra_body=body).choices[0]
+            assert (choice.finish_reason, choice.model_extra["stop_reason"]) == (finish, reason), method
+            assert choice.model_extra["token_ids"] == want_ids
+            last = [c for c in client.completions.create(model="tiny", prompt="Hello world", max_tokens=16,
+                                                         stream=True, extra_body=body) if c.choices][-1]
+            assert (last.choices[0].finish_reason, last.choices[0].model_extra["stop_reason"]) == (finish, reason)
+    log = server.log_tail(1_000_000)
+    assert "listening on http://" in log and "Uvicorn running on" not in log
+
+
 def _reference_logprobs(target_dir: Path, prompt_ids: list[int], ids: list[int]) -> list[float]:
     """The tiny target's raw logprob of each of ``ids`` after ``prompt_ids``, from one causal forward."""
     import torch

@@ -68,6 +68,28 @@ def test_max_tokens_gives_length_and_exact_usage(bl_harness):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_stop_reason_names_the_stop_token_id(bl_harness, stream, chat):
+    """A request the engine ended on an entry of ``stop_token_ids`` reports that id as ``stop_reason``
+    (as vLLM does); one ended by EOS reports null."""
+    h = bl_harness
+    for stop_id, want in ((17, 17), (None, None)):
+        h.script = lambda gen, stop_id=stop_id: Script([5, 6, 7], stop_token_id=stop_id)
+
+        async def go():
+            body = {"max_tokens": 50, "stop_token_ids": [17], "stream": stream}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
+            if chat:
+                return await h.chat(messages=[{"role": "user", "content": "x"}], **body)
+            return await h.complete(prompt="x", **body)
+
+        r = run(go())
+        choice = ([e for e in sse_events(r.text) if e.get("choices")][-1] if stream else r.json())["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["stop_reason"] == want, (stop_id, choice)
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_mid_round_cuts_text_ids_and_usage(bl_harness, stream):
     h = bl_harness
     ids = h.text.encode("one two STOP three four", add_special_tokens=False)
