@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient
-from gateway.handlers import Gateway, request_id_var
+from gateway.handlers import Gateway, log_rejection, request_id_var
 from gateway.probe import GenerateProbe
 from gateway.schemas import ApiError, ChatCompletionRequest, CompletionRequest
 from gateway.text import TextModel
@@ -84,6 +84,9 @@ def _routes(app: FastAPI, gw: Gateway, probe: GenerateProbe) -> None:
     async def ready() -> JSONResponse:
         ok, why = gw.readiness()
         return JSONResponse({"status": "ready" if ok else "unavailable", "detail": why}, status_code=200 if ok else 503)
+
+    for path, probe_fn in (("/health/live", live), ("/health/ready", ready)):  # monitors that probe with HEAD
+        app.add_api_route(path, probe_fn, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/health/generate")
     async def health_generate() -> JSONResponse:
@@ -238,6 +241,7 @@ class BodyTimeoutMiddleware:
 
 
 async def _send_error(err: ApiError, scope, receive, send, rid: str | None) -> None:
+    log_rejection(err)
     headers = {**err.headers, **({"x-request-id": rid} if rid else {})}
     await JSONResponse(err.body(), status_code=err.status, headers=headers)(scope, receive, send)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 
@@ -10,11 +12,13 @@ class GatewayConfig:
     """Gateway settings. Every field is a CLI flag (``--field-name``) and an env var (``DARTREE_FIELD_NAME``).
 
     Attributes:
-        host, port: where the HTTP API listens (loopback by default).
+        host: the address the HTTP API listens on (loopback by default).
+        port: the TCP port the HTTP API listens on.
         target: the target model (default name or a local HF directory); its tokenizer is read here.
         served_model_name: the ``model`` clients send ("" = the target's name).
         verifier_endpoint: ZMQ endpoint of the verifier ("" = the default ipc:// socket).
-        api_key: if set, ``Authorization: Bearer <key>`` is required on /v1/* (health stays open).
+        api_key: if set, ``Authorization: Bearer <key>`` is required on every path but the health
+            checks, the OpenAPI schema and docs, and ``/metrics`` (unless ``--metrics-auth``).
         metrics_auth: also require the key on /metrics.
         max_concurrent_requests: requests in flight before 429 (the gateway's admission limit). A request
             holds its slot from the end of its body on: while it is tokenized, queued and generated.
@@ -78,5 +82,7 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.json_whitespace not in ("flexible", "compact"):
             raise ValueError(f"json_whitespace must be 'flexible' or 'compact', not {self.json_whitespace!r}")
+        if not (math.isfinite(self.default_temperature) and self.default_temperature >= 0):
+            raise ValueError(f"default_temperature must be a finite number >= 0 (got {self.default_temperature})")
         if self.health_generate_timeout_s <= 0:
             raise ValueError("health_generate_timeout_s must be > 0")

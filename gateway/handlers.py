@@ -142,6 +142,7 @@ class Gateway:
                 lease.release()
             if isinstance(err, ApiError):
                 self.metrics.rejected.labels(_reject_reason(err.status)).inc()
+                log_rejection(err)
             raise
         log.info("%s: %d prompt tokens, max_tokens %d, stream %s, spec %s", kind, len(prep.gen.prompt_ids),
                  prep.gen.sampling.max_tokens, prep.stream, prep.gen.spec.method or "default")
@@ -485,6 +486,13 @@ def _event(obj: dict) -> bytes:
 
 def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def log_rejection(err: ApiError) -> None:
+    """One log line for a refused request (the request id comes with the log record)."""
+    param = f" [{err.param}]" if err.param else ""
+    log.info("rejected: %d %s%s: %s", err.status, err.code or ApiError.TYPES.get(err.status, "error"), param,
+             err.message[:300])
 
 
 def _reject_reason(status: int) -> str:

@@ -121,6 +121,7 @@ class RequestBuilder:
         if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
             raise ApiError(400, "'stream_options.continuous_usage_stats' requires 'include_usage': true",
                            "stream_options.continuous_usage_stats", "invalid_value")
+        self._check_choices(req.n)
         plan, grammar = self._structured(req)
         ready, why = self.readiness() if ready is None else ready
         if not ready:
@@ -307,6 +308,15 @@ class RequestBuilder:
                            "invalid_value")
         return req.min_tokens
 
+    def _check_choices(self, n: int) -> None:
+        """``n`` choices are ``n`` engine requests admitted together: more than the verifier's running
+        and waiting slots can never all be admitted (a 429 would only repeat), so a 400 naming ``n``."""
+        limits = self.engine.info.limits if self.engine.info else None
+        slots = limits.max_running + limits.max_waiting if limits and limits.max_running else 0
+        if slots and n > slots:
+            raise ApiError(400, f"'n' = {n} choices need {n} request slots at once; this server has {slots} "
+                           f"({limits.max_running} running + {limits.max_waiting} waiting)", "n", "invalid_value")
+
     def _limit(self, name: str, local: int) -> int:
         limits = self.engine.info.limits if self.engine.info else None
         values = [v for v in (local, getattr(limits, name, 0) if limits else 0) if v]
@@ -342,10 +352,12 @@ class RequestBuilder:
                     else "is not a speculative method")
             raise ApiError(400, f"method '{opts.method}' {what}; this server serves: {', '.join(info.methods)}",
                            "speculative.method", "invalid_value")
-        max_budget = info.limits.max_budget if info and info.limits else 0
-        if opts.budget is not None and max_budget and opts.budget > max_budget:
-            raise ApiError(400, f"speculative budget {opts.budget} is over the server's maximum {max_budget}",
-                           "speculative.budget", "invalid_value")
+        limits = info.limits if info else None
+        for name, value in (("budget", opts.budget), ("width", opts.width), ("candidates", opts.candidates)):
+            top = getattr(limits, f"max_{name}", 0) if limits else 0
+            if value is not None and top and value > top:
+                raise ApiError(400, f"speculative {name} {value} is over the server's maximum {top} "
+                               f"(`dartree serve --max-request-budget`)", f"speculative.{name}", "invalid_value")
         return SpecSpec(method=opts.method, budget=opts.budget, width=opts.width, depth_bonus=opts.depth_bonus,
                         candidates=opts.candidates)
 

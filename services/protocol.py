@@ -123,6 +123,8 @@ class Limits(Struct, **_opts()):
     max_running: NonNeg = 0        # requests decoded concurrently
     max_waiting: NonNeg = 0        # requests queued for admission
     max_tensor_bytes: NonNeg = 0   # largest tensor frame accepted
+    max_width: NonNeg = 0          # tree width W a request may ask for
+    max_candidates: NonNeg = 0     # candidate pool K a request may ask for
 
 
 class SpecSpec(Struct, **_opts()):

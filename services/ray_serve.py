@@ -211,7 +211,7 @@ def serve_ray_main(a: argparse.Namespace) -> int:
     config = config_from_cli(a)
     app = build_app(config)
     if not a.ray_address:
-        check_listen(a.http_host, a.http_port, "--http-port")
+        check_listen(a.http_host, a.http_port, "--http-port", "--http-host")
     ray.init(address=a.ray_address or None, include_dashboard=False, logging_level=logging.WARNING)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -47,6 +47,14 @@ def error_line(err: BaseException) -> str:
     return text.splitlines()[0] if text and text != "None" else type(err).__name__
 
 
+def check_device(device: str) -> None:
+    """ValueError (one line) unless ``device`` is ``cpu``, ``cuda`` or ``cuda:N`` (what the workers run on)."""
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise ValueError(f"device {device!r} is not supported (choose cpu, cuda or cuda:N)")
+
+
 def check_dtype(dtype: str) -> None:
     """ValueError (one line) unless ``dtype`` is one of :data:`DTYPES`."""
     if dtype not in DTYPES:

@@ -76,13 +76,12 @@ class SupervisorConfig:
         drafter: drafter checkpoint ("" = the default drafter if present, "none" = no drafter: AR only).
         start_method: how workers start: ``auto`` (a forkserver that imported torch and the worker
             modules once, so workers share those pages, on CPU; ``spawn`` with CUDA), ``forkserver``
-            or ``spawn`` (a fresh interpreter per worker), :func:`services.runtime.worker_context`.
+            or ``spawn`` (a fresh interpreter per worker).
         drafter_placement: where the drafter runs: ``process`` (its own worker process, reached over
             ZeroMQ: restarted on its own, may draft while the target verifies with ``--overlap``),
             ``verifier`` (inside the verifier process, called between steps: no transport, no
             second process taking turns on the cores) or ``auto`` (``verifier`` on a CPU device
-            without ``--overlap`` or ``--drafter-endpoint``, else ``process``;
-            :func:`resolve_drafter_placement`).
+            without ``--overlap`` or ``--drafter-endpoint``, else ``process``).
     """
 
     startup_timeout_s: float = 900.0
@@ -428,8 +427,9 @@ def _default_drafter_present() -> bool:
     return (DEFAULT_DRAFTER_DIR / "config.json").is_file()
 
 
-def check_listen(host: str, port: int, what: str) -> None:
-    """ValueError (one line) unless a TCP listener could bind ``host:port`` now (port 0: off, not checked).
+def check_listen(host: str, port: int, what: str, host_flag: str = "--host") -> None:
+    """ValueError (one line) unless a TCP listener could bind ``host:port`` now (port 0: off, not checked);
+    ``what`` names the port's flag, ``host_flag`` the host's (an address that does not resolve).
 
     Run before anything is spawned: a busy port must not let another server answer our readiness probe.
     """
@@ -441,7 +441,7 @@ def check_listen(host: str, port: int, what: str) -> None:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                           flags=socket.AI_PASSIVE)[0]
     except (socket.gaierror, UnicodeError) as e:
-        raise ValueError(f"{what}: {host!r} is not a usable address ({getattr(e, 'strerror', None) or e})") from None
+        raise ValueError(f"{host_flag}: {host!r} is not a usable address ({getattr(e, 'strerror', None) or e})") from None
     with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and prometheus_client do
         try:
@@ -466,15 +466,15 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
         if not torch.cuda.is_available():
             raise ValueError(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device; "
                              "use --device cpu")
-    listeners = [(args.host, args.port, "--port"), (args.metrics_host, args.verifier_metrics_port,
-                                                     "--verifier-metrics-port")]
+    listeners = [(args.host, args.port, "--port", "--host"),
+                 (args.metrics_host, args.verifier_metrics_port, "--verifier-metrics-port", "--metrics-host")]
     if use_drafter:
-        listeners.append((args.metrics_host, args.drafter_metrics_port, "--drafter-metrics-port"))
-    ports = [p for _, p, _ in listeners if p]
+        listeners.append((args.metrics_host, args.drafter_metrics_port, "--drafter-metrics-port", "--metrics-host"))
+    ports = [p for _, p, _, _ in listeners if p]
     if len(ports) != len(set(ports)):
         raise ValueError(f"the gateway and metrics ports must differ (got {', '.join(map(str, ports))})")
-    for host, port, what in listeners:
-        check_listen(host, port, what)
+    for host, port, what, host_flag in listeners:
+        check_listen(host, port, what, host_flag)
     if use_drafter and args.drafter:
         check_drafter_dir(args.drafter)
     if use_drafter:  # the drafter's kind fixes the methods served: refuse an unserved default before spawning

@@ -190,7 +190,10 @@ def _choose(target_ref: str | None, weights: str, dtype: str | None, device: str
     setup_logging(log_level)
     import torch
 
+    from services.hf_compat import quiet_progress_bars
     from services.models.registry import resolve_target
+
+    quiet_progress_bars()
     from services.weights import choose_weights, drafter_dtype, resolve_cli_weights
 
     with phase("supervisor", "target ready"):

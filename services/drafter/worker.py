@@ -39,7 +39,7 @@ from services.protocol import (
     special_token_ids,
     tokenizer_hash,
 )
-from services.runtime import check_dtype, trim_heap
+from services.runtime import check_device, check_dtype, trim_heap
 from services.spec import TreeKnobs
 from services.wire import Decoded
 
@@ -97,6 +97,7 @@ class DrafterWorkerConfig:
         # the CLI's --compile is unset (None, "auto") by default: auto leaves the drafter eager
         object.__setattr__(self, "compile", bool(self.compile))
         check_dtype(self.dtype)
+        check_device(self.device)
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
         if not 0 <= self.drafter_threads <= 1024:
@@ -351,6 +352,9 @@ def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = No
     from services.wire import ServerIO, ipc_endpoint, new_epoch
 
     prepare_process("dartree-drafter", config.log_level, parent_pid)
+    from services.hf_compat import quiet_progress_bars
+
+    quiet_progress_bars()  # no "Loading weights" bars in the server's log
     threads = drafter_threads(config.drafter_threads, config.device, os.cpu_count())
     if threads is not None:
         import torch

@@ -37,8 +37,9 @@ from services.protocol import (
     check_compatible,
     check_hello_version,
 )
-from services.runtime import WEIGHT_CHOICES, check_dtype, drop_file_pages, trim_heap
-from services.spec import DEFAULT_METHOD, DEFAULT_POLICY, MAX_BUDGET, POLICIES, check_tree_knobs, parse_tree_schedule
+from services.runtime import WEIGHT_CHOICES, check_device, check_dtype, drop_file_pages, trim_heap
+from services.spec import (DEFAULT_MAX_REQUEST_BUDGET, DEFAULT_METHOD, DEFAULT_POLICY, MAX_BUDGET, POLICIES,
+                           check_tree_knobs, parse_tree_schedule, request_tree_limits)
 from services.verifier.remote_drafter import DrafterError, DrafterUnavailable
 from services.verifier.scheduler import OverlapGroups
 from services.wire import Decoded
@@ -83,6 +84,10 @@ class VerifierWorkerConfig:
             its whole tree every round (the behaviour before the policy existed).
         spec_max_budget: the goodput policy's B_max, the budget of its drafter calls and the most nodes
             it verifies per request (0 = ``budget``, the default tree budget).
+        max_request_budget: the largest tree a request may ask for in ``speculative``: budget and
+            width up to it, candidates up to it or 64; the gateway refuses more with a 400 naming the
+            knob. One request's tree is verified in
+            the step all running requests share, so this bounds what one client can cost the others.
         cost_sweep: with ``goodput``, time a few target forwards at start-up (1-8, 9, 17, 33 rows, a
             few seconds, cached per machine / model / dtype in ``~/.cache/dartree/cost_model.json``
             when its repeats agree; on a busy machine a rule-based curve, not cached).
@@ -96,8 +101,8 @@ class VerifierWorkerConfig:
             the drafter receives resolved knobs only; the GEMM packs are sized by ``budget``.
         draft_timeout_s: deadline of one drafter round trip; drafter_wait_s: how long to wait for the
             drafter at start; health_interval_s: period of the drafter heartbeat (a thread of its own,
-            so a hung drafter is seen within ``health_interval_s`` + 2 s even while requests run, and
-            the verifier decodes without speculation until it answers again; ``DrafterHeartbeat``).
+            so a hung drafter is seen within this period + 2 s even while requests run, and
+            the verifier decodes without speculation until it answers again).
         drain_timeout_s: on SIGTERM, how long running requests may finish.
         cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC pool for features (CUDA devices only).
         packed_gemm: on a float32 CPU, pack the target's GEMM weights for the step sizes of the
@@ -131,6 +136,7 @@ class VerifierWorkerConfig:
     default_method: str = DEFAULT_METHOD
     spec_policy: str = DEFAULT_POLICY
     spec_max_budget: int = 0
+    max_request_budget: int = DEFAULT_MAX_REQUEST_BUDGET
     cost_sweep: bool = True
     tree_schedule: str = ""
     budget: int | None = None
@@ -160,6 +166,7 @@ class VerifierWorkerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
         check_dtype(self.dtype)
+        check_device(self.device)
         if self.weights not in WEIGHT_CHOICES:
             raise ValueError(f"weights {self.weights!r} is not supported (choose from {', '.join(WEIGHT_CHOICES)})")
         if self.default_method not in METHODS:
@@ -170,6 +177,7 @@ class VerifierWorkerConfig:
             raise ValueError(f"unknown spec_policy {self.spec_policy!r} (choose from {', '.join(POLICIES)})")
         if not 0 <= self.spec_max_budget <= MAX_BUDGET:
             raise ValueError(f"spec_max_budget must be in [0, {MAX_BUDGET}] (got {self.spec_max_budget})")
+        request_tree_limits(self.max_request_budget)  # ValueError: one line
 
 
 @dataclass
@@ -389,7 +397,10 @@ class VerifierWorker:
                 return  # already finished: nothing to free
             self._update_gauges()
         self.metrics.aborts.labels(abort.reason).inc()
-        log.info("aborted %s (%s)", rid, abort.reason)
+        if abort.reason == "stop_string":  # a normal finish: the gateway matched a stop string
+            log.info("finished %s at a stop string", rid)
+        else:
+            log.info("aborted %s (%s)", rid, abort.reason)
 
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.max_running:
@@ -560,9 +571,10 @@ def verifier_info(target_dir, engine, target, epoch: str, config: VerifierWorker
     """This verifier's handshake info (for the gateway)."""
     from services.protocol import Limits, special_token_ids, tokenizer_hash
 
+    budget, width, candidates = request_tree_limits(config.max_request_budget)
     limits = Limits(max_context=engine.max_context, max_prompt_tokens=engine.max_context - 1,
-                    max_tokens=engine.max_context - 1, max_budget=MAX_BUDGET, max_running=config.max_running,
-                    max_waiting=config.max_waiting)
+                    max_tokens=engine.max_context - 1, max_budget=budget, max_running=config.max_running,
+                    max_waiting=config.max_waiting, max_width=width, max_candidates=candidates)
     return PeerInfo(role="verifier", epoch=epoch, tokenizer_hash=tokenizer_hash(target_dir),
                     vocab_size=engine.vocab_size, eos_token_id=int(engine.eos_token_ids[0]) if engine.eos_token_ids
                     else -1, special_token_ids=special_token_ids(target_dir),
@@ -694,6 +706,9 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     from services.wire import ServerIO, ipc_endpoint, new_epoch
 
     prepare_process("dartree-verifier", config.log_level, parent_pid)
+    from services.hf_compat import quiet_progress_bars
+
+    quiet_progress_bars()  # no "Loading weights" bars in the server's log
     epoch, ctx, stop = new_epoch(), zmq.Context(), threading.Event()
     from services.startup import phase
 

@@ -27,6 +27,7 @@ class FakeRound:
     logprobs: object = None
     drafted: bool = False
     predicted_tau: float | None = None
+    stop_token_id: int | None = None
 
 
 @dataclass(frozen=True)

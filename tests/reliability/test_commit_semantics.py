@@ -62,6 +62,15 @@ def expected_engine(ref: list[int], max_tokens: int, eos: int | None, stop_ids: 
     raise AssertionError("reference too short for this case")
 
 
+def expected_stop_id(ref: list[int], ids: list[int], finish: str, eos: int | None, ignore_eos: bool) -> int | None:
+    """The ``stop_reason`` a request cut by the engine reports: its terminator when that is a stop id
+    and not an EOS the request stops on; None for EOS or ``length``."""
+    if finish != "stop":
+        return None
+    tok = ref[len(ids)]
+    return None if tok == eos and not ignore_eos else tok
+
+
 def expected_rounds(n_emitted: int, accepts: list[int], finish: str) -> list[tuple[int, int]]:
     """``(tokens emitted, accept_length)`` of each speculative round after the prefill token.
 
@@ -262,6 +271,7 @@ def test_gateway_text_usage_and_finish_agree_with_plain_decoding(stack, data):
     eos = ref[t["eos_at"]] if t["eos_at"] is not None else None
     stop_ids = sorted({ref[i] for i in t["stop_at"]})
     ids, engine_finish = expected_engine(ref, t["max_tokens"], eos, set(stop_ids), t["ignore_eos"])
+    stop_id = expected_stop_id(ref, ids, engine_finish, eos, t["ignore_eos"])
     full, _, _ = text_reference(stack.text, prompt, ids, [])
     pieces = [c for c in full.split("\ufffd") if c]
     stops = []
@@ -300,7 +310,8 @@ def test_gateway_text_usage_and_finish_agree_with_plain_decoding(stack, data):
         assert choice["text"] == want_text
         assert choice["token_ids"] == want_ids
     else:  # only the decoder quirk differs: same tokens unless a stop string is involved
-        want_text, want_ids, matched = choice["text"], choice["token_ids"], choice["stop_reason"]
+        want_text, want_ids = choice["text"], choice["token_ids"]
+        matched = choice["stop_reason"] if isinstance(choice["stop_reason"], str) else None
         assert matched is not None or want_ids == ids
         want_finish = "stop" if matched is not None else engine_finish
     assert plain.json()["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(want_ids),
@@ -314,7 +325,8 @@ def test_gateway_text_usage_and_finish_agree_with_plain_decoding(stack, data):
         assert lp["token_logprobs"] == pytest.approx(stack.logprobs[t["case"] % len(stack.cases)][:len(want_ids)],
                                                      abs=1e-4)
         assert all(len(top) <= t["logprobs"] + 1 for top in lp["top_logprobs"])
-    assert choice["finish_reason"] == want_finish and choice["stop_reason"] == matched
+    want_reason = matched if matched is not None else stop_id  # a stop string, else the stop id, else null
+    assert choice["finish_reason"] == want_finish and choice["stop_reason"] == want_reason
     if matched is None:  # nothing cut by the gateway: the verifier's tau histogram counts exactly these tokens
         assert after_plain - before == max(len(want_ids) - 1, 0)
 
@@ -332,7 +344,7 @@ def test_gateway_text_usage_and_finish_agree_with_plain_decoding(stack, data):
         assert [list(d) for d in streamed_lp["top_logprobs"]] == [list(d) for d in lp["top_logprobs"]]
         assert all(len(e["choices"][0]["logprobs"]["tokens"]) == len(e["choices"][0]["token_ids"]) for e in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == want_finish
-    assert chunks[-1]["choices"][0]["stop_reason"] == matched
+    assert chunks[-1]["choices"][0]["stop_reason"] == want_reason
     assert all(e["choices"][0]["finish_reason"] is None for e in chunks[:-1])
     for _ in range(200):  # the verifier frees the request at the next round boundary after a stop-string abort
         if stack.engine.num_active() == 0 and stack.drafter.num_contexts() == 0:

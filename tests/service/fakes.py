@@ -21,7 +21,8 @@ METHODS = DFLASH_METHODS  # a Domino drafter's methods
 def verifier_info(vocab_size: int, max_context: int = 256, **kw) -> PeerInfo:
     base = dict(role="verifier", epoch="fake", vocab_size=vocab_size, eos_token_id=2, max_context=max_context,
                 model="tiny", methods=METHODS,
-                limits=Limits(max_context=max_context, max_budget=64, max_running=4, max_waiting=8))
+                limits=Limits(max_context=max_context, max_budget=64, max_running=4, max_waiting=8,
+                              max_width=64, max_candidates=64))
     base.update(kw)
     return PeerInfo(**base)
 

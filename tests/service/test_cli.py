@@ -243,3 +243,39 @@ def test_a_refused_setting_names_its_flag():
     args = _sub("serve").parse_args(["--max-running", "0"])
     with pytest.raises(ValueError, match=r"^--max-running must be >= 1"):
         config_from_args(VerifierWorkerConfig, args)
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--default-temperature", "-1"], r"^--default-temperature must be a finite number >= 0"),
+    (["--default-temperature", "nan"], r"^--default-temperature must be a finite number >= 0"),
+    (["--max-request-budget", "0"], r"^--max-request-budget must be in \[1, 1024\]"),
+    (["--device", "tpu"], r"device 'tpu' is not supported \(choose cpu, cuda or cuda:N\)"),
+])
+def test_serve_settings_refused_at_start(flags, msg):
+    """Settings that would break every request later (a negative default temperature, no tree a
+    request may ask for, a device torch has no workers for) are refused when the config is built."""
+    from gateway.config import GatewayConfig
+    from services.config_cli import config_from_args
+    from services.verifier.worker import VerifierWorkerConfig
+
+    args = _sub("serve").parse_args(flags)
+    with pytest.raises(ValueError, match=msg):
+        config_from_args(GatewayConfig, args)
+        config_from_args(VerifierWorkerConfig, args)
+
+
+def test_help_names_no_internal_identifiers():
+    """``serve --help`` speaks in flags and words, not in the code's function or class names."""
+    text = " ".join(a.help or "" for a in _sub("serve")._actions)
+    for name in ("worker_context", "resolve_drafter_placement", "DrafterHeartbeat", "request_tree_limits",
+                 "metrics_auth)", "health_interval_s"):
+        assert name not in text, name
+
+
+def test_an_unusable_host_is_named_as_the_host_flag():
+    from services.serve import check_listen
+
+    with pytest.raises(ValueError, match=r"^--host: '999\.1\.1\.1' is not a usable address"):
+        check_listen("999.1.1.1", 8399, "--port")
+    with pytest.raises(ValueError, match=r"^--metrics-host: "):
+        check_listen("999.1.1.1", 8399, "--verifier-metrics-port", "--metrics-host")

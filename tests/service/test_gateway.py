@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 
@@ -219,6 +220,41 @@ def test_not_ready_and_draining_are_503(bl_harness):
     assert run(h.complete(prompt="x")).status_code == 503
     assert run(h.client.get("/health/ready")).json()["detail"] == "draining"
     assert run(h.client.get("/v1/models")).status_code == 200
+
+
+def test_health_answers_head_probes(bl_harness):
+    """Monitors that probe with HEAD see the same status as GET (no 405)."""
+    h = bl_harness
+    assert run(h.client.head("/health/ready")).status_code == 200
+    assert run(h.client.head("/health/live")).status_code == 200
+    h.engine.is_ready = False
+    assert run(h.client.head("/health/ready")).status_code == 503
+
+
+@pytest.mark.parametrize("knob, value", [("budget", 65), ("width", 65), ("candidates", 65)])
+def test_tree_knobs_over_the_server_cap_are_a_400_naming_the_knob(bl_harness, knob, value, caplog):
+    """The verifier's limits (``--max-request-budget``) bound a request's tree: one knob over its
+    cap is refused before anything runs, with a log line; at the cap it is served."""
+    h = bl_harness
+    with caplog.at_level(logging.INFO, logger="gateway"):
+        r = run(h.complete(prompt="x", speculative={"method": "dartree-pruned", knob: value}))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == f"speculative.{knob}" and "64" in err["message"] and err["code"] == "invalid_value"
+    assert not h.engine.generated
+    assert any("rejected: 400 invalid_value [speculative." + knob in m for m in caplog.messages), caplog.messages
+    r = run(h.complete(prompt="x", speculative={"method": "dartree-pruned", knob: value - 1}))
+    assert r.status_code == 200 and h.engine.generated[-1].spec.__getattribute__(knob) == value - 1
+
+
+def test_n_over_the_verifiers_slots_is_a_400_naming_n(bl_harness):
+    """``n`` choices need ``n`` request slots at once: above running + waiting (4 + 8 here) no retry
+    could succeed, so a 400 naming ``n`` rather than a 429; at the limit it is served."""
+    h = bl_harness
+    r = run(h.complete(prompt="x", n=13, max_tokens=2))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "12" in r.json()["error"]["message"]
+    r = run(h.complete(prompt="x", n=12, max_tokens=2))
+    assert r.status_code == 200 and len(r.json()["choices"]) == 12
 
 
 def test_api_key(bytelevel_dir):
