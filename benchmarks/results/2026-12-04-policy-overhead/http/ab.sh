@@ -1,0 +1,14 @@
+#!/bin/bash
+# the default server through HTTP, before (OLD_ROOT: a checkout of ../commit-old.txt) and after the change; old new new old
+cd "$(dirname "$0")/../../../.."
+OUT=benchmarks/results/2026-12-04-policy-overhead/http
+OLD_ROOT=${OLD_ROOT:-/tmp/dc/old}
+rep=0
+for arm in old new new old; do
+  rep=$((rep + 1))
+  extra=(); [ $arm = old ] && extra=(--server-root "$OLD_ROOT")
+  top -bn1 | head -12 > $OUT/top-before-r$rep-$arm.txt
+  .venv/bin/python -m benchmarks.bench_small_trees http --datasets mt-bench gsm8k sharegpt --prompts 4 \
+    --max-tokens 64 --passes 2 --out $OUT/r$rep-$arm.json "${extra[@]}" > $OUT/r$rep-$arm.log 2>&1
+  top -bn1 | head -12 > $OUT/top-after-r$rep-$arm.txt
+done
