@@ -192,9 +192,9 @@ def _choose(target_ref: str | None, weights: str, dtype: str | None, device: str
 
     from services.hf_compat import quiet_progress_bars
     from services.models.registry import resolve_target
+    from services.weights import choose_weights, drafter_dtype, resolve_cli_weights
 
     quiet_progress_bars()
-    from services.weights import choose_weights, drafter_dtype, resolve_cli_weights
 
     with phase("supervisor", "target ready"):
         target = str(resolve_target(target_ref))

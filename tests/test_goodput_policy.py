@@ -414,18 +414,18 @@ def test_request_factor_adapts_to_a_request():
 
 
 # --------------------------------------------------------------------------------------- policy
-def test_sorted_curves_match_p_accept_tree_by_tree():
-    """The forecast's one-pass curves equal each tree's own sorted ``p_accept`` (with optimism)."""
+def test_sorted_lists_match_p_accept_tree_by_tree():
+    """The forecast's curves equal each tree's own sorted ``p_accept`` (with optimism), bitwise."""
     rng = random.Random(3)
     cal = AcceptanceCalibrator()
     trees = [_tree(n=rng.randint(1, 12), depth=rng.randint(1, 6), seed=k) for k in range(7)]
     for t in trees[:4]:
         cal.observe(t, [int(t.draft_tokens[0])] + [0] * 6)
-    curves = cal.sorted_curves(trees + [DraftTree.empty()], "greedy", 0.5, length=8)
+    curves = torch.tensor(cal.sorted_lists(trees + [DraftTree.empty()], "greedy", 0.5, length=8), dtype=torch.float64)
     assert curves.shape == (7, 8)
     for t, row in zip(trees, curves):
         ref = torch.sort(cal.p_accept(t, "greedy", optimism=0.5), descending=True).values[:8]
-        assert torch.allclose(row[:ref.numel()], ref) and (row[ref.numel():] == 0).all()
+        assert torch.equal(row[:ref.numel()], ref) and (row[ref.numel():] == 0).all()
 
 
 def _tree(n=8, depth=4, seed=0):

@@ -166,20 +166,11 @@ class AcceptanceCalibrator:
                 p[i] = p[par]
         return torch.tensor(p, dtype=torch.float64)
 
-    def sorted_curves(self, trees: list[DraftTree], regime: str = "greedy", optimism: float = 0.0,
-                      length: int = 8) -> torch.Tensor:
-        """``[T, length]`` float64, T = the non-empty ``trees``: each one's calibrated P (as
-        :meth:`p_accept` without a request factor) in descending order, zero-padded or cut to
-        ``length`` (:meth:`sorted_lists` as a tensor)."""
-        n = sum(1 for t in trees if t.num_nodes)
-        if n == 0 or length < 1:
-            return torch.zeros(n, max(length, 0), dtype=torch.float64)
-        return torch.tensor(self.sorted_lists(trees, regime, optimism, length), dtype=torch.float64)
-
     def sorted_lists(self, trees: list[DraftTree], regime: str = "greedy", optimism: float = 0.0,
                      length: int = 8) -> list[list[float]]:
-        """:meth:`sorted_curves` as Python lists (``length`` floats per non-empty tree). A forecast reads
-        a window of a few small trees every step: in Python floats (the same float64 values as
+        """Per non-empty tree of ``trees``: its calibrated P (as :meth:`p_accept` without a request
+        factor) in descending order, zero-padded or cut to ``length`` floats. A forecast reads a
+        window of a few small trees every step: in Python floats (the same float64 values as
         :meth:`p_accept`) this costs a fraction of the ~40 small tensor ops it took, ~0.2 ms a step."""
         table = self.cell_probability(regime, optimism).tolist()  # [depth buckets][q buckets]
         out = []

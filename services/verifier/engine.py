@@ -976,7 +976,7 @@ class SpecEngine:
                            accepted_per_depth=[1] * n_acc, timings=timings,
                            logprobs=self._logprobs(req, logits, rows, ids), drafted=item.drafted,
                            predicted_tau=item.predicted_tau, grammar_masked=req.grammar_masked,
-                           stop_token_id=req.stop_token_id if finish == "stop" else None)
+                           stop_token_id=req.stop_token_id)
 
     def _finish_chunk(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
         req = item.req
@@ -1004,7 +1004,7 @@ class SpecEngine:
         dt = req.prefill_seconds + time.perf_counter() - t0
         return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True,
                            logprobs=self._logprobs(req, logits, torch.zeros(1, dtype=torch.long), ids),
-                           cached_tokens=req.cached, stop_token_id=req.stop_token_id if finish == "stop" else None)
+                           cached_tokens=req.cached, stop_token_id=req.stop_token_id)
 
     def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams):
         """Yield :class:`RoundOutput` until the request finishes (convenience for CLI and tests)."""

@@ -86,8 +86,8 @@ class VerifierWorkerConfig:
             it verifies per request (0 = ``budget``, the default tree budget).
         max_request_budget: the largest tree a request may ask for in ``speculative``: budget and
             width up to it, candidates up to it or 64; the gateway refuses more with a 400 naming the
-            knob. One request's tree is verified in
-            the step all running requests share, so this bounds what one client can cost the others.
+            knob. One request's tree is verified in the step all running requests share, so this
+            bounds what one client can cost the others.
         cost_sweep: with ``goodput``, time a few target forwards at start-up (1-8, 9, 17, 33 rows, a
             few seconds, cached per machine / model / dtype in ``~/.cache/dartree/cost_model.json``
             when its repeats agree; on a busy machine a rule-based curve, not cached).
