@@ -241,9 +241,13 @@ def on_stop_signals(drain: Callable[[], None], stop_now: Callable[[], None], sup
 
 
 def prepare_process(name: str, log_level: str, parent_pid: int | None) -> None:
-    """Everything a worker entry does first (docs/design.md "Worker processes"): title, logging, parent-death guard."""
+    """Everything a model worker's entry does first (docs/design.md "Worker processes"): title, logging
+    (without transformers' "Loading weights" progress bars), parent-death guard."""
+    from services.hf_compat import quiet_progress_bars
+
     set_process_title(name)
     setup_logging(log_level)
+    quiet_progress_bars()
     exit_with_parent(parent_pid)
 
 

@@ -352,9 +352,6 @@ def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = No
     from services.wire import ServerIO, ipc_endpoint, new_epoch
 
     prepare_process("dartree-drafter", config.log_level, parent_pid)
-    from services.hf_compat import quiet_progress_bars
-
-    quiet_progress_bars()  # no "Loading weights" bars in the server's log
     threads = drafter_threads(config.drafter_threads, config.device, os.cpu_count())
     if threads is not None:
         import torch

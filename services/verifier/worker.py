@@ -706,9 +706,6 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     from services.wire import ServerIO, ipc_endpoint, new_epoch
 
     prepare_process("dartree-verifier", config.log_level, parent_pid)
-    from services.hf_compat import quiet_progress_bars
-
-    quiet_progress_bars()  # no "Loading weights" bars in the server's log
     epoch, ctx, stop = new_epoch(), zmq.Context(), threading.Event()
     from services.startup import phase
 
