@@ -93,6 +93,39 @@ def test_batched_equals_solo_greedy(target, service, seed, n):
     assert engine.num_active() == 0 and engine.num_free_slots() == 8 and service.num_contexts() == 0
 
 
+def test_stop_token_ids_end_batched_requests_as_solo(target, service):
+    """Requests sharing steps, each with a stop id taken from the middle of its own greedy answer:
+    each ends exactly where it ends alone, and reports that id as its ``stop_token_id`` (EOS-ended
+    or length-ended ones report None)."""
+    reqs, want = [], {}
+    for i, (rid, prompt, _, spec) in enumerate(_mixed_requests(4, 4)):
+        ref = _solo(target, service, prompt, SamplingParams(max_tokens=16, ignore_eos=True), spec)
+        cut = next((k for k in range(2, len(ref)) if ref[k] not in ref[:k]), None)
+        stop = (ref[cut],) if cut is not None and i % 2 == 0 else (V - 1,) if V - 1 not in ref else ()
+        sampling = SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=stop)
+        want[rid] = (ref[:cut] if cut is not None and i % 2 == 0 else ref,
+                     ref[cut] if cut is not None and i % 2 == 0 else None)
+        reqs.append((rid, prompt, sampling, spec))
+    assert any(w[1] is not None for w in want.values())  # some request really stops on its id
+    engine = _engine(target, service, max_running=4, prefill_chunk=4, max_step_tokens=64)
+    for rid, prompt, sampling, spec in reqs:
+        engine.add_request(rid, prompt, sampling, spec)
+    got = {rid: [] for rid in want}
+    last = {}
+    while engine.num_active():
+        for rid, out in engine.step_batch([r for r in want if r not in last]).items():
+            assert not isinstance(out, BaseException), out
+            if out is None:
+                continue
+            got[rid] += out.token_ids
+            if out.finish_reason is not None:
+                last[rid] = out
+    for rid, (tokens, stop_id) in want.items():
+        assert got[rid] == tokens, rid
+        assert last[rid].stop_token_id == stop_id, rid
+        assert last[rid].finish_reason == ("stop" if stop_id is not None else "length"), rid
+
+
 def test_chunked_prefill_rides_along_with_decoding(target, service):
     """A long prompt arriving while another request decodes is prefilled in chunks inside the same
     steps: the decoding request emits in every one of those steps, and both equal their solo runs."""
