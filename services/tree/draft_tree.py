@@ -114,7 +114,43 @@ def derive_buffers(tree: DraftTree, root_token: int) -> VerifyBuffers:
         root_token: id of the root (last committed) token.
     Returns:
         :class:`VerifyBuffers` (all on the tree's device).
+
+    Trees of up to :data:`SMALL_TREE` nodes (every tree a CPU server drafts) are derived with Python
+    lists and a few tensor constructions (:func:`_derive_small`: ~15 us instead of ~30-130 us of
+    small tensor ops for the plain round's empty tree, ~60 us for three nodes); larger ones with the
+    vectorised passes below. Both give the same tensors (tests/tree/test_buffers.py).
     """
+    if tree.num_nodes <= SMALL_TREE:
+        return _derive_small(tree, root_token)
+    return _derive_vectorised(tree, root_token)
+
+
+SMALL_TREE = 32  # nodes up to which derive_buffers works on Python lists
+
+
+def _derive_small(tree: DraftTree, root_token: int) -> VerifyBuffers:
+    """:func:`derive_buffers` on Python lists: each row's path is its parent row's path plus itself
+    (rows are in topological order), the mask is set from those paths in one indexed write."""
+    dev = tree.draft_tokens.device
+    parent_rows = [-1] + [p + 1 for p in tree.parents.tolist()]
+    offsets = [0] + tree.depths.tolist()
+    n1 = len(parent_rows)
+    paths = [[0]]
+    for i in range(1, n1):
+        paths.append(paths[parent_rows[i]] + [i])
+    mask = torch.zeros(n1 * n1, dtype=torch.bool, device=dev)
+    mask[torch.tensor([i * n1 + j for i, path in enumerate(paths) for j in path], device=dev)] = True
+    parents_set = set(parent_rows[1:])
+    d1 = max(len(path) for path in paths)  # = the deepest depth + 1 (a validated tree)
+    retrieve = [paths[i] + [-1] * (d1 - len(paths[i])) for i in range(n1) if i not in parents_set]
+    return VerifyBuffers(torch.tensor([root_token] + tree.draft_tokens.tolist(), dtype=torch.long, device=dev),
+                         mask.view(n1, n1), torch.tensor(offsets, dtype=torch.long, device=dev),
+                         torch.tensor(parent_rows, dtype=torch.long, device=dev),
+                         torch.tensor(retrieve, dtype=torch.long, device=dev))
+
+
+def _derive_vectorised(tree: DraftTree, root_token: int) -> VerifyBuffers:
+    """:func:`derive_buffers` with tensor passes, one per depth level (large trees)."""
     n = tree.num_nodes
     dev = tree.draft_tokens.device
     parent_rows = torch.cat([torch.tensor([-1], device=dev), tree.parents + 1])  # [N+1]

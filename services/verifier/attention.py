@@ -68,7 +68,7 @@ def additive_mask(mask: Tensor, groups: int) -> Tensor:
         each of the ``G`` query heads of a KV head (row ``g*R + r`` = row ``r``).
     """
     assert mask.ndim == 4 and mask.shape[:2] == (1, 1) and mask.dtype == torch.bool, mask.shape
-    bias = torch.zeros(mask.shape[2:], device=mask.device).masked_fill_(~mask[0, 0], float("-inf"))
+    bias = torch.where(mask[0, 0], 0.0, float("-inf"))  # float32 (the default dtype of the scalars)
     return bias.repeat(groups, 1)
 
 

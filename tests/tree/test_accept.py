@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from services.tree.accept import (
+    SMALL_WALK,
+    _walk_small,
     rejection_accept_chain,
     sample_target_tokens,
     target_probs,
@@ -92,6 +94,41 @@ def test_walk_literal(target: list[int], rows: list[int], bonus: int) -> None:
 def test_walk_on_empty_tree_emits_the_root_target() -> None:
     res = walk(derive_buffers(DraftTree.empty(), 5), torch.tensor([7]))
     assert res.accepted_rows.tolist() == [0] and res.bonus_token == 7 and res.accept_length == 0
+
+
+def _walk_vectorised(buffers, target_tokens: torch.Tensor):
+    """walk's tensor path, forced (on CPU it runs for more than SMALL_WALK rows only)."""
+    import services.tree.accept as accept
+
+    saved, accept.SMALL_WALK = accept.SMALL_WALK, 0
+    try:
+        return walk(buffers, target_tokens)
+    finally:
+        accept.SMALL_WALK = saved
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_small_walk_equals_the_vectorised_walk(seed: int) -> None:
+    """The list-based walk (up to SMALL_WALK rows) accepts the rows and bonus of the tensor walk,
+    on random trees whose targets follow a random path part of the way (partial and full accepts)."""
+    gen = torch.Generator().manual_seed(seed)
+    for n in (0, 1, 2, 3, 5, 8, SMALL_WALK - 1):
+        parents = [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(n)]
+        tokens = list(range(10, 10 + n))  # distinct: siblings never share a token
+        buf = derive_buffers(tree_from_parents(tokens, parents), 5)
+        for _ in range(8):
+            target = torch.randint(0, 10 + n, (n + 1,), generator=gen)
+            row = 0
+            for _ in range(int(torch.randint(0, 4, (1,), generator=gen))):  # follow children of row
+                kids = [i + 1 for i, p in enumerate(parents) if p + 1 == row]
+                if not kids:
+                    break
+                child = kids[int(torch.randint(0, len(kids), (1,), generator=gen))]
+                target[row] = tokens[child - 1]
+                row = child
+            a, b = _walk_small(buf, target), _walk_vectorised(buf, target)
+            assert a.accepted_rows.tolist() == b.accepted_rows.tolist() and a.bonus_token == b.bonus_token
+            assert a.accepted_rows.dtype == b.accepted_rows.dtype == torch.long
 
 
 # ---------------------------------------------------------------- sampled walk is lossless

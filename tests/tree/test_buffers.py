@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.tree.draft_tree import DraftTree, derive_buffers, tree_from_parents
+from services.tree.draft_tree import SMALL_TREE, DraftTree, _derive_small, _derive_vectorised, derive_buffers, tree_from_parents
 
 ROOT = 99
 
@@ -120,6 +120,21 @@ def test_derive_buffers_matches_brute_force_ancestors(seed: int) -> None:
         rows = [r for r in path if r >= 0]
         assert rows[0] == 0
         assert all(rows_parent[b] == a for a, b in zip(rows, rows[1:]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_small_tree_derivation_equals_the_vectorised_one(seed: int) -> None:
+    """derive_buffers' list-based path (trees up to SMALL_TREE nodes) gives the vectorised path's
+    tensors, dtypes included, on random trees of every size around the switch."""
+    gen = torch.Generator().manual_seed(seed)
+    for n in list(range(0, 9)) + [SMALL_TREE - 1, SMALL_TREE, SMALL_TREE + 1, 48]:
+        parents = _random_parents(n, gen)
+        tokens = torch.randint(0, 1000, (n,), generator=gen).tolist()
+        tree = tree_from_parents(tokens, parents)
+        a, b = _derive_small(tree, ROOT), _derive_vectorised(tree, ROOT)
+        for name in ("input_ids", "tree_mask", "position_offsets", "parent_rows", "retrieve_indices"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and torch.equal(x, y), (n, name, x, y)
 
 
 def test_tree_from_parents_depths_and_rejects_non_topological() -> None:
