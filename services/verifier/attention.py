@@ -89,23 +89,32 @@ def grouped_attention(query: Tensor, key: Tensor, value: Tensor, bias: Tensor, s
     hkv, length = key.shape[1], key.shape[2]
     assert key.shape == value.shape == (1, hkv, length, dh) and hq % hkv == 0, (query.shape, key.shape)
     assert bias.shape == ((hq // hkv) * rows, length), (bias.shape, query.shape, key.shape)
+    return attend(query, key[0], value[0], bias, scale)
+
+
+def attend(query: Tensor, key: Tensor, value: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """:func:`grouped_attention` over ``key, value [Hkv, L, Dh]`` (views of one slot of one layer),
+    without its argument checks: the runner's call, once per request and layer (the same ops, so
+    the same bits)."""
+    rows = query.shape[2]
     if rows <= ROW_BLOCK:
         return _block(query, key, value, bias, scale)
-    bias = bias.view(hq // hkv, rows, length)
+    g = query.shape[1] // key.shape[0]
+    bias = bias.view(g, rows, key.shape[1])
     return torch.cat([_block(query[:, :, a:a + ROW_BLOCK], key, value, bias[:, a:a + ROW_BLOCK].flatten(0, 1), scale)
                       for a in range(0, rows, ROW_BLOCK)], dim=2)
 
 
 def _block(query: Tensor, key: Tensor, value: Tensor, bias: Tensor, scale: float) -> Tensor:
-    """:func:`grouped_attention` of up to :data:`ROW_BLOCK` rows (same arguments)."""
+    """:func:`attend` of up to :data:`ROW_BLOCK` rows (same arguments)."""
     _, hq, rows, dh = query.shape
-    hkv, length = key.shape[1], key.shape[2]
+    hkv, length = key.shape[0], key.shape[1]
     q = query[0].reshape(hkv, hq // hkv * rows, dh)  # [Hkv, G*R, Dh]
-    scores_t = torch.bmm(key[0], q.transpose(1, 2))  # [Hkv, L, G*R]: K read in place, untransposed
+    scores_t = torch.bmm(key, q.transpose(1, 2))  # [Hkv, L, G*R]: K read in place, untransposed
     probs = torch.softmax(torch.add(bias, scores_t.transpose(1, 2), alpha=scale), -1).to(query.dtype)  # [Hkv, G*R, L]
     if length <= KV_BLOCK:
-        out = torch.bmm(probs, value[0])  # [Hkv, G*R, Dh]
+        out = torch.bmm(probs, value)  # [Hkv, G*R, Dh]
     else:  # fixed column blocks, summed in float32: masked blocks add exact zeros
-        out = sum(torch.bmm(probs[:, :, c:c + KV_BLOCK], value[0, :, c:c + KV_BLOCK]).float()
+        out = sum(torch.bmm(probs[:, :, c:c + KV_BLOCK], value[:, c:c + KV_BLOCK]).float()
                   for c in range(0, length, KV_BLOCK)).to(query.dtype)
     return out.view(1, hq, rows, dh)

@@ -244,6 +244,16 @@ class SlotKVCache:
         self.keys[layer][slot, :, start:start + n] = keys
         self.values[layer][slot, :, start:start + n] = values
 
+    def write_read(self, layer: int, slot: int, start: int, keys: Tensor, values: Tensor,
+                   length: int) -> tuple[Tensor, Tensor]:
+        """:meth:`write_block`, then ``keys, values [H_kv, length, Dh]``: views of the slot's first
+        ``length`` columns in ``layer`` (the runner's per-request attention: one call a layer)."""
+        k, v = self.keys[layer][slot], self.values[layer][slot]
+        n = keys.shape[1]
+        k[:, start:start + n] = keys
+        v[:, start:start + n] = values
+        return k[:, :length], v[:, :length]
+
     def read_slot(self, layer: int, slot: int, length: int) -> tuple[Tensor, Tensor]:
         """``keys, values [1, H_kv, length, Dh]``: views of one slot's first ``length`` columns."""
         return self.keys[layer][slot:slot + 1, :, :length], self.values[layer][slot:slot + 1, :, :length]

@@ -67,7 +67,7 @@ from torch import Tensor
 from services import hf_compat
 from services.cuda_graphs import GraphBuckets, graphs_enabled
 from services.tree.batch import PackedRows, Segment, StepBucket, causal_segment, pack_segments, pad_packed, step_bucket
-from services.verifier.attention import additive_mask, grouped_attention, use_grouped
+from services.verifier.attention import additive_mask, attend, use_grouped
 from services.verifier.kv_cache import SlotKVCache
 from services.verifier.lean_step import LeanLlamaStep, lean_step_enabled
 
@@ -119,18 +119,20 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=p.attn_mask, scale=scale,
                                              enable_gqa=k.shape[1] != q.shape[1])
         return out.transpose(1, 2).flatten(0, 1)[p.padded_pos][None], None  # [1, R, Hq, Dh]
-    for a, b, slot, start, length, _, _ in parts:  # each segment's rows: consecutive columns from its start
-        cache.write_block(layer, slot, start, key[0, :, a:b], value[0, :, a:b])
+    one = len(parts) == 1
     outs = []
-    for a, b, slot, _, length, mask, bias in parts:  # each request exactly as its solo step: batch invariant
-        k, v = cache.read_slot(layer, slot, length)  # [1, Hkv, L_i, Dh], a view of the slot
+    for a, b, slot, start, length, mask, bias in parts:  # each request exactly as its solo step: batch invariant
+        # its rows' K/V to consecutive columns from its start, then its slot read to its own length
+        # (slots are distinct within a step, so a request's write never touches another's read)
+        k, v = cache.write_read(layer, slot, start, key[0] if one else key[0, :, a:b],
+                                value[0] if one else value[0, :, a:b], length)  # [Hkv, L_i, Dh] views
+        q = query if one else query[:, :, a:b]
         if bias is not None:  # bf16 / fp16 on CPU: batched GEMMs (services.verifier.attention)
-            outs.append(grouped_attention(query[:, :, a:b], k, v, bias,
-                                          scale if scale is not None else k.shape[-1] ** -0.5))
+            outs.append(attend(q, k, v, bias, scale if scale is not None else k.shape[-1] ** -0.5))
             continue
-        outs.append(F.scaled_dot_product_attention(query[:, :, a:b], k, v, attn_mask=mask, scale=scale,
-                                                   enable_gqa=k.shape[1] != query.shape[1]))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, Hq, R, Dh]
+        outs.append(F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=mask, scale=scale,
+                                                   enable_gqa=k.shape[0] != query.shape[1]))
+    out = outs[0] if one else torch.cat(outs, dim=2)  # [1, Hq, R, Dh]
     return out.transpose(1, 2), None
 
 

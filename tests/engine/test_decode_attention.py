@@ -131,13 +131,13 @@ def test_runner_takes_the_path_per_rule(monkeypatch, enabled):
                            dtype=torch.bfloat16)
     runner = ModelRunner(TargetModel(model, [0, 1]), num_slots=3, capacity=256, kv_bucket=16)
     calls = []
-    real = A.grouped_attention
+    real = A.attend
 
     def counted(query, *args):
         calls.append(query.shape[2])
         return real(query, *args)
 
-    monkeypatch.setattr("services.verifier.runner.grouped_attention", counted)
+    monkeypatch.setattr("services.verifier.runner.attend", counted)
     monkeypatch.setattr(A, "GROUPED_ATTENTION", enabled)
     slots = [runner.cache.alloc() for _ in range(3)]
     for s, n in zip(slots[:2], (50, 70)):
