@@ -304,7 +304,7 @@ class Supervisor:
         log.info("started %s (pid %d)", child.name, child.proc.pid)
 
     def _last_error(self, child: _Child) -> str:
-        line = f"exited with code {child.proc.exitcode}"
+        line = exit_text(child.proc.exitcode)
         try:
             while child.errors.poll():
                 line = child.errors.recv()
@@ -418,7 +418,21 @@ class Supervisor:
                     log.warning("%s did not stop in time; killing it", name)
                     child.proc.kill()
                     child.proc.join(5)
-            log.info("%s exited with code %s", name, child.proc.exitcode)
+            log.info("%s %s", name, exit_text(child.proc.exitcode))
+
+
+def exit_text(code: int | None) -> str:
+    """How a worker ended, for the logs: ``exited with code N``, or for a process a signal ended
+    (``multiprocessing``'s negative exit codes) ``was stopped by SIGNAME (code -N)``."""
+    if code is None:
+        return "has not exited"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was stopped by {name} (code {code})"
+    return f"exited with code {code}"
 
 
 def _default_drafter_present() -> bool:

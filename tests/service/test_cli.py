@@ -279,3 +279,15 @@ def test_an_unusable_host_is_named_as_the_host_flag():
         check_listen("999.1.1.1", 8399, "--port")
     with pytest.raises(ValueError, match=r"^--metrics-host: "):
         check_listen("999.1.1.1", 8399, "--verifier-metrics-port", "--metrics-host")
+
+
+def test_worker_exit_text_names_the_signal_that_stopped_it():
+    """The supervisor's log line for a worker a signal ended names the signal, not a bare -N."""
+    from services.serve import exit_text
+
+    assert exit_text(2) == "exited with code 2"
+    assert exit_text(0) == "exited with code 0"
+    assert exit_text(-10) == "was stopped by SIGUSR1 (code -10)"
+    assert exit_text(-9) == "was stopped by SIGKILL (code -9)"
+    assert exit_text(-200) == "was stopped by signal 200 (code -200)"
+    assert exit_text(None) == "has not exited"
