@@ -55,6 +55,9 @@ class EngineClient(ABC):
     """What the gateway needs from the engine."""
 
     info: PeerInfo | None = None   # the verifier's handshake info (model, context, methods, limits)
+    # the reason sent when a request's reader stops early: a client that went away, unless the gateway
+    # cut its in-flight requests at the drain timeout ("shutdown", :meth:`Gateway.cut_in_flight`)
+    early_close_reason: str = "client"
 
     @property
     @abstractmethod
@@ -77,8 +80,8 @@ class EngineClient(ABC):
     def generate(self, gen: Generate, deadline: float | None = None) -> AsyncIterator[RoundChunk]:
         """Rounds of ``gen`` until one has a ``finish_reason``; raises :class:`EngineError`.
 
-        Closing the iterator early aborts the request in the engine; past ``deadline`` (monotonic
-        seconds) the request is aborted and a 504 :class:`EngineError` raised.
+        Closing the iterator early aborts the request in the engine (reason :attr:`early_close_reason`);
+        past ``deadline`` (monotonic seconds) the request is aborted and a 504 :class:`EngineError` raised.
         """
 
     @abstractmethod
@@ -118,7 +121,7 @@ class _QueueClient(EngineClient):
             raise EngineError(400, f"request id {rid!r} is already in flight", None, "duplicate_request_id")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
-        done, reason = False, "client"
+        done, reason = False, None
         try:
             self._send(gen)
             while True:
@@ -142,7 +145,7 @@ class _QueueClient(EngineClient):
         finally:
             self._queues.pop(rid, None)
             if not done:
-                self.abort(rid, reason)
+                self.abort(rid, reason or self.early_close_reason)
             self._aborted.discard(rid)
 
     def abort(self, request_id: str, reason: str = "client") -> None:

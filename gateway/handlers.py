@@ -79,6 +79,7 @@ class Gateway:
         """End every in-flight request now (drain timeout): streams get a ``server_shutdown`` error
         event and ``[DONE]``, requests still waiting for their answer a 503; the engine requests are aborted."""
         self.draining, self.cut = True, True
+        self.engine.early_close_reason = "shutdown"  # the streams closed from here on were cut, not left
         for fut in list(self._cut_waiters):
             if not fut.done():
                 fut.set_result(None)

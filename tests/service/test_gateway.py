@@ -380,3 +380,4 @@ def test_cut_in_flight_ends_streams_with_an_error_event_and_others_with_503(bl_h
         assert all("choices" in e for e in events[:-1])
     assert plain.status_code == 503 and plain.json()["error"]["code"] == "server_shutdown"
     assert h.gateway.in_flight == 0 and len(h.engine.aborts) == 3
+    assert [a.reason for a in h.engine.aborts] == ["shutdown"] * 3  # cut by the server, not left by a client
