@@ -158,13 +158,18 @@ class AcceptanceCalibrator:
         n = tree.num_nodes
         if n == 0:
             return torch.zeros(0, dtype=torch.float64)
+        table = self.cell_probability(regime, optimism).tolist()
+        return torch.tensor(self._path_p(tree, table, self.request_factor(request_id)), dtype=torch.float64)
+
+    def _path_p(self, tree: DraftTree, table: list[list[float]], factor: float = 1.0) -> list[float]:
+        """Each node's cell probability in ``table`` (``[depth buckets][q buckets]``) times ``factor``,
+        clamped to [0, 1], then cut to its parent's (P(child) <= P(parent)): Python floats, float64."""
         d, s, parents = self._cell_entry(tree)[3]
-        table, f = self.cell_probability(regime, optimism).tolist(), self.request_factor(request_id)
-        p = [min(max(table[a][b] * f, 0.0), 1.0) for a, b in zip(d, s)]
-        for i, par in enumerate(parents):  # P(child) <= P(parent); a parent comes before its children
+        p = [min(max(table[a][b] * factor, 0.0), 1.0) for a, b in zip(d, s)]
+        for i, par in enumerate(parents):  # a parent comes before its children
             if par >= 0 and p[par] < p[i]:
                 p[i] = p[par]
-        return torch.tensor(p, dtype=torch.float64)
+        return p
 
     def sorted_lists(self, trees: list[DraftTree], regime: str = "greedy", optimism: float = 0.0,
                      length: int = 8) -> list[list[float]]:
@@ -177,11 +182,7 @@ class AcceptanceCalibrator:
         for t in trees:
             if not t.num_nodes:
                 continue
-            d, s, parents = self._cell_entry(t)[3]
-            p = [min(max(table[a][b], 0.0), 1.0) for a, b in zip(d, s)]
-            for i, par in enumerate(parents):  # P(child) <= P(parent); a parent comes before its children
-                if par >= 0 and p[par] < p[i]:
-                    p[i] = p[par]
+            p = self._path_p(t, table)
             p.sort(reverse=True)
             out.append(p[:length] + [0.0] * max(length - len(p), 0))
         return out
