@@ -237,30 +237,21 @@ class SlotKVCache:
         self.keys[layer][slot_idx, :, pos_idx] = keys
         self.values[layer][slot_idx, :, pos_idx] = values
 
-    def write_block(self, layer: int, slot: int, start: int, keys: Tensor, values: Tensor) -> None:
-        """Write ``keys/values [H_kv, R, Dh]`` to columns ``start .. start + R - 1`` of ``slot`` in ``layer``
-        (the same values :meth:`write` stores for one segment's consecutive columns, as two slice copies)."""
-        n = keys.shape[1]
-        self.keys[layer][slot, :, start:start + n] = keys
-        self.values[layer][slot, :, start:start + n] = values
-
     def write_read(self, layer: int, slot: int, start: int, keys: Tensor, values: Tensor,
                    length: int) -> tuple[Tensor, Tensor]:
-        """:meth:`write_block`, then ``keys, values [H_kv, length, Dh]``: views of the slot's first
-        ``length`` columns in ``layer`` (the runner's per-request attention: one call a layer)."""
+        """Write ``keys/values [H_kv, R, Dh]`` to columns ``start .. start + R - 1`` of ``slot`` in
+        ``layer`` (the values :meth:`write` stores for one segment's consecutive columns, as two slice
+        copies), then return ``keys, values [H_kv, length, Dh]``: views of the slot's first ``length``
+        columns (the runner's per-request attention: one call a layer)."""
         k, v = self.keys[layer][slot], self.values[layer][slot]
         n = keys.shape[1]
         k[:, start:start + n] = keys
         v[:, start:start + n] = values
         return k[:, :length], v[:, :length]
 
-    def read_slot(self, layer: int, slot: int, length: int) -> tuple[Tensor, Tensor]:
-        """``keys, values [1, H_kv, length, Dh]``: views of one slot's first ``length`` columns."""
-        return self.keys[layer][slot:slot + 1, :, :length], self.values[layer][slot:slot + 1, :, :length]
-
     def read(self, layer: int, slots: Tensor, length: int) -> tuple[Tensor, Tensor]:
         """``keys, values [n, H_kv, length, Dh]`` of ``slots``, gathered (no look at the slot values,
-        hence no host sync on CUDA: the padded steps' read; :meth:`read_slot` views one slot)."""
+        hence no host sync on CUDA: the padded steps' read; :meth:`write_read` views one slot)."""
         return self.keys[layer][slots, :, :length], self.values[layer][slots, :, :length]
 
     @torch.inference_mode()

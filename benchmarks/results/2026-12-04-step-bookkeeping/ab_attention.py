@@ -2,9 +2,10 @@
 
     python benchmarks/results/2026-12-04-step-bookkeeping/ab_attention.py 8
 
-``old``: the body before the change (all segments' K/V written by ``write_block``, then each slot
-read by ``read_slot`` and attended by ``grouped_attention`` with its argument checks); ``new``: the
-shipped ``services.verifier.runner._slot_attention_eager`` (one ``write_read`` and one ``attend`` per
+``old``: the body before the change (all segments' K/V written by ``SlotKVCache.write_block``, then
+each slot read by ``read_slot``, both since removed and inlined here, and attended by
+``grouped_attention`` with its argument checks); ``new``: the shipped
+``services.verifier.runner._slot_attention_eager`` (one ``write_read`` and one ``attend`` per
 request). The compiled step's opaque op calls the body through the module global, so swapping it
 swaps what every layer runs. Plain decoding, 128 tokens a run, the arms alternating (ABBA ...), then
 64 tokens with each to check that they emit the same tokens.
@@ -25,11 +26,12 @@ def old_eager(layer, query, key, value, attention_mask, module=None, **kwargs):
         return hf_compat.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     cache, p, parts, fixed = step
     scale = kwargs.get("scaling")
-    for a, b, slot, start, length, _, _ in parts:
-        cache.write_block(layer, slot, start, key[0, :, a:b], value[0, :, a:b])
+    for a, b, slot, start, length, _, _ in parts:  # the removed SlotKVCache.write_block
+        cache.keys[layer][slot, :, start:start + b - a] = key[0, :, a:b]
+        cache.values[layer][slot, :, start:start + b - a] = value[0, :, a:b]
     outs = []
-    for a, b, slot, _, length, mask, bias in parts:
-        k, v = cache.read_slot(layer, slot, length)
+    for a, b, slot, _, length, mask, bias in parts:  # the removed SlotKVCache.read_slot
+        k, v = cache.keys[layer][slot:slot + 1, :, :length], cache.values[layer][slot:slot + 1, :, :length]
         if bias is not None:
             outs.append(grouped_attention(query[:, :, a:b], k, v, bias, scale if scale is not None else k.shape[-1] ** -0.5))
             continue
