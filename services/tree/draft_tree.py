@@ -116,9 +116,10 @@ def derive_buffers(tree: DraftTree, root_token: int) -> VerifyBuffers:
         :class:`VerifyBuffers` (all on the tree's device).
 
     Trees of up to :data:`SMALL_TREE` nodes (every tree a CPU server drafts) are derived with Python
-    lists and a few tensor constructions (:func:`_derive_small`: ~15 us instead of ~30-130 us of
-    small tensor ops for the plain round's empty tree, ~60 us for three nodes); larger ones with the
-    vectorised passes below. Both give the same tensors (tests/tree/test_buffers.py).
+    lists and a few tensor constructions (:func:`_derive_small`; alone on a 2-core CPU: the plain
+    round's empty tree ~15 us instead of ~29 us of small tensor ops, three nodes ~18 us instead of
+    ~58 us, several times more each right after a forward); larger ones with the vectorised passes
+    below. Both give the same tensors (tests/tree/test_buffers.py).
     """
     if tree.num_nodes <= SMALL_TREE:
         return _derive_small(tree, root_token)
