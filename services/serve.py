@@ -58,7 +58,7 @@ from services.drafter.worker import DrafterWorkerConfig
 from services.config_cli import add_config_args, config_from_args, given_by
 from services.runtime import DRAIN_SIGNAL, STOP_NOW_SIGNAL, error_line, worker_context
 from services.spec import preferred_method
-from services.verifier.worker import VerifierWorkerConfig
+from services.verifier.worker import RESTART_AFTER_COMPILE_EXIT, VerifierWorkerConfig
 
 log = logging.getLogger("dartree.serve")
 
@@ -374,6 +374,13 @@ class Supervisor:
             if proc is None or proc.is_alive() or self._stopping:
                 continue
             why = self._last_error(child)
+            if not self.announced and child.name == "verifier" and proc.exitcode == RESTART_AFTER_COMPILE_EXIT \
+                    and _restarts_after_compile(child.config):
+                # its first compile is on disk now: once more, loading it, without the compiler's state
+                log.info("starting the verifier again: its compiled steps load from the disk cache now")
+                child.config = _no_restart_after_compile(child.config)
+                self._spawn(child)
+                continue
             # exited by itself before the server was ever ready: a configuration problem, no restarts.
             # Killed by a signal (exitcode < 0) is not: the readiness poll runs every 0.5 s, so a worker
             # killed just after clients saw /health/ready can still look "not started" here.
@@ -419,6 +426,20 @@ class Supervisor:
                     child.proc.kill()
                     child.proc.join(5)
             log.info("%s %s", name, exit_text(child.proc.exitcode))
+
+
+def _restarts_after_compile(config) -> bool:
+    """Whether a verifier child's config still lets it end for a restart after its first compile."""
+    return (config[0] if isinstance(config, tuple) else config).restart_after_compile is not False
+
+
+def _no_restart_after_compile(config):
+    """A verifier child's config (or ``(verifier, drafter)`` configs) with ``restart_after_compile``
+    off: the restarted process serves whatever its warm-up finds (a cache that cannot keep the
+    compiled steps must not restart it forever)."""
+    if isinstance(config, tuple):
+        return (dataclasses.replace(config[0], restart_after_compile=False),) + config[1:]
+    return dataclasses.replace(config, restart_after_compile=False)
 
 
 def exit_text(code: int | None) -> str:

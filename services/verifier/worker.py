@@ -45,6 +45,7 @@ from services.verifier.scheduler import OverlapGroups
 from services.wire import Decoded
 
 log = logging.getLogger("verifier")
+RESTART_AFTER_COMPILE_EXIT = 75  # exit code: "start me again, my compiled steps are on disk now"
 DRAFTER_PING_TIMEOUT_S = 1.0  # a drafter heartbeat ping without a Pong by then: not ready
 _PARAM_RE = re.compile(r"(speculative\.\w+|max_tokens|temperature|top_p|top_k|prompt|stop_token_ids|logprobs)")
 
@@ -117,6 +118,11 @@ class VerifierWorkerConfig:
             slots: one target feature row per cached position (SmolLM2-135M with the default
             drafter: 11.25 KiB a position in float32) plus its token id; past it the least recently
             used prefixes are evicted (a running request's KV never is). 0 keeps no prefix.
+        restart_after_compile: when a start compiled the target's steps from a cold cache (the
+            warm-up wrote inductor's disk cache), end the process right after the warm-up so that the
+            supervisor starts it again: the restarted process loads the compiled steps from the disk
+            cache in seconds and holds none of the compiler's in-memory state (~50 MB on SmolLM2-135M).
+            None (auto): only under ``dartree serve``'s supervisor, which restarts it once.
     """
 
     target: str = "smollm2-135m-instruct"
@@ -156,6 +162,7 @@ class VerifierWorkerConfig:
     log_level: str = "INFO"
     prefix_cache: bool = True
     prefix_cache_mib: int = 256
+    restart_after_compile: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_running < 1 or self.max_waiting < 0:
@@ -656,6 +663,16 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     return engine, target, target_dir
 
 
+def compiled_cold(engine) -> int:
+    """How many graphs this process's compiled steps compiled rather than loaded from inductor's disk
+    cache (torch's ``fxgraph_cache_miss`` counter; 0 for eager steps and for a warm cache)."""
+    if not engine.runner.compiled:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_miss"])
+
+
 def drafter_tag(drafter: PeerInfo) -> str:
     """The drafter as its handshake describes it (description, block, tapped layers, methods): the
     key of its saved acceptance calibration."""
@@ -718,6 +735,12 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
         with phase("verifier", "drafter connected"):
             drafter_client, drafter = _connect_drafter(config, resolve_target(config.target), ctx, epoch)
     engine, target, target_dir = build_engine(config, drafter_client, drafter)
+    restart = config.restart_after_compile if config.restart_after_compile is not None else parent_pid is not None
+    if restart and (missed := compiled_cold(engine)):
+        log.info("the compiled steps were built from a cold cache (%d graphs compiled and saved to disk): "
+                 "exiting for the supervisor to start the verifier again without the compiler's in-memory state",
+                 missed)
+        raise SystemExit(RESTART_AFTER_COMPILE_EXIT)
     methods = ("ar",) + tuple(m for m in (drafter.methods if drafter else ()) if m != "ar")
     if config.default_method not in methods:
         raise SystemExit(f"default method {config.default_method!r} is not served (available: {', '.join(methods)})")

@@ -175,3 +175,35 @@ def test_compiled_drafter_block_matches_eager_and_stays_lossless():
     ref = _tokens(engine, "ref", prompt, "ar", n=24)
     for m in ("ddtree", "dartree-pruned", "dflash"):
         assert _tokens(comp_engine, f"c-{m}", prompt, m, n=24) == ref, m
+
+
+_COLD_PROBE = """
+import sys
+from types import SimpleNamespace
+from services.testing import tiny_target
+from services.verifier.runner import ModelRunner
+from services.verifier.worker import compiled_cold
+target = tiny_target("llama", vocab_size=128, hidden_size=32, num_layers=2, max_position_embeddings=256)
+runner = ModelRunner(target, num_slots=2, capacity=64, compile=True)
+runner.warm_up((1, 5))
+print("cold", compiled_cold(SimpleNamespace(runner=runner)))
+"""
+
+
+def test_a_second_start_loads_the_compiled_steps_from_the_disk_cache(tmp_path):
+    """The premise of ``restart_after_compile``: a start on a cold inductor cache compiles (and
+    saves) graphs; the next process over the same cache compiles none."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OMP_NUM_THREADS": "1"}
+    root = Path(__file__).resolve().parents[2]
+    counts = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _COLD_PROBE], env=env, cwd=root, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        counts.append(int(out.stdout.split("cold")[-1]))
+    assert counts[0] > 0 and counts[1] == 0, counts

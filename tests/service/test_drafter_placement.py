@@ -160,3 +160,69 @@ def test_a_bad_compile_variable_is_one_line(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         _plan(tmp_path, monkeypatch)
     assert e.value.code == 2 and "DARTREE_COMPILE='sometimes' is not" in capsys.readouterr().err
+
+
+class _Exited:
+    """A finished child process as ``Supervisor._reap`` sees it."""
+
+    def __init__(self, exitcode: int):
+        self.exitcode, self.pid = exitcode, 1
+
+    def is_alive(self) -> bool:
+        return False
+
+
+class _NoErrors:
+    def poll(self) -> bool:
+        return False
+
+
+def _exit_verifier(supervisor, code: int) -> list:
+    """Make the verifier child look exited with ``code``; return the list ``_spawn`` appends to."""
+    spawned = []
+    for child in supervisor.children.values():
+        child.proc, child.errors = (_Exited(code) if child.name == "verifier" else None), _NoErrors()
+    supervisor._spawn = lambda child: (spawned.append(child.config), setattr(child, "proc", None))
+    return spawned
+
+
+def test_a_verifier_that_compiled_cold_is_started_again_once(tmp_path, monkeypatch):
+    from services.serve import StartupError
+    from services.verifier.worker import RESTART_AFTER_COMPILE_EXIT
+
+    _, supervisor, verifier, drafter_cfg = _plan(tmp_path, monkeypatch)
+    assert verifier.restart_after_compile is None  # auto: the worker restarts when a supervisor runs it
+    spawned = _exit_verifier(supervisor, RESTART_AFTER_COMPILE_EXIT)
+    assert supervisor._reap() and supervisor.failure is None
+    (config,) = spawned  # started again at once, not counted as a restart, with the restart turned off
+    assert config[0].restart_after_compile is False and config[1] == drafter_cfg
+    assert not supervisor.children["verifier"].restarts
+    # the second process asking again means its cache did not keep the compiled steps: a start-up failure
+    supervisor.children["verifier"].proc = _Exited(RESTART_AFTER_COMPILE_EXIT)
+    with pytest.raises(StartupError, match="the verifier failed to start"):
+        supervisor._reap()
+
+
+def test_another_exit_code_before_readiness_is_still_a_start_up_failure(tmp_path, monkeypatch):
+    from services.serve import StartupError
+
+    _, supervisor, _, _ = _plan(tmp_path, monkeypatch)
+    spawned = _exit_verifier(supervisor, 2)
+    with pytest.raises(StartupError):
+        supervisor._reap()
+    assert not spawned
+
+
+def test_compiled_cold_reads_the_inductor_cache_misses(monkeypatch):
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+
+    from services.verifier.worker import compiled_cold
+
+    monkeypatch.setitem(counters, "inductor", Counter({"fxgraph_cache_hit": 4}))
+    compiled, eager = (SimpleNamespace(runner=SimpleNamespace(compiled=c)) for c in (True, False))
+    assert compiled_cold(compiled) == 0  # every graph loaded from disk: nothing to restart for
+    monkeypatch.setitem(counters, "inductor", Counter({"fxgraph_cache_miss": 3, "fxgraph_cache_hit": 1}))
+    assert compiled_cold(compiled) == 3 and compiled_cold(eager) == 0
