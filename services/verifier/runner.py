@@ -68,6 +68,7 @@ from services import hf_compat
 from services.cuda_graphs import GraphBuckets, graphs_enabled
 from services.tree.batch import PackedRows, Segment, StepBucket, causal_segment, pack_segments, pad_packed, step_bucket
 from services.verifier.attention import additive_mask, attend, use_grouped
+from services.verifier import native
 from services.verifier.kv_cache import SlotKVCache
 from services.verifier.lean_step import LeanLlamaStep, lean_step_enabled
 
@@ -145,6 +146,25 @@ def _compiled_lean_attention(layer: Tensor, query: Tensor, key: Tensor, value: T
     """The slot attention as the compiled :class:`~services.verifier.lean_step.LeanLlamaStep` calls it: the
     opaque op ``dartree::slot_attention`` (``layer``: the attention module's 0-d index buffer); ``[1, R, Hq, Dh]``."""
     return torch.ops.dartree.slot_attention(query, key, value, layer, scaling)
+
+
+def _native_lean_attention(layer: Tensor, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+    """The compiled lean step's slot attention as the C++ operator ``dartree_native::slot_attention``
+    (:mod:`services.verifier.native`: the same ATen calls as :func:`_compiled_lean_attention`'s body,
+    so the same bits, without the interpreter); ``[1, R, Hq, Dh]``."""
+    return torch.ops.dartree_native.slot_attention(query, key, value, layer, scaling)
+
+
+_NATIVE = threading.local()  # .cache: the SlotKVCache the native op of this thread holds (a reference)
+
+
+def _native_step(cache: SlotKVCache, parts: list[tuple]) -> None:
+    """Hand the native op this thread's step: the cache (when it is not the one it holds already)
+    and each request's ``(first row, end row, slot, start, KV length)`` and additive bias."""
+    if getattr(_NATIVE, "cache", None) is not cache:
+        torch.ops.dartree_native.set_cache(cache.keys, cache.values)
+        _NATIVE.cache = cache
+    torch.ops.dartree_native.set_step([x for part in parts for x in part[:5]], [part[6] for part in parts])
 
 
 def _request_parts(p: PackedRows, groups: int, dtype: torch.dtype) -> list[tuple]:
@@ -278,9 +298,11 @@ class ModelRunner:
             from services.machine_cache import use_inductor_cache
 
             use_inductor_cache()
+        # the native slot attention (services.verifier.native): compiled lean steps on the grouped path
+        self.native = bool(self.compiled and lean and use_grouped(target.dtype, target.device) and native.load(build=True))
         if self.compiled and lean:
-            self.lean = LeanLlamaStep(target.model, _compiled_lean_attention, target._taps, target.target_layer_ids,
-                                      compiled=True)
+            self.lean = LeanLlamaStep(target.model, _native_lean_attention if self.native else _compiled_lean_attention,
+                                      target._taps, target.target_layer_ids, compiled=True)
             # no size/stride asserts in the generated code: dynamo's guards already check every input,
             # and the asserts cost ~1,100 calls a step (each of the 30 layer calls checks its weights)
             self._lean_call = torch.compile(_private_frame(self.lean.__call__), options={
@@ -352,6 +374,8 @@ class ModelRunner:
                 torch._dynamo.maybe_mark_dynamic(t, dim)
         t0 = time.perf_counter()
         _ACTIVE.step = (self.cache, p, parts, False)
+        if self.native:
+            _native_step(self.cache, parts)
         try:
             if self.lean is not None:
                 logits = (self._lean_call if self.lean.compiled else self.lean)(ids, pos, keep)
@@ -360,6 +384,8 @@ class ModelRunner:
                                        logits_to_keep=keep).logits
         finally:
             _ACTIVE.step = None
+            if self.native:
+                torch.ops.dartree_native.clear_step()
         feats = self.target._features()
         if no_logits:
             logits = logits[:, :0]

@@ -1,0 +1,124 @@
+// The runner's slot attention (services/verifier/runner.py) for CPU bfloat16 / float16 steps as a C++
+// operator: the same ATen calls as the Python body (_slot_attention_eager with the grouped attention of
+// services/verifier/attention.py), in the same order on the same views, hence the same bits, without
+// the interpreter between them. Built by services/verifier/native.py (torch.utils.cpp_extension).
+//
+// dartree_native::set_cache(Tensor[] keys, Tensor[] values): the slot KV cache, per layer
+//     [S, H_kv, C, Dh] (SlotKVCache.keys / values), for this thread's steps.
+// dartree_native::set_step(int[] parts, Tensor[] biases): the active step, per request (segment) i:
+//     parts[5i .. 5i + 4] = first row, end row, slot, start column, KV length; biases[i] = its additive
+//     mask [G * R_i, L_i] float32 (attention.additive_mask).
+// dartree_native::clear_step(): no active step (slot_attention then raises).
+// dartree_native::slot_attention(query [1, Hq, R, Dh], key [1, H_kv, R, Dh], value, layer (0-d int64),
+//     scaling) -> [1, R, Hq, Dh] contiguous: writes each request's K/V rows into its slot, then attends
+//     each request's rows to its slot up to its KV length.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <stdexcept>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRowBlock = 32;   // attention.ROW_BLOCK
+constexpr int64_t kKvBlock = 1024;  // attention.KV_BLOCK
+
+struct Step {
+  std::vector<at::Tensor> keys, values;
+  std::vector<int64_t> parts;
+  std::vector<at::Tensor> biases;
+  bool active = false;
+};
+
+thread_local Step state;
+
+// attention._block
+at::Tensor block(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                 const at::Tensor& bias, double scale) {
+  const int64_t hq = query.size(1), rows = query.size(2), dh = query.size(3);
+  const int64_t hkv = key.size(0), length = key.size(1);
+  at::Tensor q = query.select(0, 0).reshape({hkv, hq / hkv * rows, dh});
+  at::Tensor scores_t = at::bmm(key, q.transpose(1, 2));
+  at::Tensor probs = at::softmax(at::add(bias, scores_t.transpose(1, 2), scale), -1).to(query.scalar_type());
+  at::Tensor out;
+  if (length <= kKvBlock) {
+    out = at::bmm(probs, value);
+  } else {  // Python's sum(...) of the float32 block products: 0 + first, then + each next
+    at::Tensor acc;
+    for (int64_t c = 0; c < length; c += kKvBlock) {
+      const int64_t w = std::min(kKvBlock, length - c);
+      at::Tensor part = at::bmm(probs.slice(2, c, c + w), value.slice(1, c, c + w)).to(at::kFloat);
+      acc = acc.defined() ? at::add(acc, part) : at::add(part, 0);
+    }
+    out = acc.to(query.scalar_type());
+  }
+  return out.view({1, hq, rows, dh});
+}
+
+// attention.attend
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                  const at::Tensor& bias, double scale) {
+  const int64_t rows = query.size(2);
+  if (rows <= kRowBlock) return block(query, key, value, bias, scale);
+  const int64_t g = query.size(1) / key.size(0);
+  at::Tensor b3 = bias.view({g, rows, key.size(1)});
+  std::vector<at::Tensor> outs;
+  for (int64_t a = 0; a < rows; a += kRowBlock) {
+    const int64_t e = std::min(a + kRowBlock, rows);
+    outs.push_back(block(query.slice(2, a, e), key, value, b3.slice(1, a, e).flatten(0, 1), scale));
+  }
+  return at::cat(outs, 2);
+}
+
+void set_cache(std::vector<at::Tensor> keys, std::vector<at::Tensor> values) {
+  state.keys = std::move(keys);
+  state.values = std::move(values);
+}
+
+void set_step(std::vector<int64_t> parts, std::vector<at::Tensor> biases) {
+  if (parts.size() != 5 * biases.size()) throw std::invalid_argument("set_step: 5 ints per bias expected");
+  state.parts = std::move(parts);
+  state.biases = std::move(biases);
+  state.active = true;
+}
+
+void clear_step() {
+  state.active = false;
+  state.biases.clear();
+}
+
+at::Tensor slot_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const at::Tensor& layer, double scaling) {
+  if (!state.active) throw std::runtime_error("dartree_native::slot_attention outside a step");
+  const int64_t l = layer.item<int64_t>();
+  if (l < 0 || l >= static_cast<int64_t>(state.keys.size())) throw std::out_of_range("slot_attention: layer");
+  const size_t n = state.biases.size();
+  const bool one = n == 1;
+  std::vector<at::Tensor> outs;
+  outs.reserve(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t* p = state.parts.data() + 5 * i;
+    const int64_t a = p[0], b = p[1], slot = p[2], start = p[3], length = p[4];
+    at::Tensor k = state.keys[l].select(0, slot), v = state.values[l].select(0, slot);
+    at::Tensor keys = one ? key.select(0, 0) : key.select(0, 0).slice(1, a, b);
+    at::Tensor values = one ? value.select(0, 0) : value.select(0, 0).slice(1, a, b);
+    const int64_t rows = keys.size(1);
+    k.slice(1, start, start + rows).copy_(keys);  // SlotKVCache.write_read
+    v.slice(1, start, start + rows).copy_(values);
+    at::Tensor q = one ? query : query.slice(2, a, b);
+    outs.push_back(attend(q, k.slice(1, 0, length), v.slice(1, 0, length), state.biases[i], scaling));
+  }
+  at::Tensor out = one ? outs[0] : at::cat(outs, 2);
+  return out.transpose(1, 2).contiguous();
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dartree_native, m) {
+  m.def("set_cache(Tensor[] keys, Tensor[] values) -> ()", &set_cache);
+  m.def("set_step(int[] parts, Tensor[] biases) -> ()", &set_step);
+  m.def("clear_step() -> ()", &clear_step);
+  m.def("slot_attention(Tensor query, Tensor key, Tensor value, Tensor layer, float scaling) -> Tensor");
+  m.impl("slot_attention", c10::DispatchKey::CPU, TORCH_FN(slot_attention));
+}
