@@ -42,6 +42,7 @@ from torch import Tensor, nn
 log = logging.getLogger(__name__)
 
 from services.runtime import WEIGHT_CHOICES as CHOICES, WEIGHT_FORMATS as FORMATS, default_weights  # noqa: F401
+from services.verifier import native  # noqa: E402
 Q4_GROUP = 32  # elements per Q4_1 block (ggml QK4_1)
 # bumped when a format's kernels or the way ``auto`` measures change (a cached choice is then
 # measured again); 2: bf16 linears pre-packed for oneDNN (services.cpu_gemm.pack_linears_bf16);
@@ -226,7 +227,11 @@ class Int4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.scale_zeros.dtype)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and native.available():
+            # the same kernel as one op of the graph with the group size an int (the native library of
+            # services.verifier.native: no item() of the group size tensor per call)
+            y = torch.ops.dartree_native.int4_mm(x2, self.packed, Q4_GROUP, self.scale_zeros)
+        elif torch.compiler.is_compiling():
             # the same kernel through the overload inductor itself emits for it, with the group size
             # as this module's tensor: inductor's own lowering of the call below makes that tensor a
             # constant, which inside a nested compile region (the compiled runner's layers) reaches

@@ -126,6 +126,15 @@ def _register_fake() -> None:
     def _(query, key, value, layer, scaling):
         return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
 
+    @torch.library.register_fake("dartree_native::int4_mm")
+    def _(x, packed, group_size, scale_zeros):
+        return x.new_empty(x.shape[0], scale_zeros.shape[1])
+
+
+def available() -> bool:
+    """Whether this process loaded the library and it is switched on (no loading attempted)."""
+    return ENABLED and _LOADED
+
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m services.verifier.native``: build the library for this machine; one line, exit 0.

@@ -12,6 +12,8 @@
 // dartree_native::slot_attention(query [1, Hq, R, Dh], key [1, H_kv, R, Dh], value, layer (0-d int64),
 //     scaling) -> [1, R, Hq, Dh] contiguous: writes each request's K/V rows into its slot, then attends
 //     each request's rows to its slot up to its KV length.
+// dartree_native::int4_mm(x [M, K], packed, group_size, scale_zeros) -> [M, N]: torch's int4 CPU kernel
+//     (aten::_weight_int4pack_mm_for_cpu) as one op of a compiled graph (services/weights.py Int4Linear).
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -113,6 +115,13 @@ at::Tensor slot_attention(const at::Tensor& query, const at::Tensor& key, const 
   return out.transpose(1, 2).contiguous();
 }
 
+// The int4 CPU kernel with its group size as an int: the call quantized::int4mm_packed_weight_cpu
+// makes after reading the group size from a tensor (one item() a call, 124 calls a q4 step).
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
+                   const at::Tensor& scale_zeros) {
+  return at::_weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zeros);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(dartree_native, m) {
@@ -121,4 +130,6 @@ TORCH_LIBRARY(dartree_native, m) {
   m.def("clear_step() -> ()", &clear_step);
   m.def("slot_attention(Tensor query, Tensor key, Tensor value, Tensor layer, float scaling) -> Tensor");
   m.impl("slot_attention", c10::DispatchKey::CPU, TORCH_FN(slot_attention));
+  m.def("int4_mm(Tensor x, Tensor packed, int group_size, Tensor scale_zeros) -> Tensor");
+  m.impl("int4_mm", c10::DispatchKey::CPU, TORCH_FN(int4_mm));
 }

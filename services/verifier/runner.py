@@ -13,7 +13,9 @@ step makes when it runs alone. On CPU in bfloat16 / float16 that call is
 torch's CPU SDPA for few rows at long contexts, and row invariant: its module docstring;
 ``DARTREE_GROUPED_ATTENTION=0`` switches it off), elsewhere ``F.scaled_dot_product_attention``.
 Attention work therefore scales with each request's own context (rounded up to ``kv_bucket``),
-never with the configured capacity. A
+never with the configured capacity. Compiled lean steps on the grouped path run the whole per-layer
+call as the C++ operator ``dartree_native::slot_attention`` (:mod:`services.verifier.native`: the same
+ATen calls on the same views, so the same bits, without the interpreter) when it is built. A
 forward without step metadata (the HF reference paths of :class:`TargetModel`) falls through to
 transformers' SDPA.
 
@@ -161,6 +163,9 @@ _NATIVE = threading.local()  # .cache: the SlotKVCache the native op of this thr
 def _native_step(cache: SlotKVCache, parts: list[tuple]) -> None:
     """Hand the native op this thread's step: the cache (when it is not the one it holds already)
     and each request's ``(first row, end row, slot, start, KV length)`` and additive bias."""
+    if any(part[6] is None for part in parts):
+        raise RuntimeError("the native slot attention runs the grouped path only, switched off since this runner "
+                           "was built (services.verifier.attention.GROUPED_ATTENTION)")
     if getattr(_NATIVE, "cache", None) is not cache:
         torch.ops.dartree_native.set_cache(cache.keys, cache.values)
         _NATIVE.cache = cache

@@ -121,3 +121,28 @@ def test_a_new_cache_is_handed_over_even_when_an_old_one_had_its_id():
     second.values[0].zero_()
     got = _native(second, parts, 0, q, k, v)
     assert torch.equal(got, _python(_clone(second), p, parts, 0, q, k, v))
+
+
+def test_native_int4_mm_is_torchs_int4_kernel():
+    """``dartree_native::int4_mm`` (the compiled q4 linears' op) returns the kernel's bits, and a
+    compiled ``Int4Linear`` calls it."""
+    from services.weights import Int4Linear, quantize_q4_1
+
+    torch.manual_seed(0)
+    lin = Int4Linear(quantize_q4_1(torch.randn(64, 96)))
+    for m in (1, 2, 5, 9, 33):
+        x = torch.randn(m, 96).bfloat16()
+        want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.packed, 32, lin.scale_zeros)
+        assert torch.equal(torch.ops.dartree_native.int4_mm(x, lin.packed, 32, lin.scale_zeros), want)
+    calls = []
+    real = torch.ops.dartree_native.int4_mm
+
+    def seen(gm, example_inputs):
+        calls.extend(str(n.target) for n in gm.graph.nodes)
+        return gm
+
+    x = torch.randn(3, 96).bfloat16()
+    with torch.inference_mode():
+        out = torch.compile(lin, backend=seen)(x)
+    assert any("dartree_native.int4_mm" in c for c in calls), calls
+    assert torch.equal(out, real(x, lin.packed, 32, lin.scale_zeros))
