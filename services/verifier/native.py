@@ -8,7 +8,12 @@ same ATen calls (slot writes, two bfloat16 ``bmm``, the float32 softmax with the
 1,024-column blocks and 32-row blocks) in the same order on the same views, so every row gets the
 same bits as the Python body (tests/engine/test_native_attention.py compares them); only the CPU
 bfloat16 / float16 path with the grouped attention (:func:`~services.verifier.attention.use_grouped`)
-has a native form, every other step keeps the Python body.
+has a native form, every other step keeps the Python body. The same library holds
+``dartree_native::int4_mm``, torch's int4 CPU kernel with its group size as an int, which compiled
+q4 linears call (:class:`services.weights.Int4Linear`; the ``quantized::int4mm_packed_weight_cpu``
+overload inductor emits reads the group size from a tensor, one ``item()`` a call). In process the
+two took a compiled q4 one-row step from 10.70 to 10.13 ms a token
+(``benchmarks/results/2026-12-05-native-attention``).
 
 Built with the system C++ compiler against the installed torch (``make setup`` runs
 ``python -m services.verifier.native``; ~20-40 s on 2 cores) into
