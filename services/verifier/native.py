@@ -15,12 +15,13 @@ overload inductor emits reads the group size from a tensor, one ``item()`` a cal
 two took a compiled q4 one-row step from 10.70 to 10.13 ms a token
 (``benchmarks/results/2026-12-05-native-attention``).
 
-Built with the system C++ compiler against the installed torch (``make setup`` runs
-``python -m services.verifier.native``; ~20-40 s on 2 cores) into
-``<state dir>/native/<key>/`` (``$DARTREE_CACHE_DIR``, else ``~/.cache/dartree``), where ``key``
-hashes the source, torch's version and the compiler flags, so a torch upgrade or a changed source
-builds again. :func:`load` never builds: a server that finds no library serves with the Python
-body and logs how to build it. ``DARTREE_NATIVE_ATTENTION=0`` switches the native op off.
+Built with the system C++ compiler (``$CXX``, else ``g++``) against the installed torch's headers
+and libraries (``make setup`` runs ``python -m services.verifier.native``; ~8 s on the 2-core CPU)
+into ``<state dir>/native/<key>/`` (``$DARTREE_CACHE_DIR``, else ``~/.cache/dartree``), where
+``key`` hashes the source, torch's version and the compiler flags, so a torch upgrade or a changed
+source builds again. A compiled runner that finds no library builds it (:func:`load` with
+``build=True``); where that fails the step runs the Python body, with the same results.
+``DARTREE_NATIVE_ATTENTION=0`` switches the native ops off.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def build_library(compiler: str | None = None) -> Path:
     except OSError as e:
         raise RuntimeError(f"cannot run the C++ compiler {cxx!r}: {e}") from None
     if res.returncode != 0:
+        tmp.unlink(missing_ok=True)  # a partial output of the failed compile
         tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-5:])
         raise RuntimeError(f"building the native slot attention failed ({cxx}): {tail}")
     tmp.replace(out)

@@ -1,7 +1,8 @@
 // The runner's slot attention (services/verifier/runner.py) for CPU bfloat16 / float16 steps as a C++
 // operator: the same ATen calls as the Python body (_slot_attention_eager with the grouped attention of
 // services/verifier/attention.py), in the same order on the same views, hence the same bits, without
-// the interpreter between them. Built by services/verifier/native.py (torch.utils.cpp_extension).
+// the interpreter between them. Built by services/verifier/native.py (the system compiler, torch's
+// headers and libraries).
 //
 // dartree_native::set_cache(Tensor[] keys, Tensor[] values): the slot KV cache, per layer
 //     [S, H_kv, C, Dh] (SlotKVCache.keys / values), for this thread's steps.

@@ -1,0 +1,41 @@
+"""Building the native ops (:mod:`services.verifier.native`) where it cannot work: a one-line error,
+no library left behind, and ``load`` answering False (a runner then keeps the Python body), once."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.verifier import native
+
+
+@pytest.fixture
+def fresh(tmp_path, monkeypatch):
+    """A state directory without a library, and a process that has not loaded one yet."""
+    monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_LOADED", False)
+    monkeypatch.setattr(native, "_GAVE_UP", False)
+    return tmp_path
+
+
+def test_a_missing_compiler_is_one_line_and_leaves_nothing(fresh, monkeypatch, capsys):
+    monkeypatch.setenv("CXX", str(fresh / "no-such-compiler"))
+    with pytest.raises(RuntimeError, match="cannot run the C\\+\\+ compiler"):
+        native.build_library()
+    assert not native.library_path().exists() and not list((fresh / "native").rglob("*.tmp"))
+    assert native.main([]) == 0 and native.main(["--strict"]) == 1  # make setup goes on; --strict fails
+    assert "native slot attention not built" in capsys.readouterr().err
+    assert native.load(build=True) is False and native._GAVE_UP  # logged once, not retried
+    assert native.load(build=True) is False and not native.available()
+
+
+def test_a_failing_compile_leaves_no_partial_library(fresh, monkeypatch):
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    with pytest.raises(RuntimeError, match="building the native slot attention failed"):
+        native.build_library()
+    assert not native.library_path().exists() and not list((fresh / "native").rglob("*.tmp"))
+
+
+def test_switched_off_it_never_loads(fresh, monkeypatch):
+    monkeypatch.setattr(native, "ENABLED", False)
+    assert native.load(build=True) is False and not native.available()
+    assert not (fresh / "native").exists()  # nothing built either
