@@ -47,6 +47,17 @@ def wait_ready(proc, url: str, log: str) -> None:
     raise SystemExit(f"not ready in 900 s; see {log}")
 
 
+def stop_all(procs: list) -> None:
+    """Terminate the servers, then wait up to 60 s each (kill past that)."""
+    for pr in procs:
+        pr.terminate()
+    for pr in procs:
+        try:
+            pr.wait(60)
+        except subprocess.TimeoutExpired:
+            pr.kill()
+
+
 def stream(client, base: str, text: str, max_tokens: int, ours: bool) -> dict:
     body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     if ours:
@@ -75,8 +86,8 @@ def stream(client, base: str, text: str, max_tokens: int, ours: bool) -> dict:
             "e2e_tokens_per_s": round(toks / wall, 3), "text": "".join(pieces)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The protocol's flags (shared with ``2026-12-05-serving-overhead/ab_arms.py``)."""
     ap.add_argument("--datasets", nargs="+", default=["gsm8k", "mt-bench"])
     ap.add_argument("--prompts", type=int, default=8, help="per dataset")
     ap.add_argument("--passes", type=int, default=2)
@@ -84,13 +95,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--serve-args", default="", help="extra flags for dartree serve (default: none)")
     ap.add_argument("--out", required=True)
-    a = ap.parse_args()
 
+
+def chat_prompts(datasets: list[str], n: int) -> list[tuple[str, str, str]]:
+    """``(dataset, uid, chat-templated text)`` of the first ``n`` prompts of each dataset."""
     from transformers import AutoTokenizer
 
     target = resolve_target("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(str(target))
-    prompts = [(ds, uid, tok.decode(ids)) for ds in a.datasets for uid, ids in _prompts(target, [ds], a.prompts)]
+    return [(ds, uid, tok.decode(ids)) for ds in datasets for uid, ids in _prompts(target, [ds], n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_common_args(ap)
+    a = ap.parse_args()
+    prompts = chat_prompts(a.datasets, a.prompts)
     port, vport, dport, lport = free_loopback_ports(4)
     gguf = default_gguf()
     ours_cmd = [sys.executable, "-m", "services.serve", "--port", str(port), "--verifier-metrics-port", str(vport),
@@ -128,13 +148,7 @@ def main() -> None:
                     print(f"pass {p} {ds:9s} {uid[:14]:14s} dartree {d} llama.cpp {ll} tok/s decode "
                           f"({(d or 0) / (ll or 1):.2f}x) same text {same}", flush=True)
     finally:
-        for pr in procs:
-            pr.terminate()
-        for pr in procs:
-            try:
-                pr.wait(60)
-            except subprocess.TimeoutExpired:
-                pr.kill()
+        stop_all(procs)
     def pooled(arm, key):
         xs = [r[arm] for r in rows if r[arm]["decode_tokens_per_s"]]
         if key == "decode":

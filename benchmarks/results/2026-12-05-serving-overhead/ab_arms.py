@@ -30,10 +30,9 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks/results/2026-12-04-ar-vs-llamacpp"))
 
-from ab_http import stream, wait_ready  # noqa: E402
+from ab_http import add_common_args, chat_prompts, stop_all, stream, wait_ready  # noqa: E402
 from benchmarks.bench_llama import default_gguf  # noqa: E402
-from benchmarks.bench_small_trees import _machine, _prompts  # noqa: E402
-from services.models.registry import resolve_target  # noqa: E402
+from benchmarks.bench_small_trees import _machine  # noqa: E402
 from services.runtime import free_loopback_ports  # noqa: E402
 
 
@@ -52,20 +51,9 @@ def arm_env(spec: str) -> tuple[str, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arm", action="append", required=True, help="NAME=VAR=VALUE[,VAR=VALUE] (repeatable)")
-    ap.add_argument("--datasets", nargs="+", default=["gsm8k", "mt-bench"])
-    ap.add_argument("--prompts", type=int, default=8, help="per dataset")
-    ap.add_argument("--passes", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--serve-args", default="", help="extra flags for every dartree serve arm")
-    ap.add_argument("--out", required=True)
+    add_common_args(ap)  # --serve-args go to every arm
     a = ap.parse_args()
-
-    from transformers import AutoTokenizer
-
-    target = resolve_target("smollm2-135m-instruct")
-    tok = AutoTokenizer.from_pretrained(str(target))
-    prompts = [(ds, uid, tok.decode(ids)) for ds in a.datasets for uid, ids in _prompts(target, [ds], a.prompts)]
+    prompts = chat_prompts(a.datasets, a.prompts)
     arms = [arm_env(s) for s in a.arm]
     out_dir = Path(a.out).resolve().parent
     gguf = default_gguf()
@@ -107,13 +95,7 @@ def main() -> None:
                     print(f"pass {p} {ds:9s} {uid[:14]:14s} " + " ".join(
                         f"{n} {r[n]['decode_tokens_per_s']}" for n in names), flush=True)
     finally:
-        for pr in procs:
-            pr.terminate()
-        for pr in procs:
-            try:
-                pr.wait(60)
-            except subprocess.TimeoutExpired:
-                pr.kill()
+        stop_all(procs)
 
     def pooled(arm):
         xs = [r[arm] for r in rows if r[arm]["decode_tokens_per_s"]]
