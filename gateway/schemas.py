@@ -59,7 +59,7 @@ class SpeculativeOptions(_Strict):
     method: str | None = None
     budget: int | None = Field(None, ge=1, le=WIRE_INT_MAX)   # the verifier checks the real ranges
     width: int | None = Field(None, ge=1, le=WIRE_INT_MAX)
-    depth_bonus: Finite | None = None
+    depth_bonus: Finite | None = Field(None, le=0)  # beta <= 0: a bonus would favour depth without bound
     candidates: int | None = Field(None, ge=1, le=WIRE_INT_MAX)
 
 

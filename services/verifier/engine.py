@@ -131,12 +131,29 @@ class TokenLogprobs:
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> TokenLogprobs:
-    """``log_softmax`` of ``logits [n, V]`` (row i produced ``token_ids[i]``) at the tokens, plus top-k."""
+    """``log_softmax`` of ``logits [n, V]`` (row i produced ``token_ids[i]``) at the tokens, plus top-k.
+
+    Ties are broken by ascending token id, the way greedy decoding breaks them (``torch.argmax``
+    takes the first maximum): equal logprobs are listed lowest id first, and where more tokens tie
+    at the k-th value than fit, the lowest ids are kept. So at T = 0 a row's first entry is the
+    token plain decoding emits (``torch.topk`` alone leaves both orders unspecified).
+    """
     lp = torch.log_softmax(logits.float(), dim=-1)
     lp = torch.nan_to_num(lp, nan=LOGPROB_FLOOR).clamp_(LOGPROB_FLOOR, 0.0)
     chosen = lp.gather(1, torch.tensor(token_ids, dtype=torch.long, device=lp.device)[:, None])[:, 0]
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    return TokenLogprobs(chosen.cpu().tolist(), top_i.cpu().tolist(), top_v.cpu().tolist())
+    top_ids, top_lps = [], []
+    if k:
+        kth = lp.topk(k, dim=-1).values[:, -1]
+        for row, v in zip(lp, kth):
+            above = (row > v).nonzero()[:, 0]  # ascending ids, fewer than k
+            ids = torch.cat([above, (row == v).nonzero()[:, 0][:k - above.numel()]]).sort().values
+            vals = row[ids]
+            order = vals.argsort(descending=True, stable=True)  # by value, ties by ascending id
+            top_ids.append(ids[order].cpu().tolist())
+            top_lps.append(vals[order].cpu().tolist())
+    else:
+        top_ids = top_lps = [[] for _ in token_ids]
+    return TokenLogprobs(chosen.cpu().tolist(), top_ids, top_lps)
 
 
 @dataclass

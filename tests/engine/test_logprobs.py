@@ -144,6 +144,23 @@ def test_token_logprobs_is_finite_and_clamped():
     assert token_logprobs(logits[:0], [], 3).logprobs == []
 
 
+def test_top_logprobs_list_ties_in_greedy_order():
+    """Ties are broken by ascending id, as ``torch.argmax`` (greedy decoding) breaks them: the first
+    entry is the greedy token even when more than k tokens tie for the maximum, equal values are
+    listed lowest id first, and the kept set is the k best with the lowest ids among ties."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.randint(-3, 3, (4, 40), generator=gen).float()  # many exact ties
+        lp = token_logprobs(logits, logits.argmax(-1).tolist(), 6)
+        for row, ids, vals in zip(logits, lp.top_ids, lp.top_logprobs):
+            assert ids[0] == int(row.argmax())
+            assert vals == sorted(vals, reverse=True)
+            assert all(a < b for a, b, x, y in zip(ids, ids[1:], vals, vals[1:]) if x == y)
+            ref = sorted(range(row.numel()), key=lambda i: (-float(row[i]), i))[:6]
+            assert ids == ref
+    assert token_logprobs(torch.zeros(2, 5), [0, 0], 0).top_ids == [[], []]
+
+
 @pytest.mark.parametrize("bad", [-1, 21, True, 2.0])
 def test_sampling_params_refuse_bad_logprobs(bad):
     with pytest.raises(ValueError, match="logprobs"):

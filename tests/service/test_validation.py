@@ -60,6 +60,8 @@ CASES = [
     ("spec-unknown-key", C, {"prompt": "x", "speculative": {"beam": 2}}, None, 400, "speculative.beam"),
     ("spec-depth-bonus-nan", C, b'{"prompt": "x", "speculative": {"depth_bonus": NaN}}', None, 400,
      "speculative.depth_bonus"),
+    ("spec-depth-bonus-positive", C, {"prompt": "x", "speculative": {"depth_bonus": 0.5}}, None, 400,
+     "speculative.depth_bonus"),
     ("stream-options-without-stream", C, {"prompt": "x", "stream_options": {"include_usage": True}}, None, 400,
      "stream_options"),
     ("request-id-too-long", C, {"prompt": "x"}, {"x-request-id": "a" * 129}, 400, "x-request-id"),
