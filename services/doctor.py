@@ -68,8 +68,13 @@ def cache_lines(now: float | None = None) -> list[str]:
     from services.verifier.cost_model import default_cache_path
     from services.weight_choice import choice_cache_path, read_choices
 
+    from services.models.registry import cache_root
+
     now = time.time() if now is None else now
-    out = [f"weight choices  {choice_cache_path()}"]
+    models = sorted(p.name for p in cache_root().glob("*") if (p / "config.json").exists())
+    out = [f"models          {cache_root()} ($DARTREE_CACHE): {', '.join(models) or 'none converted yet'}",
+           f"state           {state_dir()} ($DARTREE_CACHE_DIR)",
+           f"weight choices  {choice_cache_path()}"]
     choices = read_choices()
     for key, e in choices.items():
         if isinstance(e, dict):

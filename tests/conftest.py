@@ -26,8 +26,12 @@ def pytest_configure(config: pytest.Config) -> None:
     per-machine state caches (weight choice, cost sweeps, oneDNN row verdicts, q4 packs:
     :mod:`services.machine_cache`) at a temporary directory, so no test reads or writes the user's
     ``~/.cache/dartree`` state (the converted models stay where they are: ``$DARTREE_CACHE``)."""
+    import atexit
     import os
+    import shutil
     import tempfile
 
     os.environ.setdefault("DARTREE_WEIGHTS", "float32")
-    os.environ["DARTREE_CACHE_DIR"] = tempfile.mkdtemp(prefix="dartree-test-state-")
+    state = tempfile.mkdtemp(prefix="dartree-test-state-")
+    os.environ["DARTREE_CACHE_DIR"] = state
+    atexit.register(shutil.rmtree, state, ignore_errors=True)  # ~64 MB of q4 packs and sweeps a run

@@ -114,20 +114,25 @@ def test_doctor_prints_capabilities_and_cached_choices(tmp_path):
     (cache / "q4" / "smollm2-135m-instruct-0123abcd.safetensors").write_bytes(b"\0" * 3 * 2**20)
     (cache / "inductor" / "ab").mkdir(parents=True)  # compiled steps' kernels (torch inductor's cache)
     (cache / "inductor" / "ab" / "kernel.so").write_bytes(b"\0" * 2 * 2**20)
-    env = {"PATH": "/usr/bin:/bin", "DARTREE_CACHE": str(cache), "DARTREE_CACHE_DIR": str(cache),
+    models = tmp_path / "models"
+    (models / "tiny-model").mkdir(parents=True)
+    (models / "tiny-model" / "config.json").write_text("{}")
+    env = {"PATH": "/usr/bin:/bin", "DARTREE_CACHE": str(models), "DARTREE_CACHE_DIR": str(cache),
            "OMP_NUM_THREADS": "1", "HOME": str(tmp_path)}
     r = subprocess.run([sys.executable, "-m", "services.cli", "doctor"], cwd=REPO, capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "ISA        torch " in out and "bfloat16   native " in out and "int4 (q4)" in out
+    assert f"models          {models} ($DARTREE_CACHE): tiny-model" in out
+    assert f"state           {cache} ($DARTREE_CACHE_DIR)" in out
     assert "q4: ms {\"q4\": {\"1-row\": 24.5}}, 2 h old" in out
     assert "rows:ms 1:24.5 9:31.0, 2 min old" in out or "rows:ms 1:24.5 9:31.0, 1 min old" in out
     assert "576 x 1536: 1, 49152 x 576: 128, 3 d old" in out
     assert "smollm2-135m-instruct-0123abcd.safetensors: 3 MB, " in out
     assert "  smollm2/q4/cpu/drafter, 5 d old" in out
     assert f"compiled steps  {cache / 'inductor'}" in out and "  1 files, 2 MB, newest " in out
-    assert len(out.splitlines()) < 27  # one screen
+    assert len(out.splitlines()) < 29  # one screen
 
 
 def test_a_kv_cache_beyond_the_ram_is_a_one_line_configuration_error():
