@@ -115,6 +115,7 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--min-tokens", type=int, default=None, help="sent as min_tokens (long generations past EOS)")
     ap.add_argument("--idle-s", type=float, default=5.0)
     ap.add_argument("--after-load-s", type=float, default=0.0,
                     help="seconds between the last stream and the after-load sample (the verifier trims its heap after 1 s idle)")
@@ -146,7 +147,8 @@ def main() -> int:
             result["idle"] = snapshot(proc.pid)
             result["idle_total"] = totals(result["idle"])
             bodies = [{"model": "smollm2-135m-instruct", "messages": p["messages"], "max_tokens": args.max_tokens,
-                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                       **({"min_tokens": args.min_tokens} if args.min_tokens else {})}
                       for p in prompts(args.streams, args.prompt_tokens)]
             result["prompt_sources"] = [p["source"] for p in prompts(args.streams, args.prompt_tokens)]
             outs: list = [None] * len(bodies)
