@@ -33,6 +33,9 @@ from services.metrics import GatewayMetrics
 from services.protocol import RoundChunk
 
 log = logging.getLogger("gateway")
+
+CUT_AT_DRAIN_TIMEOUT = "at the end of the drain timeout"
+CUT_BY_STOP = "because the server was told to stop now (a second stop signal)"
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _JSON = msgspec.json.Encoder()
 SSE_DONE = b"data: [DONE]\n\n"
@@ -63,7 +66,7 @@ class Gateway:
         self.model_name = config.served_model_name or model_name(config.target)
         self.in_flight = 0
         self.draining = False
-        self.cut = False  # the drain timeout expired: in-flight requests end now (cut_in_flight)
+        self.cut: str | None = None  # why in-flight requests end now (cut_in_flight); None: not cut
         self._cut_waiters: set[asyncio.Future] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -75,20 +78,23 @@ class Gateway:
         """Refuse new requests (503); in-flight ones continue."""
         self.draining = True
 
-    def cut_in_flight(self) -> None:
-        """End every in-flight request now (drain timeout): streams get a ``server_shutdown`` error
-        event and ``[DONE]``, requests still waiting for their answer a 503; the engine requests are aborted."""
-        self.draining, self.cut = True, True
+    def cut_in_flight(self, reason: str = CUT_AT_DRAIN_TIMEOUT) -> None:
+        """End every in-flight request now: streams get a ``server_shutdown`` error event and
+        ``[DONE]``, requests still waiting for their answer a 503; the engine requests are aborted.
+        ``reason`` completes the error's message ("the request was cut " + reason): the drain timeout
+        expired (:data:`CUT_AT_DRAIN_TIMEOUT`) or the server was told to stop now (:data:`CUT_BY_STOP`);
+        the first cut's reason stays."""
+        self.draining, self.cut = True, self.cut or reason
         self.engine.early_close_reason = "shutdown"  # the streams closed from here on were cut, not left
         for fut in list(self._cut_waiters):
             if not fut.done():
-                fut.set_result(None)
+                fut.set_result(self.cut)
 
     def _cut_waiter(self) -> asyncio.Future:
         """A future of the running loop that completes at :meth:`cut_in_flight` (cancel it when done)."""
         fut = asyncio.get_running_loop().create_future()
         if self.cut:
-            fut.set_result(None)
+            fut.set_result(self.cut)
         else:
             self._cut_waiters.add(fut)
             fut.add_done_callback(self._cut_waiters.discard)
@@ -341,8 +347,8 @@ class Gateway:
         except EngineError as err:
             yield _event({"error": {"message": err.message, "type": ApiError.TYPES.get(err.status, "error"),
                                     "param": err.param, "code": err.code or str(err.status)}})
-        except _ServerShutdown:
-            yield _event(_shutdown_error().body())
+        except _ServerShutdown as cut:
+            yield _event(_shutdown_error(str(cut)).body())
         except Exception:  # a bug must still end the stream properly, without a traceback to the client
             log.exception("stream failed")
             yield _event(ApiError(500, "internal server error", None, "internal_error").body())
@@ -413,12 +419,11 @@ class _Disconnected(Exception):
 
 
 class _ServerShutdown(Exception):
-    """The drain timeout expired while the request was in flight (:meth:`Gateway.cut_in_flight`)."""
+    """The request was cut while in flight (:meth:`Gateway.cut_in_flight`); the message is the reason."""
 
 
-def _shutdown_error() -> ApiError:
-    return ApiError(503, "the server is shutting down: the request was cut at the end of the drain timeout",
-                    None, "server_shutdown")
+def _shutdown_error(reason: str = CUT_AT_DRAIN_TIMEOUT) -> ApiError:
+    return ApiError(503, f"the server is shutting down: the request was cut {reason}", None, "server_shutdown")
 
 
 _KEEPALIVE = Delta("")
@@ -525,8 +530,8 @@ async def _race_disconnect(request: Request, awaitable, cut: Callable[[], asynci
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         if cutter.done() and not cutter.cancelled():
-            log.info("request cut: the drain timeout expired")
-            raise _shutdown_error()
+            log.info("request cut %s", cutter.result())
+            raise _shutdown_error(cutter.result())
         log.info("client disconnected before the response started")
         raise _Disconnected
     return task.result()
@@ -546,8 +551,8 @@ async def _with_keepalive(it: AsyncIterator, interval: float, cut: Callable[[], 
             done, _ = await asyncio.wait({task, cutter}, timeout=interval or None,
                                          return_when=asyncio.FIRST_COMPLETED)
             if cutter in done:
-                log.info("stream cut: the drain timeout expired")
-                raise _ServerShutdown
+                log.info("stream cut %s", cutter.result())
+                raise _ServerShutdown(cutter.result())
             if not done:
                 yield _KEEPALIVE
                 continue

@@ -23,6 +23,7 @@ import uvicorn
 from gateway.app import RequestIdLogFilter, create_app
 from gateway.config import GatewayConfig
 from gateway.engine_client import ZmqEngineClient
+from gateway.handlers import CUT_BY_STOP
 from gateway.text import TextModel
 from services.protocol import PeerInfo
 from services.runtime import DRAIN_SIGNAL, STOP_NOW_SIGNAL, trim_heap
@@ -113,7 +114,7 @@ class _DrainingServer(uvicorn.Server):
             # end the in-flight requests now (error event / 503), the drain then completes
             log.warning("%s: ending the requests still in flight",
                         "second stop signal" if second else "told to stop now")
-            loop.call_soon_threadsafe(self._app.state.gateway.cut_in_flight)
+            loop.call_soon_threadsafe(self._app.state.gateway.cut_in_flight, CUT_BY_STOP)
         if self._drain_task is None:
             self._drain_task = True  # set before the task exists: a second signal must not start another
             loop.call_soon_threadsafe(lambda: setattr(self, "_drain_task", loop.create_task(self._drain())))

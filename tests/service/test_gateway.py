@@ -8,6 +8,8 @@ import logging
 
 import pytest
 
+from gateway.handlers import CUT_BY_STOP
+
 from .conftest import GatewayHarness
 from .fakes import Script
 
@@ -356,9 +358,12 @@ def test_undecodable_bodies_get_an_accurate_400(bl_harness, body, message):
     assert message in r.json()["error"]["message"]
 
 
-def test_cut_in_flight_ends_streams_with_an_error_event_and_others_with_503(bl_harness):
-    """The drain timeout (Gateway.cut_in_flight): every open stream gets a server_shutdown error event
-    then [DONE]; a request still waiting for its JSON answer gets a 503; the engine requests are aborted."""
+@pytest.mark.parametrize("reason,says", [(None, "at the end of the drain timeout"),
+                                         (CUT_BY_STOP, "told to stop now")])
+def test_cut_in_flight_ends_streams_with_an_error_event_and_others_with_503(bl_harness, reason, says):
+    """The drain timeout or a second stop signal (Gateway.cut_in_flight): every open stream gets a
+    server_shutdown error event then [DONE]; a request still waiting for its JSON answer gets a 503;
+    both say which of the two cut them; the engine requests are aborted."""
     h = bl_harness
     h.script = lambda gen: Script(list(range(10, 200)), round_sizes=[1], delay_s=0.05)
 
@@ -369,7 +374,7 @@ def test_cut_in_flight_ends_streams_with_an_error_event_and_others_with_503(bl_h
                                               stream=True))]
         await asyncio.sleep(0.5)  # several rounds of each are out
         h.gateway.begin_drain()
-        h.gateway.cut_in_flight()
+        h.gateway.cut_in_flight(*([reason] if reason else []))
         return await asyncio.wait_for(asyncio.gather(*tasks), 5)
 
     body, plain, chat = run(go())
@@ -377,7 +382,9 @@ def test_cut_in_flight_ends_streams_with_an_error_event_and_others_with_503(bl_h
         events = sse_events(r.text)
         assert len(events) > 2
         assert events[-1]["error"]["code"] == "server_shutdown" and events[-1]["error"]["type"] == "service_unavailable"
+        assert says in events[-1]["error"]["message"]
         assert all("choices" in e for e in events[:-1])
     assert plain.status_code == 503 and plain.json()["error"]["code"] == "server_shutdown"
+    assert says in plain.json()["error"]["message"]
     assert h.gateway.in_flight == 0 and len(h.engine.aborts) == 3
     assert [a.reason for a in h.engine.aborts] == ["shutdown"] * 3  # cut by the server, not left by a client
