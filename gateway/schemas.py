@@ -320,7 +320,7 @@ def _param(loc: list) -> str:
 def check_stop(stop: list[str]) -> None:
     """At most 4 non-empty stop strings of bounded length."""
     if len(stop) > MAX_STOP_STRINGS:
-        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}", "stop")
+        raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}", "stop", "invalid_value")
     for s in stop:
         if not s or len(s) > MAX_STOP_CHARS:
-            raise ApiError(400, f"stop strings must have 1 to {MAX_STOP_CHARS} characters", "stop")
+            raise ApiError(400, f"stop strings must have 1 to {MAX_STOP_CHARS} characters", "stop", "invalid_value")

@@ -139,6 +139,8 @@ def test_bad_input_is_rejected_with_status_and_param(vharness, case):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
+    if param == "stop":
+        assert err["code"] == "invalid_value"
     assert "Traceback" not in r.text
 
 
