@@ -422,7 +422,7 @@ class _ServerShutdown(Exception):
     """The request was cut while in flight (:meth:`Gateway.cut_in_flight`); the message is the reason."""
 
 
-def _shutdown_error(reason: str = CUT_AT_DRAIN_TIMEOUT) -> ApiError:
+def _shutdown_error(reason: str) -> ApiError:
     return ApiError(503, f"the server is shutting down: the request was cut {reason}", None, "server_shutdown")
 
 

@@ -64,11 +64,10 @@ def capability_lines() -> list[str]:
 def cache_lines(now: float | None = None) -> list[str]:
     """The cached choices and sweeps, one line each (path first; 'none' when absent)."""
     from services.machine_cache import ONEDNN_ROWS, Q4_PACKS, inductor_cache_dir, read_entries, state_dir
+    from services.models.registry import cache_root
     from services.verifier.calibration_store import default_store_path
     from services.verifier.cost_model import default_cache_path
     from services.weight_choice import choice_cache_path, read_choices
-
-    from services.models.registry import cache_root
 
     now = time.time() if now is None else now
     models = sorted(p.name for p in cache_root().glob("*") if (p / "config.json").exists())

@@ -25,9 +25,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks/results/2026-12-04-ar-vs-llamacpp"))
 
-from benchmarks.bench_small_trees import _prompts  # noqa: E402
-from services.models.registry import resolve_target  # noqa: E402
+from ab_http import chat_prompts, stream, wait_ready  # noqa: E402
 from services.runtime import free_loopback_ports  # noqa: E402
 
 
@@ -73,44 +73,18 @@ def main() -> None:
     ap.add_argument("--spy-thread", default="dartree-verifie", help="thread name (15 characters) of the process to record")
     ap.add_argument("serve_args", nargs="*")
     a = ap.parse_args()
-    from transformers import AutoTokenizer
-
-    target = resolve_target("smollm2-135m-instruct")
-    tok = AutoTokenizer.from_pretrained(str(target))
-    prompts = [tok.decode(ids) for ds in ["gsm8k", "mt-bench"] for _, ids in _prompts(target, [ds], 4)]
+    prompts = [text for _, _, text in chat_prompts(["gsm8k", "mt-bench"], 4)]
     port, vport, dport = free_loopback_ports(3)
     out = Path(a.out_dir)
     p = subprocess.Popen([sys.executable, "-m", "services.serve", "--port", str(port), "--verifier-metrics-port",
                           str(vport), "--drafter-metrics-port", str(dport), *a.serve_args],
                          stdout=open(out / "cpu-serve.log", "w"), stderr=subprocess.STDOUT, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
-    for _ in range(1800):
-        try:
-            if httpx.get(base + "/health/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-
-    def stream(c, text, n):
-        body = {"prompt": text, "max_tokens": n, "temperature": 0, "stream": True,
-                "speculative": {"method": "ar"}, "return_token_ids": True}
-        times, toks = [], 0
-        with c.stream("POST", base + "/v1/completions", json=body) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                ev = json.loads(line[6:])
-                ch = ev["choices"][0] if ev.get("choices") else {}
-                k = len(ch.get("token_ids") or [])
-                if k:
-                    times += [time.perf_counter()] * k
-                    toks += k
-        return toks, (toks - 1) / (times[-1] - times[0])
+    wait_ready(p, base + "/health/ready", "cpu-serve.log")
 
     try:
         with httpx.Client(timeout=600) as c:
-            stream(c, prompts[0], 16)
+            stream(c, base, prompts[0], 16, True)
             m0 = counters(httpx.get(f"http://127.0.0.1:{vport}/metrics").text)
             before = snap(p.pid)
             spy = None
@@ -121,9 +95,9 @@ def main() -> None:
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             total, rates = 0, []
             for t in prompts:
-                n, r = stream(c, t, 128)
-                total += n
-                rates.append(r)
+                r = stream(c, base, t, 128, True)  # "ar", tokens counted by return_token_ids
+                total += r["tokens"]
+                rates.append(r["decode_tokens_per_s"])
             after = snap(p.pid)
             if spy:
                 spy.wait()
