@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("dartree_request_id", default="-")
@@ -252,13 +253,41 @@ def prepare_process(name: str, log_level: str, parent_pid: int | None) -> None:
 
 
 def free_loopback_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now (for tests and benchmarks that start servers)."""
+    """``n`` distinct TCP ports free on 127.0.0.1 right now (for tests and benchmarks that start servers).
+
+    Taken below the kernel's ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``, 32768 by
+    default on Linux) where that leaves room, so no outgoing connection made meanwhile (a Ray
+    cluster's workers open dozens) can be handed the same port before the server binds it; else
+    ports the kernel picks.
+    """
+    import random
     import socket
 
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    ports: list[int] = []
+    if low > 10000 + 4 * n:
+        rng = random.Random()
+        for _ in range(64 * n):
+            if len(ports) == n:
+                break
+            port = rng.randrange(10000, low)
+            if port in ports:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            ports.append(port)
+    if len(ports) < n:
+        socks = [socket.socket() for _ in range(n - len(ports))]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        ports += [s.getsockname()[1] for s in socks]
+        for s in socks:
+            s.close()
     return ports

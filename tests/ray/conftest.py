@@ -32,10 +32,17 @@ def tiny(tmp_path_factory):
 def cluster():
     """A local Ray cluster per test module (2 CPUs, no dashboard, loopback; stopped after the module, so
     no Ray process outlives the Ray tests) and Serve's proxy on a free port; its URL."""
-    (port,) = free_loopback_ports(1)
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    for attempt in range(3):  # a port free when chosen can still be taken before the proxy binds it
+        (port,) = free_loopback_ports(1)
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            break
+        except Exception:  # noqa: BLE001 - Ray wraps the bind error in its own task error
+            serve.shutdown()
+            if attempt == 2:
+                raise
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()

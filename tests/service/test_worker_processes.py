@@ -81,3 +81,26 @@ def test_spawn_start_method_gives_each_worker_the_supervisor_as_parent(tiny, tmp
     with start_server(*TINY_FLAGS, "--start-method", "spawn", log=tmp_path / "serve.log", target=target_dir,
                       drafter=drafter_dir, env=ENV) as srv:
         assert {p.ppid() for p in _workers(srv).values()} == {srv.proc.pid}
+
+
+def test_free_loopback_ports_are_distinct_bindable_and_below_the_ephemeral_range(monkeypatch):
+    """Test servers get ports no outgoing connection can be handed meanwhile (below the kernel's
+    ephemeral range where it leaves room), distinct and free; without room, the kernel's picks."""
+    import socket
+    from pathlib import Path
+
+    from services import runtime
+
+    ports = runtime.free_loopback_ports(8)
+    assert len(set(ports)) == 8
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if low > 10032:
+        assert all(10000 <= p < low for p in ports)
+    real_read = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "1024 65535" if "ip_local_port_range" in str(self)
+                        else real_read(self, *a, **k))
+    kernel = runtime.free_loopback_ports(3)  # no room below 1024: the kernel's picks
+    assert len(set(kernel)) == 3 and all(p >= 1024 for p in kernel)
