@@ -18,8 +18,9 @@ from the float32 weights by bfloat16 rounding of the block constants (largest re
 speculative method run the same kernels (tests/engine/test_weights.py).
 
 Dense bfloat16 linears (all of them under ``bfloat16``; under ``q4`` the lm_head where the int8 one
-is off) are pre-packed for oneDNN on CPU (:func:`services.cpu_gemm.pack_linears_bf16`): same results as ``F.linear``, without
-re-laying-out the weight on every call; each row independent of the step's row count.
+is off) are pre-packed for oneDNN on CPU (:func:`services.cpu_gemm.pack_linears_bf16`): same results
+as ``F.linear``, without re-laying-out the weight on every call; each row independent of the step's
+row count.
 
 The default is chosen on the machine that serves (``--weights auto``, :func:`choose_weights`, the
 rules in :mod:`services.weight_choice`): bfloat16 is 1.7x faster than float32 on a CPU with native
@@ -307,22 +308,27 @@ class Int8RowLinear(nn.Linear):
 
     Why: ``q4``'s lm_head (SmolLM2: 49,152 x 576, tied to the embedding; Q8_0 in the GGUF) read as
     dense bfloat16 was the largest single cost of a one-row step after the int4 linears (1.23 ms of
-    ~7.1 ms on the 2-core AVX-512 VM, 2026-12-05); int8 halves the bytes it reads (0.83 against
-    1.82 ms a cold call at one row, ``docs/weights.md``, "The lm_head"). Quantisation: ``scale[n] =
-    max_k |W[n, k]| / 127``, ``q[n, k] = round(W[n, k] / scale[n])`` from the GGUF's exact values
-    where it has them (else the bfloat16 weight), the scale rounded to bfloat16 (the kernel's dtype)
-    first; over 2,047 tokens of English text the next-token NLL is 2.7721 against 2.7727 with the
-    dense bfloat16 weight and 2.7723 with the exact Q8_0 values in float32; the argmax is the exact
-    values' at 96.7 % of positions (dense bfloat16: 97.8 %, llama.cpp's Q8_0-quantised activations:
-    98.0 %; all differences at near-ties, ``benchmarks/results/2026-12-05-int8-lm-head``). The kernel's register
-    tile is 4 rows: up to 4 rows a call costs about one (a small tree's verify), 9 rows cost ~1.2x
-    the dense kernel. It computes each output element from its row of the input alone (tested), so
-    a tree verify and batched rows keep speculation lossless.
+    ~7.1 ms on the 2-core AVX-512 VM, 2026-12-05); int8 halves the bytes it reads (0.89 against
+    1.81 ms a cold call at one row; ``docs/weights.md``, "The lm_head under q4").
+
+    Quantisation: ``scale[n] = max_k |W[n, k]| / 127`` rounded to bfloat16 (the kernel's dtype),
+    ``q[n, k] = round(W[n, k] / scale[n])``, from the GGUF's exact values where it has them (else
+    the bfloat16 weight). Over 2,047 tokens of English text the next-token NLL is 2.7721 against
+    2.7727 with the dense bfloat16 weight and 2.7723 with the exact Q8_0 values in float32; the
+    argmax is the exact values' at 96.7 % of positions (dense bfloat16: 97.8 %, llama.cpp's
+    Q8_0-quantised activations: 98.0 %; the differences at near-ties;
+    ``benchmarks/results/2026-12-05-int8-lm-head``).
+
+    Cost by rows: the kernel reads the weight once per 4 rows, so up to 4 rows a call costs about
+    one (``ar``, a small tree's verify) and 9 rows ~1.2x the dense kernel (a compiled 9-row verify
+    ~1–2 ms more). Each output element comes from its row of the input alone (tested up to 130
+    rows), so a tree verify and batched rows keep speculation lossless.
 
     Not constructed directly: :func:`use_int8_lm_head` converts a model's lm_head in place (its
     ``weight`` parameter stays, so the tied embedding and the drafter's borrowed copy are
     untouched). ``forward``: ``[..., in_features] -> [..., out_features]``; bfloat16 CPU inputs
-    outside autograd use the int8 copy, anything else (and a weight changed in place since) runs
+    outside autograd use the int8 copy, anything else (and, eagerly, a weight changed in place
+    since: a compiled step does not trace that check, its weights are fixed once served) runs
     ``F.linear`` on the bfloat16 weight.
     """
 
