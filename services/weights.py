@@ -336,6 +336,22 @@ class Int8RowLinear(nn.Linear):
     q8_scale: Tensor | None  # [N] bfloat16
     _q8_version: int
 
+    def set_int8(self, q: Tensor, scale: Tensor) -> int:
+        """Use ``q [N, K]`` int8 and ``scale [N]`` bfloat16 (what :meth:`requantize` made, e.g. read back
+        from the state directory); returns their bytes. Raises ValueError for other shapes or dtypes."""
+        if q.dtype != torch.int8 or tuple(q.shape) != tuple(self.weight.shape) or scale.dtype != torch.bfloat16 \
+                or tuple(scale.shape) != (self.weight.shape[0],):
+            raise ValueError(f"int8 rows must be int8 {list(self.weight.shape)} with bfloat16 [{self.weight.shape[0]}] "
+                             f"scales, got {q.dtype} {list(q.shape)} / {scale.dtype} {list(scale.shape)}")
+        # owned, aligned copies: a tensor read from a safetensors file can sit at any offset of its
+        # mapping (24 bytes past a 64-byte boundary here), which a compiled step's kernels crashed on
+        for name, t in (("q8_weight", q.clone(memory_format=torch.contiguous_format)),
+                        ("q8_scale", scale.clone(memory_format=torch.contiguous_format))):
+            self.__dict__.pop(name, None)
+            self.register_buffer(name, t, persistent=False)
+        self._q8_version = self.weight._version
+        return self.nbytes()
+
     @torch.inference_mode()
     def requantize(self, source=None, chunk: int = 8192) -> int:
         """(Re)build the int8 copy, ``chunk`` rows at a time (bounded temporary memory).
@@ -357,11 +373,7 @@ class Int8RowLinear(nn.Linear):
             scale[i:j] = s
             q[i:j] = torch.round(rows / s.float().clamp(min=torch.finfo(torch.float32).tiny)[:, None]) \
                 .clamp(-127, 127).to(torch.int8)
-        for name, t in (("q8_weight", q), ("q8_scale", scale)):
-            self.__dict__.pop(name, None)
-            self.register_buffer(name, t, persistent=False)
-        self._q8_version = self.weight._version
-        return q.numel() + scale.numel() * scale.element_size()
+        return self.set_int8(q, scale)
 
     def forward(self, x: Tensor) -> Tensor:
         q = self._buffers.get("q8_weight")
@@ -384,15 +396,17 @@ class Int8RowLinear(nn.Linear):
         return super().extra_repr() + ", int8 rows (weight-only, one scale per output row)"
 
 
-def use_int8_lm_head(model: nn.Module, gguf_path: str | Path | None = None) -> int:
+def use_int8_lm_head(model: nn.Module, gguf_path: str | Path | None = None, cache: bool = False) -> int:
     """Serve ``model``'s output projection through :class:`Int8RowLinear` (in place).
 
     Applies to a bfloat16 CPU ``nn.Linear`` (or its oneDNN-packed form) without bias when
     :func:`int8_lm_head_enabled`; the oneDNN pack of that weight, if any, is dropped. The int8 rows
     are quantised from ``gguf_path``'s exact output weights where it has them
     (:func:`read_gguf_output_rows`; SmolLM2's Q8_0 embedding: next-token NLL 2.7721 against 2.7754
-    quantised from the bfloat16-rounded weight), else from the module's weight. Returns the bytes
-    of the int8 copy added (0 when it does not apply).
+    quantised from the bfloat16-rounded weight), else from the module's weight. With ``cache`` and a
+    GGUF, the copy is read from / written to the state directory next to the q4 packs (keyed as
+    they are, :func:`q4_pack_key`): quantising took ~1.8 s of every q4 start on the 2-core VM.
+    Returns the bytes of the int8 copy added (0 when it does not apply).
     """
     head = model.get_output_embeddings()
     if not int8_lm_head_enabled() or head is None or not isinstance(head, nn.Linear) or head.bias is not None \
@@ -407,8 +421,52 @@ def use_int8_lm_head(model: nn.Module, gguf_path: str | Path | None = None) -> i
         for k in ("_onednn_pack", "_packed_version", "max_rows"):
             head.__dict__.pop(k, None)
     head.__class__ = Int8RowLinear
+    path = key = None
+    if cache and gguf_path is not None:
+        key = q4_pack_key(gguf_path, model.config, torch.bfloat16) + "|lm_head int8 rows"
+        path = q4_pack_path(getattr(model.config, "_name_or_path", "") or "model", key)
+        cached = (_read_safetensors(path, key) or ({}, {}))[0]
+        if {"q8_weight", "q8_scale"} <= cached.keys():
+            try:
+                return head.set_int8(cached["q8_weight"], cached["q8_scale"])
+            except ValueError:
+                pass  # another shape: quantised again below
     source = None if gguf_path is None else read_gguf_output_rows(gguf_path, tuple(head.weight.shape))
-    return head.requantize(source)
+    nbytes = head.requantize(source)
+    if path is not None:
+        _write_safetensors(path, key, {"q8_weight": head.q8_weight, "q8_scale": head.q8_scale})
+    return nbytes
+
+
+def _read_safetensors(path: Path, key: str) -> tuple[dict[str, Tensor], dict[str, str]] | None:
+    """``(tensors, metadata)`` of a state-directory file written for ``key``; None when absent,
+    unreadable or written for another key."""
+    if not path.is_file():
+        return None
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("key") != key:
+                return None
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
+    except Exception as e:  # a truncated or foreign file: made again
+        log.warning("%s unreadable (%s); made again", path, e)
+        return None
+
+
+def _write_safetensors(path: Path, key: str, tensors: dict[str, Tensor], **meta: str) -> None:
+    """Write ``tensors`` to ``path`` with ``key`` (atomically; an unwritable state directory only logs)."""
+    from safetensors.torch import save_file
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"key": key, **meta})
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("could not cache %s: %s", path, e)
 
 
 def quantize_q4_1(w: Tensor) -> Q4Blocks:
@@ -553,19 +611,10 @@ def q4_pack_path(model_name: str, key: str) -> Path:
 def _apply_cached_q4(model: nn.Module, path: Path, key: str) -> dict | None:
     """:func:`apply_q4` from a packs file written for ``key``; None (nothing changed) when the file is
     absent, unreadable, written for another key, or does not fit the model's linears."""
-    if not path.is_file():
+    read = _read_safetensors(path, key)
+    if read is None:
         return None
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("key") != key:
-                return None
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # a truncated or foreign file: packed again
-        log.warning("q4 packs %s unreadable (%s); packing again", path, e)
-        return None
+    tensors, meta = read
     names = sorted({k.rsplit(".", 1)[0] for k in tensors})
     mods = {}
     for name in names:
@@ -591,23 +640,12 @@ def _apply_cached_q4(model: nn.Module, path: Path, key: str) -> dict | None:
 def _save_q4_packs(model: nn.Module, path: Path, key: str, stats: dict) -> None:
     """Write the model's :class:`Int4Linear` packs to ``path`` (atomically; an unwritable state
     directory only logs)."""
-    import os
-
-    from safetensors.torch import save_file
-
     tensors = {}
     for name, m in model.named_modules():
         if isinstance(m, Int4Linear):
-            tensors[f"{name}.packed"] = m.packed.contiguous()
-            tensors[f"{name}.scale_zeros"] = m.scale_zeros.contiguous()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        save_file(tensors, str(tmp), metadata={"key": key, "skipped": str(stats["skipped"]),
-                                              "max_rel_err": repr(stats["max_rel_err"])})
-        tmp.replace(path)
-    except OSError as e:
-        log.warning("could not cache the q4 packs in %s: %s", path, e)
+            tensors[f"{name}.packed"] = m.packed
+            tensors[f"{name}.scale_zeros"] = m.scale_zeros
+    _write_safetensors(path, key, tensors, skipped=str(stats["skipped"]), max_rel_err=repr(stats["max_rel_err"]))
 
 
 def gguf_source(target_dir: str | Path) -> Path | None:
@@ -655,7 +693,7 @@ def load_causal_lm(target_dir: str | Path, fmt: str, device: str = "cpu"):
         from services.cpu_gemm import pack_linears_bf16
 
         if fmt == "q4":
-            use_int8_lm_head(model, src)  # the lm_head through torch's weight-only int8 kernel (Int8RowLinear)
+            use_int8_lm_head(model, src, cache=True)  # the lm_head through torch's int8 kernel (Int8RowLinear)
         pack_linears_bf16(model)  # the dense bf16 linears (all of them; q4's lm_head if not int8) pre-packed
     release_freed_memory()  # what loading freed (the dense copy, the unpacked blocks) leaves the RSS
     return model

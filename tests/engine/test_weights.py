@@ -193,6 +193,7 @@ def test_q4_packs_are_cached_per_key_and_reused(gguf_dir, monkeypatch, tmp_path)
     the GGUF and serves bitwise the same model; another key (a new kernels version) or a corrupt file
     packs again from the GGUF."""
     monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("DARTREE_INT8_LM_HEAD", "0")  # the packs alone here (the int8 head's file: below)
     read, real = [], W.read_gguf_linears
     monkeypatch.setattr(W, "read_gguf_linears", lambda *a: read.append(1) or real(*a))
     first = W.load_causal_lm(gguf_dir, "q4")
@@ -211,6 +212,28 @@ def test_q4_packs_are_cached_per_key_and_reused(gguf_dir, monkeypatch, tmp_path)
     monkeypatch.setattr(W, "KERNELS_VERSION", W.KERNELS_VERSION + 1)  # another key: packed again
     W.load_causal_lm(gguf_dir, "q4")
     assert len(read) == 3 and len(list((tmp_path / "state" / "q4").glob("*.safetensors"))) == 2
+
+
+@needs_int8
+def test_int8_lm_head_is_cached_per_key_and_reused(gguf_dir, monkeypatch, tmp_path):
+    """The first q4 load quantises the lm_head from the GGUF and keeps the int8 rows beside the q4
+    packs; a restart reads them (no quantising) and gets the same values; another key quantises again."""
+    monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path / "state"))
+    made, real = [], W.Int8RowLinear.requantize
+    monkeypatch.setattr(W.Int8RowLinear, "requantize", lambda self, *a, **k: made.append(1) or real(self, *a, **k))
+    first = W.load_causal_lm(gguf_dir, "q4").lm_head
+    assert len(made) == 1 and len(list((tmp_path / "state" / "q4").glob("*.safetensors"))) == 2
+    second = W.load_causal_lm(gguf_dir, "q4").lm_head
+    assert len(made) == 1 and isinstance(second, W.Int8RowLinear)
+    assert torch.equal(first.q8_weight, second.q8_weight) and torch.equal(first.q8_scale, second.q8_scale)
+    # owned, 64-byte aligned memory, not a view into the file's mapping (a compiled step crashed on that)
+    assert second.q8_weight.data_ptr() % 64 == 0 and second.q8_scale.data_ptr() % 64 == 0
+    x = torch.randn(3, first.in_features).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(first(x), second(x))
+    monkeypatch.setattr(W, "KERNELS_VERSION", W.KERNELS_VERSION + 1)
+    W.load_causal_lm(gguf_dir, "q4")
+    assert len(made) == 2 and len(list((tmp_path / "state" / "q4").glob("*.safetensors"))) == 4
 
 
 def test_q4_target_replaces_every_linear(q4_target):
