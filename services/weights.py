@@ -33,6 +33,7 @@ of nibbles; element ``j < 16`` is the low nibble of byte ``j``, element ``j + 16
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -154,6 +155,37 @@ def parse_q4_1(raw: np.ndarray) -> Q4Blocks:
     return Q4Blocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
 
 
+_READERS: dict[str, object] | None = None  # path -> gguf.GGUFReader while one_gguf_reader() is open
+
+
+@contextlib.contextmanager
+def one_gguf_reader():
+    """Within this block every GGUF file is parsed once (:func:`_gguf_reader`): a load that reads
+    both the q4 linears and the int8 lm_head's rows parsed SmolLM2's file twice, ~2 s each on the
+    2-core VM. The readers (and their file mappings) are dropped at the end."""
+    global _READERS
+    outer = _READERS is not None
+    if not outer:
+        _READERS = {}
+    try:
+        yield
+    finally:
+        if not outer:
+            _READERS = None
+
+
+def _gguf_reader(path: str | Path):
+    """``gguf.GGUFReader`` of ``path``, shared inside :func:`one_gguf_reader`."""
+    import gguf
+
+    if _READERS is None:
+        return gguf.GGUFReader(str(path))
+    key = str(Path(path).resolve())
+    if key not in _READERS:
+        _READERS[key] = gguf.GGUFReader(str(path))
+    return _READERS[key]
+
+
 def read_gguf_linears(path: str | Path, config) -> tuple[dict[str, Q4Blocks], list[str]]:
     """The Q4_1 decoder linears of a GGUF file, by HF module name (``model.layers.3.mlp.up_proj``).
 
@@ -165,7 +197,7 @@ def read_gguf_linears(path: str | Path, config) -> tuple[dict[str, Q4Blocks], li
     """
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = _gguf_reader(path)
     tensors = {t.name: t for t in reader.tensors}
     heads, kv_heads = int(config.num_attention_heads), int(getattr(config, "num_key_value_heads", None)
                                                           or config.num_attention_heads)
@@ -199,7 +231,7 @@ def read_gguf_output_rows(path: str | Path, shape: tuple[int, int]):
     """
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = _gguf_reader(path)
     tensors = {t.name: t for t in reader.tensors}
     t = tensors.get("output.weight") or tensors.get("token_embd.weight")
     if t is None:
@@ -683,17 +715,18 @@ def load_causal_lm(target_dir: str | Path, fmt: str, device: str = "cpu"):
         src = gguf_source(target_dir)
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=compute_dtype(fmt),
                                                  attn_implementation="sdpa").to(device).eval()
-    if src is not None:
-        stats = apply_q4(model, src, cache=True)
-        log.info("weights q4: %d linears 4-bit from %s%s (%.1f MB, dense bf16 %.1f MB), %d left dense; "
-                 "served-vs-float32 block error <= %.4f of the block range", stats["replaced"], src.name,
-                 " (packs cached)" if stats["cached"] else "", stats["bytes"] / 1e6, stats["dense_bytes"] / 1e6,
-                 stats["skipped"], stats["max_rel_err"])
+    with one_gguf_reader():  # the q4 linears and the int8 lm_head read from one parse of the file
+        if src is not None:
+            stats = apply_q4(model, src, cache=True)
+            log.info("weights q4: %d linears 4-bit from %s%s (%.1f MB, dense bf16 %.1f MB), %d left dense; "
+                     "served-vs-float32 block error <= %.4f of the block range", stats["replaced"], src.name,
+                     " (packs cached)" if stats["cached"] else "", stats["bytes"] / 1e6,
+                     stats["dense_bytes"] / 1e6, stats["skipped"], stats["max_rel_err"])
+        if fmt == "q4" and torch.device(device).type == "cpu":
+            use_int8_lm_head(model, src, cache=True)  # the lm_head through torch's int8 kernel (Int8RowLinear)
     if model.dtype == torch.bfloat16 and torch.device(device).type == "cpu":
         from services.cpu_gemm import pack_linears_bf16
 
-        if fmt == "q4":
-            use_int8_lm_head(model, src, cache=True)  # the lm_head through torch's int8 kernel (Int8RowLinear)
         pack_linears_bf16(model)  # the dense bf16 linears (all of them; q4's lm_head if not int8) pre-packed
     release_freed_memory()  # what loading freed (the dense copy, the unpacked blocks) leaves the RSS
     return model

@@ -236,6 +236,20 @@ def test_int8_lm_head_is_cached_per_key_and_reused(gguf_dir, monkeypatch, tmp_pa
     assert len(made) == 2 and len(list((tmp_path / "state" / "q4").glob("*.safetensors"))) == 4
 
 
+def test_a_q4_load_parses_the_gguf_once(gguf_dir, monkeypatch, tmp_path):
+    """With nothing cached, the q4 linears and the int8 lm_head come from one parse of the GGUF
+    (``one_gguf_reader``), and the parse is not kept after the load."""
+    import gguf
+
+    monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path / "state"))
+    parsed, real = [], gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parsed.append(1) or real(*a, **k))
+    model = W.load_causal_lm(gguf_dir, "q4")
+    assert len(parsed) == 1 and W._READERS is None
+    if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        assert isinstance(model.lm_head, W.Int8RowLinear)
+
+
 def test_q4_target_replaces_every_linear(q4_target):
     mods = dict(q4_target.model.named_modules())
     q4 = [n for n, m in mods.items() if isinstance(m, W.Int4Linear)]
