@@ -74,8 +74,8 @@ def llama_cpp_permute(w, n_head: int):
 def tiny_gguf_target_dir(path: str | Path, *, seed: int = 0, num_layers: int = 2) -> Path:
     """A tiny llama target saved as a HF directory *and* as ``model.gguf`` whose decoder linears are Q4_1
     (q/k rows permuted as llama.cpp stores them) and whose ``output.weight`` is Q8_0, the HF weights
-    being their exact dequantization, as
-    the default SmolLM2 target's converted directory is. Shapes fit the int4 kernel (N % 16, K % 32).
+    being their exact dequantization, as the default SmolLM2 target's converted directory is. Shapes
+    fit the int4 kernel (N % 16, K % 32).
     Returns the directory (for ``--weights q4``: :func:`services.weights.gguf_source` finds the file).
     """
     import gguf

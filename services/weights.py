@@ -431,8 +431,8 @@ class Int8RowLinear(nn.Linear):
 def use_int8_lm_head(model: nn.Module, gguf_path: str | Path | None = None, cache: bool = False) -> int:
     """Serve ``model``'s output projection through :class:`Int8RowLinear` (in place).
 
-    Applies to a bfloat16 CPU ``nn.Linear`` (or its oneDNN-packed form) without bias when
-    :func:`int8_lm_head_enabled`; the oneDNN pack of that weight, if any, is dropped. The int8 rows
+    Applies to a plain bfloat16 CPU ``nn.Linear`` without bias when :func:`int8_lm_head_enabled`
+    (:func:`load_causal_lm` calls it before any oneDNN packing). The int8 rows
     are quantised from ``gguf_path``'s exact output weights where it has them
     (:func:`read_gguf_output_rows`; SmolLM2's Q8_0 embedding: next-token NLL 2.7721 against 2.7754
     quantised from the bfloat16-rounded weight), else from the module's weight. With ``cache`` and a
@@ -444,14 +444,8 @@ def use_int8_lm_head(model: nn.Module, gguf_path: str | Path | None = None, cach
     if not int8_lm_head_enabled() or head is None or not isinstance(head, nn.Linear) or head.bias is not None \
             or head.weight.dtype != torch.bfloat16 or head.weight.device.type != "cpu":
         return 0
-    from services.cpu_gemm import OneDNNLinear
-
-    if type(head) not in (nn.Linear, OneDNNLinear, Int8RowLinear):
+    if type(head) not in (nn.Linear, Int8RowLinear):
         return 0
-    if isinstance(head, OneDNNLinear):
-        head._onednn_pack = None
-        for k in ("_onednn_pack", "_packed_version", "max_rows"):
-            head.__dict__.pop(k, None)
     head.__class__ = Int8RowLinear
     path = key = None
     if cache and gguf_path is not None:
