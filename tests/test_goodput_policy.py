@@ -298,6 +298,26 @@ def test_sweep_gives_marginal_rows_real_steps_give_the_level():
     assert m.forward_seconds(33) == pytest.approx(0.175)
 
 
+def test_sweep_row_counts_take_the_shift_of_their_nearest_real_row_counts():
+    """Plain steps sit 1 ms above the sweep, 4-row verifies 3.7 ms, a few 9-row probes 12.6 ms
+    (the 2-core VM, 2026-12-05): the 2- and 3-row entries must stay between the real 1- and 4-row
+    costs (a mean shift of 5.8 ms lifted them above the 4-row cost and the isotonic fit pooled
+    2, 3 and 4: a B = 1 or 2 tree looked as dear as B = 3)."""
+    m = StepCostModel()
+    sweep = {1: 9.95, 2: 11.08, 3: 12.04, 4: 12.55, 5: 17.94, 6: 18.14, 7: 18.19, 8: 18.29, 9: 23.8, 17: 34.64}
+    m.seed([(r, ms / 1e3) for r, ms in sweep.items()])
+    for _ in range(30):
+        m.observe_forward(1, 0.01099)
+        m.observe_forward(4, 0.01621)
+    m.observe_forward(9, 0.0364)
+    f = {r: m.forward_seconds(r) * 1e3 for r in range(1, 18)}
+    assert f[1] == pytest.approx(10.99, abs=0.01) and f[4] == pytest.approx(16.21, abs=0.01)
+    assert f[1] < f[2] < f[3] < f[4]                               # not pooled with the 4-row cost
+    assert f[2] == pytest.approx(11.08 + 1.04 + (3.66 - 1.04) / 3, abs=0.02)
+    assert f[5] == pytest.approx(17.94 + 3.66 + (12.6 - 3.66) / 5, abs=0.02)
+    assert f[9] == pytest.approx(36.4, abs=0.01) and f[17] == pytest.approx(34.64 + 12.6, abs=0.02)
+
+
 def test_poisoned_or_stale_cache_is_swept_again(tmp_path, monkeypatch):
     monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path))
     true = {r: 0.02 + 0.004 * r for r in SWEEP_ROWS}

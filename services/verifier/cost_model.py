@@ -203,18 +203,25 @@ class StepCostModel:
 
     def _points(self) -> dict:
         """Row count -> seconds: every row count measured in real steps, plus the sweep's other row
-        counts shifted by how far real steps sit from the sweep (mean over the real row counts inside
-        the sweep's range). The sweep runs in an empty KV slot; real steps read contexts, which adds
-        about the same seconds to every row count of a step, so the sweep still gives the *marginal*
-        cost of more rows, and the real steps give the level."""
+        counts shifted by how far real steps sit from the sweep. The sweep runs in an empty KV slot;
+        real steps read contexts, which adds seconds to every row count of a step, so the sweep
+        still gives the *marginal* cost of more rows, and the real steps give the level.
+
+        The shift at a sweep row count is interpolated between the shifts of the nearest real row
+        counts below and above it (the nearest one's beyond them), not their mean: real steps of
+        different row counts sit at different distances from the sweep (R rows read the context R
+        times; a rare 9-row probe right after a prompt ran 12.6 ms above the sweep where plain
+        steps ran 1.0 ms above it, 2-core VM, 2026-12-05), and a mean lifted the 2- and 3-row
+        entries above the measured 4-row one, which the isotonic fit then pooled: small trees
+        looked as dear as a 4-row verify."""
         pts = dict(self._table)
         if self._seed:
             lo, hi = min(self._seed), max(self._seed)
-            offs = [y - self._seed_at(r) for r, y in self._table.items() if lo <= r <= hi]
-            off = sum(offs) / len(offs) if offs else 0.0
+            real = sorted(r for r in self._table if lo <= r <= hi)
+            offs = [self._table[r] - self._seed_at(r) for r in real]
             for x, y in self._seed.items():
                 if x not in pts:
-                    pts[x] = max(y + off, 1e-9)
+                    pts[x] = max(y + (_interpolate(real, offs, x) if real else 0.0), 1e-9)
         return pts
 
     def _fit(self) -> tuple[list[int], list[float], float, float]:
