@@ -20,7 +20,9 @@ class FusedInt4:
     module is built) and rebuilt when a linear is replaced. :meth:`get` gives None, so the caller
     runs the linears one by one, when one of them is not a :class:`services.weights.Int4Linear`
     (float32 / dense bfloat16 drafters: their GEMMs make no per-column promise), when a linear but
-    the last has rows that are not a multiple of :data:`INT4_PACK_ROWS`, or inside ``torch.compile``. Not a
+    the last has rows that are not a multiple of :data:`INT4_PACK_ROWS`, or inside ``torch.compile``
+    unless it was built before (an eager call first: :meth:`build`; a traced graph then calls the
+    fused kernel as eager code does, where building inside the trace would trace the probe). Not a
     registered submodule: state dicts and ``.to()`` see only the linears themselves.
     """
 
@@ -30,10 +32,14 @@ class FusedInt4:
 
     def get(self, *linears: nn.Module) -> nn.Module | None:
         """The fused ``[..., K] -> [..., sum N_i]`` module of ``linears``, or None (see the class)."""
-        if torch.compiler.is_compiling():
-            return None
         if len(self._key) == len(linears) and all(a is b for a, b in zip(self._key, linears)):
             return self._mod
+        if torch.compiler.is_compiling():
+            return None
+        return self.build(*linears)
+
+    def build(self, *linears: nn.Module) -> nn.Module | None:
+        """Build (or rebuild) the fused module of ``linears`` eagerly; returns what :meth:`get` returns."""
         from services.weights import Int4Linear
 
         self._key, self._mod = tuple(linears), None

@@ -212,6 +212,42 @@ def test_fused_int4_follows_the_linears() -> None:
 
 
 @needs_int4
+def test_fused_int4_built_eagerly_is_what_a_compiled_graph_calls() -> None:
+    """Inside ``torch.compile`` a FusedInt4 is never built (that would trace its probe): before an
+    eager call the graph runs the linears one by one, after it the graph calls the one fused kernel
+    (a compiled drafter block: 4 int4 calls a layer instead of 7), with the same values."""
+    import torch._dynamo
+
+    g = torch.Generator().manual_seed(7)
+    a, b = (Int4Linear(quantize_q4_1(0.1 * torch.randn(64, 64, generator=g))) for _ in range(2))
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    want = torch.cat([a(x), b(x)], -1)
+
+    def calls(fused: FusedInt4) -> tuple[torch.Tensor, int]:
+        graphs = []
+
+        def backend(gm, inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        def f(x):
+            m = fused.get(a, b)
+            return m(x) if m is not None else torch.cat([a(x), b(x)], -1)
+
+        torch._dynamo.reset()
+        with torch.inference_mode():
+            out = torch.compile(f, backend=backend, fullgraph=True)(x)
+        return out, sum(1 for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and "int4" in str(n.target))
+
+    out, n = calls(FusedInt4())
+    assert n == 2 and torch.equal(out, want)
+    built = FusedInt4()
+    assert built.build(a, b) is not None
+    out, n = calls(built)
+    assert n == 1 and torch.equal(out, want)
+
+
+@needs_int4
 def test_fused_int4_only_at_whole_pack_blocks() -> None:
     """The int4 pack interleaves rows in blocks of 64: a part of 32 rows fuses only as the last one."""
     g = torch.Generator().manual_seed(6)
