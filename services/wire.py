@@ -189,8 +189,29 @@ def runtime_dir(unique: bool = False) -> Path:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     base = Path(xdg) / "dartree" if xdg and Path(xdg).is_dir() else Path(f"/tmp/dartree-{os.getuid()}")
     if unique:
+        _remove_stale_runtime_dirs(base)
         base = base.with_name(f"{base.name}-{os.getpid()}")
     return _private_dir(base)
+
+
+def _remove_stale_runtime_dirs(base: Path) -> None:
+    """Remove this user's ``<base>-<pid>`` directories whose supervisor no longer runs: a supervisor
+    removes its own at exit, but one killed with SIGKILL left it (and its sockets) behind for good.
+    A directory whose pid is alive (whoever runs it now) is kept; failures are ignored."""
+    import shutil
+
+    for path in base.parent.glob(f"{base.name}-*"):
+        pid = path.name[len(base.name) + 1:]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # PermissionError: a live process of another user has that pid
+            continue
 
 
 def ipc_endpoint(name: str, directory: Path | None = None) -> str:

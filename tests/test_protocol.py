@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import numpy as np
 import pytest
@@ -189,3 +191,29 @@ def test_tokenizer_hash(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     h = p.tokenizer_hash(tmp_path)
     assert len(h) == 32 and h == p.tokenizer_hash(tmp_path)
+
+
+def test_a_supervisors_runtime_dir_left_by_a_killed_one_is_removed(tmp_path, monkeypatch):
+    """``dartree serve`` makes ``<runtime dir>-<pid>``; one killed with SIGKILL never removed its own.
+    The next supervisor removes those of dead pids and keeps those of live processes."""
+    import subprocess
+    import sys
+
+    from services.wire import runtime_dir
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for pid in (dead, live.pid, "notapid"):
+            (tmp_path / f"dartree-{pid}").mkdir(mode=0o700)
+            (tmp_path / f"dartree-{pid}" / "verifier.sock").touch()
+        mine = runtime_dir(unique=True)
+        assert mine == tmp_path / f"dartree-{os.getpid()}" and mine.is_dir()
+        assert not (tmp_path / f"dartree-{dead}").exists()
+        assert (tmp_path / f"dartree-{live.pid}" / "verifier.sock").exists()
+        assert (tmp_path / "dartree-notapid").is_dir()
+    finally:
+        live.kill()
+        live.wait()
