@@ -116,7 +116,8 @@ class RequestBuilder:
         check_stop(stop)
         logprobs = requested_logprobs(req)
         if req.stream_options is not None and not req.stream:
-            raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options")
+            raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options",
+                           "invalid_value")
         opts = req.stream_options
         if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
             raise ApiError(400, "'stream_options.continuous_usage_stats' requires 'include_usage': true",

@@ -206,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):  # argparse would only say
+        ap.error(f"unrecognized arguments: {argv[0]}; the command comes first: "  # "command is required"
+                 "dartree COMMAND [options]")
     args, extra = ap.parse_known_args(argv)
     if extra:  # name the subcommand whose options were wrong
         sub = f"{ap.prog} {args.command}"

@@ -7,6 +7,7 @@ import re
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import torch
 
@@ -125,6 +126,16 @@ def run_generate(a) -> int:
     from services.models.registry import resolve_target
     from services.weights import resolve_cli_weights
 
+    from services.drafter.config import drafter_kind
+    from services.models.registry import DEFAULT_DRAFTER_DIR
+    from services.protocol import served_methods
+
+    ddir = Path(a.drafter).expanduser() if a.drafter else DEFAULT_DRAFTER_DIR
+    if (ddir / "config.json").is_file():  # refused before any model loads (the engine checks again)
+        served = served_methods(drafter_kind(ddir))
+        if a.method not in served:
+            raise ValueError(f"method {a.method!r} is not served by this drafter (drafter: {ddir}); it serves "
+                             f"{', '.join(served)}")
     weights, dtype = resolve_cli_weights(getattr(a, "weights", None), a.dtype, resolve_target(a.target))
     policy = getattr(a, "spec_policy", "fixed")
     engine, tok, note = build_inprocess(a.target, a.drafter, dtype, defaults, packed_gemm=packed, weights=weights,

@@ -111,14 +111,32 @@ def position_uniforms(seed: int, positions: Tensor) -> Tensor:
     return torch.tensor(vals, dtype=torch.float32)[inverse]
 
 
+# the smallest positive normal float32: a temperature below it rounds to 0 (or a subnormal) in the
+# float32 division, which made the max-shifted row's top entry 0 / 0 = NaN and sampled the last token id
+_TINY_T = torch.finfo(torch.float32).tiny
+
+
+def scale_by_temperature(logits: Tensor, temperature: float) -> Tensor:
+    """``(logits - rowmax) / T`` in float32 (the max shift first: no inf at tiny T), with ``T`` at
+    least the smallest normal float32 (any smaller positive T is the same one-hot distribution,
+    and rounded to 0 it gave NaN rows).
+
+    Args:
+        logits: ``[R, V]``; temperature: ``T > 0``.
+    Returns:
+        ``[R, V]`` float32, each row's maximum 0.
+    """
+    x = logits.float()
+    return (x - x.max(dim=-1, keepdim=True).values) / max(float(temperature), _TINY_T)
+
+
 def target_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> Tensor:
     """The distribution each row is sampled from: softmax(logits / T) restricted by top-k, top-p.
 
     Returns:
         ``[R, V]`` float32 probabilities, rows sum to 1.
     """
-    x = logits.float()
-    x = (x - x.max(dim=-1, keepdim=True).values) / temperature  # max-shift first: no inf at tiny T
+    x = scale_by_temperature(logits, temperature)
     if top_k and top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -126,6 +144,7 @@ def target_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: 
         sorted_x, idx = torch.sort(x, dim=-1, descending=True)
         cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
         drop = (cum - torch.softmax(sorted_x, dim=-1)) >= top_p  # keep the smallest prefix reaching top_p
+        drop[..., 0] = False  # and the most likely token always (a top_p that is 0 in float32 dropped all)
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, idx, sorted_x)
     return torch.softmax(x, dim=-1)

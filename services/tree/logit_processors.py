@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from services.tree.accept import sample_rows, target_probs
+from services.tree.accept import sample_rows, scale_by_temperature, target_probs
 
 
 @dataclass(frozen=True)
@@ -161,8 +161,7 @@ def sample_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: 
     assert logits.ndim == 2 and temperature > 0, "logits must be [R, V] and temperature > 0"
     if min_p <= 0:
         return target_probs(logits, temperature, top_p, top_k)
-    x = logits.float()
-    x = (x - x.max(dim=-1, keepdim=True).values) / temperature
+    x = scale_by_temperature(logits, temperature)
     probs = torch.softmax(x, dim=-1)
     x = x.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
     return target_probs(x, 1.0, top_p, top_k)

@@ -135,9 +135,10 @@ def test_generate_with_a_drafter_dir_without_config_is_a_one_line_error(tmp_path
     assert r.stderr.strip().splitlines()[-1] == f"dartree: error: drafter directory {str(tmp_path)!r} has no config.json"
 
 
-def test_generate_with_a_method_the_drafter_does_not_serve_prints_no_text(tmp_path):
-    """The method is checked against the drafter before the prompt runs: no first token on stdout,
-    one error line naming what the drafter serves (the prefill's token used to be printed first)."""
+def test_generate_with_a_method_the_drafter_does_not_serve_prints_no_text(tmp_path, capsys):
+    """The method is checked against the drafter's config.json before any model loads: nothing on
+    stdout, no model-loading progress on stderr, one error line naming what the drafter serves (the
+    prefill's token used to be printed first, then the weights' loading bars)."""
     import os
 
     target_dir, drafter_dir = make_tiny_models(tmp_path)
@@ -145,8 +146,15 @@ def test_generate_with_a_method_the_drafter_does_not_serve_prints_no_text(tmp_pa
                         "eagle3", "--target", str(target_dir), "--drafter", str(drafter_dir)], cwd=REPO,
                        capture_output=True, text=True, timeout=300, env={**os.environ, **ENV_KEYS})
     assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("dartree: error: method 'eagle3' is not served by this drafter") and "dartree-pruned" in last
+    from services.cli import main  # before the target is even looked for
+
+    capsys.readouterr()
+    assert main(["generate", "hi", "--method", "eagle3", "--target", str(tmp_path / "none"),
+                 "--drafter", str(drafter_dir)]) == 2
+    assert "method 'eagle3' is not served by this drafter" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -170,6 +178,7 @@ def test_generate_with_compile_reports_its_warm_up(tmp_path):
     (["generate", "hi", "--bogus-flag"], "dartree generate", "unrecognized arguments: --bogus-flag"),
     (["generate"], "dartree generate", "required: prompt"),
     (["nope"], "dartree", "invalid choice: 'nope'"),
+    (["--bogus"], "dartree", "unrecognized arguments: --bogus; the command comes first"),
     (["generate", "hi", "--seed", str(2**70)], "dartree generate", "outside [-2**63, 2**63)"),
     (["generate", "hi", "--seed", "x1"], "dartree generate", "invalid int value: 'x1'"),
     (["bench", "--prompts-per-dataset", "-1"], "dartree bench", "must be >= 1, got -1"),

@@ -141,6 +141,8 @@ def test_bad_input_is_rejected_with_status_and_param(vharness, case):
     assert err["param"] == param
     if param == "stop":
         assert err["code"] == "invalid_value"
+    if status == 400:  # every field error names its kind, as OpenAI's do
+        assert err["code"], r.text
     assert "Traceback" not in r.text
 
 
