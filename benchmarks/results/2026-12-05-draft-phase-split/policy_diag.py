@@ -53,7 +53,7 @@ print("forward ms", [round(1e3 * c.forward_seconds(r), 3) for r in range(1, 10)]
 print("draft_cost(1) ms", round(1e3 * c.draft_cost(1), 3), "overhead ms", round(1e3 * c.overhead_seconds, 3), "overheads()", [round(1e3*x,3) for x in pol._overheads(1)])
 for attr in ("_a", "_b", "draft_seconds", "_draft"):
     if hasattr(c, attr): print(attr, getattr(c, attr))
-print("seed", {k: round(1e3*v,2) for k,v in sorted(c._seed.items())}); print("table", {k: round(1e3*v,2) for k,v in sorted(c._table.items())}); print("fit", c._fit()[:2]); print("draft coeffs", c.draft_coefficients(), "overhead coeffs", c.overhead_coefficients())
+print("seed", {k: round(1e3*v,2) for k,v in sorted(c._seed.items())}); print("table", {k: round(1e3*v,2) for k,v in sorted(c._table.items())}); print("fit", c._fit()[:2]); print("draft coeffs", c.draft_coefficients(), "per-node", c.draft_node_coefficients(), "overhead coeffs", c.overhead_coefficients())
 skips = sum(x["skip"] for x in log); print("rounds", len(log), "skipped", skips)
 fs = [sum(x["forecast"][:3]) for x in log if x["forecast"]]
 print("forecast sum3 mean", statistics.mean(fs) if fs else None)
