@@ -140,7 +140,6 @@ class StepCostModel:
     draft_seconds: float | None = None     # per drafting request (moving average)
     _d: list = field(default_factory=lambda: [0.0] * 5)  # sum n^2, n k, k^2, n y, k y (n drafts, k owed, y s)
     _dn: list = field(default_factory=lambda: [0.0] * 12)  # (drafts, owed, nodes) normal equations (_add_triple)
-    _dn_fit: tuple | None = field(default=None, repr=False)  # (the fit or None,) until the next draft sample
     overhead_seconds: float = 0.0          # per request in the step (moving average over all steps)
     _o: list = field(default_factory=lambda: [0.0] * 5)  # sum n^2, n m, m^2, n y, m y (n requests, m drafting, y s)
     samples: int = 0
@@ -187,7 +186,6 @@ class StepCostModel:
         if nodes is not None:
             _add_triple(self._dn, self.forget, (float(drafting), float(owed_tokens), float(nodes)),
                         seconds_per_request * drafting)
-            self._dn_fit = None
 
     def draft_coefficients(self) -> tuple[float, float] | None:
         """``(d, e)``: a draft costs ``d + e * owed`` seconds; None while the owed tokens have not varied
@@ -200,9 +198,7 @@ class StepCostModel:
         them (or a fit would be negative). On the 2-core VM a draft of B = 1 / 2 / 3 took 3.4 / 4.6 /
         5.3 ms (benchmarks/results/2026-12-05-draft-phase-split): one figure for every budget,
         lifted by the policy's full-budget probes, priced its B = 1-3 drafts ~0.5-2 ms too high."""
-        if self._dn_fit is None:  # solved once per sample: the policy asks several times a step
-            self._dn_fit = (_solve_triple(self._dn),)
-        return self._dn_fit[0]
+        return _solve_triple(self._dn)
 
     def draft_node_seconds(self) -> float:
         """``f``: the seconds one more node of budget adds to a drafter call (0 before the fit exists)."""
