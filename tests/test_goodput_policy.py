@@ -96,62 +96,6 @@ def test_draft_cost_learns_the_catch_up_of_owed_context():
     assert one.draft_coefficients() is None and one.draft_cost(500) == pytest.approx(0.01)
 
 
-def test_draft_cost_learns_what_a_node_of_budget_adds():
-    """A draft of budget B costs d + e * owed + f * B (a bigger tree: a longer block and tree build;
-    B = 1 / 2 / 3 took 3.4 / 4.6 / 5.3 ms on the 2-core VM); f is fitted once budgets vary, and
-    stays 0 (the owed-only pair prices every budget alike) while they do not."""
-    m = StepCostModel()
-    rng = random.Random(1)
-    for _ in range(80):
-        n = rng.randint(1, 2)
-        owed = [rng.choice([1, 2, 40]) for _ in range(n)]
-        budgets = [rng.choice([1, 2, 3, 4, 8]) for _ in range(n)]
-        total = sum(0.002 + 0.0003 * k + 0.0008 * b for k, b in zip(owed, budgets))
-        m.observe_draft(total / n, n, sum(owed), sum(budgets))
-    d, e, f = m.draft_node_coefficients()
-    assert (d, e, f) == pytest.approx((0.002, 0.0003, 0.0008), rel=1e-6)
-    assert m.draft_node_seconds() == pytest.approx(0.0008)
-    assert m.draft_cost(1, 3) == pytest.approx(0.0047) and m.draft_cost(1, 0) == pytest.approx(0.0023)
-    same = StepCostModel()
-    for k in (1, 5, 1, 9, 2):
-        same.observe_draft(0.003 + 0.0003 * k + 0.0024, 1, k, 3)  # one budget: f cannot be separated
-    assert same.draft_node_coefficients() is None and same.draft_node_seconds() == 0.0
-    assert same.draft_cost(1, 3) == pytest.approx(same.draft_cost(1)) == pytest.approx(0.0057)
-
-
-def test_the_budget_drafted_pays_for_its_own_draft_time():
-    """On a flat (memory-bound) verify curve every node is nearly free to verify, so with a draft
-    whose cost does not grow with the budget the policy drafts B_max = 8; when each node of budget
-    adds 0.3 of a step to the draft (learnt from drafts of varied budgets), it drafts fewer."""
-    tree = _chain_tree([math.log(0.9) * (d + 1) for d in range(8)])
-
-    def run(per_node: float) -> list[int]:
-        pol = _tile_policy({m: 1.0 for m in Q4_C}, draft_s=0.002)
-        for b in (1, 2, 4, 8, 3, 6):  # earlier drafts of several budgets
-            for owed in (1, 3):
-                pol.cost.observe_draft(0.002 + 0.0001 * owed + per_node * b, 1, owed, b)
-        drafted = []
-        for _ in range(40):
-            info = RoundInfo("r", "dartree-pruned", 0.0, can_draft=True, owed=1)
-            pol.begin_step([info])
-            knobs = pol.draft_knobs("r", _Spec())
-            sel = pol.select([Drafted(info, tree if knobs else DraftTree.empty(), knobs is not None)])["r"]
-            if knobs is not None:
-                drafted.append(knobs.budget)
-            pol.observe_round("r", [int(t) for t in tree.draft_tokens[:6]] + [99] * 3)
-            rows = 1 + sel.budget
-            wait = 0.002 + 0.0001 + per_node * knobs.budget if knobs else 0.0
-            fwd = pol.cost.forward_seconds(rows)
-            pol.observe_step(StepStats(1, rows, 0, fwd, wait, wait, 1, int(knobs is not None), int(sel.budget > 0),
-                                       fwd + wait))
-        return drafted
-
-    free = run(0.0)
-    dear = run(0.3 * 0.0233)
-    assert free[-10:] == [8] * 10, free
-    assert dear and max(dear[-10:]) <= 7 and sorted(dear[-10:])[5] <= 6, dear  # 6, 7 when widened
-
-
 def test_overhead_fit_separates_a_drafted_rounds_own_work():
     """A step's time outside its forward and drafter wait is o per request plus t per drafting
     request (tree buffers, the policy's cut, the walk and commit of several tokens): the fit recovers

@@ -3,10 +3,9 @@
 Pure (no torch, no models). A step costs
 
     forward(R) = table(R)            seconds, R = rows of the step's one target forward
-    + draft    = sum over drafting requests of (d + e * owed_r + f * B_r)   (the drafter's draft +
-                 tree build; owed_r = context tokens the drafter has not seen yet: a request that
-                 decoded plainly for a while pays its catch-up in its next draft; B_r its budget:
-                 a bigger tree is a longer block forward and tree build)
+    + draft    = sum over drafting requests of (d + e * owed_r)   (the drafter's draft + tree build;
+                 owed_r = context tokens the drafter has not seen yet: a request that decoded plainly
+                 for a while pays its catch-up in its next draft)
     + overhead = o * (requests)      (walk, commit, emit per request)
                + t * (drafting)      (a drafted round's own work: its tree's buffers and mask, the
                                      policy's forecast and cut, the calibration labels, the walk and
@@ -28,9 +27,7 @@ drafted round at 8 running requests against a ~35 ms step: left out, it made one
 look like a gain in steps where it was a loss (docs/roofline.md, "Tree round overhead").
 ``d`` and ``e`` a two-coefficient least-squares fit
 (with forgetting) of each step's drafter wait on its drafting requests and their owed tokens (``d`` alone,
-the moving average, until the owed tokens vary enough to separate the two); ``f`` joins them in a
-three-coefficient fit once the budgets vary too (until then ``f = 0`` and the pair prices every
-budget alike). A start-up sweep (:func:`startup_sweep`) times a few forwards at every row count
+the moving average, until the owed tokens vary enough to separate the two). A start-up sweep (:func:`startup_sweep`) times a few forwards at every row count
 1 .. 8 and at 9, 17 and 33 (row counts interleaved, a warm-up round excluded; each row count's
 fastest time reproduced, :mod:`services.timing`) so the first steps already have a model; a sweep
 taken while another process had the cores (the timing process's CPU share), one whose fastest times
@@ -77,36 +74,6 @@ def _add_pair(sums: list, forget: float, x1: float, x2: float, y: float) -> None
     sums[4] += x2 * y
 
 
-def _add_triple(sums: list, forget: float, x: tuple[float, float, float], y: float) -> None:
-    """Add a sample ``y = c . x`` to the forgetful normal equations ``sums = [XᵀX (9), Xᵀy (3)]`` of a
-    three-coefficient least-squares fit without intercept (old samples weigh ``forget`` each)."""
-    for i in range(12):
-        sums[i] *= forget
-    for i in range(3):
-        for j in range(3):
-            sums[3 * i + j] += x[i] * x[j]
-        sums[9 + i] += x[i] * y
-
-
-def _solve_triple(sums: list) -> tuple[float, float, float] | None:
-    """``c`` of :func:`_add_triple`'s sums (Cramer's rule); None while the regressors have not varied
-    enough apart to separate the three, or when a coefficient would be negative."""
-    a, b = [sums[0:3], sums[3:6], sums[6:9]], sums[9:12]
-
-    def det(m):
-        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
-
-    d = det(a)
-    if a[0][0] <= 0 or d <= 1e-9 * max(a[0][0] * a[1][1] * a[2][2], 1e-30):
-        return None
-    out = []
-    for k in range(3):
-        m = [[b[i] if j == k else a[i][j] for j in range(3)] for i in range(3)]
-        out.append(det(m) / d)
-    return None if min(out) < 0 else (out[0], out[1], out[2])
-
-
 def _solve_pair(sums: list) -> tuple[float, float] | None:
     """``(c1, c2)`` of :func:`_add_pair`'s sums; None while ``x1`` and ``x2`` have not varied enough
     apart to separate them, or when a coefficient would be negative."""
@@ -139,7 +106,6 @@ class StepCostModel:
     table_ema: float = 0.2
     draft_seconds: float | None = None     # per drafting request (moving average)
     _d: list = field(default_factory=lambda: [0.0] * 5)  # sum n^2, n k, k^2, n y, k y (n drafts, k owed, y s)
-    _dn: list = field(default_factory=lambda: [0.0] * 12)  # (drafts, owed, nodes) normal equations (_add_triple)
     overhead_seconds: float = 0.0          # per request in the step (moving average over all steps)
     _o: list = field(default_factory=lambda: [0.0] * 5)  # sum n^2, n m, m^2, n y, m y (n requests, m drafting, y s)
     samples: int = 0
@@ -171,11 +137,9 @@ class StepCostModel:
         self._table[rows] = y if old is None else (1 - self.table_ema) * old + self.table_ema * y
         self._hull = None
 
-    def observe_draft(self, seconds_per_request: float, drafting: int = 1, owed_tokens: int | None = None,
-                      nodes: int | None = None) -> None:
+    def observe_draft(self, seconds_per_request: float, drafting: int = 1, owed_tokens: int | None = None) -> None:
         """Add one step's measured drafter time: ``seconds_per_request`` per drafting request, for
-        ``drafting`` requests that owed ``owed_tokens`` context tokens in all and drafted with budgets
-        summing to ``nodes`` (None: unknown)."""
+        ``drafting`` requests that owed ``owed_tokens`` context tokens in all (None: unknown)."""
         if seconds_per_request < 0:
             return
         d = self.draft_seconds
@@ -183,27 +147,11 @@ class StepCostModel:
         if owed_tokens is None or drafting < 1:
             return
         _add_pair(self._d, self.forget, float(drafting), float(owed_tokens), seconds_per_request * drafting)
-        if nodes is not None:
-            _add_triple(self._dn, self.forget, (float(drafting), float(owed_tokens), float(nodes)),
-                        seconds_per_request * drafting)
 
     def draft_coefficients(self) -> tuple[float, float] | None:
         """``(d, e)``: a draft costs ``d + e * owed`` seconds; None while the owed tokens have not varied
         enough to separate the two (or a fit would be negative)."""
         return _solve_pair(self._d)
-
-    def draft_node_coefficients(self) -> tuple[float, float, float] | None:
-        """``(d, e, f)``: a draft of budget ``B`` costs ``d + e * owed + f * B`` seconds; None while the
-        budgets have not varied enough apart from the owed tokens and the call count to separate
-        them (or a fit would be negative). On the 2-core VM a draft of B = 1 / 2 / 3 took 3.4 / 4.6 /
-        5.3 ms (benchmarks/results/2026-12-05-draft-phase-split): one figure for every budget,
-        lifted by the policy's full-budget probes, priced its B = 1-3 drafts ~0.5-2 ms too high."""
-        return _solve_triple(self._dn)
-
-    def draft_node_seconds(self) -> float:
-        """``f``: the seconds one more node of budget adds to a drafter call (0 before the fit exists)."""
-        fit = self.draft_node_coefficients()
-        return fit[2] if fit is not None else 0.0
 
     def observe_overhead(self, seconds_per_request: float, requests: int = 0, drafting: int = 0) -> None:
         """Add one measured per-request overhead (step wall time - forward - draft, per request) of a
@@ -308,16 +256,9 @@ class StepCostModel:
         """Marginal seconds of one more row of the line (``b``)."""
         return self.coefficients()[1]
 
-    def draft_cost(self, owed: int | None = None, nodes: int | None = None) -> float:
+    def draft_cost(self, owed: int | None = None) -> float:
         """Predicted drafter seconds of one drafting request that owes ``owed`` context tokens (None:
-        an average request) and drafts with budget ``nodes`` (None: an average budget; with the
-        per-node fit, :meth:`draft_node_coefficients`, ``nodes = 0`` gives the part that does not
-        grow with the budget, to which callers add :meth:`draft_node_seconds` per node); 0 before any
-        measurement."""
-        if owed is not None and nodes is not None:
-            fit3 = self.draft_node_coefficients()
-            if fit3 is not None:
-                return fit3[0] + fit3[1] * owed + fit3[2] * nodes
+        an average request); 0 before any measurement."""
         fit = self.draft_coefficients() if owed is not None else None
         if fit is not None:
             return fit[0] + fit[1] * owed

@@ -300,7 +300,6 @@ class GoodputPolicy:
         self._req: dict[str, _ReqState] = {}
         self._skip: set[str] = set()
         self._predicted: float | None = None
-        self._step_nodes = 0  # the budgets of this step's drafter calls, summed (the draft cost's f)
         self.store, self.save_every, self._unsaved, self.probe = None, save_every, 0, probe
         self._savings: dict[str, deque] = {}  # regime -> seconds saved per token of its recent requests
         self._lengths: dict[str, float] = {}  # regime -> mean tokens of its ended requests (moving)
@@ -400,16 +399,16 @@ class GoodputPolicy:
         block), every one accepted, beats a plain step on the cost curve for some k within the budget."""
         c, o = self.cost, self.cost.overhead_seconds  # a lone request: no t (_overheads)
         plain = 1.0 / (c.forward_seconds(1) + o)
-        d, f = c.draft_cost(1, 0), c.draft_node_seconds()
+        d = c.draft_cost(1)
         top = min(self.max_budget or self.defaults.budget, 16)
-        return any((1 + k) / (d + f * k + c.forward_seconds(1 + k) + o) > plain for k in range(1, top + 1))
+        return any((1 + k) / (d + c.forward_seconds(1 + k) + o) > plain for k in range(1, top + 1))
 
     def _saving_per_token(self, curve: list[float]) -> float:
         """Seconds per emitted token a request saves over plain decoding at c = 1 when it drafts with
         the forecast ``curve`` (steady drafter call, best number of nodes); 0 where drafting does not
         pay."""
         c, o = self.cost, self.cost.overhead_seconds  # a lone request: no t (_overheads)
-        k, g, t = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1, 0) + o, per_node_s=c.draft_node_seconds())
+        k, g, t = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + o)
         return max(c.forward_seconds(1) + o - t / g, 0.0) if k and g > 0 else 0.0
 
     def explore_budget(self, curve: list[float]) -> int:
@@ -426,8 +425,7 @@ class GoodputPolicy:
         benchmarks/results/2026-12-03-cpu-small-trees-http-lean). Always in ``[1, cap]``."""
         c = self.cost
         cap = self._cap()
-        k = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1, 0) + c.overhead_seconds,
-                              per_node_s=c.draft_node_seconds())[0]
+        k = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + c.overhead_seconds)[0]
         one = c.forward_seconds(1)
         within = max((n for n in range(1, cap + 1) if c.forward_seconds(1 + n) <= EXPLORE_STEP_COST * one), default=1)
         return min(max(k + 1, 2), within)  # within is in [1, cap]
@@ -448,7 +446,7 @@ class GoodputPolicy:
             return self._could_pay()
         best = self._saving_per_token([1.0] * self._cap())
         per_token = (sum(saved) + best) / (len(saved) + 1)
-        return remaining * per_token > self.cost.draft_cost(max(owed, 1), self.max_budget or self.defaults.budget)
+        return remaining * per_token > self.cost.draft_cost(max(owed, 1))
 
     def _mean_curve(self, window, regime: str) -> list[float]:
         """Mean sorted calibrated P (with ``optimism``) of a window of ``(tree, budget)``, position k
@@ -469,12 +467,10 @@ class GoodputPolicy:
 
     # ----------------------------------------------------------- before drafting
     def _best_prefix(self, gain0: float, rows0: int, probs: list[float], fixed_s: float,
-                     extra_rows: int = 0, per_node_s: float = 0.0) -> tuple[int, float, float]:
+                     extra_rows: int = 0) -> tuple[int, float, float]:
         """Best ``k`` of ``(gain0 + sum probs[:k]) / seconds(k)`` (``probs`` descending):
         ``(k, gain, seconds)``, where ``seconds(k) = forward(rows0) + fixed_s`` plus the marginal
-        cost of ``k`` more rows in a step that also carries ``extra_rows`` prompt-chunk rows, plus
-        ``per_node_s`` per node (the drafter's cost of a budget one node larger, before drafting;
-        0 once the tree is drafted: its cost is sunk). The
+        cost of ``k`` more rows in a step that also carries ``extra_rows`` prompt-chunk rows. The
         prompt chunk's own time is left out: it emits no token this step, and counting it would
         make any draft look cheap next to it (a 2 s prefill step "hides" a 50 ms drafter call).
         Exact: every row costs the same whoever it belongs to, so the best set of k nodes is the k
@@ -486,7 +482,7 @@ class GoodputPolicy:
         g = gain0
         for k, p in enumerate(probs, start=1):
             g += p
-            t = base + c.forward_seconds(rows0 + extra_rows + k) - full0 + per_node_s * k
+            t = base + c.forward_seconds(rows0 + extra_rows + k) - full0
             if t > 0 and g / t > best[1] / best[2] + 1e-12:
                 best = (k, g, t)
         return best
@@ -510,7 +506,6 @@ class GoodputPolicy:
             num_running: requests holding state (the schedule's pick).
         """
         self._running = num_running
-        self._step_nodes = 0
         c = self.cost
         o, e = self._overheads(len(rounds))  # e: a drafted round's own work in the step, beyond its drafter call
         forced_s, planned, self._unforecast = 0.0, 0.0, 0
@@ -544,11 +539,10 @@ class GoodputPolicy:
                     sized[r.rid] = self.explore_budget(forecast)  # tree suffices (its first draft stays whole)
                 continue
             curve = forecast
-            curves.append((sum(curve), r.rid, curve, c.draft_cost(min(r.owed, 1), 0) + e))
+            curves.append((sum(curve), r.rid, curve, c.draft_cost(min(r.owed, 1)) + e))
         curves.sort(key=lambda x: -x[0])
         n = len(rounds)
         per_req = o * n
-        per_node = c.draft_node_seconds()  # a bigger budget drafts longer (0 until the fit separates it)
         best_m, best_ratio, best_k = 0, -1.0, 0
         pool: list[tuple[float, str]] = []
         draft_s = forced_s
@@ -556,8 +550,7 @@ class GoodputPolicy:
             if m:
                 pool = sorted(pool + [(p, curves[m - 1][1]) for p in curves[m - 1][2]], key=lambda x: -x[0])
                 draft_s += curves[m - 1][3]
-            k, g, t = self._best_prefix(float(n), n, [p for p, _ in pool], draft_s + per_req, extra_rows,
-                                        per_node_s=per_node)
+            k, g, t = self._best_prefix(float(n), n, [p for p, _ in pool], draft_s + per_req, extra_rows)
             if t > 0 and g / t > best_ratio + 1e-12:
                 best_m, best_ratio, best_k = m, g / t, k
         drafting = {rid for _, rid, _, _ in curves[:best_m]}
@@ -590,7 +583,6 @@ class GoodputPolicy:
             widen = self.widen_every and calls % self.widen_every == 0 and rid not in self._sized
             knobs = replace(knobs, budget=min(knobs.budget, plan + int(bool(widen))))
         st.budget = knobs.budget
-        self._step_nodes += int(knobs.budget)
         return knobs
 
     # ------------------------------------------------------------ after drafting
@@ -628,8 +620,7 @@ class GoodputPolicy:
                 cands.append((p, i, rid))
         cands.sort(key=lambda x: (-x[0], x[1]))  # a request's own nodes stay in its order (P sorted, ties by i)
         o, e = self._overheads(len(items))
-        fixed_s = sum(c.draft_cost(d.info.owed, self._state(d.info.rid).budget) + e for d in items if d.drafted) \
-            + o * len(items)
+        fixed_s = sum(c.draft_cost(d.info.owed) + e for d in items if d.drafted) + o * len(items)
         k, _, seconds = self._best_prefix(gain0, rows0, [p for p, _, _ in cands], fixed_s)
         chosen = {rid: (probs[rid].numel() if rid in explicit else 0) for rid in orders}
         for _, _, rid in cands[:k]:
@@ -642,7 +633,7 @@ class GoodputPolicy:
                 st = self._state(rid)
                 b = chosen.get(rid, 0)
                 g = float(probs[rid][:b].sum()) if b else 0.0
-                t = c.draft_cost(min(d.info.owed, 1), st.budget) + e + c.forward_seconds(rows) - c.forward_seconds(rows - b)
+                t = c.draft_cost(min(d.info.owed, 1)) + e + c.forward_seconds(rows) - c.forward_seconds(rows - b)
                 paid = b > 0 and (t <= 0 or g / t >= (total_gain - g) / max(seconds - t, 1e-9))
                 st.interval = self.explore_every if paid else min(2 * st.interval, self.explore_max)
                 self._regime_interval[st.regime] = st.interval
@@ -689,8 +680,7 @@ class GoodputPolicy:
         self._unforecast = 0
         self.cost.observe_forward(stats.rows, stats.forward_seconds)
         if drafting:
-            self.cost.observe_draft(stats.draft_wait_seconds / drafting, drafting, getattr(stats, "draft_owed", None),
-                                    self._step_nodes or None)
+            self.cost.observe_draft(stats.draft_wait_seconds / drafting, drafting, getattr(stats, "draft_owed", None))
         wall = getattr(stats, "wall_seconds", 0.0)
         if wall > 0:
             rest = wall - stats.forward_seconds - stats.draft_wait_seconds
