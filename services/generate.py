@@ -7,7 +7,6 @@ import re
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import torch
 
@@ -102,6 +101,12 @@ def round_tokens(out) -> int:
     return len(out.token_ids) + (out.finish_reason == "stop")
 
 
+def _check_served(method: str, served, note: str) -> None:
+    """ValueError (one line, before any text is printed) when ``method`` is not in ``served``."""
+    if method not in served:
+        raise ValueError(f"method {method!r} is not served by this drafter ({note}); it serves {', '.join(served)}")
+
+
 def run_generate(a) -> int:
     """Entry of ``dartree generate``.
 
@@ -123,28 +128,22 @@ def run_generate(a) -> int:
     if not a.prompt.strip() and not a.chat:
         raise ValueError("the prompt is empty")
     packed = getattr(a, "packed_gemm", True)
-    from services.models.registry import resolve_target
+    from services.drafter.config import drafter_kind
+    from services.drafter.worker import check_drafter_dir
+    from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
+    from services.protocol import served_methods
     from services.weights import resolve_cli_weights
 
-    from services.drafter.config import drafter_kind
-    from services.models.registry import DEFAULT_DRAFTER_DIR
-    from services.protocol import served_methods
-
-    ddir = Path(a.drafter).expanduser() if a.drafter else DEFAULT_DRAFTER_DIR
-    if (ddir / "config.json").is_file():  # refused before any model loads (the engine checks again)
-        served = served_methods(drafter_kind(ddir))
-        if a.method not in served:
-            raise ValueError(f"method {a.method!r} is not served by this drafter (drafter: {ddir}); it serves "
-                             f"{', '.join(served)}")
+    ddir = check_drafter_dir(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
+    if (ddir / "config.json").is_file():  # before any model loads (a random drafter: checked once built)
+        _check_served(a.method, served_methods(drafter_kind(ddir)), f"drafter: {ddir}")
     weights, dtype = resolve_cli_weights(getattr(a, "weights", None), a.dtype, resolve_target(a.target))
     policy = getattr(a, "spec_policy", "fixed")
     engine, tok, note = build_inprocess(a.target, a.drafter, dtype, defaults, packed_gemm=packed, weights=weights,
                                         compile=getattr(a, "compile", False),
                                         compile_drafter=a.method != "ar",  # ar never calls the drafter
                                         spec_policy=policy)
-    served = engine.drafter.info()["methods"]  # services.protocol.served_methods of its kind, "ar" included
-    if a.method not in served:  # before any text is printed
-        raise ValueError(f"method {a.method!r} is not served by this drafter ({note}); it serves {', '.join(served)}")
+    _check_served(a.method, engine.drafter.info()["methods"], note)  # its kind's methods, "ar" included
     svc = getattr(engine.drafter, "service", None)
     steps_warmed = engine.runner.compiled or engine.runner.graphed
     drafter_compiled = getattr(svc, "compiled", False)

@@ -180,18 +180,17 @@ class DrafterService:
         # lengths no model dimension is likely to equal: dynamo gives equal sizes one symbol at
         # trace time ("duck sizing"), and a later request whose sizes differ would recompile
         jobs = [("__warm_up_a__", 0, 37), ("__warm_up_b__", 0, 53)]
-        eager_first = self.compiled
         try:
-            for rid, root, n in jobs:
+            for rid, _, n in jobs:
                 self.append_context(rid, torch.zeros(n, self.cfg.feature_dim, dtype=self.dtype, device=self.device), n)
-                if eager_first:  # an eager block first builds the fused int4 kernels the trace then calls
-                    eager_first, compiled = False, self._block_forward  # (services.int4_fused.FusedInt4)
-                    self._block_forward = self.drafter.block_forward
-                    try:
-                        self.block_logits_batch([(rid, root, n)])
-                    finally:
-                        self._block_forward = compiled
-                self.block_logits_batch([(rid, root, n)])
+            if self.compiled:  # an eager block first builds the fused int4 kernels the trace then calls
+                compiled, self._block_forward = self._block_forward, self.drafter.block_forward  # (FusedInt4)
+                try:
+                    self.block_logits_batch(jobs[:1])
+                finally:
+                    self._block_forward = compiled
+            for job in jobs:
+                self.block_logits_batch([job])
             self.block_logits_batch(jobs)
         finally:
             for rid, *_ in jobs:
