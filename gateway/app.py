@@ -85,8 +85,6 @@ def _routes(app: FastAPI, gw: Gateway, probe: GenerateProbe) -> None:
         ok, why = gw.readiness()
         return JSONResponse({"status": "ready" if ok else "unavailable", "detail": why}, status_code=200 if ok else 503)
 
-    for path, probe_fn in (("/health/live", live), ("/health/ready", ready)):  # monitors that probe with HEAD
-        app.add_api_route(path, probe_fn, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/health/generate")
     async def health_generate() -> JSONResponse:
@@ -101,6 +99,11 @@ def _routes(app: FastAPI, gw: Gateway, probe: GenerateProbe) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # HEAD answers as GET does, without the body (uvicorn drops it): monitors and caches probe with it
+    for path, fn in (("/health/live", live), ("/health/ready", ready), ("/v1/models", models),
+                     ("/v1/models/{model:path}", retrieve_model), ("/metrics", metrics)):
+        app.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False)
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -384,8 +385,53 @@ def model_name(target: str) -> str:
     return PurePath(target.rstrip("/")).name or target
 
 
+# Content-Encoding of a request body -> zlib's wbits (RFC 9110 §8.4.1; "deflate" is the zlib format,
+# a raw deflate stream is accepted too, as browsers and some clients send it)
+_BODY_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def decode_body(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """``body`` with its ``Content-Encoding`` removed (the codings listed, undone last first).
+
+    Args:
+        body: the bytes received; encoding: the header's value (None or ``identity``: unchanged).
+        limit: the most bytes the decoded body may have.
+    Raises:
+        ApiError: 415 ``unsupported_content_encoding`` for a coding other than gzip / deflate /
+            identity; 400 ``invalid_content_encoding`` for data that is not valid in its coding or is
+            cut short; 413 ``body_too_large`` when the decoded body would exceed ``limit`` (decoding
+            stops there: a small compressed body cannot expand without bound).
+    """
+    codings = [c.strip().lower() for c in (encoding or "").split(",") if c.strip()]
+    for coding in reversed(codings):
+        if coding == "identity":
+            continue
+        if coding not in _BODY_ENCODINGS:
+            raise ApiError(415, f"content encoding '{coding}' is not supported; send the body uncompressed, "
+                                "gzip or deflate", None, "unsupported_content_encoding")
+        body = _inflate(body, coding, limit)
+    return body
+
+
+def _inflate(data: bytes, coding: str, limit: int) -> bytes:
+    wbits = _BODY_ENCODINGS[coding]
+    for bits in (wbits, -zlib.MAX_WBITS) if coding == "deflate" else (wbits,):
+        d = zlib.decompressobj(bits)
+        try:
+            out = d.decompress(data, limit + 1)
+        except zlib.error:
+            continue
+        if len(out) > limit or d.unconsumed_tail:
+            raise ApiError(413, f"the decoded request body is over the {limit}-byte limit", None, "body_too_large")
+        if d.eof:
+            return out
+    raise ApiError(400, f"the request body is not valid {coding} data (Content-Encoding: {coding})", None,
+                   "invalid_content_encoding")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing oversize bodies (413) and non-JSON content types (415)."""
+    """The request body, refusing oversize bodies (413, before and after decoding), non-JSON content
+    types (415) and content encodings other than gzip / deflate (415, :func:`decode_body`)."""
     ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if ctype != "application/json" and not ctype.endswith("+json"):
         raise ApiError(415, f"content type '{ctype}' is not supported; send application/json", None,
@@ -399,4 +445,4 @@ async def read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise ApiError(413, f"the request body is over the {limit}-byte limit", None, "body_too_large")
         chunks.append(chunk)
-    return b"".join(chunks)
+    return decode_body(b"".join(chunks), request.headers.get("content-encoding"), limit)

@@ -233,6 +233,18 @@ def test_health_answers_head_probes(bl_harness):
     assert run(h.client.head("/health/ready")).status_code == 503
 
 
+@pytest.mark.parametrize("path", ["/v1/models", "/metrics", "MODEL"])
+def test_get_routes_answer_head_as_get(bl_harness, path):
+    """HEAD on a GET route has GET's status and content type (no 405); an unknown model is a 404."""
+    h = bl_harness
+    if path == "MODEL":
+        path = "/v1/models/" + run(h.client.get("/v1/models")).json()["data"][0]["id"]
+        assert run(h.client.head("/v1/models/no-such-model")).status_code == 404
+    get, head = run(h.client.get(path)), run(h.client.head(path))
+    assert get.status_code == head.status_code == 200
+    assert head.headers["content-type"] == get.headers["content-type"]
+
+
 @pytest.mark.parametrize("knob, value", [("budget", 65), ("width", 65), ("candidates", 65)])
 def test_tree_knobs_over_the_server_cap_are_a_400_naming_the_knob(bl_harness, knob, value, caplog):
     """The verifier's limits (``--max-request-budget``) bound a request's tree: one knob over its

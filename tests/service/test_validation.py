@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
+import zlib
 
 import pytest
 
@@ -19,6 +21,12 @@ CASES = [
     ("json-array", C, b"[1, 2]", None, 400, None),
     ("wrong-content-type", C, b'{"prompt": "x"}', {"content-type": "text/plain"}, 415, None),
     ("body-too-large", C, {"prompt": "x" * 5000}, None, 413, None),
+    ("gzip-body-too-large-decoded", C, gzip.compress(b'{"prompt": "' + b"x" * 100_000 + b'"}'),
+     {"content-encoding": "gzip"}, 413, None),
+    ("gzip-corrupt", C, b"\x1f\x8b\x08\x00junk", {"content-encoding": "gzip"}, 400, None),
+    ("gzip-truncated", C, gzip.compress(b'{"prompt": "x"}')[:-12], {"content-encoding": "gzip"}, 400, None),
+    ("gzip-header-plain-body", C, b'{"prompt": "x"}', {"content-encoding": "gzip"}, 400, None),
+    ("brotli", C, b'{"prompt": "x"}', {"content-encoding": "br"}, 415, None),
     ("missing-prompt", C, {}, None, 400, "prompt"),
     ("prompt-wrong-type", C, {"prompt": 5}, None, 400, "prompt"),
     ("empty-prompt", C, {"prompt": ""}, None, 400, "prompt"),
@@ -151,6 +159,20 @@ def test_edge_inputs_are_served(vharness, case):
     _, path, body = case
     r = _post(vharness, path, body, None)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("encoding, encode", [
+    ("gzip", gzip.compress), ("x-gzip", gzip.compress), ("deflate", zlib.compress),
+    ("deflate", lambda b: zlib.compress(b)[2:-4]),  # a raw deflate stream, as some clients send "deflate"
+    ("gzip, identity", gzip.compress), ("identity", lambda b: b)])
+def test_compressed_bodies_are_decoded(vharness, encoding, encode):
+    """A body sent with Content-Encoding gzip / deflate is served as the same body sent plainly."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+    plain = _post(vharness, C, body, None)
+    r = _post(vharness, C, encode(json.dumps(body).encode()), {"content-encoding": encoding})
+    assert plain.status_code == r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    assert r.json()["usage"] == plain.json()["usage"]
 
 
 @pytest.mark.parametrize("method, says", [("eagle3", "is not served by this server's drafter"),
