@@ -51,6 +51,7 @@ predicted speedup table of docs/roofline.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -146,13 +147,13 @@ def run_tau(a) -> dict:
                          Path(a.refs_cache) if a.refs_cache else None)
     res = {"bench": "small-trees-tau", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "drafter": str(ddir), "datasets": a.datasets, "prompts_per_dataset": a.prompts, "max_tokens": a.max_tokens,
-           "width": a.width, "depth_bonus": -0.2, "candidates": 64, "weights": "float32",
+           "width": a.width, "depth_bonus": a.depth_bonus, "candidates": 64, "weights": "float32",
            "drafter_dtype": a.drafter_dtype, "drafter_linears": a.drafter_linears, "machine": _machine(),
            "cells": []}
     q4 = a.drafter_linears == "q4"
-    for b, block in _configs(a.budgets, a.blocks):
+    for (b, block), beta in itertools.product(_configs(a.budgets, a.blocks), a.depth_bonus):
         engine = _engine(target, drafter, ddt, block, packed=q4, q4_linears=q4)
-        spec = SpecParams("dartree-pruned", budget=b, width=a.width)
+        spec = SpecParams("dartree-pruned", budget=b, width=a.width, depth_bonus=beta)
         per: dict[str, list[tuple[int, int]]] = {}
         t0 = time.perf_counter()
         for k, t in enumerate(turns):
@@ -160,14 +161,14 @@ def run_tau(a) -> dict:
             for r in replay_rounds(engine, t.prompt_ids, t.ref, t.finish, spec, f"tau-{b}-{block}-{k}"):
                 rounds, emitted = rounds + 1, emitted + r.emitted
             per.setdefault(t.uid.split("/")[0], []).append((rounds, emitted))
-        cell = {"budget": b, "block": block, "seconds": round(time.perf_counter() - t0, 1), "datasets": {}}
+        cell = {"budget": b, "block": block, "depth_bonus": beta, "seconds": round(time.perf_counter() - t0, 1), "datasets": {}}
         for ds, rs in per.items():
             cell["datasets"][ds] = {"tau": round(statistics.mean(e / r for r, e in rs if r), 3),
                                     "tau_pooled": round(sum(e for _, e in rs) / sum(r for r, _ in rs), 3),
                                     "samples": len(rs), "rounds": sum(r for r, _ in rs)}
         cell["tau_mean"] = round(statistics.mean(d["tau"] for d in cell["datasets"].values()), 3)
         res["cells"].append(cell)
-        print(f"B={b} L={block}: " + " ".join(f"{ds} {d['tau']:.3f}" for ds, d in cell["datasets"].items())
+        print(f"B={b} L={block} beta={beta}: " + " ".join(f"{ds} {d['tau']:.3f}" for ds, d in cell["datasets"].items())
               + f" mean {cell['tau_mean']:.3f} ({cell['seconds']} s)", flush=True)
     return res
 
@@ -556,6 +557,8 @@ def main(argv: list[str] | None = None) -> dict:
     c.add_argument("--drafter-compile", action="store_true",
                    help="the drafter's block forward through torch.compile (DrafterService(compile=True))")
     t = sub.choices["tau"]
+    t.add_argument("--depth-bonus", type=float, nargs="+", default=[-0.2],
+                   help="the pruned tree's depth bonus beta (each value replayed; <= 0)")
     t.add_argument("--drafter-dtype", choices=["float32", "bfloat16"], default="float32")
     t.add_argument("--drafter-linears", choices=["dense", "q4"], default="dense",
                    help="q4: the drafter's linears rounded to Q4_1 blocks (needs --drafter-dtype bfloat16)")
