@@ -229,6 +229,16 @@ _UNSUPPORTED_EXTRA_COMPLETION = {"max_completion_tokens": (None,), "add_special_
 _UNSUPPORTED_EXTRA_CHAT = {"echo": (False, None), "add_special_tokens": (False, None), "prompt": (None,),
                            "suffix": (None, ""), "best_of": (None, 1)}
 
+# What to send instead, named in the refusal of these fields.
+_INSTEAD = {"functions": "use 'tools'", "function_call": "use 'tool_choice'",
+            "guided_json": "send a JSON schema as 'response_format'",
+            "structured_outputs": "send a JSON schema as 'response_format'"}
+_INSTEAD_COMPLETION = {"tools": "tools are served on /v1/chat/completions",
+                       "tool_choice": "tools are served on /v1/chat/completions",
+                       "messages": "send messages to /v1/chat/completions", "max_completion_tokens": "use 'max_tokens'",
+                       "top_logprobs": "use 'logprobs': N"}
+_INSTEAD_CHAT = {"prompt": "send a prompt to /v1/completions", "best_of": "use 'n'"}
+
 
 def unsupported_field(req: _Sampling) -> tuple[str, str] | None:
     """``(param, message)`` for the first output-changing field that is set but not implemented."""
@@ -238,11 +248,15 @@ def unsupported_field(req: _Sampling) -> tuple[str, str] | None:
     for name, value, off in checks:
         if not any(value == o and type(value) is type(o) for o in off):
             return name, f"'{name}' = {value!r} is not supported by this server (it would change the output)"
-    extra = {**_UNSUPPORTED_EXTRA,
-             **(_UNSUPPORTED_EXTRA_COMPLETION if isinstance(req, CompletionRequest) else _UNSUPPORTED_EXTRA_CHAT)}
+    completion = isinstance(req, CompletionRequest)
+    endpoint = _UNSUPPORTED_EXTRA_COMPLETION if completion else _UNSUPPORTED_EXTRA_CHAT
+    extra = {**_UNSUPPORTED_EXTRA, **endpoint}
+    instead = {**_INSTEAD, **(_INSTEAD_COMPLETION if completion else _INSTEAD_CHAT)}
     for name, value in (req.model_extra or {}).items():
         if name in extra and value not in extra[name]:
-            return name, f"'{name}' is not supported by this server (it would change the output)"
+            where = "on this endpoint" if name in endpoint else "by this server"
+            hint = f"; {instead[name]}" if name in instead else ""
+            return name, f"'{name}' is not supported {where} (it would change the output){hint}"
     return None
 
 

@@ -385,6 +385,21 @@ def test_fields_that_would_be_ignored_are_refused_with_their_name(bl_harness, pa
     assert bl_harness.engine.generated == []
 
 
+@pytest.mark.parametrize("path, body, says", [
+    ("/v1/chat/completions", {"messages": [USER], "functions": [{"name": "f"}]}, "by this server (it would change "
+                                                                                 "the output); use 'tools'"),
+    ("/v1/chat/completions", {"messages": [USER], "function_call": "auto"}, "use 'tool_choice'"),
+    ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "on this endpoint (it would change the output); tools are served on /v1/chat/completions"),
+    ("/v1/completions", {"prompt": "x", "max_completion_tokens": 3}, "use 'max_tokens'"),
+    ("/v1/chat/completions", {"messages": [USER], "prompt": "x"}, "send a prompt to /v1/completions"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, "as 'response_format'"),
+])
+def test_refused_fields_say_what_to_send_instead(bl_harness, path, body, says):
+    r = run(bl_harness.client.post(path, json={"max_tokens": 2, **body}))
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
 def test_off_values_of_message_fields_are_accepted(bl_harness):
     messages = [USER, {"role": "assistant", "content": "ok", "tool_calls": [], "refusal": None, "audio": None}, USER]
     r = run(bl_harness.chat(messages=messages, max_tokens=2, add_special_tokens=False))
