@@ -36,8 +36,9 @@ lint: setup
 test: setup test-deps lint
 	$(BIN)/python -m pytest -q -m "not slow" --durations=15 $(ARGS)
 
+# not echoed: ARGS may hold --api-key (the server logs its configuration with the key masked)
 serve: setup
-	$(BIN)/dartree serve $(ARGS)
+	@$(BIN)/dartree serve $(ARGS)
 
 generate: setup
 	$(BIN)/dartree generate "$(PROMPT)" $(ARGS)
