@@ -151,6 +151,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self._ctx_kv = FusedInt4()  # every layer's k/v projection of the context rows
+        self._ctx_dense: tuple[nn.Module, nn.Module, int] | None = None  # set_dense_context
         if c.projector_type == "domino":
             self.prefix_gru = nn.GRU(c.target_hidden_size, c.gru_hidden_dim, num_layers=1, batch_first=True, bias=False)
             self.embed_proj = nn.Sequential(nn.Linear(c.hidden_size + c.gru_hidden_dim, c.emb_dim, bias=False),
@@ -227,6 +228,18 @@ class DFlashDrafter(nn.Module):
         kv = self.context_kv_packed(features, pos)  # [B, C, L, 2, Hkv, Dh]
         return [(kv[:, :, li, 0].transpose(1, 2), kv[:, :, li, 1].transpose(1, 2)) for li in range(kv.shape[2])]
 
+    def set_dense_context(self, fc: nn.Module | None, kv: nn.Module | None = None, min_rows: int = 16) -> None:
+        """Project calls of at least ``min_rows`` context rows through dense modules (a catch-up:
+        a new request's prompt, the tokens of plain rounds) instead of ``fc`` and the layers' k/v
+        projections: ``fc [..., F] -> [..., H]`` and ``kv [..., H] -> [..., L * 2 * Hkv * Dh]`` (every
+        layer's k then v, in layer order, as :meth:`context_kv_packed` unflattens them). Meant for
+        int4 drafters, whose kernel costs ~one row's time per row beyond its 4-row tile while a
+        dense bfloat16 GEMM is cheap per row at many rows; the dense weights are the int4 ones
+        dequantized, so positions get the same keys / values up to rounding (drafts only: the
+        target decides every token). Not registered as submodules (state dicts are unchanged).
+        ``fc`` None: off."""
+        self._ctx_dense = None if fc is None else (fc, kv, int(min_rows))
+
     def context_kv_packed(self, features: Tensor, pos: Tensor) -> Tensor:
         """Every layer's context keys (normed, rotated) and values of target features ``[B, C, F]`` at
         positions ``pos [C]`` (or ``[B, C]``), positions first: ``[B, C, L, 2, Hkv, Dh]`` (``[..., 0,
@@ -239,9 +252,14 @@ class DFlashDrafter(nn.Module):
         """
         c = self.config
         nkv, dh = c.num_key_value_heads, c.head_dim
-        ctx = self.hidden_norm(self.fc(features))  # [B, C, H], shared by every layer
         attns = [layer.self_attn for layer in self.layers]
-        fused = self._ctx_kv.get(*(p for a in attns for p in (a.k_proj, a.v_proj)))
+        dense = self._ctx_dense
+        if dense is not None and features.shape[:-1].numel() >= dense[2]:  # a catch-up (set_dense_context)
+            ctx = self.hidden_norm(dense[0](features))
+            fused = dense[1]
+        else:
+            ctx = self.hidden_norm(self.fc(features))  # [B, C, H], shared by every layer
+            fused = self._ctx_kv.get(*(p for a in attns for p in (a.k_proj, a.v_proj)))
         if fused is not None:
             kv = fused(ctx).unflatten(-1, (len(attns), 2, nkv, dh))  # [B, C, L, 2, Hkv, Dh]
         else:

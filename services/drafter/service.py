@@ -64,6 +64,11 @@ class DominoScorer:
         return self.drafter.gru_cell(self.embed(tokens).to(parent_states.dtype), parent_states)
 
 
+# Context appends of at least this many rows (a catch-up) go through dense bfloat16 copies of an
+# int4 drafter's context projections (DrafterService catch_up_rows).
+CATCH_UP_DENSE_ROWS = 32
+
+
 class DrafterService:
     """Owns the drafter, the borrowed target embedding / lm_head, and per-request drafter contexts.
 
@@ -99,6 +104,11 @@ class DrafterService:
             ``packed_gemm`` is on (next to a q4 or bfloat16 target). Drafts change a little
             (τ in the results above), the served output does not (the target decides every token).
         context_chunk: positions by which a request's context buffer grows (see Context storage).
+        catch_up_rows: with ``q4_linears``, a context append of at least this many
+            positions (a new request's prompt, the tokens of plain rounds) projects through dense
+            bfloat16 copies of the int4 ``fc`` and k/v weights, dequantized
+            (:meth:`DFlashDrafter.set_dense_context`; 4.6 MB more for the default drafter); None = the
+            int4 kernel for every append. Keys / values equal the int4 path's up to rounding.
 
     Context storage: each request's drafter context (the K/V of its committed positions, every
     layer) lives in one buffer ``[L, 2, Hkv, cap, Dh]``; each layer's K or V is a ``[1, Hkv, T, Dh]``
@@ -122,7 +132,7 @@ class DrafterService:
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
                  description: str = "", packed_gemm: bool = True, compile: bool = False,
                  block_rows: int | None = None, spare_rows: int | None = 1, q4_linears: bool | None = None,
-                 context_chunk: int = 256):
+                 context_chunk: int = 256, catch_up_rows: int | None = CATCH_UP_DENSE_ROWS):
         block_rows = drafter.config.block_size if block_rows is None else int(block_rows)
         if not 2 <= block_rows <= drafter.config.block_size:
             raise ValueError(f"block_rows must be in [2, {drafter.config.block_size}] (got {block_rows})")
@@ -161,6 +171,8 @@ class DrafterService:
             # (cutting the 576 x 1536 down projection into 1-row calls cost 3-4 ms of a 16-row block)
             pack_linears_bf16(drafter, check=False)
             pack_linears_bf16(lm_head)
+        if self.q4_linears and catch_up_rows is not None:
+            self._dense_catch_up(drafter, catch_up_rows)
         self.description = description
         self._ctx: dict[str, Tensor] = {}  # request -> [L, 2, Hkv, cap, Dh] context K/V, filled up to _ctx_len
         self._ctx_len: dict[str, int] = {}
@@ -171,6 +183,21 @@ class DrafterService:
         self.warm_up_seconds = 0.0
         self._block_forward = (torch.compile(drafter.block_forward, dynamic=True) if compile
                                else drafter.block_forward)
+
+    @staticmethod
+    def _dense_catch_up(drafter: DFlashDrafter, min_rows: int) -> None:
+        """Dense copies, in the drafter's dtype, of an int4 drafter's ``fc`` and every layer's k/v
+        projection, its int4 weights dequantized, for context appends of at least ``min_rows`` rows
+        (:meth:`DFlashDrafter.set_dense_context`). Not oneDNN-packed: a pack doubles their 4.6 MB
+        (default drafter) and gained nothing at these row counts."""
+        dtype = drafter.norm.weight.dtype
+        kv = [p for layer in drafter.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        if any(getattr(m, "bias", None) is not None for m in [drafter.fc, *kv]):
+            return  # the dense copies carry no bias (the shipped drafters have none)
+        # copies made outside inference mode (dequantized() returns inference tensors)
+        fc = _frozen_linear(drafter.fc.dequantized().to(dtype, copy=True))
+        kvl = _frozen_linear(torch.cat([m.dequantized() for m in kv]).to(dtype, copy=True))
+        drafter.set_dense_context(fc, kvl, min_rows)
 
     @torch.inference_mode()
     def warm_up(self) -> float:

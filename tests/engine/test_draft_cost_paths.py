@@ -133,3 +133,21 @@ def test_q4_linears_cover_fc(target):
     assert service.lm_head is target.lm_head()
     x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(service.drafter.fc(x), x @ quantize_q4_1(w).dequantize().T, atol=1e-4, rtol=1e-4)
+
+
+@needs_int4
+def test_q4_drafter_dense_catch_up_keeps_greedy(target):
+    """Speculative == greedy at T = 0 when the drafter's catch-up appends (the prompt, the tokens of
+    plain rounds) go through the dense copies of its int4 context projections; they were used."""
+    service = _service(target, spare_rows=1, q4_linears=True, catch_up_rows=4)
+    fc, _, rows = service.drafter._ctx_dense
+    calls = []
+    fc.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[:-1].numel()))
+    prompt = _prompt(41, 9)
+    ref = greedy_reference(target.model, prompt, 24)
+    engine = SpecEngine(target, InprocDrafterClient(service), EngineConfig(), max_draft_depth=service.block_rows)
+    outs = list(engine.generate("r", prompt, SamplingParams(max_tokens=24, ignore_eos=True),
+                                SpecParams("dartree-pruned", budget=3, width=3, candidates=8)))
+    assert [t for o in outs for t in o.token_ids] == ref
+    assert rows == 4 and calls and min(calls) >= 4  # the prompt's catch-up went dense, short appends did not
+    assert _service(target, q4_linears=True, catch_up_rows=None).drafter._ctx_dense is None

@@ -286,3 +286,31 @@ def test_quantize_names_reach_the_feature_projection() -> None:
         quantize_linears_q4(torch.nn.Linear(64, 64), torch.bfloat16)
     with pytest.raises(ValueError, match="nope"):
         quantize_linears_q4(m, torch.bfloat16, names=("nope",))
+
+
+@needs_int4
+def test_dense_catch_up_projects_many_rows_with_the_dequantized_weights() -> None:
+    """With dense copies of an int4 drafter's context projections (``set_dense_context``, as
+    ``DrafterService`` sets them up), a context call of at least ``min_rows`` rows goes through them:
+    keys / values within bfloat16 rounding of the int4 path's; a shorter call, or the copies
+    removed, is the int4 path bit for bit."""
+    from services.drafter.service import DrafterService
+
+    m = _drafter(4).to(torch.bfloat16)
+    quantize_linears_q4(m, torch.bfloat16, names=("layers", "fc"))
+    feats, pos, *_ = _inputs(m, 1, 13, 2, False, torch.bfloat16)
+    with torch.inference_mode():
+        ref, ref_short = m.context_kv_packed(feats, pos), m.context_kv_packed(feats[:, :5], pos[:5])
+    DrafterService._dense_catch_up(m, min_rows=8)
+    with torch.inference_mode():
+        fc, kv, rows = m._ctx_dense
+        assert rows == 8 and not any(p is fc.weight or p is kv.weight for p in m.parameters())
+        assert torch.equal(fc.weight.float(), m.fc.dequantized().to(torch.bfloat16).float())
+        seen = []
+        fc.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[:-1].numel()))
+        got = m.context_kv_packed(feats, pos)  # 13 rows >= 8: the dense copies
+        assert seen == [13]
+        torch.testing.assert_close(got.float(), ref.float(), atol=0.05, rtol=0.05)
+        assert torch.equal(m.context_kv_packed(feats[:, :5], pos[:5]), ref_short) and seen == [13]
+        m.set_dense_context(None)
+        assert torch.equal(m.context_kv_packed(feats, pos), ref)
