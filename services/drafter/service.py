@@ -192,8 +192,8 @@ class DrafterService:
         (default drafter) and gained nothing at these row counts."""
         dtype = drafter.norm.weight.dtype
         kv = [p for layer in drafter.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
-        if any(getattr(m, "bias", None) is not None for m in [drafter.fc, *kv]):
-            return  # the dense copies carry no bias (the shipped drafters have none)
+        if any(not hasattr(m, "dequantized") or m.bias is not None for m in [drafter.fc, *kv]):
+            return  # a projection left dense (a shape the int4 kernel cannot pack), or a bias: int4 path
         # copies made outside inference mode (dequantized() returns inference tensors)
         fc = _frozen_linear(drafter.fc.dequantized().to(dtype, copy=True))
         kvl = _frozen_linear(torch.cat([m.dequantized() for m in kv]).to(dtype, copy=True))
