@@ -85,7 +85,6 @@ def _routes(app: FastAPI, gw: Gateway, probe: GenerateProbe) -> None:
         ok, why = gw.readiness()
         return JSONResponse({"status": "ready" if ok else "unavailable", "detail": why}, status_code=200 if ok else 503)
 
-
     @app.get("/health/generate")
     async def health_generate() -> JSONResponse:
         """A real greedy generation through verifier and drafter (see gateway/probe.py); for monitoring."""

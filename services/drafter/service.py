@@ -190,9 +190,11 @@ class DrafterService:
         projection, its int4 weights dequantized, for context appends of at least ``min_rows`` rows
         (:meth:`DFlashDrafter.set_dense_context`). Not oneDNN-packed: a pack doubles their 4.6 MB
         (default drafter) and gained nothing at these row counts."""
+        from services.weights import Int4Linear
+
         dtype = drafter.norm.weight.dtype
         kv = [p for layer in drafter.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
-        if any(not hasattr(m, "dequantized") or m.bias is not None for m in [drafter.fc, *kv]):
+        if any(type(m) is not Int4Linear or m.bias is not None for m in [drafter.fc, *kv]):
             return  # a projection left dense (a shape the int4 kernel cannot pack), or a bias: int4 path
         # copies made outside inference mode (dequantized() returns inference tensors)
         fc = _frozen_linear(drafter.fc.dequantized().to(dtype, copy=True))

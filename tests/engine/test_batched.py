@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino drafter's methods
+from services.drafter.service import DrafterService
 from services.testing import random_tree, tiny_drafter, tiny_service, tiny_target
 from services.tree import derive_buffers
 from services.tree.batch import Segment, causal_segment, pack_segments, split_rows
 from services.verifier.drafter_client import InprocDrafterClient, _BatchHandle
 from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
 from services.verifier.runner import ModelRunner
+from services.weights import int4_kernel_available
 from tests.engine.conftest import TARGET_KW, V
 from tests.engine.test_kv_compaction import assert_slot_equals_fresh_prefill
 
@@ -91,6 +93,22 @@ def test_batched_equals_solo_greedy(target, service, seed, n):
         assert got[rid] == _solo(target, service, prompt, sampling, spec), (rid, spec.method)
     assert n == 1 or max(sizes) >= 2  # requests really shared steps
     assert engine.num_active() == 0 and engine.num_free_slots() == 8 and service.num_contexts() == 0
+
+
+@pytest.mark.skipif(not int4_kernel_available(), reason="torch has no int4 CPU kernel")
+def test_batched_equals_solo_with_the_dense_catch_up(target):
+    """An int4 drafter whose catch-up appends (prompts, plain rounds) go through its dense context
+    copies (``catch_up_rows=4``): batched requests equal their solo runs, and the copies were used."""
+    svc = DrafterService(tiny_drafter(target, seed=3, block_size=6), target.embed_tokens(), target.lm_head(),
+                         packed_gemm=False, q4_linears=True, catch_up_rows=4)
+    rows = []
+    svc.drafter._ctx_dense[0].register_forward_hook(lambda m, args, out: rows.append(args[0].shape[:-1].numel()))
+    reqs = _mixed_requests(5, 4, methods=("dartree-pruned", "domino"))
+    engine = _engine(target, svc, max_running=4, max_step_tokens=64)
+    got, sizes = _run_batched(engine, {0: reqs})
+    assert rows and max(sizes) >= 2
+    for rid, prompt, sampling, spec in reqs:
+        assert got[rid] == _solo(target, svc, prompt, sampling, spec), (rid, spec.method)
 
 
 def test_stop_token_ids_end_batched_requests_as_solo(target, service):
