@@ -76,7 +76,9 @@ class CudaIpcTransport(TensorTransport):
     """Pre-allocated CUDA-IPC slot ring for sending; the peer's ring opened once for receiving.
 
     Args:
-        device: this side's CUDA device, e.g. ``"cuda:0"``.
+        device: this side's CUDA device, e.g. ``"cuda:0"`` (``"cuda"`` is normalised to the current
+            device's index, :func:`services.devices.normalize_device`: a tensor on ``cuda:0`` must
+            compare equal to the pool's device or it is sent as a frame).
         num_slots: slots in the send ring (>= 2 x tensors per message in flight).
         slot_bytes: bytes per slot (rounded up to 512).
     """
@@ -86,7 +88,9 @@ class CudaIpcTransport(TensorTransport):
     def __init__(self, device: str = "cuda:0", num_slots: int = 16, slot_bytes: int = 8 << 20):
         import torch
 
-        self.device = torch.device(device)
+        from services.devices import normalize_device
+
+        self.device = torch.device(normalize_device(device))
         self.num_slots = num_slots
         self.slot_bytes = (slot_bytes + 511) // 512 * 512
         self._pool = torch.empty(num_slots * self.slot_bytes, dtype=torch.uint8, device=self.device)  # [S*bytes]

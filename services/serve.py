@@ -56,6 +56,7 @@ from gateway.config import GatewayConfig
 from services.command_line import Parser, run_command
 from services.drafter.worker import DrafterWorkerConfig
 from services.config_cli import add_config_args, config_from_args, given_by
+from services.devices import normalize_device
 from services.runtime import DRAIN_SIGNAL, STOP_NOW_SIGNAL, error_line, worker_context
 from services.spec import preferred_method
 from services.verifier.worker import RESTART_AFTER_COMPILE_EXIT, VerifierWorkerConfig
@@ -576,6 +577,7 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
             raise ValueError(f"--drafter-endpoint none runs no drafter, but {given_by(args, 'drafter')} names one "
                              f"({args.drafter}): drop one of the two")
         args.drafter, args.drafter_endpoint = "none", ""
+    args.device = normalize_device(args.device)  # "cuda" -> "cuda:N" once: every worker names the same device
     sup = config_from_args(SupervisorConfig, args)
     use_drafter = bool(sup.drafter != "none" and (sup.drafter or _default_drafter_present()))
     # every config is built once before the target is resolved and the runtime dir exists: a bad value

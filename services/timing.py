@@ -27,10 +27,18 @@ to a 2-thread torch process 0.57 (at 1 thread, where the competitor took the oth
 and the times barely moved). A measurement whose share is below :data:`MIN_CPU_SHARE` was taken on
 a busy machine (:func:`busy_reason`); the limit sits between the competing runs (<= 0.63) and a
 served first start whose readiness was polled 10 times a second (0.85).
+
+The threads in that share are those the steps can really run on (:func:`usable_threads`): torch's
+intra-op threads, capped at the CPUs this process may use (its affinity and its cgroup's CPU
+quota: a container limited to 2 CPUs on a 16-core host, where torch starts 16 threads, gets at
+most 2 CPU seconds a second). Steps timed on an accelerator (CUDA: the host thread launches
+kernels and waits) have no CPU share to judge: :func:`time_interleaved` with ``threads=None``
+records none, and :func:`busy_reason` never rejects such a measurement.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Hashable
@@ -42,6 +50,33 @@ MIN_CPU_SHARE = 0.75   # below: another process had the cores for part of the me
 # the process's CPU seconds (every thread) and the wall clock; tests replace them to play a busy machine
 cpu_seconds: Callable[[], float] = time.process_time
 wall_seconds: Callable[[], float] = time.perf_counter
+CGROUP_CPU_MAX = ("/sys/fs/cgroup/cpu.max",                                       # cgroup v2: "quota period"
+                  ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"))  # v1
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def cgroup_cpu_quota() -> float | None:
+    """CPUs this process's cgroup may use per second of wall time (its CPU quota / period), or None
+    when unlimited or unreadable (cgroup v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``)."""
+    v2, (quota_path, period_path) = CGROUP_CPU_MAX
+    text = _read(v2)
+    fields = text.split() if text else [_read(quota_path) or "max", _read(period_path) or "0"]
+    try:
+        quota, period = float(fields[0]), float(fields[1])
+    except (ValueError, IndexError):
+        return None  # "max": no quota
+    return quota / period if quota > 0 and period > 0 else None
+
+
+# the CPUs the cgroup's quota allows (None: no quota); tests replace it to play a container
+cpu_quota: Callable[[], float | None] = cgroup_cpu_quota
 
 
 @dataclass
@@ -51,12 +86,12 @@ class Timings:
     Attributes:
         times: step -> its timed repeats (the unit its callable returns), in call order.
         cpu_share: CPU seconds of this process / (wall seconds x threads) over the timed rounds
-            (1.0 when nothing was timed).
-        threads: the threads the share was computed for.
+            (1.0 when nothing was timed; None when the steps ran on an accelerator: not judged).
+        threads: the threads the share was computed for (0 with no share).
     """
 
     times: dict
-    cpu_share: float
+    cpu_share: float | None
     threads: int
 
     def estimates(self) -> dict:
@@ -87,16 +122,20 @@ def reproduced(ts: list[float], tol: float = REPRODUCE_TOL) -> bool:
 
 
 def usable_threads(threads: int) -> int:
-    """``threads`` capped at the CPUs this process may run on (``sched_getaffinity``)."""
+    """``threads`` capped at the CPUs this process may run on: its affinity (``sched_getaffinity``)
+    and its cgroup's CPU quota (:data:`cpu_quota`, rounded up)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or threads
+    quota = cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, math.ceil(quota))
     return max(1, min(int(threads), cpus))
 
 
 def time_interleaved(steps: dict[Hashable, Callable[[], float]], max_rounds: int = 10, min_rounds: int = 3,
-                     warmup: int = 1, threads: int = 1, tol: float = REPRODUCE_TOL) -> Timings:
+                     warmup: int = 1, threads: int | None = 1, tol: float = REPRODUCE_TOL) -> Timings:
     """Time every ``steps[k]()`` (each call returns its own duration) in rounds, steps interleaved.
 
     Args:
@@ -104,7 +143,8 @@ def time_interleaved(steps: dict[Hashable, Callable[[], float]], max_rounds: int
         max_rounds, min_rounds: timed rounds at most / at least; between them the loop stops after
             the first round in which every step has a fastest time reproduced.
         warmup: untimed rounds first (first calls of a shape allocate and pick kernels).
-        threads: the intra-op threads the steps run with (for the CPU share).
+        threads: the intra-op threads the steps run with (for the CPU share); None: the steps run
+            on an accelerator, no CPU share is recorded.
         tol: the reproduction tolerance.
     Returns:
         :class:`Timings`.
@@ -122,14 +162,17 @@ def time_interleaved(steps: dict[Hashable, Callable[[], float]], max_rounds: int
         if i + 1 >= min_rounds and all(reproduced(ts, tol) for ts in out.values()):
             break
     wall, cpu = wall_seconds() - w0, cpu_seconds() - c0
+    if threads is None:
+        return Timings(out, None, 0)
     n = usable_threads(threads)
     share = cpu / (wall * n) if wall > 0 else 1.0
     return Timings(out, share, n)
 
 
 def busy_reason(t: Timings, min_share: float = MIN_CPU_SHARE) -> str | None:
-    """Why ``t`` was taken on a busy machine (one line), or None: its CPU share below ``min_share``."""
-    if t.cpu_share < min_share:
+    """Why ``t`` was taken on a busy machine (one line), or None: its CPU share below ``min_share``
+    (never for a measurement without a share: steps on an accelerator)."""
+    if t.cpu_share is not None and t.cpu_share < min_share:
         return (f"the timing process got {t.cpu_share:.0%} of {t.threads} thread(s)' CPU time "
                 "(another process on the cores)")
     return None

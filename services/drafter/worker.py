@@ -15,6 +15,7 @@ signal) stops it at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -347,11 +348,13 @@ def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = No
     """Entry of the drafter process (blocking until SIGTERM, or SIGINT when run alone)."""
     import zmq
 
+    from services.devices import bind_device
     from services.ipc_pool import make_transport
     from services.runtime import on_stop_signals, prepare_process, start_metrics_server
     from services.wire import ServerIO, ipc_endpoint, new_epoch
 
     prepare_process("dartree-drafter", config.log_level, parent_pid)
+    config = dataclasses.replace(config, device=bind_device(config.device))  # "cuda" -> "cuda:N", set_device
     threads = drafter_threads(config.drafter_threads, config.device, os.cpu_count())
     if threads is not None:
         import torch

@@ -38,20 +38,27 @@ def make_runner(target, config: EngineConfig) -> ModelRunner:
 
 def time_forward(runner: ModelRunner, rows: int) -> float:
     """Seconds of one target forward of ``rows`` causal rows in a free slot, leaving no state (the
-    goodput policy's start-up cost sweep).
+    goodput policy's start-up cost sweep): on CUDA between two CUDA events around the step
+    (:func:`services.devices.cuda_event_seconds`), else the runner's own wall time.
 
     Raises:
         ValueError: no free KV slot, or ``rows`` beyond a slot's capacity.
     """
+    from services.devices import cuda_event_seconds
+
     cache = runner.cache
     if cache.num_free() == 0:
         raise ValueError("no free KV slot to time a forward in")
     slot = cache.alloc()
     try:
-        step = runner.execute([causal_segment([0] * rows, 0, slot)], torch.tensor([rows - 1]))
+        def step():
+            return runner.execute([causal_segment([0] * rows, 0, slot)], torch.tensor([rows - 1]))
+
+        if torch.device(runner.target.device).type == "cuda":
+            return cuda_event_seconds(step, torch.cuda)[0]
+        return step().seconds
     finally:
         cache.free(slot)
-    return step.seconds
 
 
 def pack_rule(budget: int, max_draft_depth: int, max_running: int, drafts: bool) -> tuple[int, int, int]:
@@ -87,12 +94,15 @@ def build_policy(name: str, runner: ModelRunner, defaults: TreeKnobs = DEFAULT_K
 
     if name != "goodput":
         return pol.make_policy(name, schedule=schedule, defaults=defaults)
+    from services.verifier.cost_model import sweep_rows
+
     model, dtype, device = cost_key
     key = sweep_key(model, dtype, device, runner)
+    rows = sweep_rows(max_budget or defaults.budget)  # every row count a verify of the budget reaches
     with lazy_packing_paused():  # the sweep times row counts serving may never run: it packs none
         return pol.goodput_with_sweep(lambda rows: time_forward(runner, rows), key, max_budget, cost_sweep,
-                                      dtype=dtype, threads=torch.get_num_threads(), schedule=schedule,
-                                      defaults=defaults)
+                                      dtype=dtype, threads=torch.get_num_threads(), rows=rows,
+                                      device=str(runner.target.device), schedule=schedule, defaults=defaults)
 
 
 def build_engine(target, drafter, config: EngineConfig = EngineConfig(), *, max_draft_depth: int = 16,

@@ -28,11 +28,13 @@ look like a gain in steps where it was a loss (docs/roofline.md, "Tree round ove
 ``d`` and ``e`` a two-coefficient least-squares fit
 (with forgetting) of each step's drafter wait on its drafting requests and their owed tokens (``d`` alone,
 the moving average, until the owed tokens vary enough to separate the two). A start-up sweep (:func:`startup_sweep`) times a few forwards at every row count
-1 .. 8 and at 9, 17 and 33 (row counts interleaved, a warm-up round excluded; each row count's
-fastest time reproduced, :mod:`services.timing`) so the first steps already have a model; a sweep
-taken while another process had the cores (the timing process's CPU share), one whose fastest times
-were never reproduced, or one whose curve is implausible is taken again once and then replaced by a
-rule-based curve that is never cached;
+1 .. 8, at 9, 17 and 33, and on up to B + 1 rows of the configured tree budget (:func:`sweep_rows`:
+65 for the CUDA default B = 64) (row counts interleaved, a warm-up round excluded; each row count's
+fastest time reproduced, :mod:`services.timing`) so the first steps already have a model; on CUDA
+the forwards are timed with CUDA events. A CPU sweep taken while another process had the cores
+(the timing process's CPU share; never judged on CUDA, where the host thread only launches and
+waits), one whose fastest times were never reproduced, or one whose curve is implausible is taken
+again once and then replaced by a rule-based curve that is never cached;
 :func:`load_cached` / :func:`save_cached` keep an accepted sweep per machine / model / dtype.
 
 Source: SmartSpec / TurboSpec use the same "goodput = expected tokens / predicted
@@ -58,8 +60,29 @@ log = logging.getLogger("verifier.cost")
 # every row count of a small step (1 .. 8: the int4 kernel's 4-row tile edge shows), the CPU default
 # tree's verify (9) and two larger steps
 SWEEP_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33)
-# extra seconds per extra row, as a fraction of a one-row forward, of the rule-based curve
+# extra seconds per extra row, as a fraction of a one-row forward, of the rule-based curve. On CUDA a
+# verify of a few dozen rows reads the same weights as one row (decoding is bound by reading them):
+# 65 rows at ~1.1 one-row steps, an estimate, not measured here (the CPU slopes were)
 RULE_SLOPE = {"float32": 0.1, "default": 0.03}
+RULE_SLOPE_CUDA = 0.0015
+
+
+def sweep_rows(budget: int) -> tuple[int, ...]:
+    """Row counts of the start-up sweep for a tree budget ``budget`` (B): :data:`SWEEP_ROWS`, then
+    ``2^k + 1`` up to B + 1 and B + 1 itself, so the model has measured every row count a verify of
+    the configured budget reaches (B = 64: ... 33, 65; B <= 32: :data:`SWEEP_ROWS`).
+
+    Raises:
+        ValueError: ``budget < 1``.
+    """
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1 (got {budget})")
+    rows, k = set(SWEEP_ROWS), 64
+    while k + 1 < budget + 1:
+        rows.add(k + 1)
+        k *= 2
+    rows.add(budget + 1)
+    return tuple(sorted(rows))
 
 
 def _add_pair(sums: list, forget: float, x1: float, x2: float, y: float) -> None:
@@ -290,25 +313,26 @@ class StepCostModel:
 
 
 def sweep_times(run_rows: Callable[[int], float], rows: Iterable[int] = SWEEP_ROWS, max_rounds: int = 8,
-                min_rounds: int = 3, threads: int = 1) -> Timings:
+                min_rounds: int = 3, threads: int | None = 1) -> Timings:
     """Row count -> timed seconds of ``run_rows(R)`` (one forward of R rows, returning its seconds),
     row counts interleaved (1 2 ... 33, 1 2 ... 33, ...) after one untimed warm-up round, until every
-    row count's fastest time is reproduced (:func:`services.timing.time_interleaved`)."""
+    row count's fastest time is reproduced (:func:`services.timing.time_interleaved`; ``threads``
+    None: forwards on an accelerator, no CPU share)."""
     calls = {int(r): (lambda r=int(r): run_rows(r)) for r in rows}
     return time_interleaved(calls, max_rounds, min_rounds, threads=threads)
 
 
 def calibration_sweep(run_rows: Callable[[int], float], rows: Iterable[int] = SWEEP_ROWS, max_rounds: int = 8,
-                      threads: int = 1) -> list[tuple[int, float]]:
+                      threads: int | None = 1) -> list[tuple[int, float]]:
     """``[(rows, seconds)]``: each row count's fastest time reproduced (:func:`sweep_times`), so a slow
     call (another process on the core, a slow phase of a VM) does not skew the fit."""
     return sorted(sweep_times(run_rows, rows, max_rounds, threads=threads).estimates().items())
 
 
 def sweep_rejection(t: Timings) -> str | None:
-    """Why a sweep cannot be trusted (one line), or None: another process had the cores, or a row
-    count's fastest time was never reproduced (:mod:`services.timing`), or its curve is not
-    :func:`plausible`."""
+    """Why a sweep cannot be trusted (one line), or None: another process had the cores (a sweep
+    with a CPU share only: never on CUDA), or a row count's fastest time was never reproduced
+    (:mod:`services.timing`), or its curve is not :func:`plausible`."""
     why = busy_reason(t) or unsteady_reason(t, lambda r: f"{r}-row", unit=1e3)
     if why:
         return why
@@ -318,38 +342,43 @@ def sweep_rejection(t: Timings) -> str | None:
     return None
 
 
-def rule_curve(one_row_seconds: float, dtype: str, rows: Iterable[int] = SWEEP_ROWS) -> list[tuple[int, float]]:
+def rule_curve(one_row_seconds: float, dtype: str, rows: Iterable[int] = SWEEP_ROWS, device: str = "cpu"
+               ) -> list[tuple[int, float]]:
     """A sweep by rule, for when the measured one cannot be trusted: ``t(R) = t1 * (1 + s * (R - 1))``
-    with ``s = RULE_SLOPE[dtype]`` (float32 GEMMs cost more per extra row than the 4-bit / bf16
-    kernels, which are bound by reading the weights)."""
-    s = RULE_SLOPE.get(dtype, RULE_SLOPE["default"])
+    with ``s = RULE_SLOPE[dtype]`` on a CPU (float32 GEMMs cost more per extra row than the 4-bit /
+    bf16 kernels, which are bound by reading the weights), :data:`RULE_SLOPE_CUDA` on CUDA."""
+    s = RULE_SLOPE_CUDA if str(device).startswith("cuda") else RULE_SLOPE.get(dtype, RULE_SLOPE["default"])
     return [(int(r), one_row_seconds * (1 + s * (int(r) - 1))) for r in rows]
 
 
 def startup_sweep(run_rows: Callable[[int], float], key: str, dtype: str, path: Path | None = None,
-                  rows: Iterable[int] = SWEEP_ROWS, max_rounds: int = 8, tries: int = 2, threads: int = 1
-                  ) -> tuple[list[tuple[int, float]], str]:
+                  rows: Iterable[int] = SWEEP_ROWS, max_rounds: int = 8, tries: int = 2, threads: int = 1,
+                  device: str = "cpu") -> tuple[list[tuple[int, float]], str]:
     """The start-up samples of the cost model and where they come from (one line).
 
-    A cached sweep is used while :func:`plausible` and :func:`still_valid`. Else a sweep is taken
-    (:func:`sweep_times`, at ``threads`` intra-op threads) and accepted unless
-    :func:`sweep_rejection` finds a reason; it is then cached. After ``tries`` rejected sweeps the
-    rule's curve (:func:`rule_curve`, from the fastest one-row time seen) is used and nothing is cached.
+    A cached sweep is used while it covers ``rows``, is :func:`plausible` and :func:`still_valid`. Else a sweep is taken
+    (:func:`sweep_times`, at ``threads`` intra-op threads; on a CUDA ``device`` with no CPU share:
+    the host's threads do not run the forward) and accepted unless :func:`sweep_rejection` finds a
+    reason; it is then cached. After ``tries`` rejected sweeps the rule's curve (:func:`rule_curve`
+    of ``device``, from the fastest one-row time seen) is used and nothing is cached.
     """
+    rows = tuple(rows)
+    share_threads = None if str(device).startswith("cuda") else threads
     cached = load_cached(key, path)
-    if cached is not None and plausible(cached) and still_valid(cached, run_rows):
+    covers = cached is not None and set(rows) <= {r for r, _ in cached}  # a larger budget sweeps again
+    if covers and plausible(cached) and still_valid(cached, run_rows):
         return cached, "cache"
     note = "cached sweep no longer matches this machine's speed; " if cached is not None else ""
     one_row, why = [], ""
     for _ in range(max(tries, 1)):
-        t = sweep_times(run_rows, rows, max_rounds, threads=threads)
+        t = sweep_times(run_rows, rows, max_rounds, threads=share_threads)
         one_row += t.times.get(min(t.times), [])
         why = sweep_rejection(t) or ""
         if not why:
             samples = sorted(t.estimates().items())
             save_cached(key, samples, path)
             return samples, note + "sweep"
-    return rule_curve(min(one_row), dtype, rows), (f"{note}rule-based curve ({why}), not cached; "
+    return rule_curve(min(one_row), dtype, rows, device), (f"{note}rule-based curve ({why}), not cached; "
                                                   "real steps will correct it")
 
 

@@ -720,22 +720,26 @@ class GoodputPolicy:
 
 
 def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sweep: bool = True,
-                       dtype: str = "default", threads: int = 1, **kw) -> GoodputPolicy:
+                       dtype: str = "default", threads: int = 1, rows: tuple[int, ...] | None = None,
+                       device: str = "cpu", **kw) -> GoodputPolicy:
     """A :class:`GoodputPolicy` whose cost model starts from a timed sweep (``time_forward(rows)`` ->
-    seconds, at ``threads`` intra-op threads), taken from the per-machine cache under ``key`` when
-    one is there.
+    seconds, at ``threads`` intra-op threads, on ``device``), taken from the per-machine cache under
+    ``key`` when one is there. ``rows``: the row counts swept (None:
+    :func:`~services.verifier.cost_model.sweep_rows` of ``max_budget``, else
+    :data:`~services.verifier.cost_model.SWEEP_ROWS`).
 
     :func:`~services.verifier.cost_model.startup_sweep`: a cached sweep is used while plausible and
     still valid (two row counts re-timed); a fresh one is cached only when no other process had the
     cores, every row count's fastest time was reproduced and its curve is plausible, else retaken
     once and then replaced by the rule-based curve of ``dtype`` (not cached). One log line says which.
     """
-    from services.verifier.cost_model import startup_sweep
+    from services.verifier.cost_model import SWEEP_ROWS, startup_sweep, sweep_rows
 
     policy = GoodputPolicy(max_budget=max_budget, **kw)
     if not sweep:
         return policy
-    samples, source = startup_sweep(time_forward, key, dtype, threads=threads)
+    rows = rows or (sweep_rows(max_budget) if max_budget else SWEEP_ROWS)
+    samples, source = startup_sweep(time_forward, key, dtype, rows=rows, threads=threads, device=device)
     policy.cost.seed(samples)
     a, b = policy.cost.coefficients()
     (log.warning if "rule" in source else log.info)(

@@ -12,6 +12,7 @@ behind a step). Torch is imported by :func:`run_verifier_process` only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import re
@@ -89,9 +90,10 @@ class VerifierWorkerConfig:
             width up to it, candidates up to it or 64; the gateway refuses more with a 400 naming the
             knob. One request's tree is verified in the step all running requests share, so this
             bounds what one client can cost the others.
-        cost_sweep: with ``goodput``, time a few target forwards at start-up (1-8, 9, 17, 33 rows, a
-            few seconds, cached per machine / model / dtype in ``~/.cache/dartree/cost_model.json``
-            when its repeats agree; on a busy machine a rule-based curve, not cached).
+        cost_sweep: with ``goodput``, time a few target forwards at start-up (1-8, 9, 17, 33 rows and
+            on to B + 1 of the budget, e.g. 65 on CUDA, timed with CUDA events there; a few seconds,
+            cached per machine / model / dtype in ``~/.cache/dartree/cost_model.json`` when its
+            repeats agree; on a busy CPU a rule-based curve, not cached).
         tree_schedule: manual override, load-dependent tree budget/width, ``"1:16x12,2:12x8,4:8x6,8:4x4"``
             (``N:BxW`` = at >= N running requests, B nodes and width W; only for requests that leave
             budget/width unset). "" = off. With ``goodput`` the pick is the drafter call's budget and the
@@ -718,11 +720,13 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     """
     import zmq
 
+    from services.devices import bind_device
     from services.models.registry import resolve_target
     from services.runtime import on_stop_signals, prepare_process, start_metrics_server
     from services.wire import ServerIO, ipc_endpoint, new_epoch
 
     prepare_process("dartree-verifier", config.log_level, parent_pid)
+    config = dataclasses.replace(config, device=bind_device(config.device))  # "cuda" -> "cuda:N", set_device
     epoch, ctx, stop = new_epoch(), zmq.Context(), threading.Event()
     from services.startup import phase
 
