@@ -368,7 +368,8 @@ def startup_sweep(run_rows: Callable[[int], float], key: str, dtype: str, path: 
     covers = cached is not None and set(rows) <= {r for r, _ in cached}  # a larger budget sweeps again
     if covers and plausible(cached) and still_valid(cached, run_rows):
         return cached, "cache"
-    note = "cached sweep no longer matches this machine's speed; " if cached is not None else ""
+    note = "" if cached is None else "cached sweep no longer matches this machine's speed; " if covers else \
+        f"cached sweep stops at {max(r for r, _ in cached)} rows, short of {max(rows)}; "
     one_row, why = [], ""
     for _ in range(max(tries, 1)):
         t = sweep_times(run_rows, rows, max_rounds, threads=share_threads)
