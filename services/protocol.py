@@ -178,6 +178,7 @@ class PeerInfo(Struct, **_opts()):
     limits: Limits | None = None
     device: ShortStr = ""                   # "cpu", "cuda:0", ...
     pool: PoolHandle | None = None          # this peer's CUDA-IPC send pool
+    context_bytes: NonNeg = 0               # drafter: device bytes its context takes a position (0 = unknown)
 
 
 # ----------------------------------------------------------------------------------------- messages

@@ -41,6 +41,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from services.command_line import Parser, run_command
+from services.memory_plan import DEFAULT_MAX_RUNNING
 from services.ray_config import (RayAppConfig, UnitSpec, add_serve_ray_args, config_from_args, config_from_cli,
                                  describe)
 from services.ray_unit import Unit, UnitError, check_unit_flags, relay
@@ -182,7 +183,7 @@ def build_app(config: RayAppConfig):
         ValueError: a bad unit flag or scale setting (one line).
     """
     args = check_unit_flags(config.unit.flags)
-    opts = config.scale.deployment_options(args.max_running, config.unit.drain_timeout_s)
+    opts = config.scale.deployment_options(args.max_running or DEFAULT_MAX_RUNNING, config.unit.drain_timeout_s)
     targets = MetricsTargets.bind(ttl_s=max(60.0, 6 * config.scale.health_check_period_s))
     return DartreeReplica.options(**opts).bind(config.unit, targets, config.log_dir)
 

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import httpx
 
+from services.memory_plan import DEFAULT_MAX_RUNNING
+
 REPO = Path(__file__).resolve().parents[1]
 # flags the replica sets itself (each unit gets free ports); passing one is a one-line error
 RESERVED_FLAGS = ("--port", "--host", "--verifier-metrics-port", "--drafter-metrics-port", "--metrics-host",
@@ -130,7 +132,7 @@ class Unit:
         self.spec = spec
         args = check_unit_flags(spec.flags)
         self.has_drafter = args.drafter != "none"
-        self.max_running = args.max_running
+        self.max_running = args.max_running or DEFAULT_MAX_RUNNING  # unset: the CPU default (CUDA plans its own)
         gw, vm, dm = free_ports(spec.host, 3)
         self.ports = {"gateway": gw, "verifier": vm, "drafter": dm if self.has_drafter else 0}
         self._drafter_port = dm  # passed even without a drafter (then unused)

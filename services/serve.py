@@ -595,7 +595,10 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
     with phase("supervisor", "target and weight format resolved"):
         target, fmt, act_dtype, drafter_dtype = _resolve_model(args)
     if args.device.startswith("cpu"):  # refuse a KV cache the RAM cannot hold, naming the flags (one line)
-        check_fits(Path(target), fmt or act_dtype, act_dtype, args.max_running, args.max_context, args.prefill_chunk)
+        from services.memory_plan import DEFAULT_MAX_RUNNING
+
+        check_fits(Path(target), fmt or act_dtype, act_dtype, args.max_running or DEFAULT_MAX_RUNNING,
+                   args.max_context, args.prefill_chunk)
     if not use_drafter and sup.drafter != "none":
         log.warning("no trained drafter found (pass --drafter DIR); serving with plain decoding (method 'ar')")
     if use_drafter:

@@ -65,7 +65,9 @@ class Eagle3Service:
                 "mask_token_id": 0, "feature_dim": c.feature_dim, "max_position": c.max_position_embeddings,
                 "num_draft_slots": c.num_draft_slots, "has_head": False,
                 "target_layer_ids": list(c.target_layer_ids), "methods": list(served_methods("eagle3")),
-                "description": self.description}
+                "description": self.description,
+                # device bytes a context position takes: the one layer's K and V (the memory plan's figure)
+                "context_bytes": 2 * c.num_key_value_heads * c.head_dim * torch.empty(0, dtype=self.dtype).element_size()}
 
     def num_contexts(self) -> int:
         """Requests holding a drafter cache."""

@@ -236,7 +236,15 @@ class DrafterService:
                 "num_draft_slots": c.num_draft_slots, "has_head": self.drafter.has_head,
                 "target_layer_ids": list(c.target_layer_ids),
                 "methods": list(served_methods(self.kind)),
-                "description": self.description}
+                "description": self.description, "context_bytes": self.context_bytes_per_position()}
+
+    def context_bytes_per_position(self) -> int:
+        """Device bytes a request's context takes per position: every layer's K and V in its buffer,
+        plus its share of the batch scratch (one layer eager, every layer compiled; see Context
+        storage). The verifier's memory plan reserves it (:mod:`services.memory_plan`)."""
+        c = self.cfg
+        one_layer = 2 * c.num_key_value_heads * c.head_dim * torch.empty(0, dtype=self.dtype).element_size()
+        return one_layer * (c.num_hidden_layers + (c.num_hidden_layers if self.compiled else 1))
 
     @staticmethod
     def _dtype_of(m: torch.nn.Module) -> torch.dtype:

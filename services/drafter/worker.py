@@ -341,7 +341,7 @@ def drafter_info(service, target_dir: Path, epoch: str, device: str, transport) 
                     target_layer_ids=tuple(int(i) for i in info.get("target_layer_ids") or
                                            getattr(getattr(service, "cfg", None), "target_layer_ids", ())),
                     model=str(info.get("description", "")), methods=tuple(info["methods"]), device=device,
-                    pool=transport.export())
+                    pool=transport.export(), context_bytes=int(info.get("context_bytes", 0)))
 
 
 def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = None) -> None:

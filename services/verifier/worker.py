@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.memory_plan import DEFAULT_MAX_RUNNING
 from services.metrics import VerifierMetrics
 from services.protocol import (
     METHODS,
@@ -67,9 +68,14 @@ class VerifierWorkerConfig:
         weights: the target's weight format (``services/weights.py``): float32, bfloat16, q4 (the
             GGUF's 4-bit blocks, bfloat16 activations) or auto (the fastest here, measured once and
             cached); a concrete format overrides ``dtype``.
-        max_running: requests decoded concurrently, each in its own KV slot, all in one batched step;
-            max_waiting: queued beyond that (429 after).
-        max_context: context window (0 = the target's).
+        max_running: requests decoded concurrently, each in its own KV slot, all in one batched step
+            (unset: 8 on CPU; on CUDA planned from the device's free memory, at most 8,
+            :mod:`services.memory_plan`); max_waiting: queued beyond that (429 after).
+        max_context: context window (0 = the target's; on CUDA the longest that fits when that
+            does not).
+        gpu_memory_utilization: on CUDA, the fraction of the device's memory the server may use
+            (weights, KV cache, feature history, drafter contexts, step buffers); the start-up plan
+            derives or checks max_running and max_context against it (:mod:`services.memory_plan`).
         prefill_chunk: prompt tokens a request prefills per step (chunked prefill rides along with the
             running requests' rounds); max_step_tokens: rows one step may hold (verify rows + chunks;
             requests beyond it wait for the next step, the order rotates so none starves);
@@ -133,7 +139,7 @@ class VerifierWorkerConfig:
     device: str = "cpu"
     dtype: str = "float32"
     weights: str = "auto"
-    max_running: int = 8
+    max_running: int | None = None
     max_waiting: int = 64
     max_context: int = 0
     prefill_chunk: int = 256
@@ -165,10 +171,15 @@ class VerifierWorkerConfig:
     prefix_cache: bool = True
     prefix_cache_mib: int = 256
     restart_after_compile: bool | None = None
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
-        if self.max_running < 1 or self.max_waiting < 0:
+        if self.max_running is None and not self.device.startswith("cuda"):  # CUDA: the memory plan sets it
+            object.__setattr__(self, "max_running", DEFAULT_MAX_RUNNING)
+        if (self.max_running is not None and self.max_running < 1) or self.max_waiting < 0:
             raise ValueError("max_running must be >= 1 and max_waiting >= 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.prefix_cache_mib < 0:
             raise ValueError(f"prefix_cache_mib must be >= 0 (got {self.prefix_cache_mib})")
         for name in ("prefill_chunk", "max_step_tokens", "kv_bucket"):
@@ -632,10 +643,17 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
                                              device=config.device, weights=weights)
     if drafter is not None and drafter.feature_dim and drafter.feature_dim != target.feature_dim:
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
-    engine_config = EngineConfig(max_context=config.max_context or None, max_running=config.max_running,
+    compile = auto_compile(target) if config.compile is None else config.compile
+    running, context = config.max_running, config.max_context or None
+    if config.device.startswith("cuda"):  # after both models loaded: derive or check the limits, log the plan
+        from services.memory_plan import plan_verifier_memory
+
+        mem = plan_verifier_memory(config, target, drafter, graphed=compile,
+                                   transport=getattr(drafter_client, "transport", None))
+        running, context = mem.max_running, mem.max_context
+    engine_config = EngineConfig(max_context=context, max_running=running,
                                  prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
-                                 kv_bucket=config.kv_bucket, overlap=config.overlap,
-                                 compile=auto_compile(target) if config.compile is None else config.compile,
+                                 kv_bucket=config.kv_bucket, overlap=config.overlap, compile=compile,
                                  prefix_cache=config.prefix_cache)
     with phase("verifier", "engine built (KV cache, GEMM packs, step cost model)"):
         engine = assemble(target, drafter_client, engine_config,
@@ -739,6 +757,8 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
         with phase("verifier", "drafter connected"):
             drafter_client, drafter = _connect_drafter(config, resolve_target(config.target), ctx, epoch)
     engine, target, target_dir = build_engine(config, drafter_client, drafter)
+    if config.max_running is None:  # planned from the device's memory (services/memory_plan.py)
+        config = dataclasses.replace(config, max_running=engine.config.max_running)
     restart = config.restart_after_compile if config.restart_after_compile is not None else parent_pid is not None
     if restart and (missed := compiled_cold(engine)):
         log.info("the compiled steps were built from a cold cache (%d graphs compiled and saved to disk): "
