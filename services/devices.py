@@ -81,3 +81,23 @@ def cuda_event_seconds(fn, cuda=None):
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3, out
+
+
+def is_out_of_memory(exc: BaseException | str) -> bool:
+    """Whether an exception (or an error text that carries its type name, as a drafter's error reply
+    does) says a device or the host ran out of memory: ``torch.cuda.OutOfMemoryError``,
+    ``MemoryError``, or a ``RuntimeError`` whose message says "out of memory"."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = exc if isinstance(exc, str) else str(exc) if isinstance(exc, RuntimeError) else ""
+    return "OutOfMemoryError" in text or "out of memory" in text.lower()
+
+
+def release_device_cache() -> None:
+    """Hand the CUDA caching allocator's unused blocks back (after an out-of-memory error, so the
+    next call starts from what is really in use); nothing when CUDA was never initialised."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

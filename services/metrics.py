@@ -9,6 +9,7 @@ owns a disjoint set and exports it from its own registry:
   the speculation policy's ``dartree_spec_policy_*`` (budget per round, predicted vs realised tau,
   predicted vs measured step seconds, steps with / without speculation); ``dartree_verifier_drafter_up``
   (0 while the drafter is unreachable and every round decodes without speculation, and without a drafter);
+  ``dartree_verifier_drafter_out_of_memory_total`` (drafts failed because the drafter ran out of device memory);
 - gateway: ``dartree_time_to_first_token_seconds``, ``dartree_inter_token_latency_seconds`` (time
   between two streamed rounds of one request), ``dartree_e2e_request_latency_seconds``,
   ``dartree_requests_total{finish_reason}``, ``dartree_prompt_tokens_total``,
@@ -94,6 +95,8 @@ PREFILL_CHUNK_TOKENS = "dartree_prefill_chunk_tokens_total"
 DRAFTER_WAIT = "dartree_verifier_drafter_wait_seconds_total"
 DRAFTER_BUSY = "dartree_verifier_drafter_busy_seconds_total"
 DRAFTER_UP = "dartree_verifier_drafter_up"
+DRAFTER_OOM = "dartree_verifier_drafter_out_of_memory_total"
+DRAFTER_OUT_OF_MEMORY = "dartree_drafter_out_of_memory_total"
 KV_SLOTS = "dartree_kv_slots"
 PREFIX_QUERIED = "dartree_prefix_cache_queried_tokens_total"
 PREFIX_HITS = "dartree_prefix_cache_hit_tokens_total"
@@ -192,6 +195,8 @@ class VerifierMetrics:
         self.waiting = Gauge(REQUESTS_WAITING, "Requests waiting for admission.", registry=r)
         self.drafter_up = Gauge(DRAFTER_UP, "1 while the drafter answers; 0 while every round decodes without "
                                 "speculation (same tokens, slower), or when no drafter runs.", registry=r)
+        self.drafter_oom = Counter(DRAFTER_OOM, "Drafts that failed because the drafter ran out of device memory "
+                                   "(their requests end with a drafter_out_of_memory error).", registry=r)
         self.scheduled_budget = Gauge(SCHEDULED_BUDGET, "Tree budget the load schedule picks at the current running "
                                       "count, for requests that set none (0 = no schedule: drafter default).",
                                       registry=r)
@@ -324,6 +329,8 @@ class DrafterMetrics:
         self.contexts = Gauge(DRAFTER_CONTEXTS, "Requests with a live drafter context.", registry=r)
         self.calls = Counter(DRAFTER_CALLS, "Messages handled by type.", ["type"], registry=r)
         self.errors = Counter(DRAFTER_ERRORS, "Draft calls that raised.", registry=r)
+        self.out_of_memory = Counter(DRAFTER_OUT_OF_MEMORY, "Draft calls that ran out of device memory (also "
+                                     "counted in dartree_drafter_errors_total).", registry=r)
         self.batch_jobs = Histogram("dartree_drafter_batch_jobs", "Requests drafted in one batched drafter forward.",
                                     buckets=(1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0), registry=r)
         self.seconds = Histogram("dartree_drafter_seconds", "Drafter compute time by phase.", ["phase"],

@@ -40,6 +40,7 @@ from services.protocol import (
     special_token_ids,
     tokenizer_hash,
 )
+from services.devices import is_out_of_memory, release_device_cache
 from services.runtime import check_device, check_dtype, trim_heap
 from services.spec import TreeKnobs
 from services.wire import Decoded
@@ -252,6 +253,9 @@ class DrafterWorker:
             if isinstance(res, BaseException):
                 log.warning("draft failed: %s: %s", type(res).__name__, res)
                 self.metrics.errors.inc()
+                if is_out_of_memory(res):  # the verifier reports it (metric, readiness detail)
+                    self.metrics.out_of_memory.inc()
+                    release_device_cache()
                 reply = DraftReply(j.request_id, j.round_id, self.info.epoch,
                                    error=f"{type(res).__name__}: {res}"[:4000])
             else:

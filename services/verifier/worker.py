@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.devices import is_out_of_memory
 from services.memory_plan import DEFAULT_MAX_RUNNING
 from services.metrics import VerifierMetrics
 from services.protocol import (
@@ -270,6 +271,7 @@ class VerifierWorker:
         self.inbox: queue.Queue = queue.Queue()
         self.drafter_ok = True
         self.drafter_detail = ""  # why the drafter is not ok (set with drafter_ok by the heartbeat)
+        self.drafter_oom = (0, "")  # drafts failed for lack of the drafter's device memory: (count, last error)
         self.metrics.drafter_up.set(1 if drafter_ping is not None else 0)  # 0 without a drafter at all
         self._heartbeat_seen = False  # a DrafterHeartbeat reports (then the idle ping defers to it)
         self.draining = False
@@ -315,6 +317,9 @@ class VerifierWorker:
         says so."""
         detail = "" if self.drafter_ok else \
             f"decoding without speculation: {self.drafter_detail or 'the drafter is not answering'}"
+        if self.drafter_oom[0]:  # never silent: readiness says so until the server restarts
+            oom = f"the drafter ran out of device memory {self.drafter_oom[0]} time(s) (last: {self.drafter_oom[1]})"
+            detail = f"{detail}; {oom}" if detail else oom
         return Pong(nonce, self.info.epoch, ready=True, draining=self.draining,
                     num_running=len(self._running), num_waiting=len(self._waiting), detail=detail)
 
@@ -505,6 +510,11 @@ class VerifierWorker:
             self._set_drafter(False, str(exc))
             log.error("drafter unavailable: %s", exc)
             self._error(entry, 503, f"the drafter is unavailable: {exc}", None, "drafter_unavailable")
+        elif isinstance(exc, DrafterError) and is_out_of_memory(str(exc)):
+            log.error("%s (lower --max-running or --max-context, or --gpu-memory-utilization)", exc)
+            self.drafter_oom = (self.drafter_oom[0] + 1, str(exc)[:200])
+            self.metrics.drafter_oom.inc()
+            self._error(entry, 500, str(exc), None, "drafter_out_of_memory")
         elif isinstance(exc, DrafterError):
             log.error("%s", exc)
             self._error(entry, 500, str(exc), None, "drafter_error")

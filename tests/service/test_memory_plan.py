@@ -132,3 +132,59 @@ def test_the_drafter_reports_its_context_bytes_per_position():
     buf = service._ctx["r"]  # [L, 2, Hkv, cap, Dh]
     layers, per_position = buf.shape[0], buf.nbytes // buf.shape[3]
     assert service.info()["context_bytes"] == per_position * (layers + 1) // layers
+
+
+def test_a_drafter_out_of_memory_is_a_metric_and_a_readiness_detail():
+    """A draft that failed for lack of the drafter's device memory ends its request with a
+    ``drafter_out_of_memory`` error, counts in the metric, and readiness says so (still ready:
+    other requests are served); any other drafter error does neither."""
+    from services import protocol as p
+    from services.devices import is_out_of_memory
+    from services.metrics import DRAFTER_OOM
+    from services.verifier.remote_drafter import DrafterError
+    from services.verifier.worker import VerifierWorker
+    from tests.doubles import FakeEngine
+
+    from .fakes import fake_params, verifier_info
+
+    oom = DrafterError("drafter: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    engine = FakeEngine(fail_on_step=1, fail_with=oom)
+    sent = []
+    worker = VerifierWorker(engine, verifier_info(400), VerifierWorkerConfig(), params=fake_params,
+                            send=lambda identity, msg: sent.append(msg))
+    worker.post(b"c", p.Generate("a", [5, 6], p.SamplingSpec(max_tokens=4), p.SpecSpec()))
+    for _ in range(3):
+        worker.run_once(idle_timeout=0.01)
+    errors = [m for m in sent if isinstance(m, p.RequestError)]
+    assert [(e.status, e.code) for e in errors] == [(500, "drafter_out_of_memory")]
+    assert worker.metrics.registry.get_sample_value(DRAFTER_OOM) == 1
+    pong = worker.status()
+    assert pong.ready and pong.detail.startswith("the drafter ran out of device memory 1 time(s) (last: drafter: "
+                                                 "OutOfMemoryError: CUDA out of memory.")
+    assert is_out_of_memory(MemoryError()) and not is_out_of_memory(DrafterError("drafter: ValueError: bad knob"))
+
+
+def test_the_drafter_counts_its_out_of_memory_drafts_and_says_so_in_the_reply():
+    from services import protocol as p
+    from services.devices import is_out_of_memory
+    from services.drafter.worker import DrafterWorker
+    from services.ipc_pool import FrameTransport
+    from services.metrics import DRAFTER_ERRORS, DRAFTER_OUT_OF_MEMORY
+    from services.wire import decode, encode
+    from tests.doubles import FakeDrafterService
+
+    class OutOfMemoryService(FakeDrafterService):
+        def _draft(self, job):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    replies, transport = [], FrameTransport()
+    worker = DrafterWorker(OutOfMemoryService(), p.PeerInfo(role="drafter", epoch="d", vocab_size=400), transport,
+                           send=lambda identity, msg, frames=(): replies.append(msg))
+    metas, frames = transport.pack([torch.ones(2, 8)])
+    job = p.DraftRequest("a", 1, [1, 1], metas[0], 2, 2, p.SpecSpec(method="dartree-pruned", budget=3))
+    worker.inbox.put((b"v", decode(encode(p.DraftBatch([job]), [bytes(f) for f in frames]))))
+    worker.run_once(timeout=1)
+    assert [r.error for r in replies] == ["OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
+    assert is_out_of_memory(replies[0].error)
+    reg = worker.metrics.registry
+    assert reg.get_sample_value(DRAFTER_OUT_OF_MEMORY) == 1 and reg.get_sample_value(DRAFTER_ERRORS) == 1
