@@ -187,3 +187,18 @@ def test_the_cuda_rule_curve_prices_a_65_row_verify_near_one_step():
     cuda = dict(rule_curve(0.010, "bfloat16", sweep_rows(64), device="cuda:0"))
     cpu = dict(rule_curve(0.010, "bfloat16", sweep_rows(64)))
     assert cuda[65] == pytest.approx(0.010 * 1.096) and cpu[65] == pytest.approx(0.010 * 2.92)
+
+
+@pytest.mark.gpu
+def test_a_cuda_ipc_pool_built_for_bare_cuda_sends_through_its_slots():
+    """``--device cuda`` used to make a pool on ``torch.device("cuda")``, which a tensor on ``cuda:0``
+    never equals: every tensor went out as a host frame."""
+    import torch
+
+    from services.ipc_pool import CudaIpcTransport
+
+    t = CudaIpcTransport("cuda", num_slots=2, slot_bytes=4096)
+    assert str(t.device) == normalize_device("cuda")
+    t._send_via_pool = True  # as after a handshake with a peer that maps pools (another process)
+    metas, frames = t.pack([torch.ones(4, device="cuda")])
+    assert metas[0].slot == 0 and frames == []
