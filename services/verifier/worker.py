@@ -654,13 +654,7 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     if drafter is not None and drafter.feature_dim and drafter.feature_dim != target.feature_dim:
         raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
     compile = auto_compile(target) if config.compile is None else config.compile
-    running, context = config.max_running, config.max_context or None
-    if config.device.startswith("cuda"):  # after both models loaded: derive or check the limits, log the plan
-        from services.memory_plan import plan_verifier_memory
-
-        mem = plan_verifier_memory(config, target, drafter, graphed=compile,
-                                   transport=getattr(drafter_client, "transport", None))
-        running, context = mem.max_running, mem.max_context
+    running, context = engine_limits(config, target, drafter, drafter_client, compile)
     engine_config = EngineConfig(max_context=context, max_running=running,
                                  prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
                                  kv_bucket=config.kv_bucket, overlap=config.overlap, compile=compile,
@@ -691,6 +685,24 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
     log.info("weight file pages dropped: %.0f MB resident before", drop_file_pages() / 2**20)
     log_memory(target, engine)
     return engine, target, target_dir
+
+
+def engine_limits(config: VerifierWorkerConfig, target, drafter: PeerInfo | None, drafter_client,
+                  compile: bool) -> tuple[int, int | None]:
+    """``(max_running, max_context)`` of the engine: the config's on CPU (context None = the
+    target's); on CUDA, after both models loaded, the memory plan's (derived or checked, logged:
+    :func:`services.memory_plan.plan_verifier_memory`; CUDA graphs with ``compile``).
+
+    Raises:
+        ValueError: the limits do not fit the device (one line naming the flag).
+    """
+    if not config.device.startswith("cuda"):
+        return config.max_running, config.max_context or None
+    from services.memory_plan import plan_verifier_memory
+
+    mem = plan_verifier_memory(config, target, drafter, graphed=compile,
+                               transport=getattr(drafter_client, "transport", None))
+    return mem.max_running, mem.max_context
 
 
 def compiled_cold(engine) -> int:
