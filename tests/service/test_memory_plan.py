@@ -188,3 +188,19 @@ def test_the_drafter_counts_its_out_of_memory_drafts_and_says_so_in_the_reply():
     assert is_out_of_memory(replies[0].error)
     reg = worker.metrics.registry
     assert reg.get_sample_value(DRAFTER_OUT_OF_MEMORY) == 1 and reg.get_sample_value(DRAFTER_ERRORS) == 1
+
+
+def test_the_engine_limits_come_from_the_plan_on_cuda_only(monkeypatch):
+    from services import memory_plan
+    from services.verifier.worker import engine_limits
+
+    cfg = SHAPES["qwen3-4b"]
+    target = SimpleNamespace(config=SimpleNamespace(to_dict=lambda: dict(cfg)), dtype=torch.bfloat16,
+                             feature_dim=5 * 2560, max_context=40960, device="cuda:0")
+    drafter = PeerInfo(role="drafter", epoch="e", context_bytes=24_576)
+    assert engine_limits(VerifierWorkerConfig(max_context=4096), target, drafter, None, True) == (8, 4096)  # CPU
+    monkeypatch.setattr(memory_plan, "device_memory", lambda device: (14 * GIB, 24 * GIB))
+    assert engine_limits(VerifierWorkerConfig(device="cuda:0"), target, drafter, None, True) == (5, 8192)
+    given = VerifierWorkerConfig(device="cuda:0", max_running=8, max_context=40960)
+    with pytest.raises(ValueError, match=r"^--max-running 8 at --max-context 40960 needs .* lower --max-context to"):
+        engine_limits(given, target, drafter, None, True)
