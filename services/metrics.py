@@ -329,8 +329,8 @@ class DrafterMetrics:
         self.contexts = Gauge(DRAFTER_CONTEXTS, "Requests with a live drafter context.", registry=r)
         self.calls = Counter(DRAFTER_CALLS, "Messages handled by type.", ["type"], registry=r)
         self.errors = Counter(DRAFTER_ERRORS, "Draft calls that raised.", registry=r)
-        self.out_of_memory = Counter(DRAFTER_OUT_OF_MEMORY, "Draft calls that ran out of device memory (also "
-                                     "counted in dartree_drafter_errors_total).", registry=r)
+        self.out_of_memory = Counter(DRAFTER_OUT_OF_MEMORY, "Drafts (one per request) that ran out of device "
+                                     "memory (also counted in dartree_drafter_errors_total).", registry=r)
         self.batch_jobs = Histogram("dartree_drafter_batch_jobs", "Requests drafted in one batched drafter forward.",
                                     buckets=(1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0), registry=r)
         self.seconds = Histogram("dartree_drafter_seconds", "Drafter compute time by phase.", ["phase"],

@@ -255,7 +255,6 @@ class DrafterWorker:
                 self.metrics.errors.inc()
                 if is_out_of_memory(res):  # the verifier reports it (metric, readiness detail)
                     self.metrics.out_of_memory.inc()
-                    release_device_cache()
                 reply = DraftReply(j.request_id, j.round_id, self.info.epoch,
                                    error=f"{type(res).__name__}: {res}"[:4000])
             else:
@@ -266,6 +265,8 @@ class DrafterWorker:
                 for phase, seconds in timings.items():
                     self.metrics.seconds.labels(phase).observe(seconds)
             self.send(identity, reply, frames)
+        if any(isinstance(r, BaseException) and is_out_of_memory(r) for r in results):
+            release_device_cache()  # the next batch starts from what is really in use
 
     def _draft_jobs(self, jobs: list, feats: list) -> list:
         """``service.draft_batch`` over the wire jobs whose knobs are valid; a job with a bad knob

@@ -72,8 +72,16 @@ class _BatchHandle:
         self.results, self.index = results, index
 
     def result(self) -> tuple[DraftTree, dict[str, float]]:
+        """The job's ``(tree, timings)``; raises its error (out of memory: as a drafter process's
+        error reply, a :class:`~services.verifier.remote_drafter.DrafterError` naming it)."""
         out = self.results[self.index]
         if isinstance(out, BaseException):
+            from services.devices import is_out_of_memory
+
+            if is_out_of_memory(out):
+                from services.verifier.remote_drafter import DrafterError
+
+                raise DrafterError(f"drafter: {type(out).__name__}: {out}") from out
             raise out
         return out
 
@@ -117,12 +125,16 @@ class InprocDrafterClient:
             torch.set_num_threads(before)
 
     def _record(self, num_jobs: int, results: list) -> None:
+        from services.devices import is_out_of_memory
+
         m = self.metrics
         m.calls.labels("draft_batch").inc()
         m.batch_jobs.observe(num_jobs)
         for res in results:
             if isinstance(res, BaseException):
                 m.errors.inc()
+                if is_out_of_memory(res):
+                    m.out_of_memory.inc()
             else:
                 for phase, seconds in res[1].items():
                     m.seconds.labels(phase).observe(seconds)

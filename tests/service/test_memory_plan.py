@@ -204,3 +204,25 @@ def test_the_engine_limits_come_from_the_plan_on_cuda_only(monkeypatch):
     given = VerifierWorkerConfig(device="cuda:0", max_running=8, max_context=40960)
     with pytest.raises(ValueError, match=r"^--max-running 8 at --max-context 40960 needs .* lower --max-context to"):
         engine_limits(given, target, drafter, None, True)
+
+
+def test_an_in_process_drafter_out_of_memory_reads_as_the_drafter_process_error():
+    """With the drafter inside the verifier, its out-of-memory error reaches the worker as a drafter
+    process's would (a DrafterError naming it: the same error code, metric and readiness detail)."""
+    from services.metrics import DRAFTER_OUT_OF_MEMORY, DrafterMetrics
+    from services.verifier.drafter_client import InprocDrafterClient
+    from services.verifier.remote_drafter import DrafterError
+
+    class OutOfMemoryService:
+        def draft_batch(self, jobs):
+            return [torch.cuda.OutOfMemoryError("CUDA out of memory.")] * len(jobs)
+
+        def num_contexts(self):
+            return 0
+
+    metrics = DrafterMetrics()
+    client = InprocDrafterClient(OutOfMemoryService(), metrics)
+    (handle,) = client.submit([object()])
+    with pytest.raises(DrafterError, match=r"^drafter: OutOfMemoryError: CUDA out of memory\.$"):
+        client.collect(handle)
+    assert metrics.registry.get_sample_value(DRAFTER_OUT_OF_MEMORY) == 1
