@@ -202,3 +202,34 @@ def test_a_cuda_ipc_pool_built_for_bare_cuda_sends_through_its_slots():
     t._send_via_pool = True  # as after a handshake with a peer that maps pools (another process)
     metas, frames = t.pack([torch.ones(4, device="cuda")])
     assert metas[0].slot == 0 and frames == []
+
+
+def test_serve_plans_every_worker_on_cuda_with_its_index(tmp_path, monkeypatch):
+    """``dartree serve --device cuda``: the supervisor normalises the flag once, so the verifier's and
+    the drafter's configs (and so their CUDA-IPC pools) name ``cuda:0``."""
+    import argparse
+    import shutil
+
+    import torch
+
+    from services import devices
+    from services.serve import add_serve_args, plan
+
+    from .tiny import make_tiny_models
+
+    target, drafter = make_tiny_models(tmp_path)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    for name in ("DARTREE_DRAFTER_PLACEMENT", "DARTREE_OVERLAP", "DARTREE_DRAFTER_ENDPOINT", "DARTREE_DEVICE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(devices, "_torch_cuda", lambda: FakeCuda(count=1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the preflight's own check
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--target", str(target), "--drafter", str(drafter), "--weights", "float32",
+                              "--device", "cuda", "--port", "18451", "--verifier-metrics-port", "18452",
+                              "--drafter-metrics-port", "18453"])
+    sup, _gateway, verifier, drafter_cfg, rt = plan(args)
+    if rt is not None:
+        shutil.rmtree(rt, ignore_errors=True)
+    assert verifier.device == drafter_cfg.device == "cuda:0" and sup.drafter_placement == "process"
+    assert verifier.max_running is None  # planned by the verifier from the device's memory
