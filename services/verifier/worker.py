@@ -511,7 +511,7 @@ class VerifierWorker:
             log.error("drafter unavailable: %s", exc)
             self._error(entry, 503, f"the drafter is unavailable: {exc}", None, "drafter_unavailable")
         elif isinstance(exc, DrafterError) and is_out_of_memory(str(exc)):
-            log.error("%s (lower --max-running or --max-context, or --gpu-memory-utilization)", exc)
+            log.error("%s (lower --max-running, --max-context or --gpu-memory-utilization)", exc)
             self.drafter_oom = (self.drafter_oom[0] + 1, str(exc)[:200])
             self.metrics.drafter_oom.inc()
             self._error(entry, 500, str(exc), None, "drafter_out_of_memory")
@@ -675,8 +675,9 @@ def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo
             target_dir.name, str(target.weights), config.device, drafter_tag(drafter))))
     cache = engine.runner.cache
     cache.prefix.max_bytes = config.prefix_cache_mib * 2**20
-    log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; pages committed as used)",
-             cache.num_slots, cache.capacity, cache.nbytes() / 2**30, target.weights, config.device)
+    log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; %s)", cache.num_slots, cache.capacity,
+             cache.nbytes() / 2**30, target.weights, config.device,
+             "allocated on the device" if config.device.startswith("cuda") else "pages committed as used")
     from services.weights import release_freed_memory
 
     release_freed_memory()  # what the engine build freed (the cost sweep's activations) leaves the RSS
