@@ -62,7 +62,7 @@ log = logging.getLogger("verifier.cost")
 SWEEP_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33)
 # extra seconds per extra row, as a fraction of a one-row forward, of the rule-based curve. On CUDA a
 # verify of a few dozen rows reads the same weights as one row (decoding is bound by reading them):
-# 65 rows at ~1.1 one-row steps, an estimate, not measured here (the CPU slopes were)
+# 65 rows at ~1.1 one-row steps (an estimate: no GPU has timed this code yet)
 RULE_SLOPE = {"float32": 0.1, "default": 0.03}
 RULE_SLOPE_CUDA = 0.0015
 
