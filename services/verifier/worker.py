@@ -70,13 +70,14 @@ class VerifierWorkerConfig:
             GGUF's 4-bit blocks, bfloat16 activations) or auto (the fastest here, measured once and
             cached); a concrete format overrides ``dtype``.
         max_running: requests decoded concurrently, each in its own KV slot, all in one batched step
-            (unset: 8 on CPU; on CUDA planned from the device's free memory, at most 8,
-            :mod:`services.memory_plan`); max_waiting: queued beyond that (429 after).
+            (unset: 8 on CPU; on CUDA planned from the device's free memory, at most 8: see
+            docs/memory-plan.md); max_waiting: queued beyond that (429 after).
         max_context: context window (0 = the target's; on CUDA the longest that fits when that
             does not).
         gpu_memory_utilization: on CUDA, the fraction of the device's memory the server may use
             (weights, KV cache, feature history, drafter contexts, step buffers); the start-up plan
-            derives or checks max_running and max_context against it (:mod:`services.memory_plan`).
+            derives or checks the running requests and the context window against it
+            (docs/memory-plan.md).
         prefill_chunk: prompt tokens a request prefills per step (chunked prefill rides along with the
             running requests' rounds); max_step_tokens: rows one step may hold (verify rows + chunks;
             requests beyond it wait for the next step, the order rotates so none starves);
