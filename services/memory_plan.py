@@ -151,6 +151,7 @@ class MemoryNeeds:
                 "IPC slots": self.ipc_bytes, "prefix cache": self.prefix_cache_bytes}
 
     def slot_bytes(self, context: int) -> int:
+        """Bytes of one request slot at a context of ``context`` tokens, all parts."""
         return sum(self.per_slot(context).values())
 
 
@@ -271,11 +272,11 @@ def _derive_both(needs: MemoryNeeds, budget: int, cap: int, where: str) -> tuple
     running = _most_slots(needs, budget, floor)
     if running >= 1:
         return running, floor
-    context = _longest_context(needs, budget, 1 + needs.extra_slots, cap)
-    if context < min(MIN_CONTEXT, cap):
-        need = (1 + needs.extra_slots) * needs.slot_bytes(min(MIN_CONTEXT, cap)) + sum(needs.fixed(cap).values())
+    context, least = _longest_context(needs, budget, 1 + needs.extra_slots, cap), min(MIN_CONTEXT, cap)
+    if context < least:
+        need = (1 + needs.extra_slots) * needs.slot_bytes(least) + sum(needs.fixed(least).values())
         smaller = f", or pass --max-context {context} or less" if context else ""
-        raise ValueError(f"not even one request with a {min(MIN_CONTEXT, cap)}-token context fits: it needs "
+        raise ValueError(f"not even one request with a {least}-token context fits: it needs "
                          f"{gib(need)} with the step's buffers, {where}: raise --gpu-memory-utilization or free "
                          f"the device{smaller}")
     return 1, context
