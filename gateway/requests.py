@@ -150,7 +150,8 @@ class RequestBuilder:
 
     def _structured(self, req) -> tuple[ToolPlan | None, str | None]:
         """The request's tool plan and grammar (``response_format``, or a forced tool call), JSON in
-        the configured layout (``json_whitespace``).
+        the configured layout (``json_whitespace``); objects closed to their declared properties
+        (tool arguments always, a ``json_schema`` unless its ``strict`` is false).
 
         Raises:
             ApiError: an invalid schema or tool definition, or both a JSON ``response_format`` and a
@@ -171,7 +172,7 @@ class RequestBuilder:
             raise ApiError(400, "'response_format.json_schema.schema' is required", "response_format.json_schema.schema",
                            "missing_required_parameter")
         return plan, checked_grammar(rf.json_schema.json_schema, "response_format.json_schema.schema",
-                                     whitespace=ws)
+                                     whitespace=ws, strict=rf.json_schema.strict is not False)
 
     def _prompt(self, req, plan: ToolPlan | None = None) -> tuple[list[int], str]:
         if isinstance(req, ChatCompletionRequest):

@@ -72,7 +72,9 @@ NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function and schema
 
 
 class JsonSchemaFormat(_Strict):
-    """``response_format.json_schema``: the schema the output must match (``strict`` is always on)."""
+    """``response_format.json_schema``: the schema the output must match (always enforced); ``strict``
+    true or omitted also closes its objects to their declared properties, false keeps JSON Schema's
+    default of allowing undeclared ones (gateway/tools.py ``closed_schema``)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
 

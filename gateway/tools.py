@@ -35,8 +35,49 @@ PARALLEL_TOOL_PROMPT = ("You can call the functions listed below. To call them, 
                         "call per line, and nothing else.\nFunctions:\n")
 
 
+# Keywords whose value is one subschema / a list of subschemas / a map of name -> subschema.
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+              "additionalProperties", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_schema(schema, _in_all_of: bool = False):
+    """``schema`` in strict mode (vLLM's default grammar mode, OpenAI's ``strict: true``): every
+    object schema that does not say otherwise gets ``additionalProperties: false``, so only its
+    declared ``properties`` (and ``patternProperties``) may appear. A schema that sets
+    ``additionalProperties`` (or ``unevaluatedProperties``) keeps its own rule, and the members of an
+    ``allOf`` (and the object holding it) keep JSON Schema's default, since closing each member would
+    refuse the properties the others declare. Subschemas are closed at any depth (``properties``,
+    ``items``, ``anyOf``, ``$defs``...). A new schema is returned; ``schema`` is not changed.
+    """
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_schema(s) for name, s in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed_schema(s, _in_all_of=True) for s in out["allOf"]]
+    types = out.get("type")
+    is_object = types == "object" or (isinstance(types, list) and "object" in types) or "properties" in out
+    if (is_object and not _in_all_of and "allOf" not in out
+            and "additionalProperties" not in out and "unevaluatedProperties" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
 def json_schema_grammar(schema: dict | None, whitespace: str = "flexible") -> str:
     """The llguidance grammar (a JSON string) of a JSON ``schema``; ``None``: any JSON object.
+    Properties follow ``schema`` as given (callers pass :func:`closed_schema` for strict mode).
 
     ``whitespace``: a :data:`JSON_WHITESPACE` layout, ``flexible`` (at most 20 spaces / newlines
     between tokens, as pretty-printed JSON has) or ``compact`` (none).
@@ -66,13 +107,18 @@ def calls_grammar(schema: dict, whitespace: str = "flexible") -> str:
     return json.dumps({"grammars": [{"name": "tool_calls", "lark_grammar": lark}]}, ensure_ascii=False)
 
 
-def checked_grammar(schema: dict | None, param: str, repeated: bool = False, whitespace: str = "flexible") -> str:
+def checked_grammar(schema: dict | None, param: str, repeated: bool = False, whitespace: str = "flexible",
+                    strict: bool = True) -> str:
     """:func:`json_schema_grammar` of ``schema`` (``repeated``: :func:`calls_grammar`) with the
-    ``whitespace`` layout, validated.
+    ``whitespace`` layout, validated; ``strict``: objects admit only their declared properties
+    unless they set ``additionalProperties`` (:func:`closed_schema`). ``None`` (any JSON object) is
+    never closed.
 
     Raises:
         ApiError: 400 naming ``param`` when the schema cannot be compiled or is too large.
     """
+    if strict and schema is not None:
+        schema = closed_schema(schema)
     try:
         grammar = calls_grammar(schema, whitespace) if repeated else json_schema_grammar(schema, whitespace)
     except (ValueError, TypeError) as exc:
