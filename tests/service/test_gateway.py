@@ -224,6 +224,30 @@ def test_not_ready_and_draining_are_503(bl_harness):
     assert run(h.client.get("/v1/models")).status_code == 200
 
 
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_bare_health_answers_as_ready(bl_harness, method):
+    """``/health`` (the path vLLM, TGI and llama.cpp answer, which benchmark clients, load balancers
+    and probes call) answers as ``/health/ready``: 200 when ready, 503 with the reason when not or
+    when draining."""
+    h = bl_harness
+
+    def probe():
+        r = run(h.client.request(method, "/health"))
+        ready = run(h.client.request(method, "/health/ready"))
+        assert (r.status_code, r.content) == (ready.status_code, ready.content)
+        return r
+
+    r = probe()
+    assert r.status_code == 200 and (method == "HEAD" or r.json() == {"status": "ready", "detail": "ready"})
+    h.engine.is_ready = False
+    r = probe()
+    assert r.status_code == 503 and (method == "HEAD" or r.json()["status"] == "unavailable")
+    h.engine.is_ready = True
+    h.gateway.begin_drain()
+    r = probe()
+    assert r.status_code == 503 and (method == "HEAD" or r.json()["detail"] == "draining")
+
+
 def test_health_answers_head_probes(bl_harness):
     """Monitors that probe with HEAD see the same status as GET (no 405)."""
     h = bl_harness
