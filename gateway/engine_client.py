@@ -41,6 +41,11 @@ from services.wire import decode, encode, make_socket, version_mismatch
 log = logging.getLogger(__name__)
 
 
+# how long rounds of an aborted request are still counted as discarded (the verifier drops the
+# request at its next step, so its late rounds arrive within a few steps)
+DISCARD_WINDOW_S = 60.0
+
+
 class EngineError(Exception):
     """The engine refused or failed a request; carries the HTTP status and OpenAI error fields."""
 
@@ -58,6 +63,9 @@ class EngineClient(ABC):
     # the reason sent when a request's reader stops early: a client that went away, unless the gateway
     # cut its in-flight requests at the drain timeout ("shutdown", :meth:`Gateway.cut_in_flight`)
     early_close_reason: str = "client"
+    # called with (abort reason, token count) for the tokens of rounds that arrive after a request was
+    # aborted (no client receives them); the gateway counts them in dartree_discarded_tokens_total
+    on_discarded: Callable[[str, int], None] | None = None
 
     @property
     @abstractmethod
@@ -95,6 +103,7 @@ class _QueueClient(EngineClient):
     def __init__(self) -> None:
         self._queues: dict[str, asyncio.Queue] = {}
         self._aborted: set[str] = set()
+        self._discarding: dict[str, tuple[str, float]] = {}  # aborted rid -> (reason, monotonic time)
 
     @abstractmethod
     def _send(self, msg) -> None: ...
@@ -104,6 +113,8 @@ class _QueueClient(EngineClient):
             q = self._queues.get(msg.request_id)
             if q is not None:
                 q.put_nowait(msg)
+            else:
+                self._discard(msg)
         elif isinstance(msg, RequestError):
             q = self._queues.get(msg.request_id)
             if q is not None:
@@ -146,13 +157,31 @@ class _QueueClient(EngineClient):
             self._queues.pop(rid, None)
             if not done:
                 self.abort(rid, reason or self.early_close_reason)
+            while not q.empty():  # rounds that arrived after the reader stopped
+                item = q.get_nowait()
+                if isinstance(item, RoundChunk):
+                    self._discard(item)
             self._aborted.discard(rid)
 
     def abort(self, request_id: str, reason: str = "client") -> None:
         if request_id in self._aborted:
             return
         self._aborted.add(request_id)
+        now = time.monotonic()
+        for rid in [r for r, (_, t) in self._discarding.items() if now - t > DISCARD_WINDOW_S]:
+            del self._discarding[rid]
+        self._discarding[request_id] = (reason, now)
         self._send(Abort(request_id, reason))
+
+    def _discard(self, chunk: RoundChunk) -> None:
+        """Count the tokens of a round of an aborted request, which no reader takes."""
+        entry = self._discarding.get(chunk.request_id)
+        if entry is None:
+            return
+        if chunk.finish_reason is not None:
+            del self._discarding[chunk.request_id]
+        if chunk.token_ids and self.on_discarded is not None:
+            self.on_discarded(entry[0], len(chunk.token_ids))
 
 
 class ZmqEngineClient(_QueueClient):

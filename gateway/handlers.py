@@ -71,6 +71,7 @@ class Gateway:
         self._idle = asyncio.Event()
         self._idle.set()
         self.requests = RequestBuilder(config, engine, text, self.model_name, self.readiness)
+        engine.on_discarded = lambda reason, n: self.metrics.discarded_tokens.labels(reason).inc(n)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -200,16 +201,18 @@ class Gateway:
     # --------------------------------------------------------------------------------- running
 
     async def _deltas(self, prep: Prepared) -> AsyncIterator[Delta]:
-        """Rounds -> deltas (stop strings applied); records latency metrics, the finish reason and the
-        prompt tokens (when the first round arrives: the verifier ran the prefill). The generated
-        tokens are counted where the response hands them to the client (:meth:`handle`, :meth:`_sse`)."""
+        """Rounds -> deltas (stop strings applied); records latency metrics, the finish reason, the
+        prompt tokens (when the first round arrives: the verifier ran the prefill) and the tokens past
+        a stop string (discarded). The generated tokens are counted where the response hands them to
+        the client (:meth:`handle`, :meth:`_sse`)."""
         text = CompletionText(self.text, prep.gen.prompt_ids, prep.stop)
         deadline = prep.arrival + self.config.request_timeout_s if self.config.request_timeout_s else None
         chunks = self.engine.generate(prep.gen, deadline=deadline)
         rows: deque[tuple[float, list[tuple[int, float]]]] = deque()  # logprobs of counted tokens not handed out
-        last, finish = None, "abort"
+        last, finish, received = None, "abort", 0
         try:
             async for chunk in chunks:
+                received += len(chunk.token_ids)
                 now = time.monotonic()
                 if last is None:
                     self.metrics.ttft.observe(now - prep.arrival)
@@ -236,6 +239,8 @@ class Gateway:
             raise
         finally:
             await chunks.aclose()
+            if text.stopped is not None and received > text.num_tokens:  # the round's tokens past the stop string
+                self.metrics.discarded_tokens.labels("stop_string").inc(received - text.num_tokens)
             self.metrics.requests.labels(finish or "abort").inc()
             self.metrics.e2e.observe(time.monotonic() - prep.arrival)
             log.info("finished: %s, %d completion tokens, %.3f s", finish or "abort", text.num_tokens,

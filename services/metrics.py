@@ -3,7 +3,8 @@
 Every metric name is defined here once (docs/design.md "Metrics"). Each process
 owns a disjoint set and exports it from its own registry:
 
-- verifier: ``dartree_spec_*``, ``dartree_round_seconds{phase}``, ``dartree_request_queue_seconds``,
+- verifier: ``dartree_spec_*``, ``dartree_emitted_tokens_total{phase}``, ``dartree_round_seconds{phase}``,
+  ``dartree_step_seconds``, ``dartree_request_queue_seconds``,
   ``dartree_num_requests_running`` / ``_waiting``, ``dartree_aborts_total{reason}``,
   ``dartree_spec_scheduled_budget`` / ``_width`` (the ``--tree-schedule`` pick at the current load);
   the speculation policy's ``dartree_spec_policy_*`` (budget per round, predicted vs realised tau,
@@ -13,7 +14,8 @@ owns a disjoint set and exports it from its own registry:
 - gateway: ``dartree_time_to_first_token_seconds``, ``dartree_inter_token_latency_seconds`` (time
   between two streamed rounds of one request), ``dartree_e2e_request_latency_seconds``,
   ``dartree_requests_total{finish_reason}``, ``dartree_prompt_tokens_total``,
-  ``dartree_generation_tokens_total``, ``dartree_rejected_requests_total{reason}``;
+  ``dartree_generation_tokens_total``, ``dartree_discarded_tokens_total{reason}``,
+  ``dartree_rejected_requests_total{reason}``;
 - drafter: ``dartree_drafter_*``; every process: ``dartree_ipc_errors_total{peer}``, ``dartree_info``.
 
 Counting convention (docs/serving.md "Metrics"; held by ``tests/reliability/test_counters.py``):
@@ -24,20 +26,25 @@ Counting convention (docs/serving.md "Metrics"; held by ``tests/reliability/test
   its client closes counts the events written before).
 - ``dartree_prompt_tokens_total`` (gateway) counts a request's prompt tokens when its first round
   comes back, i.e. once the verifier ran its prefill (requests closed while queued add nothing).
-- The verifier's spec counters count the tokens the verifier emitted in *speculative rounds* (after
-  EOS, stop ids and max_tokens cut a round). The prefill's first token is in none of them, and the
-  verifier does not know stop strings or disconnects: tokens of rounds it ran before the gateway's
-  abort arrived are counted too. So for requests that no stop string or disconnect cut,
-  ``completion_tokens == 1 + sum over its rounds of tokens emitted``. ``accept_length`` counts
-  accepted draft tokens (bonus excluded); the acceptance-length histogram observes tokens emitted
-  per round (bonus included), so its mean is tau, the verifier's tokens per round.
+- ``dartree_emitted_tokens_total{phase}`` (verifier) counts the tokens the verifier sent (prefill:
+  each request's first token; round: the tokens of decode rounds); ``dartree_discarded_tokens_total
+  {reason}`` (gateway) the ones no client received (past a stop string, or rounds that arrived after
+  an abort). So emitted = sum(completion_tokens) + discarded once no request is in flight.
+- The verifier's spec counters count decode rounds after their own cut (EOS, stop ids, max_tokens):
+  ``accept_length`` counts accepted draft tokens emitted (bonus excluded); the acceptance-length
+  histogram observes tokens emitted per round (bonus included), so its mean is tau.
+  ``dartree_spec_cut_rounds_total{reason}`` counts the finished rounds that emitted no bonus token,
+  so rounds + accepted = acceptance_length_sum + cut rounds.
+- ``dartree_round_seconds{phase}`` observes each phase once per decode round that has it (prefill:
+  once per prefill); ``dartree_step_seconds`` once per batched step.
 
 PromQL recipes (windows are examples)::
 
     # tau, mean tokens emitted per round (bonus included)
     sum(rate(dartree_spec_acceptance_length_sum[5m])) / sum(rate(dartree_spec_acceptance_length_count[5m]))
-    # the same from counters (equal except for rounds cut short by EOS/stop/length)
-    1 + sum(rate(dartree_spec_accepted_tokens_total[5m])) / sum(rate(dartree_spec_rounds_total[5m]))
+    # the same from counters (cut rounds emitted no bonus token)
+    (sum(rate(dartree_spec_rounds_total[5m])) + sum(rate(dartree_spec_accepted_tokens_total[5m]))
+      - sum(rate(dartree_spec_cut_rounds_total[5m]))) / sum(rate(dartree_spec_rounds_total[5m]))
     # draft acceptance rate (accepted draft tokens per proposed tree node)
     sum(rate(dartree_spec_accepted_tokens_total[5m])) / sum(rate(dartree_spec_draft_tokens_total[5m]))
     # acceptance by depth d (fraction of rounds whose accepted path reached depth d)
@@ -72,7 +79,11 @@ SPEC_ACCEPTED_TOKENS = "dartree_spec_accepted_tokens_total"
 SPEC_ACCEPTED_PER_DEPTH = "dartree_spec_accepted_tokens_per_depth_total"
 SPEC_ACCEPTANCE_LENGTH = "dartree_spec_acceptance_length"
 SPEC_GRAMMAR_MASKED = "dartree_spec_grammar_masked_tokens_total"
+SPEC_CUT_ROUNDS = "dartree_spec_cut_rounds_total"
+EMITTED_TOKENS = "dartree_emitted_tokens_total"
+DISCARDED_TOKENS = "dartree_discarded_tokens_total"
 ROUND_SECONDS = "dartree_round_seconds"
+STEP_SECONDS = "dartree_step_seconds"
 QUEUE_SECONDS = "dartree_request_queue_seconds"
 REQUESTS_RUNNING = "dartree_num_requests_running"
 REQUESTS_WAITING = "dartree_num_requests_waiting"
@@ -187,8 +198,17 @@ class VerifierMetrics:
                                       "accepted; structured output and tool calls).", ["method"], registry=r)
         self.acceptance = Histogram(SPEC_ACCEPTANCE_LENGTH, "Tokens emitted per round, bonus included (mean = tau).",
                                     ["method"], buckets=ACCEPTANCE_BUCKETS, registry=r)
-        self.round_seconds = Histogram(ROUND_SECONDS, "Round time by phase.", ["phase"], buckets=ROUND_BUCKETS,
-                                       registry=r)
+        self.cut_rounds = Counter(SPEC_CUT_ROUNDS, "Rounds that ended their request before emitting the bonus "
+                                  "token of their verified path, by finish reason (stop: EOS, a stop id or the "
+                                  "grammar's end; length: max_tokens).", ["method", "reason"], registry=r)
+        self.emitted = Counter(EMITTED_TOKENS, "Tokens the verifier sent to the gateway (after EOS, stop ids and "
+                               "max_tokens), by phase: prefill (each request's first token) or round.", ["phase"],
+                               registry=r)
+        self.round_seconds = Histogram(ROUND_SECONDS, "Per-round time by phase (one observation per decode round "
+                                       "that has the phase; prefill: one per request's prefill).", ["phase"],
+                                       buckets=ROUND_BUCKETS, registry=r)
+        self.step_seconds = Histogram(STEP_SECONDS, "Target forward time of one batched step (shared by every "
+                                      "request of the step).", buckets=ROUND_BUCKETS, registry=r)
         self.queue = Histogram(QUEUE_SECONDS, "Time from arrival at the verifier to the first round.",
                                buckets=TTFT_BUCKETS, registry=r)
         self.running = Gauge(REQUESTS_RUNNING, "Requests being decoded.", registry=r)
@@ -278,13 +298,25 @@ class VerifierMetrics:
             self.policy_step_seconds.labels("predicted").inc(predicted_seconds)
             self.policy_step_seconds.labels("measured").inc(wall_seconds)
 
+    def observe_prefill(self, num_emitted: int, seconds: float) -> None:
+        """A request's prefill: its first token (0 when the prompt ended at once) and its time."""
+        self.emitted.labels("prefill").inc(num_emitted)
+        if seconds > 0:
+            self.round_seconds.labels("prefill").observe(seconds)
+
     def observe_round(self, method: str, num_draft_tokens: int, accept_length: int,
                       accepted_per_depth: list[int], num_emitted: int, timings: dict[str, float],
-                      prefill_seconds: float = 0.0, grammar_masked: int = 0) -> None:
-        """Record one engine round (a ``RoundOutput``'s fields; ``timings`` include ``sampling``, the
-        logit processors and grammar masks, when a request has them)."""
+                      prefill_seconds: float = 0.0, grammar_masked: int = 0,
+                      finish_reason: str | None = None) -> None:
+        """Record one engine decode round (a ``RoundOutput``'s fields; ``timings`` include
+        ``sampling``, the logit processors and grammar masks, when a request has them). A finished
+        round that emitted no bonus token (``num_emitted == accept_length``) is a cut round of its
+        ``finish_reason``: rounds + accepted = emitted + cut rounds (docs/serving.md "Metrics")."""
         self.stats.observe_round(num_draft_tokens, accept_length, accepted_per_depth, num_emitted)
         self.rounds.labels(method).inc()
+        self.emitted.labels("round").inc(num_emitted)
+        if finish_reason is not None and num_emitted == accept_length:
+            self.cut_rounds.labels(method, finish_reason).inc()
         if grammar_masked:
             self.grammar_masked.labels(method).inc(grammar_masked)
         self.draft_tokens.labels(method).inc(num_draft_tokens)
@@ -314,6 +346,11 @@ class GatewayMetrics:
                                      "(counted when the first round arrives).", registry=r)
         self.generation_tokens = Counter(GENERATION_TOKENS, "Completion tokens handed to clients (usage of "
                                          "non-streamed responses, tokens of written stream events).", registry=r)
+        self.discarded_tokens = Counter(DISCARDED_TOKENS, "Tokens the verifier emitted that no client received, "
+                                        "by reason: stop_string (past a stop string's match, in its round and in "
+                                        "rounds run before the abort reached the verifier), or the abort reason "
+                                        "(client, deadline...) of rounds that arrived after the request was "
+                                        "aborted.", ["reason"], registry=r)
         self.rejected = Counter(REJECTED, "Requests refused before generation, by reason.", ["reason"], registry=r)
         self.in_flight = Gauge("dartree_gateway_requests_in_flight", "Requests the gateway is serving.",
                                registry=r)

@@ -68,3 +68,26 @@ def test_gateway_and_drafter_adapters_have_separate_registries():
         assert name in text
     assert "dartree_spec" not in text
     assert "dartree_drafter_contexts" in generate_latest(d.registry).decode()
+
+
+def test_cut_rounds_emitted_tokens_and_step_seconds():
+    """A finished round that emitted no bonus token is a cut round of its finish reason, so rounds +
+    accepted == emitted + cut rounds; prefill tokens are counted apart; steps have their own histogram."""
+    vm = m.VerifierMetrics()
+    vm.observe_prefill(1, 0.05)
+    vm.observe_round("ddtree", 8, 3, [1, 1, 1], 4, {"total": 0.01})                       # full round
+    vm.observe_round("ddtree", 8, 2, [1, 1], 2, {"total": 0.01}, finish_reason="stop")    # EOS after 2 accepted
+    vm.observe_round("ddtree", 8, 1, [1], 2, {"total": 0.01}, finish_reason="length")     # bonus emitted: not cut
+    vm.observe_round("ddtree", 8, 0, [], 0, {"total": 0.01}, finish_reason="stop")        # EOS as the bonus
+    vm.step_seconds.observe(0.02)
+    r = vm.registry
+    assert _value(r, m.SPEC_CUT_ROUNDS, method="ddtree", reason="stop") == 2
+    assert _value(r, m.SPEC_CUT_ROUNDS, method="ddtree", reason="length") == 0
+    assert _value(r, m.EMITTED_TOKENS, phase="prefill") == 1 and _value(r, m.EMITTED_TOKENS, phase="round") == 8
+    rounds, accepted = _value(r, m.SPEC_ROUNDS, method="ddtree"), _value(r, m.SPEC_ACCEPTED_TOKENS, method="ddtree")
+    emitted = _value(r, m.SPEC_ACCEPTANCE_LENGTH + "_sum", method="ddtree")
+    assert rounds + accepted == emitted + 2
+    assert _value(r, m.ROUND_SECONDS + "_count", phase="total") == rounds
+    assert _value(r, m.ROUND_SECONDS + "_count", phase="prefill") == 1
+    assert _value(r, m.STEP_SECONDS + "_count") == 1
+

@@ -486,7 +486,7 @@ class VerifierWorker:
         m.prefill_chunk_tokens.inc(st.prefill_tokens)
         m.drafter_wait.inc(st.draft_wait_seconds)
         m.drafter_busy.inc(st.draft_seconds)
-        m.round_seconds.labels("step").observe(st.forward_seconds)
+        m.step_seconds.observe(st.forward_seconds)
         if st.decoding:
             m.observe_policy_step(st.speculating, st.predicted_seconds, st.wall_seconds)
 
@@ -526,12 +526,11 @@ class VerifierWorker:
 
     def _observe(self, entry: _Entry, out) -> None:
         if out.is_prefill:
-            if out.prefill_seconds:
-                self.metrics.round_seconds.labels("prefill").observe(out.prefill_seconds)
+            self.metrics.observe_prefill(len(out.token_ids), out.prefill_seconds)
             return
         self.metrics.observe_round(entry.method, out.num_draft_tokens, out.accept_length, list(out.accepted_per_depth),
                                    len(out.token_ids), dict(out.timings), out.prefill_seconds,
-                                   getattr(out, "grammar_masked", 0))
+                                   getattr(out, "grammar_masked", 0), out.finish_reason)
         predicted = out.predicted_tau if out.finish_reason is None else None
         self.metrics.observe_policy_round(entry.method, out.num_draft_tokens, predicted, out.accept_length + 1)
 
