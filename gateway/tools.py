@@ -75,6 +75,10 @@ def closed_schema(schema, _in_all_of: bool = False):
     return out
 
 
+STRICT_HINT = (" (objects admit only the properties they declare unless they set 'additionalProperties'; "
+               "docs/serving.md, strict objects)")
+
+
 def json_schema_grammar(schema: dict | None, whitespace: str = "flexible") -> str:
     """The llguidance grammar (a JSON string) of a JSON ``schema``; ``None``: any JSON object.
     Properties follow ``schema`` as given (callers pass :func:`closed_schema` for strict mode).
@@ -125,7 +129,8 @@ def checked_grammar(schema: dict | None, param: str, repeated: bool = False, whi
         raise ApiError(400, f"invalid JSON schema in '{param}': {exc}", param, "invalid_value") from None
     err = grammar_error(grammar)
     if err:
-        raise ApiError(400, f"invalid JSON schema in '{param}': {err}", param, "invalid_value")
+        hint = STRICT_HINT if strict and schema is not None and "nsatisfiable" in err else ""
+        raise ApiError(400, f"invalid JSON schema in '{param}': {err}{hint}", param, "invalid_value")
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise ApiError(400, f"the JSON schema in '{param}' is too large", param, "invalid_value")
     return grammar

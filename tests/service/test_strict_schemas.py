@@ -109,6 +109,20 @@ def test_response_format_strict_closes_objects_unless_false(bytelevel_dir, tok, 
     assert accepts(tok, grammar, '{"city": "Paris", "type": "object"}') == (strict is False)
 
 
+def test_a_required_property_never_declared_is_a_400_that_says_why():
+    """Strict objects make ``required`` names outside ``properties`` unsatisfiable: refused up front
+    (400 naming the field, with the rule), never a request that cannot finish."""
+    from gateway.schemas import ApiError
+
+    bad = {"type": "object", "required": ["city"]}
+    with pytest.raises(ApiError) as e:
+        checked_grammar(bad, "tools[0].function.parameters")
+    assert e.value.status == 400 and e.value.body()["error"]["param"] == "tools[0].function.parameters"
+    assert "additionalProperties" in e.value.body()["error"]["message"]
+    assert checked_grammar(bad, "p", strict=False)  # JSON Schema's default: an undeclared key may be written
+    assert checked_grammar({**bad, "additionalProperties": True}, "p")
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("tool_choice,parallel", [("required", None), (NAMED, False)])

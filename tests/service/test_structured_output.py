@@ -390,6 +390,12 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]},
      "tools[0].function.parameters"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    # strict objects: a required property the schema never declares can never be written
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["x"]}}}]},
+     "tools[0].function.parameters"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"a": {"type": "object", "required": ["b"]}}, "required": ["a"]}}}},
+     "response_format.json_schema.schema"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]},
      "messages[0].tool_calls"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
