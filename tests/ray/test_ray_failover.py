@@ -2,8 +2,10 @@
 
 - kill -9 of one unit's verifier while 4 clients send requests (2 streaming): every request that had
   not started streaming is answered 200 (the replica retries it once the supervisor restarted the
-  verifier); a stream cut after it started ends with an error event and ``[DONE]``; then kill -9 of that unit's whole supervisor: Ray's health check fails and Ray replaces
-  the replica (a new replica id, two running), and requests keep being answered.
+  verifier); a stream cut after it started ends with an error event and ``[DONE]``; the unit serves
+  again (restarted by its supervisor, or replaced by Ray if its health check failed first).
+- kill -9 of a unit's supervisor (nothing restarts it): Ray's health check fails and Ray replaces the
+  replica (a new replica id, two running); requests get 200 or a clean 503 meanwhile, 200 after.
 - autoscaling: 1 replica -> 2 under load (target 1 ongoing request) -> back to 1 when the load stops.
 """
 
@@ -100,36 +102,6 @@ def fresh(cluster):
         serve.delete(APP_NAME)
 
 
-def test_kill_9_verifier_loses_nothing_and_a_dead_unit_is_replaced(fresh, tiny):
-    scale = ScaleConfig(replicas=2, num_cpus=0.5, health_check_period_s=2, health_check_timeout_s=10)
-    base = run_app(fresh, RayAppConfig(UnitSpec(unit_flags(tiny[0])), scale))
-    targets = _wait(lambda: _targets(base) if len(_targets(base)) == 2 else None, 30, "two replicas registered")
-    victim, ports = sorted(targets.items())[0]
-    with Load(base, 4, streams=True) as load:
-        time.sleep(2)
-        os.kill(_listener_pid(ports["verifier"]), signal.SIGKILL)
-        # the supervisor restarts the verifier; its metrics port answers again
-        _wait(lambda: _has_listener(ports["verifier"]), 60, "the verifier restart")
-        time.sleep(3)
-        n_after_restart = len(load.statuses)
-    assert load.statuses and not load.errors, load.errors[:3]
-    assert len(load.statuses) > n_after_restart or n_after_restart > 0
-
-    # now the whole unit: its supervisor (the gateway's parent) is killed; Ray must replace the replica
-    supervisor = psutil.Process(_listener_pid(ports["gateway"])).parent()
-    with Load(base, 2) as load:
-        time.sleep(1)
-        supervisor.kill()
-        _wait(lambda: victim not in replica_ids() and replica_states().get("RUNNING") == 2, 180,
-              "the replacement of the dead replica")
-        time.sleep(2)
-        n_before = len(load.statuses)
-        time.sleep(5)
-    assert len(load.statuses) > n_before  # served after the replacement
-    # requests routed to the dead replica before Ray noticed got a clean 503 (never a hang)
-    assert all(s in (200, 503) for s in load.statuses)
-
-
 def replica_ids() -> set[str]:
     """Ids of the live unit replicas (Serve names each replica actor ``...#DartreeReplica#<id>``)."""
     import ray
@@ -144,6 +116,95 @@ def _has_listener(port: int) -> bool:
         return True
     except LookupError:
         return False
+
+
+def _unit_serves(ports: dict[str, int]) -> bool:
+    """Whether the unit on ``ports`` is ready and answers a completion itself (not through Ray)."""
+    base = f"http://127.0.0.1:{ports['gateway']}"
+    try:
+        if httpx.get(base + "/health", timeout=5, trust_env=False).status_code != 200:
+            return False
+        r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "back", "max_tokens": 4},
+                       timeout=60, trust_env=False)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200
+
+
+def _healed(victim: str, ports: dict[str, int], old_verifier: int) -> str | None:
+    """How the unit recovered from its verifier's death: "restart" (a new verifier process listens on
+    its port and the unit answers a completion itself), "replacement" (Ray replaced the replica and
+    two run), or None (not yet)."""
+    try:
+        restarted = _listener_pid(ports["verifier"]) != old_verifier
+    except LookupError:
+        restarted = False
+    if restarted and _unit_serves(ports):
+        return "restart"
+    if victim not in replica_ids() and replica_states().get("RUNNING") == 2:
+        return "replacement"
+    return None
+
+
+def _served_after(base: str, n: int = 6) -> list[int]:
+    """Statuses of ``n`` sequential completions through Ray (after a recovery: all must be 200)."""
+    return [httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": f"after {i}", "max_tokens": 4},
+                       timeout=120, trust_env=False).status_code for i in range(n)]
+
+
+def _unit_supervisor(gateway_port: int) -> psutil.Process:
+    """The unit's supervisor: the ``python -m services.ray_unit`` process the replica started (its
+    command line carries the gateway's ``--port``); nothing restarts it when it dies."""
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "services.ray_unit" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == str(gateway_port):
+            return p
+    raise LookupError(f"no unit supervisor with --port {gateway_port}")
+
+
+def _two_replicas(base: str) -> dict[str, dict[str, int]]:
+    return _wait(lambda: _targets(base) if len(_targets(base)) == 2 else None, 60, "two replicas registered")
+
+
+def test_kill_9_verifier_loses_nothing_and_the_unit_serves_again(fresh, tiny):
+    """kill -9 of one unit's verifier under load (2 of 4 clients streaming): every request that had not
+    started is answered 200, a stream cut after it started ends with an error event and ``[DONE]``,
+    and the unit serves again, whichever heals it first: its supervisor's restart of the verifier
+    (the same replica answers on its own port) or Ray's replacement of the replica."""
+    scale = ScaleConfig(replicas=2, num_cpus=0.5, health_check_period_s=2, health_check_timeout_s=10)
+    base = run_app(fresh, RayAppConfig(UnitSpec(unit_flags(tiny[0])), scale))
+    victim, ports = sorted(_two_replicas(base).items())[0]
+    verifier = _listener_pid(ports["verifier"])
+    with Load(base, 4, streams=True) as load:
+        _wait(lambda: len(load.statuses) >= 4, 120, "answers before the kill")
+        os.kill(verifier, signal.SIGKILL)
+        healed = _wait(lambda: _healed(victim, ports, verifier), 180, "the unit serving again")
+        seen = len(load.statuses)
+        _wait(lambda: len(load.statuses) >= seen + 4, 120, "answers after the recovery")
+    assert not load.errors, load.errors[:3]
+    assert all(s == 200 for s in load.statuses), sorted(set(load.statuses))
+    assert healed in ("restart", "replacement")
+    assert _served_after(base) == [200] * 6
+
+
+def test_a_unit_that_cannot_heal_is_replaced_by_ray(fresh, tiny):
+    """kill -9 of a unit's supervisor: no process restarts it, the replica's health check fails and Ray
+    replaces the replica (a new replica id, two running). Meanwhile requests are answered or get a
+    clean 503 (never a hang or another status); afterwards every request is answered; the dead unit's
+    workers exit with their supervisor (nothing listens on its ports)."""
+    scale = ScaleConfig(replicas=2, num_cpus=0.5, health_check_period_s=2, health_check_timeout_s=10)
+    base = run_app(fresh, RayAppConfig(UnitSpec(unit_flags(tiny[0])), scale))
+    victim, ports = sorted(_two_replicas(base).items())[0]
+    supervisor = _unit_supervisor(ports["gateway"])
+    with Load(base, 2) as load:
+        _wait(lambda: len(load.statuses) >= 2, 120, "answers before the kill")
+        supervisor.kill()
+        _wait(lambda: victim not in replica_ids() and replica_states().get("RUNNING") == 2, 180,
+              "the replacement of the dead replica")
+    assert load.statuses and all(s in (200, 503) for s in load.statuses), sorted(set(load.statuses))
+    assert _served_after(base) == [200] * 6
+    assert victim not in _two_replicas(base)
+    _wait(lambda: not any(_has_listener(p) for p in ports.values() if p), 60, "the dead unit's workers exiting")
 
 
 def test_autoscaling_from_one_to_two_replicas_under_load_and_back(fresh, tiny):
