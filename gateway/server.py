@@ -35,10 +35,13 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
 
 
 def model_dir(target: str) -> Path:
-    """The local directory holding the target's tokenizer (never converts or downloads anything)."""
-    from services.models.registry import DEFAULT_TARGET, cache_root
+    """The local directory holding the target's tokenizer: the default target's, a local directory,
+    or a hub id's snapshot in the hub cache (never converts or downloads anything)."""
+    from services.models.registry import DEFAULT_TARGET, cache_root, cached_snapshot, is_hub_id
 
     path = cache_root() / DEFAULT_TARGET if target in ("", DEFAULT_TARGET) else Path(target).expanduser()
+    if not path.exists() and is_hub_id(target):
+        path = cached_snapshot(target) or path
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}: start the verifier first (it prepares the "
                                 f"default target) or pass --target <local HF directory>")

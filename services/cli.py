@@ -45,8 +45,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--depth-bonus", type=float, default=None, help="depth bonus beta <= 0 of the pruned "
                    "DARTree score (default: -0.2)")
     p.add_argument("--candidates", type=int, default=None, help="candidate pool K per depth (default: 64)")
-    p.add_argument("--target", default=None, help="target: default SmolLM2-135M-Instruct, or a local HF dir")
-    p.add_argument("--drafter", default=None, help="drafter dir (default: the shipped drafter)")
+    p.add_argument("--target", default=None, help="target: default SmolLM2-135M-Instruct, a local HF dir or a "
+                   "hub id, org/name (docs/models.md)")
+    p.add_argument("--drafter", default=None, help="drafter: a local dir or a hub id (default: the shipped drafter "
+                   "when it fits the target; 'none': a random one, for --method ar)")
     p.add_argument("--weights", default=default_weights(), choices=list(WEIGHT_CHOICES),
                    help="target weight format: float32, bfloat16, q4 (the GGUF's own 4-bit blocks, bfloat16 "
                         "activations, CPU) or auto (default: the fastest here, measured once and cached; "

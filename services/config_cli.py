@@ -111,10 +111,12 @@ UPPER_CASE = frozenset({"log_level"})  # fields whose values are read case-insen
 
 # Help of fields that several processes share (one flag sets them all) or that no docstring names; the
 # rest come from the ``Attributes:`` entries of the config dataclasses' docstrings.
-FIELD_HELP = {"drafter": "drafter checkpoint directory ('' = the default drafter if it is installed; in 'serve', "
-                         "'none' in any case = no drafter: plain decoding, method 'ar', only)",
+FIELD_HELP = {"drafter": "drafter checkpoint: a local directory or a hub id, org/name ('' = the shipped drafter "
+                         "when it fits the target; in 'serve', 'none' in any case = no drafter: plain decoding, "
+                         "method 'ar', only)",
               "default_method": "the method of requests that name none; without a drafter only 'ar'",
-              "target": "the target model: the default name or a local HF directory",
+              "target": "the target model: the default name, a local HF directory or a hub id, org/name "
+                        "(docs/models.md: served architectures, offline use)",
               "device": "where the models run: cpu, cuda, cuda:N",
               "dtype": "precision of the models' activations (a concrete --weights format overrides it)",
               "drain_timeout_s": "on SIGTERM, how long in-flight requests may finish (new ones get 503); each "

@@ -7,6 +7,7 @@ import re
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import torch
 
@@ -32,8 +33,8 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     (float32 on a CPU without native bfloat16).
 
     The drafter borrows the target's embedding and lm_head modules (float32 copies when the target's
-    are bfloat16 and the drafter float32). Without a trained drafter a
-    randomly initialised one is used (tau ~ 1) and ``drafter_note`` says so.
+    are bfloat16 and the drafter float32). Without a trained drafter (``drafter_ref`` ``"none"``, or
+    none shipped) a randomly initialised one is used (tau ~ 1) and ``drafter_note`` says so.
     """
     from transformers import AutoTokenizer
 
@@ -53,10 +54,10 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     quiet_progress_bars()
     tdir = resolve_target(target_ref)
     tok = AutoTokenizer.from_pretrained(tdir)
-    ddir = check_drafter_dir(drafter_ref) if drafter_ref else DEFAULT_DRAFTER_DIR
+    ddir = None if drafter_ref == "none" else check_drafter_dir(drafter_ref) if drafter_ref else DEFAULT_DRAFTER_DIR
     note = f"drafter: {ddir}"
     ddtype = drafter_dtype(dtype, "cpu")
-    if (ddir / "config.json").exists():
+    if ddir is not None and (ddir / "config.json").exists():
         drafter = load_drafter(ddir, dtype=ddtype)
     else:
         import json as _json
@@ -129,17 +130,20 @@ def run_generate(a) -> int:
         raise ValueError("the prompt is empty")
     packed = getattr(a, "packed_gemm", True)
     from services.drafter.config import drafter_kind
-    from services.drafter.worker import check_drafter_dir
+    from services.models.pairing import resolve_pair
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.protocol import served_methods
     from services.weights import resolve_cli_weights
 
-    ddir = check_drafter_dir(a.drafter) if a.drafter else DEFAULT_DRAFTER_DIR
-    if (ddir / "config.json").is_file():  # before any model loads (a random drafter: checked once built)
+    pair = resolve_pair(a.target, a.drafter, ar_only=a.method == "ar", ar_flag="--method ar",
+                        context_fix="'dartree serve --max-context {limit}' serves it exactly")
+    target = str(pair.target_dir) if pair.target_dir is not None else a.target
+    ddir = None if pair.drafter == "none" else Path(pair.drafter) if pair.drafter else DEFAULT_DRAFTER_DIR
+    if ddir is not None and (ddir / "config.json").is_file():  # before any model loads (a random drafter: checked once built)
         _check_served(a.method, served_methods(drafter_kind(ddir)), f"drafter: {ddir}")
-    weights, dtype = resolve_cli_weights(getattr(a, "weights", None), a.dtype, resolve_target(a.target))
+    weights, dtype = resolve_cli_weights(getattr(a, "weights", None), a.dtype, resolve_target(target))
     policy = getattr(a, "spec_policy", "fixed")
-    engine, tok, note = build_inprocess(a.target, a.drafter, dtype, defaults, packed_gemm=packed, weights=weights,
+    engine, tok, note = build_inprocess(target, pair.drafter, dtype, defaults, packed_gemm=packed, weights=weights,
                                         compile=getattr(a, "compile", False),
                                         compile_drafter=a.method != "ar",  # ar never calls the drafter
                                         spec_policy=policy)

@@ -578,6 +578,7 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
                              f"({args.drafter}): drop one of the two")
         args.drafter, args.drafter_endpoint = "none", ""
     args.device = normalize_device(args.device)  # "cuda" -> "cuda:N" once: every worker names the same device
+    _name_models(args)
     sup = config_from_args(SupervisorConfig, args)
     use_drafter = bool(sup.drafter != "none" and (sup.drafter or _default_drafter_present()))
     # every config is built once before the target is resolved and the runtime dir exists: a bad value
@@ -628,6 +629,24 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
             shutil.rmtree(rt, ignore_errors=True)
         raise
     return sup, gateway, verifier, drafter, rt
+
+
+def _name_models(args: argparse.Namespace) -> None:
+    """Resolve ``--target`` / ``--drafter`` by name (local directories or hub ids) and pair them
+    (:func:`services.models.pairing.resolve_pair`), in ``args``: both become local directories (the
+    drafter ``none`` when plain decoding runs without one) and an unset ``--served-model-name`` the
+    name given. Raises ValueError / RuntimeError (one line) for a target or drafter refused."""
+    from services.models.pairing import resolve_pair
+    from services.models.registry import is_hub_id
+
+    pair = resolve_pair(args.target, args.drafter, max_context=args.max_context,
+                        ar_only=args.default_method == "ar")
+    if pair.note:
+        log.info("%s (--default-method ar)", pair.note)
+    args.drafter = pair.drafter
+    if pair.target_dir is not None:
+        name = args.target if is_hub_id(args.target) else Path(args.target).name
+        args.served_model_name, args.target = args.served_model_name or name, str(pair.target_dir)
 
 
 def _drafter_dtype_name(act_dtype: str, device: str) -> str:

@@ -320,11 +320,11 @@ def build_drafter_service(config: DrafterWorkerConfig):
 
     from services.drafter.model import load_drafter
     from services.drafter.service import load_borrowed_weights, make_service
-    from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
+    from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_model_dir, resolve_target
 
     dtype = getattr(torch, config.dtype)
     target_dir = resolve_target(config.target)
-    drafter_dir = Path(config.drafter) if config.drafter else DEFAULT_DRAFTER_DIR
+    drafter_dir = resolve_model_dir(config.drafter) if config.drafter else DEFAULT_DRAFTER_DIR  # dir or hub id
     drafter = load_drafter(drafter_dir, dtype=dtype, device=config.device)
     # on CPU the embedding stays a view of the target's file: only the rows drafted from become resident
     embed, head = load_borrowed_weights(target_dir, dtype, mapped=torch.device(config.device).type == "cpu")

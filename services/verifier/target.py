@@ -13,18 +13,24 @@ import torch
 from torch import Tensor
 
 from services import hf_compat
+from services.models.architectures import served_context
 from services.tree.draft_tree import VerifyBuffers
 
 
 class TargetModel:
-    """A HF causal LM (llama, qwen2, qwen3) wrapped for speculative verification.
+    """A HF causal LM of a served architecture (:data:`services.models.architectures.SERVED`)
+    wrapped for speculative verification.
 
     Args:
         model: a loaded ``*ForCausalLM`` in eval mode (SDPA or eager attention).
         target_layer_ids: 0-based decoder layers whose outputs are tapped as drafter features.
     Attributes:
-        vocab_size, max_context (``max_position_embeddings``), eos_token_id, hidden_size,
+        vocab_size, max_context (``max_position_embeddings``, capped at a sliding window in use:
+        :func:`services.models.architectures.served_context`), eos_token_id, hidden_size,
         feature_dim (``len(target_layer_ids) * hidden_size``), dtype.
+    Raises:
+        UnsupportedArchitecture (a ValueError): a target not served exactly, one line.
+        ValueError: a tapped layer id out of range.
     """
 
     def __init__(self, model, target_layer_ids: list[int]):
@@ -32,7 +38,7 @@ class TargetModel:
         cfg = model.config
         self.config = cfg
         self.vocab_size = int(cfg.vocab_size)
-        self.max_context = int(getattr(cfg, "max_position_embeddings", 2048))
+        self.max_context = served_context(cfg.to_dict(), repr(getattr(cfg, "_name_or_path", "") or ""))
         eos = getattr(cfg, "eos_token_id", None)
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         self.hidden_size = int(cfg.hidden_size)
@@ -60,10 +66,15 @@ class TargetModel:
             weights: a concrete :mod:`services.weights` format (``float32``, ``bfloat16``, ``q4``: the
                 GGUF's 4-bit blocks, bfloat16 activations); overrides ``dtype``.
         Raises:
-            ValueError: a format that cannot run here (one line).
+            ValueError: a format that cannot run here, or an architecture not served exactly
+                (:class:`~services.models.architectures.UnsupportedArchitecture`, checked before
+                anything loads), one line.
         """
+        from services.models.architectures import read_config
         from services.models.layers import default_target_layer_ids
         from services.weights import load_causal_lm
+
+        served_context(read_config(path), repr(str(path)))
 
         if weights is None:
             weights = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(dtype)
