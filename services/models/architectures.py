@@ -37,7 +37,8 @@ _MLA = "multi-head latent attention (kv_lora_rank) does not fit the per-head KV 
 _SWA = "sliding-window attention on some layers (with other per-layer features) is not implemented"
 # model_type -> why it is refused (known families; anything else is refused as unknown)
 REFUSED = {"gpt_oss": _SINKS,
-           "qwen3_next": _HYBRID, "qwen3_5": _HYBRID, "qwen3_5_moe": _HYBRID, "jamba": _HYBRID,
+           "qwen3_next": _HYBRID, "qwen3_5": _HYBRID, "qwen3_5_text": _HYBRID, "qwen3_5_moe": _HYBRID,
+           "qwen3_5_moe_text": _HYBRID, "jamba": _HYBRID,
            "mamba": _HYBRID, "mamba2": _HYBRID, "falcon_h1": _HYBRID, "bamba": _HYBRID, "zamba2": _HYBRID,
            "lfm2": _HYBRID, "granitemoehybrid": _HYBRID, "nemotron_h": _HYBRID, "minimax": _HYBRID,
            "deepseek_v2": _MLA, "deepseek_v3": _MLA, "kimi_k2": _MLA, "minicpm3": _MLA,
