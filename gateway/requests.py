@@ -381,9 +381,10 @@ def choice_requests(prep: Prepared) -> list[Prepared]:
 
 
 def model_name(target: str) -> str:
-    from pathlib import PurePath
+    """The ``model`` a target reference is served as (:func:`services.models.registry.served_name`)."""
+    from services.models.registry import served_name
 
-    return PurePath(target.rstrip("/")).name or target
+    return served_name(target)
 
 
 # Content-Encoding of a request body -> zlib's wbits (RFC 9110 §8.4.1; "deflate" is the zlib format,

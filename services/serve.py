@@ -637,7 +637,7 @@ def _name_models(args: argparse.Namespace) -> None:
     drafter ``none`` when plain decoding runs without one) and an unset ``--served-model-name`` the
     name given. Raises ValueError / RuntimeError (one line) for a target or drafter refused."""
     from services.models.pairing import resolve_pair
-    from services.models.registry import is_hub_id
+    from services.models.registry import served_name
 
     pair = resolve_pair(args.target, args.drafter, max_context=args.max_context,
                         ar_only=args.default_method == "ar")
@@ -645,8 +645,8 @@ def _name_models(args: argparse.Namespace) -> None:
         log.info("%s (--default-method ar)", pair.note)
     args.drafter = pair.drafter
     if pair.target_dir is not None:
-        name = args.target if is_hub_id(args.target) else Path(args.target).name
-        args.served_model_name, args.target = args.served_model_name or name, str(pair.target_dir)
+        args.served_model_name = args.served_model_name or served_name(args.target)
+        args.target = str(pair.target_dir)
 
 
 def _drafter_dtype_name(act_dtype: str, device: str) -> str:

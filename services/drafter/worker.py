@@ -314,6 +314,18 @@ def check_drafter_dir(path: str | Path) -> Path:
     return path
 
 
+def check_drafter_fits(drafter_dir: Path, target_dir: Path) -> None:
+    """ValueError (one line naming ``--drafter``) when the drafter was not made for the target
+    (:func:`services.models.pairing.drafter_mismatch`)."""
+    from services.models.architectures import read_config
+    from services.models.pairing import drafter_mismatch
+
+    why = drafter_mismatch(drafter_dir, read_config(target_dir))
+    if why:
+        raise ValueError(f"the drafter in {drafter_dir} does not fit the target in {target_dir}: {why}; pass "
+                         "--drafter (DARTREE_DRAFTER) naming a drafter made for this target")
+
+
 def build_drafter_service(config: DrafterWorkerConfig):
     """Load the drafter checkpoint and the target's borrowed embedding / lm_head: ``(service, target_dir)``."""
     import torch
@@ -325,6 +337,7 @@ def build_drafter_service(config: DrafterWorkerConfig):
     dtype = getattr(torch, config.dtype)
     target_dir = resolve_target(config.target)
     drafter_dir = resolve_model_dir(config.drafter) if config.drafter else DEFAULT_DRAFTER_DIR  # dir or hub id
+    check_drafter_fits(drafter_dir, target_dir)
     drafter = load_drafter(drafter_dir, dtype=dtype, device=config.device)
     # on CPU the embedding stays a view of the target's file: only the rows drafted from become resident
     embed, head = load_borrowed_weights(target_dir, dtype, mapped=torch.device(config.device).type == "cpu")

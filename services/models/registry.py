@@ -135,6 +135,15 @@ def is_hub_id(ref: str) -> bool:
     return bool(HUB_ID.match(ref)) and ".." not in ref and "--" not in ref
 
 
+def served_name(ref: str) -> str:
+    """The model name clients see for a target reference: a hub id as given (``Qwen/Qwen3-4B``, as
+    vLLM names it), else the directory's name."""
+    ref = ref.rstrip("/")
+    if is_hub_id(ref) and not Path(ref).expanduser().exists():
+        return ref
+    return Path(ref).name or ref
+
+
 def hub_cache_dir() -> Path:
     """The hub cache as huggingface_hub finds it, read now: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``,
     else ``$XDG_CACHE_HOME/huggingface/hub``, else ``~/.cache/huggingface/hub``."""
