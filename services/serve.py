@@ -578,14 +578,15 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
                              f"({args.drafter}): drop one of the two")
         args.drafter, args.drafter_endpoint = "none", ""
     args.device = normalize_device(args.device)  # "cuda" -> "cuda:N" once: every worker names the same device
-    _name_models(args)
     sup = config_from_args(SupervisorConfig, args)
-    use_drafter = bool(sup.drafter != "none" and (sup.drafter or _default_drafter_present()))
     # every config is built once before the target is resolved and the runtime dir exists: a bad value
     # fails here, in one line, with nothing to clean up
     config_from_args(GatewayConfig, args)
     config_from_args(VerifierWorkerConfig, args)
     config_from_args(DrafterWorkerConfig, args)
+    _name_models(args)  # may download from the hub: after every setting was checked
+    sup = dataclasses.replace(sup, drafter=args.drafter)
+    use_drafter = bool(sup.drafter != "none" and (sup.drafter or _default_drafter_present()))
     placement = sup.drafter_placement
     if use_drafter:  # without a drafter the placement means nothing (and --overlap has nothing to overlap)
         placement = resolve_drafter_placement(placement, args.device, args.overlap, args.drafter_endpoint,
