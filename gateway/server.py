@@ -44,7 +44,8 @@ def model_dir(target: str) -> Path:
         path = cached_snapshot(target) or path
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"no tokenizer.json in {path}: start the verifier first (it prepares the "
-                                f"default target) or pass --target <local HF directory>")
+                                f"default target and downloads a hub id into the hub cache) or pass --target "
+                                f"<local HF directory>")
     return path
 
 
