@@ -45,6 +45,11 @@ class Segment:
             the ``start`` committed positions of its slot as well.
         start: committed KV length of the request's slot (its rows are written from there on).
         slot: the request's KV-cache slot.
+        parent_rows: ``[R_i]`` long or None, the parent row of each row (``-1`` for a root),
+            ``local_mask`` as a parent array (``VerifyBuffers.parent_rows``; a chunk's
+            ``[-1, 0, 1, ...]``): what the device-built tree mask is made from
+            (:func:`services.tree.tree_mask.tree_mask_from_parents`). None: derived from
+            ``local_mask`` when needed (:meth:`parents`).
     """
 
     input_ids: Tensor
@@ -52,10 +57,22 @@ class Segment:
     local_mask: Tensor
     start: int
     slot: int
+    parent_rows: Tensor | None = None
 
     @property
     def num_rows(self) -> int:
         return int(self.input_ids.numel())
+
+    def parents(self) -> Tensor:
+        """``[R_i]`` long parent row of every row: :attr:`parent_rows`, else the nearest earlier row
+        ``local_mask`` lets each row see (its parent, for an ancestor-or-self mask in topological
+        order; ``-1`` when it sees no earlier row)."""
+        if self.parent_rows is not None:
+            return self.parent_rows.long()
+        r = self.num_rows
+        rows = torch.arange(r)
+        earlier = self.local_mask.bool() & (rows[None, :] < rows[:, None])  # [R_i, R_i]
+        return torch.where(earlier, rows[None, :], -1).amax(dim=1) if r else rows
 
 
 def causal_segment(ids: list[int], start: int, slot: int) -> Segment:
@@ -64,7 +81,7 @@ def causal_segment(ids: list[int], start: int, slot: int) -> Segment:
     rows = torch.arange(n)
     # rows[:, None] >= rows, not ones(n, n).tril_(): tril_ costs 4-16 ms per call on 2 CPU threads
     # (its parallel path), as much as a tenth of a short warm prefill step; the comparison ~20 us
-    return Segment(torch.tensor(ids, dtype=torch.long), rows, rows[:, None] >= rows, start, slot)
+    return Segment(torch.tensor(ids, dtype=torch.long), rows, rows[:, None] >= rows, start, slot, rows - 1)
 
 
 @dataclass(frozen=True)
@@ -109,12 +126,15 @@ def _kv_length(need: int, kv_bucket: int, kv_capacity: int | None) -> int:
     return length if kv_capacity is None else min(length, kv_capacity)
 
 
-def pack_segments(segments: list[Segment], kv_bucket: int = 1, kv_capacity: int | None = None) -> PackedRows:
+def pack_segments(segments: list[Segment], kv_bucket: int = 1, kv_capacity: int | None = None,
+                  with_mask: bool = True) -> PackedRows:
     """Flatten ``segments`` into one step (see the module docstring's worked example).
 
     Args:
         kv_bucket: round the KV length up to a multiple of this (fewer distinct shapes), capped
             at ``kv_capacity``.
+        with_mask: build ``attn_mask``; False leaves it ``[n, 1, Rm, 0]`` (empty), for steps whose
+            attention builds its masks on the device (:mod:`services.verifier.tree_attention`).
     Raises:
         ValueError: no segments, an empty segment, a mask of the wrong shape, a duplicate slot, or
             rows that would not fit in ``kv_capacity`` columns.
@@ -142,16 +162,18 @@ def pack_segments(segments: list[Segment], kv_bucket: int = 1, kv_capacity: int 
         cu.append(cu[-1] + r)
     start_list = [s.start for s in segments]
     row_index = torch.full((n, rm), -1, dtype=torch.long)
-    mask = torch.zeros(n, 1, rm, length, dtype=torch.bool)
+    mask = torch.zeros(n, 1, rm, length if with_mask else 0, dtype=torch.bool)
     seg_of_row, offsets = [], []
     for i, (s, r) in enumerate(zip(segments, sizes)):
         row_index[i, :r] = torch.arange(cu[i], cu[i + 1])
+        seg_of_row += [i] * r
+        offsets += range(r)
+        if not with_mask:
+            continue
         mask[i, 0, :r, :s.start] = True
         mask[i, 0, :r, s.start:s.start + r] = s.local_mask
         if r < rm:
             mask[i, 0, r:, s.start] = True  # padding rows: one written column
-        seg_of_row += [i] * r
-        offsets += range(r)
     slot_t = torch.tensor(slots, dtype=torch.long)
     return PackedRows(
         input_ids=torch.cat([s.input_ids for s in segments]).long(),

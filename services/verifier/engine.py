@@ -707,7 +707,8 @@ class SpecEngine:
                 p.tree, p.predicted_tau = sel.tree, sel.predicted_tau
                 p.buffers = derive_buffers(p.tree, p.req.root)
                 b = p.buffers
-                p.segment = Segment(b.input_ids, b.position_offsets, b.tree_mask, p.req.start, p.req.slot)
+                p.segment = Segment(b.input_ids, b.position_offsets, b.tree_mask, p.req.start, p.req.slot,
+                                    b.parent_rows)
         return items
 
     def _prompt_chunks(self, plan: StepPlan, reqs: dict[str, _Request], rounds: list[_Planned]) -> list[_Planned]:

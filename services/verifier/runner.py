@@ -49,6 +49,12 @@ row depends on ``R`` is the GEMM kernel's property (measured at 1 and 2 threads)
   needs fixed shapes), and cuBLAS picks GEMM kernels per shape: no bitwise guarantee there, only
   equality to rounding.
 
+Tree attention (``tree_attention``, the default for eager CUDA targets): each request's call is
+:func:`services.verifier.tree_attention.tree_verify_attention` instead, an unmasked prefix call (a
+flash kernel on CUDA) merged by log-sum-exp with the ``[R_i, R_i]`` tree block, whose mask is built
+on the device from the segments' parent rows; the step's layout is read on the host before its
+tensors move, so laying it out reads no device value. Equal to the dense call to rounding.
+
 Cost: ``n`` SDPA calls per layer instead of one, but no K/V gather, no row scatter and no
 padding to the widest segment and longest context. SmolLM2's attention shape, 1-8 requests mixing
 ``ar`` rows and 9 / 17-row trees at 200-700 positions (a probe on a loaded 2-core AVX2 VM, one
@@ -58,6 +64,7 @@ read every slot up to the longest context).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import types
@@ -74,6 +81,7 @@ from services.verifier.attention import additive_mask, attend, use_grouped
 from services.verifier import native
 from services.verifier.kv_cache import SlotKVCache
 from services.verifier.lean_step import LeanLlamaStep, lean_step_enabled
+from services.verifier.tree_attention import segment_parts, tree_verify_attention
 
 _ACTIVE = threading.local()  # the step being run by this thread's forward (None outside a step)
 
@@ -114,9 +122,9 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
     step = getattr(_ACTIVE, "step", None)
     if step is None:
         return hf_compat.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
-    cache, p, parts, fixed = step
+    cache, p, parts, mode = step
     scale = kwargs.get("scaling")
-    if fixed:  # a padded step: one call over the bucket's layout (fixed shapes, no host sync)
+    if mode == "padded":  # one call over the bucket's layout (fixed shapes, no host sync)
         cache.write(layer, p.write_slot, p.write_pos, key[0].transpose(0, 1), value[0].transpose(0, 1))
         k, v = cache.read(layer, p.slots, p.kv_length)  # [n, Hkv, L, Dh], gathered
         q = query[0].transpose(0, 1)[p.row_index.clamp(min=0)].transpose(1, 2)  # [n, Hq, Rm, Dh]
@@ -131,11 +139,14 @@ def _slot_attention_eager(layer: int, query: Tensor, key: Tensor, value: Tensor,
         k, v = cache.write_read(layer, slot, start, key[0] if one else key[0, :, a:b],
                                 value[0] if one else value[0, :, a:b], length)  # [Hkv, L_i, Dh] views
         q = query if one else query[:, :, a:b]
-        if bias is not None:  # bf16 / fp16 on CPU: batched GEMMs (services.verifier.attention)
-            outs.append(attend(q, k, v, bias, scale if scale is not None else k.shape[-1] ** -0.5))
-            continue
-        outs.append(F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=mask, scale=scale,
-                                                   enable_gqa=k.shape[0] != query.shape[1]))
+        scaling = scale if scale is not None else k.shape[-1] ** -0.5
+        if mode == "tree":  # mask: the segment's [R_i, R_i] tree mask, built on the device
+            outs.append(tree_verify_attention(q, k, v, start, mask, scaling))
+        elif bias is not None:  # bf16 / fp16 on CPU: batched GEMMs (services.verifier.attention)
+            outs.append(attend(q, k, v, bias, scaling))
+        else:
+            outs.append(F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=mask, scale=scale,
+                                                       enable_gqa=k.shape[0] != query.shape[1]))
     out = outs[0] if one else torch.cat(outs, dim=2)  # [1, Hq, R, Dh]
     return out.transpose(1, 2), None
 
@@ -268,19 +279,27 @@ class ModelRunner:
             is tested on CPU. Padding rows write to a scratch slot the cache holds in addition to
             ``num_slots`` (:func:`~services.tree.batch.pad_packed`). None: on when ``compile`` and
             the target is on CUDA.
+        tree_attention: unpadded steps run :func:`~services.verifier.tree_attention.tree_verify_attention`
+            per request (an unmasked prefix call merged with the ``[R_i, R_i]`` tree block by
+            log-sum-exp; tree masks built on the device from parent rows; no host-built prefix mask,
+            no host read of device values while the step is laid out). None: on for an eager CUDA
+            target unless ``DARTREE_TREE_ATTENTION=0``; CPU keeps the dense per-request calls (the
+            grouped attention's rows are bitwise row invariant, the merged ones equal to rounding).
     Raises:
         MemoryError: the cache does not fit (one line, with its size).
-        ValueError: ``compile`` and ``cuda_graphs`` both set on a CPU target.
+        ValueError: ``compile`` and ``cuda_graphs`` both set on a CPU target, or ``tree_attention``
+            with ``compile`` / ``cuda_graphs``.
     """
 
     def __init__(self, target, num_slots: int, capacity: int, kv_bucket: int = 64, compile: bool = False,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, tree_attention: bool | None = None):
         self.target = target
         on_cuda = torch.device(target.device).type == "cuda"
         if compile and cuda_graphs and not on_cuda:
             raise ValueError("compile and cuda_graphs exclude each other off CUDA (inductor steps, or padded eager "
                              "steps that test the CUDA-graph path): pick one")
         self.graphed = bool(compile and on_cuda) if cuda_graphs is None else bool(cuda_graphs)
+        self.tree_attention = _tree_attention_on(tree_attention, on_cuda, compile or self.graphed)
         self.cache = SlotKVCache.for_model(target.config, num_slots + int(self.graphed), capacity, target.dtype,
                                            target.device)
         self.kv_bucket = kv_bucket
@@ -361,25 +380,21 @@ class ModelRunner:
         Raises:
             ValueError: from :func:`pack_segments` (bad segments, rows past the capacity).
         """
-        p = pack_segments(segments, self.kv_bucket, self.cache.capacity)
+        p = pack_segments(segments, self.kv_bucket, self.cache.capacity, with_mask=not self.tree_attention)
         if self.graphed:
             return self._execute_padded(p, logit_rows)
         self.cache.prepare(p.slots.tolist(), p.kv_length)
         dev = self.target.device
+        tree_parts = segment_parts(segments, p, dev) if self.tree_attention else None  # host lists: no sync
         p = _to(p, dev)
-        keep = logit_rows.to(dev) if logit_rows is not None else torch.arange(p.input_ids.numel(), device=dev)
-        if self.compiled and not keep.is_inference():  # its dispatch keys would fail a guard: recompile
-            keep = keep.clone()
-        no_logits = self.compiled and keep.numel() == 0  # a prompt chunk before the last: no graph of its
-        if no_logits:  # own for zero logit rows; the last row's are computed and dropped
-            keep = torch.tensor([p.input_ids.numel() - 1], device=dev)
-        parts = _request_parts(p, self.query_groups, self.target.dtype)
+        keep, no_logits = self._keep(p, logit_rows)
+        parts = tree_parts or _request_parts(p, self.query_groups, self.target.dtype)
         ids, pos = p.input_ids[None], p.positions[None]
         if self.compiled and ids.shape[1] > 1:  # one graph for every row count > 1 (1 row: its own)
             for t, dim in ((ids, 1), (pos, 1), (keep, 0)):
                 torch._dynamo.maybe_mark_dynamic(t, dim)
         t0 = time.perf_counter()
-        _ACTIVE.step = (self.cache, p, parts, False)
+        _ACTIVE.step = (self.cache, p, parts, "tree" if self.tree_attention else "dense")
         if self.native:
             _native_step(self.cache, parts)
         try:
@@ -396,6 +411,18 @@ class ModelRunner:
         if no_logits:
             logits = logits[:, :0]
         return StepOutput(logits[0].float(), feats, p, _elapsed(t0, dev))
+
+    def _keep(self, p: PackedRows, logit_rows: Tensor | None) -> tuple[Tensor, bool]:
+        """The ``[K]`` rows whose logits the forward computes (on the target's device), and whether
+        the caller asked for none (a compiled step then computes the last row's and drops them)."""
+        dev = self.target.device
+        keep = logit_rows.to(dev) if logit_rows is not None else torch.arange(p.input_ids.numel(), device=dev)
+        if self.compiled and not keep.is_inference():  # its dispatch keys would fail a guard: recompile
+            keep = keep.clone()
+        no_logits = self.compiled and keep.numel() == 0  # a prompt chunk before the last: no graph of its
+        if no_logits:  # own for zero logit rows; the last row's are computed and dropped
+            keep = torch.tensor([p.input_ids.numel() - 1], device=dev)
+        return keep, no_logits
 
     def _execute_padded(self, p: PackedRows, logit_rows: Tensor | None) -> StepOutput:
         """:meth:`execute` at the step's bucket: pad, run (replay) the bucket's step, slice the real rows."""
@@ -424,7 +451,7 @@ class ModelRunner:
             p = PackedRows(input_ids=ids[0], positions=pos[0], cu_rows=none, slots=slots, starts=none,
                            row_index=row_index, padded_pos=padded_pos, write_slot=write_slot, write_pos=write_pos,
                            attn_mask=attn_mask, kv_length=bucket.kv_length)
-            _ACTIVE.step = (self.cache, p, None, True)
+            _ACTIVE.step = (self.cache, p, None, "padded")
             try:
                 with hf_compat.attention_without_mask(self.target.model):
                     out = self.target.model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
@@ -434,6 +461,19 @@ class ModelRunner:
             return out.logits[0].float(), self.target._features()
 
         return step
+
+
+def _tree_attention_on(asked: bool | None, on_cuda: bool, fixed_or_compiled: bool) -> bool:
+    """Whether a runner's unpadded steps use the tree-verify attention (``ModelRunner``'s ``tree_attention``).
+
+    Raises:
+        ValueError: asked for together with compiled or padded (CUDA-graph) steps.
+    """
+    if asked and fixed_or_compiled:
+        raise ValueError("tree_attention runs eager unpadded steps: it excludes compile and cuda_graphs")
+    if asked is None:
+        return on_cuda and not fixed_or_compiled and os.environ.get("DARTREE_TREE_ATTENTION", "1") != "0"
+    return bool(asked)
 
 
 def auto_compile(target) -> bool:
