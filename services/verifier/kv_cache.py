@@ -269,3 +269,38 @@ class SlotKVCache:
                 k[slot, :, start:start + n] = k[slot, :, src]
                 v[slot, :, start:start + n] = v[slot, :, src]
         self._lengths[slot] = start + n
+
+    @torch.inference_mode()
+    def commit_paths(self, slots: list[int], starts: list[int], accepted_rows: Tensor, lengths: list[int]) -> None:
+        """:meth:`commit` of many slots at once, with the accepted paths left on the device.
+
+        One gather and one indexed write per layer's keys and values for all ``n`` slots (instead of
+        one ``.tolist()`` and two copies per slot and layer), with static shapes: entry ``(i, j)``
+        moves column ``starts[i] + accepted_rows[i, j]`` to ``starts[i] + j``; a ``-1`` entry (past a
+        path) rewrites column ``starts[i]`` with its own value, as entry ``(i, 0)`` does (row 0, the
+        root, is every path's first row). Sources are gathered before any write, as in :meth:`commit`.
+
+        Args:
+            slots, starts: host ints, each slot's committed length before the round (its verify
+                rows were written from there).
+            accepted_rows: ``[n, Rm]`` long on the cache's device, segment-local rows of each path
+                by depth, ``-1`` padded (:class:`~services.tree.device_walk.SegmentWalk`).
+            lengths: host ints, each path's rows (``accept_length + 1``; read from the round's one
+                device-to-host transfer).
+        Raises:
+            ValueError: a start that is not the slot's committed length, or a path past the capacity.
+        """
+        for slot, start, n in zip(slots, starts, lengths):
+            if start != self._lengths[slot] or start + n > self.capacity:
+                raise ValueError(f"slot {slot} holds {self._lengths[slot]} positions, commit expects {start} (+{n})")
+        rows = accepted_rows.to(self.device).long()  # [n, Rm]
+        base = torch.tensor(starts, dtype=torch.long, device=self.device)[:, None]  # [n, 1]
+        dst = base + torch.arange(rows.shape[1], device=self.device)  # [n, Rm]
+        src = torch.where(rows >= 0, base + rows, base)
+        dst = torch.where(rows >= 0, dst, base)
+        slot_idx = torch.tensor(slots, dtype=torch.long, device=self.device)[:, None]  # [n, 1]
+        for k, v in zip(self.keys, self.values):
+            k[slot_idx, :, dst] = k[slot_idx, :, src]  # [n, Rm, Hkv, Dh] gathered, then written
+            v[slot_idx, :, dst] = v[slot_idx, :, src]
+        for slot, start, n in zip(slots, starts, lengths):
+            self._lengths[slot] = start + n
