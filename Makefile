@@ -10,7 +10,7 @@ STAMP := $(VENV)/.dartree-setup-stamp
 PROMPT ?= Write a haiku about speculative decoding.
 ARGS ?=
 
-.PHONY: setup lint test test-deps serve generate bench bench-tree bench-deps gpu-check
+.PHONY: setup lint test test-deps serve generate bench bench-tree bench-deps gpu-check gpu-bundle
 
 setup: $(STAMP)
 
@@ -60,6 +60,14 @@ bench-deps: setup
 OUT ?= benchmarks/results/gpu-check
 gpu-check: setup
 	$(BIN)/python -m benchmarks.gpu_check --out $(OUT) $(ARGS)
+
+# On a CPU machine with network to PyPI: the wheels a bare GPU image (Python 3.12, torch,
+# transformers, no network) lacks, cp312 manylinux x86_64, <= 60 MiB, into BUNDLE. On the GPU
+# machine, with the folder in the working tree and no setup: python3 -m benchmarks.gpu_check
+# --bundle gpu-bundle --out DIR
+BUNDLE ?= gpu-bundle
+gpu-bundle: setup
+	$(BIN)/python -m benchmarks.gpu_bundle --out $(BUNDLE)
 
 bench-tree: setup
 	$(BIN)/python -m benchmarks.bench_tree $(ARGS)

@@ -19,7 +19,14 @@ Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.png``; prints a table and,
 line. Stays under ``--time-limit`` seconds (default 420: < 8 min with start-up); cells past it are
 reported as skipped. ``--smoke`` runs tiny configs on the CPU in seconds (what CI checks).
 
-Usage: ``make gpu-check [OUT=dir]`` or ``python -m benchmarks.gpu_check --out DIR [--smoke]``.
+On a bare machine without network (an image with torch and transformers but not the serving
+stack), ``--bundle DIR`` first unpacks the wheels ``make gpu-bundle`` wrote into a scratch target
+directory, puts it first on ``sys.path`` (and on the tests' ``PYTHONPATH``) and imports every module
+the check needs; the JSON's ``bundle`` section lists each module's version and whether it came from
+the bundle or the image (:mod:`benchmarks.gpu_bundle`). Needs torch >= 2.11 and transformers >=
+5.17 (refused below, one line); what could not run is listed under ``skipped`` with its reason.
+
+Usage: ``make gpu-check [OUT=dir]`` or ``python -m benchmarks.gpu_check --out DIR [--smoke] [--bundle DIR]``.
 Exit code 0 when the tests passed (under --smoke: skipped, no GPU) and every cell ran, 1 otherwise, 2 on
 bad arguments.
 """
@@ -28,12 +35,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
+import os
 import platform
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,6 +55,7 @@ METHODS = ("ar", "dflash", "domino", "ddtree", "dartree-pruned")
 GRAPH_METHODS = ("ar", "dartree-pruned")  # also measured on the CUDA-graph runner (--graphs)
 BUDGET_METHODS = ("ddtree", "dartree-pruned", "domino-ddtree", "seqheap", "dartree-fixed")
 REPO = Path(__file__).resolve().parents[1]
+MIN_VERSIONS = {"torch": "2.11", "transformers": "5.17"}  # what the lent GPU images bring
 
 
 def shapes(smoke: bool) -> dict[str, dict]:
@@ -265,9 +276,13 @@ def breakdown(a, device: str, dtype: torch.dtype, deadline: float) -> tuple[list
     return cells, probes
 
 
-def plot(cells: list[dict], path: Path, title: str) -> None:
-    """Stacked bars of the phases per (method, B), one panel per shape."""
-    import matplotlib
+def plot(cells: list[dict], path: Path, title: str) -> str | None:
+    """Stacked bars of the phases per (method, B), one panel per shape; returns why no PNG was
+    written (matplotlib missing), else None."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        return f"png: matplotlib cannot be imported ({e})"
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -294,6 +309,7 @@ def plot(cells: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return None
 
 
 def _label(cell: dict) -> str:
@@ -327,6 +343,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=None, help="prompt tokens (default 256; smoke 24)")
     p.add_argument("--probe-reps", type=int, default=None, help="graph-probe repetitions (default 20; smoke 2)")
     p.add_argument("--time-limit", type=float, default=420.0, help="seconds for the whole check")
+    p.add_argument("--bundle", default=None,
+                   help="folder of wheels (make gpu-bundle) to unpack into a scratch target and import first")
     p.add_argument("--no-tests", dest="tests", action="store_false", help="skip the gpu-marked tests")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="skip the CUDA-graph runner cells (ar and dartree-pruned on padded, captured steps)")
@@ -343,6 +361,16 @@ def check_args(a) -> None:
     """Raises ValueError (one line) for a device that is not there or out-of-range numbers."""
     from services.drafter.service import METHODS as KNOWN
 
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    for name, least in MIN_VERSIONS.items():
+        have = metadata.version(name)
+        if Version(have).release < Version(least).release:
+            raise ValueError(f"{name} {have} is older than the {least} this check supports")
+    if a.bundle and not Path(a.bundle).is_dir():
+        raise ValueError(f"--bundle {a.bundle}: no such folder (make gpu-bundle writes it)")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("no CUDA device here (torch.cuda.is_available() is False): run with --smoke for the CPU check")
     bad = [m for m in a.methods if m not in KNOWN]
@@ -352,10 +380,56 @@ def check_args(a) -> None:
         raise ValueError("--budgets, --rounds, --time-limit must be positive and --context >= 2")
 
 
+def use_bundle(bundle: str) -> dict:
+    """Unpack ``bundle``'s wheels into a scratch target, put it first on ``sys.path`` and on the
+    ``PYTHONPATH`` of subprocesses (the tests), and import what the check needs
+    (:func:`benchmarks.gpu_bundle.import_report`); the JSON's ``bundle`` section."""
+    from benchmarks.gpu_bundle import MODULES, import_report, install
+
+    target = Path(tempfile.mkdtemp(prefix="dartree-bundle-"))
+    wheels = install(Path(bundle), target)
+    sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
+    imports = import_report(target, MODULES)
+    failed = sorted(m for m, r in imports.items() if "error" in r)
+    return {"dir": str(bundle), "target": str(target), "wheels": wheels, "imports": imports,
+            "status": "failed" if failed else "ok", "failed_imports": failed}
+
+
+def print_table(cells: list[dict], probes: list[dict], tests: dict) -> None:
+    """The human table: one line per cell, per graph probe, and the tests' summary."""
+    print(f"{'shape':<14}{'method':<23}{'B':>4}{'draft':>8}{'build':>8}{'verify':>8}{'commit':>8}{'round':>8}")
+    for c in cells:
+        if c.get("status") != "ok":
+            print(f"{c['shape']:<14}{_label(c):<23}{c.get('budget') or '-':>4}  {c['status']}: "
+                  f"{c.get('error', '')}")
+            continue
+        ph = c["phase_ms"]
+        print(f"{c['shape']:<14}{_label(c):<23}{c['budget'] or '-':>4}"
+              + "".join(f"{ph[p]:8.2f}" for p in PHASES))
+    for p in probes:
+        print(f"graph probe {p['shape']} rows={p['rows']}: eager {p.get('eager_ms', float('nan')):.2f} ms, "
+              f"graph {p.get('graph_ms') if p.get('graph_ms') is None else round(p['graph_ms'], 2)} ms "
+              f"{p.get('error', '')}")
+    print(f"tests: {tests.get('summary', tests['status'])}")
+
+
+def skipped_parts(tests: dict, cells: list[dict], png_skip: str | None) -> list[str]:
+    """What did not run, one line each with its reason (the JSON's ``skipped``)."""
+    out = [] if tests["status"] != "not run" else ["tests: --no-tests"]
+    if tests["status"] == "skipped":
+        out.append(f"tests: {tests.get('summary', 'no test ran')} (no CUDA device)")
+    out += [f"cell {c['shape']} {_label(c)} B={c.get('budget')}: {c.get('error')}" for c in cells
+            if c.get("status") == "skipped"]
+    return out + ([png_skip] if png_skip else [])
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
         check_args(a)
+        bundle = use_bundle(a.bundle) if a.bundle else None
     except ValueError as e:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 2
@@ -375,31 +449,22 @@ def main(argv: list[str] | None = None) -> int:
                       "graphs": a.graphs,
                       "dtype": str(dtype).removeprefix("torch."), "time_limit_s": a.time_limit,
                       "weights": "random (configs in code, no downloads)"},
-           "tests": tests, "breakdown": cells, "graph_probe": probes, "json": "gpu_check.json",
+           "bundle": bundle, "tests": tests, "breakdown": cells, "graph_probe": probes, "json": "gpu_check.json",
            "png": "gpu_check.png"}
-    plot(cells, out / "gpu_check.png", f"round time per phase, {res['env'].get('gpu', a.device)}, "
-                                       f"{res['config']['dtype']}, random weights, context {a.context}")
+    png_skip = plot(cells, out / "gpu_check.png", f"round time per phase, {res['env'].get('gpu', a.device)}, "
+                                                  f"{res['config']['dtype']}, random weights, context {a.context}")
+    res["png"] = None if png_skip else "gpu_check.png"
+    res["skipped"] = skipped_parts(tests, cells, png_skip)
     res["elapsed_s"] = time.perf_counter() - t_start
     (out / "gpu_check.json").write_text(json.dumps(res, indent=1))
-    print(f"{'shape':<14}{'method':<23}{'B':>4}{'draft':>8}{'build':>8}{'verify':>8}{'commit':>8}{'round':>8}")
-    for c in cells:
-        if c.get("status") != "ok":
-            print(f"{c['shape']:<14}{_label(c):<23}{c.get('budget') or '-':>4}  {c['status']}: "
-                  f"{c.get('error', '')}")
-            continue
-        ph = c["phase_ms"]
-        print(f"{c['shape']:<14}{_label(c):<23}{c['budget'] or '-':>4}"
-              + "".join(f"{ph[p]:8.2f}" for p in PHASES))
-    for p in probes:
-        print(f"graph probe {p['shape']} rows={p['rows']}: eager {p.get('eager_ms', float('nan')):.2f} ms, "
-              f"graph {p.get('graph_ms') if p.get('graph_ms') is None else round(p['graph_ms'], 2)} ms "
-              f"{p.get('error', '')}")
-    print(f"tests: {tests.get('summary', tests['status'])}")
+    print_table(cells, probes, tests)
     errors = [c for c in cells if c.get("status") != "ok"]
     print(json.dumps({"out": str(out), "elapsed_s": round(res["elapsed_s"], 1), "tests": tests["status"],
+                      "bundle": bundle["status"] if bundle else None,
                       "cells_ok": len(cells) - len(errors), "cells_not_ok": len(errors)}))
     # smoke (CPU): the gpu tests skip by design; a full run on a GPU must have run them
-    return 0 if not errors and tests["status"] in ("ok", "not run", *(("skipped",) if a.smoke else ())) else 1
+    ok = not errors and tests["status"] in ("ok", "not run", *(("skipped",) if a.smoke else ()))
+    return 0 if ok and (bundle is None or bundle["status"] == "ok") else 1
 
 
 if __name__ == "__main__":
