@@ -26,7 +26,7 @@ callable eagerly with the same signature, so callers have one code path and a sw
 
 Used by :class:`services.verifier.runner.ModelRunner` (``cuda_graphs``; on by ``compile`` on a CUDA
 target): a step is keyed by its :class:`~services.tree.batch.StepBucket` (segments, rows per segment,
-rows, KV length, logit rows; powers of two), its :class:`~services.tree.batch.PackedRows` padded to
+rows, KV length, logit rows; row counts by :func:`~services.tree.batch.row_bucket`), its :class:`~services.tree.batch.PackedRows` padded to
 the key (:func:`~services.tree.batch.pad_packed`: padding rows write to a scratch slot), the key's
 callable runs the target's eager forward with the padded step metadata as tensor inputs, and the
 runner slices the real rows out of the static outputs. The drafter block (fixed ``block_size``

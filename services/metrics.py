@@ -102,6 +102,7 @@ INFO = "dartree_info"
 DRAFTER_CONTEXTS = "dartree_drafter_contexts"
 STEP_REQUESTS = "dartree_step_requests"
 STEP_ROWS = "dartree_step_rows"
+GRAPH_EAGER_STEPS = "dartree_graph_eager_steps_total"
 PREFILL_CHUNK_TOKENS = "dartree_prefill_chunk_tokens_total"
 DRAFTER_WAIT = "dartree_verifier_drafter_wait_seconds_total"
 DRAFTER_BUSY = "dartree_verifier_drafter_busy_seconds_total"
@@ -228,6 +229,9 @@ class VerifierMetrics:
                                        buckets=STEP_REQUEST_BUCKETS, registry=r)
         self.step_rows = Histogram(STEP_ROWS, "Rows of one batched step (verify rows + prompt chunk tokens).",
                                    buckets=STEP_ROW_BUCKETS, registry=r)
+        self.graph_eager_steps = Counter(GRAPH_EAGER_STEPS, "Padded steps run eagerly (uncaptured) because their "
+                                         "bucket was past the CUDA graphs captured.", registry=r)
+        self._graph_eager_seen = 0
         self.prefill_chunk_tokens = Counter(PREFILL_CHUNK_TOKENS, "Prompt tokens prefilled inside batched steps.",
                                             registry=r)
         self.drafter_wait = Counter(DRAFTER_WAIT, "Seconds the verifier's steps waited for drafts.", registry=r)
@@ -266,6 +270,13 @@ class VerifierMetrics:
                                     ["speculation"], registry=r)
         self.ipc_errors = _ipc_errors(r)
         _info(r, role="verifier", **info)
+
+    def observe_graph_eager_steps(self, total: int) -> None:
+        """The runner's running total of padded steps run eagerly past its captured graphs
+        (``ModelRunner.num_eager_steps``): the counter advances by what changed since the last call."""
+        if total > self._graph_eager_seen:
+            self.graph_eager_steps.inc(total - self._graph_eager_seen)
+            self._graph_eager_seen = total
 
     def observe_prefix_cache(self, queried: int, hits: int, evictions: int, cached: int, copied: int = 0,
                              waits: int = 0) -> None:

@@ -215,12 +215,24 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+ROW_STEP = 16  # row counts past this are bucketed to its multiples (below it: powers of two)
+
+
+def row_bucket(n: int) -> int:
+    """The row count a step's ``n`` rows are padded to: the next power of two up to
+    :data:`ROW_STEP`, then the next multiple of it (1, 2, 4, 8, 16, 32, 48, 64, 80, ...): a 65-row
+    verify (a B = 64 tree and its root) runs 80 rows, not 128, and a GPU's cost per row count is
+    flat over such a step (memory bound), while a few dozen buckets cover every tree budget."""
+    n = max(1, int(n))
+    return _pow2_at_least(n) if n <= ROW_STEP else -(-n // ROW_STEP) * ROW_STEP
+
+
 def step_bucket(p: PackedRows, logit_rows: int, max_segments: int, kv_bucket: int, kv_capacity: int) -> StepBucket:
-    """The bucket a step is padded to: segment count, rows per segment, flattened rows and logit rows
-    rounded up to powers of two, the KV length to ``kv_bucket`` times a power of two (all capped:
-    segments at ``max_segments``, flattened rows at ``n' * Rm'``, logit rows at ``R'``, KV length at
-    ``kv_capacity``). Powers of two keep the graphs a server captures to a few dozen at most
-    (vLLM / SGLang pad their decode batches the same way).
+    """The bucket a step is padded to: the segment count rounded up to a power of two, rows per
+    segment, flattened rows and logit rows to :func:`row_bucket`, the KV length to ``kv_bucket``
+    times a power of two (all capped: segments at ``max_segments``, flattened rows at ``n' * Rm'``,
+    logit rows at ``R'``, KV length at ``kv_capacity``). This keeps the graphs a server captures to
+    a few dozen (vLLM / SGLang pad their decode batches the same way).
 
     Raises:
         ValueError: ``p`` has more segments than ``max_segments`` or a KV length past ``kv_capacity``.
@@ -231,9 +243,9 @@ def step_bucket(p: PackedRows, logit_rows: int, max_segments: int, kv_bucket: in
     if p.kv_length > kv_capacity:
         raise ValueError(f"a step reads {p.kv_length} KV columns, the cache holds {kv_capacity}")
     segs = min(_pow2_at_least(n), max_segments)
-    per_seg = _pow2_at_least(rm)
-    rows = min(_pow2_at_least(p.input_ids.numel()), segs * per_seg)
-    keep = min(_pow2_at_least(logit_rows), rows)
+    per_seg = row_bucket(rm)
+    rows = min(row_bucket(p.input_ids.numel()), segs * per_seg)
+    keep = min(row_bucket(logit_rows), rows)
     length = min(kv_bucket * _pow2_at_least(-(-p.kv_length // kv_bucket)), kv_capacity)
     return StepBucket(segs, per_seg, rows, length, keep)
 

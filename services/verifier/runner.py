@@ -271,7 +271,8 @@ class ModelRunner:
             disk, so later starts are faster). The reference paths of :class:`TargetModel` stay eager.
             On a CUDA target ``compile`` means CUDA graphs instead (``cuda_graphs`` below).
         cuda_graphs: run every step *padded to a bucket* (:func:`~services.tree.batch.step_bucket`:
-            segments, rows per segment, rows, logit rows and KV length rounded up to powers of two)
+            segments and KV length rounded up to powers of two, row counts by
+            :func:`~services.tree.batch.row_bucket`: 1, 2, 4, 8, 16, then multiples of 16)
             through :class:`services.cuda_graphs.GraphBuckets`: on CUDA each bucket's eager forward
             is captured once in a CUDA graph and replayed (no host sync inside a step: attention
             gathers the slots, masks are built before the call); off CUDA (or with
@@ -342,6 +343,11 @@ class ModelRunner:
             self._forward = torch.compile(_private_frame(target.model), options={"guard_filter_fn": _step_guards})
         elif lean:
             self.lean = LeanLlamaStep(target.model, _lean_attention, target._taps, target.target_layer_ids)
+
+    @property
+    def num_eager_steps(self) -> int:
+        """Padded steps run eagerly, uncaptured, because every graph place was taken (0 unpadded)."""
+        return self.graphs.num_eager_overflow if self.graphs is not None else 0
 
     @torch.inference_mode()
     def warm_up(self, rows: tuple[int, ...] = (1, 9)) -> float:

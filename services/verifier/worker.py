@@ -553,6 +553,7 @@ class VerifierWorker:
         if prefix is not None:
             self.metrics.observe_prefix_cache(*prefix())
             self.metrics.prefix_bytes.set(self.engine.runner.cache.prefix.nbytes())
+            self.metrics.observe_graph_eager_steps(self.engine.runner.num_eager_steps)
         budget, width = self.tree_knobs() or (0, 0)
         self.metrics.scheduled_budget.set(budget)
         self.metrics.scheduled_width.set(width)

@@ -16,7 +16,8 @@ import torch
 
 from services.testing import random_tree, tiny_drafter, tiny_service
 from services.tree import derive_buffers
-from services.tree.batch import Segment, StepBucket, causal_segment, pack_segments, pad_packed, step_bucket
+from services.metrics import GRAPH_EAGER_STEPS, VerifierMetrics
+from services.tree.batch import Segment, StepBucket, causal_segment, pack_segments, pad_packed, row_bucket, step_bucket
 from services.verifier.runner import ModelRunner
 from tests.engine.conftest import TARGET_KW, V
 from tests.engine.test_batched import _engine, _mixed_requests, _run_batched, _solo
@@ -47,6 +48,35 @@ def test_step_bucket_rounds_up_and_caps():
     assert b == StepBucket(segments=3, rows_per_segment=8, rows=16, kv_length=50, logit_rows=16)
     with pytest.raises(ValueError, match="segments exceeds"):
         step_bucket(p, 1, max_segments=2, kv_bucket=16, kv_capacity=300)
+
+
+def test_rows_bucket_by_powers_of_two_then_by_16():
+    assert [row_bucket(n) for n in (0, 1, 2, 3, 5, 9, 16, 17, 32, 33, 48, 49, 65, 129)] == \
+        [1, 1, 2, 4, 8, 16, 16, 32, 32, 48, 48, 64, 80, 144]
+    for n in range(1, 300):  # never below n, never 16 rows or more of padding, one bucket per 16 past 16
+        b = row_bucket(n)
+        assert n <= b < max(2 * n, n + 16) and (b <= 16 or b % 16 == 0)
+    # a B = 64 tree (65 verify rows) beside an ar row: 80 rows per segment, 96 rows, not 128
+    b65 = derive_buffers(random_tree(random.Random(0), V, 64, 8), 1)
+    p = pack_segments([Segment(b65.input_ids, b65.position_offsets, b65.tree_mask, 10, 0),
+                       causal_segment([3], 4, 1)], kv_bucket=16)
+    b = step_bucket(p, logit_rows=66, max_segments=4, kv_bucket=16, kv_capacity=512)
+    assert b == StepBucket(segments=2, rows_per_segment=80, rows=80, kv_length=128, logit_rows=80)
+
+
+def test_steps_past_the_graphs_run_eager_and_are_counted(target):
+    """New buckets past the runner's graph places run eagerly (same results) and are counted; the
+    worker's metric advances by the runner's running total."""
+    runner = ModelRunner(target, num_slots=2, capacity=100, kv_bucket=8, cuda_graphs=True)
+    runner.graphs.max_graphs = 1
+    slot = runner.cache.alloc()
+    metrics = VerifierMetrics(model="tiny")
+    for rows, expect in ((1, 0), (5, 1), (1, 1), (20, 2)):  # buckets 1 (kept), 8, 1 again, 32
+        runner.execute([causal_segment([4] * rows, 0, slot)])
+        assert runner.num_eager_steps == expect
+        metrics.observe_graph_eager_steps(runner.num_eager_steps)
+        assert metrics.registry.get_sample_value(GRAPH_EAGER_STEPS) == expect
+    assert ModelRunner(target, num_slots=1, capacity=64).num_eager_steps == 0  # unpadded: none
 
 
 def test_pad_packed_keeps_real_rows_and_sends_padding_to_the_scratch_slot():
