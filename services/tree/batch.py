@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from services.tree.tree_mask import tree_mask_from_parents
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -283,12 +285,13 @@ def pad_packed(p: PackedRows, bucket: StepBucket, scratch_slot: int) -> PackedRo
     seg, col = p.padded_pos // rm, p.padded_pos % rm
     padded_pos[:r] = seg * rms + col
     padded_pos[r:] = free
-    mask = torch.zeros(ns, 1, rms, length, dtype=torch.bool, device=dev)
-    mask[:n, :, :rm, :p.kv_length] = p.attn_mask
-    # new padding rows of real segments: column `start` only, like pack_segments' padding rows
-    mask[torch.arange(n, device=dev)[:, None], 0, torch.arange(rm, rms, device=dev)[None, :],
-         p.starts.to(dev)[:, None]] = True
-    mask[n:, 0, :, 0] = True  # padding segments: column 0 of the scratch slot
+    mask = torch.zeros(ns, 1, rms, length if p.attn_mask.shape[-1] else 0, dtype=torch.bool, device=dev)
+    if p.attn_mask.shape[-1]:  # else packed without a mask: padded_step_mask builds it on the device
+        mask[:n, :, :rm, :p.kv_length] = p.attn_mask
+        # new padding rows of real segments: column `start` only, like pack_segments' padding rows
+        mask[torch.arange(n, device=dev)[:, None], 0, torch.arange(rm, rms, device=dev)[None, :],
+             p.starts.to(dev)[:, None]] = True
+        mask[n:, 0, :, 0] = True  # padding segments: column 0 of the scratch slot
     slots = torch.cat([p.slots, torch.full((ns - n,), scratch_slot, dtype=torch.long, device=dev)])
     pad = b.rows - r
     return PackedRows(
@@ -298,3 +301,50 @@ def pad_packed(p: PackedRows, bucket: StepBucket, scratch_slot: int) -> PackedRo
         write_slot=torch.cat([p.write_slot, torch.full((pad,), scratch_slot, dtype=torch.long, device=dev)]),
         write_pos=torch.cat([p.write_pos, torch.zeros(pad, dtype=torch.long, device=dev)]),
         attn_mask=mask, kv_length=length)
+
+
+def padded_tree_rows(segments: list[Segment], bucket: StepBucket) -> tuple[Tensor, Tensor, Tensor]:
+    """What :func:`padded_step_mask` builds a padded step's mask from (host tensors, a few bytes
+    per row instead of the ``[n', 1, Rm', L']`` mask).
+
+    Returns:
+        ``(starts [n'], num_rows [n'], parent_rows [n', Rm'])`` long: each segment's start and row
+        count (padding segments: 0 and 0) and its rows' segment-local parent rows
+        (:meth:`Segment.parents`; ``-1`` past its rows).
+    """
+    ns, rms = bucket.segments, bucket.rows_per_segment
+    starts = torch.zeros(ns, dtype=torch.long)
+    num_rows = torch.zeros(ns, dtype=torch.long)
+    parents = torch.full((ns, rms), -1, dtype=torch.long)
+    for i, seg in enumerate(segments):
+        starts[i], num_rows[i] = seg.start, seg.num_rows
+        parents[i, :seg.num_rows] = seg.parents()
+    return starts, num_rows, parents
+
+
+def padded_step_mask(starts: Tensor, num_rows: Tensor, parent_rows: Tensor, kv_length: int) -> Tensor:
+    """A padded step's attention mask, built on the tensors' device with static shapes (no host
+    read: a CUDA graph captures it), equal to :func:`pad_packed`'s host-built ``attn_mask`` for
+    segments whose ``local_mask`` is the ancestor-or-self mask of their parent rows (trees from
+    :func:`~services.tree.draft_tree.derive_buffers`, prompt chunks, lone rows).
+
+    A segment's row ``j < num_rows`` sees the columns before its start and, of its own columns
+    ``start + k``, its ancestors-or-self ``k`` (:func:`~services.tree.tree_mask.tree_mask_from_parents`);
+    every other row of the layout (padding) sees column ``start`` alone.
+
+    Args:
+        starts, num_rows: ``[n']`` long; parent_rows: ``[n', Rm']`` long (:func:`padded_tree_rows`).
+        kv_length: ``L'`` columns.
+    Returns:
+        ``[n', 1, Rm', L']`` bool.
+    """
+    ns, rms = parent_rows.shape
+    dev = parent_rows.device
+    tree = tree_mask_from_parents(parent_rows)  # [n', Rm', Rm']
+    cols = torch.arange(kv_length, device=dev)
+    rel = cols[None, :] - starts[:, None]  # [n', L'] column relative to each segment's start
+    own = tree.gather(2, rel.clamp(0, rms - 1)[:, None, :].expand(ns, rms, kv_length))  # [n', Rm', L']
+    own = own & ((rel >= 0) & (rel < rms))[:, None, :]
+    real = (rel < 0)[:, None, :] | own
+    valid = torch.arange(rms, device=dev)[None, :] < num_rows[:, None]  # [n', Rm']
+    return torch.where(valid[..., None], real, (rel == 0)[:, None, :])[:, None]

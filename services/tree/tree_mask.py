@@ -25,8 +25,8 @@ def _passes(rows: int) -> int:
 
 
 def _self_parents(parent_rows: Tensor) -> Tensor:
-    """``[R]`` long: each row's parent row, a root (``-1``) pointing at itself."""
-    rows = torch.arange(parent_rows.numel(), device=parent_rows.device)
+    """``[..., R]`` long: each row's parent row, a root (``-1``) pointing at itself."""
+    rows = torch.arange(parent_rows.shape[-1], device=parent_rows.device)
     return torch.where(parent_rows < 0, rows, parent_rows.long())
 
 
@@ -44,20 +44,22 @@ def tree_mask_from_parents(parent_rows: Tensor) -> Tensor:
     A chain ``[-1, 0, 1, ...]`` gives the lower-triangular (causal) mask.
 
     Args:
-        parent_rows: ``[R]`` long, ``-1`` for a root, else ``parent_rows[i] < i``.
+        parent_rows: ``[R]`` or ``[B, R]`` (a batch of trees) long, ``-1`` for a root, else
+            ``parent_rows[..., i] < i``.
     Returns:
-        ``[R, R]`` bool on ``parent_rows``' device, ``tree_mask[i, j]`` = row ``j`` is an
-        ancestor-or-self of row ``i`` (equal to ``VerifyBuffers.tree_mask``).
+        ``[R, R]`` (or ``[B, R, R]``) bool on ``parent_rows``' device, ``tree_mask[i, j]`` = row
+        ``j`` is an ancestor-or-self of row ``i`` (equal to ``VerifyBuffers.tree_mask``).
     """
-    assert parent_rows.ndim == 1, "parent_rows must be [R]"
-    r = parent_rows.numel()
-    up = _self_parents(parent_rows)  # [R]
-    mask = torch.eye(r, dtype=torch.bool, device=parent_rows.device)  # ancestors at distance 0
-    mask |= torch.nn.functional.one_hot(up, r).bool()  # and 1 (a root: itself again)
+    assert parent_rows.ndim in (1, 2), "parent_rows must be [R] or [B, R]"
+    batch = parent_rows if parent_rows.ndim == 2 else parent_rows[None]  # [B, R]
+    r = batch.shape[-1]
+    up = _self_parents(batch)  # [B, R]
+    cols = torch.arange(r, device=batch.device)
+    mask = (cols == cols[:, None]) | (cols == up[..., None])  # [B, R, R] ancestors at distance 0 and 1
     for _ in range(_passes(r)):  # mask covers distances < 2**(k+1) after pass k
-        mask = mask | mask[up]
-        up = up[up]
-    return mask
+        mask = mask | mask.gather(1, up[..., None].expand(-1, -1, r))
+        up = up.gather(1, up)
+    return mask if parent_rows.ndim == 2 else mask[0]
 
 
 def depths_from_parents(parent_rows: Tensor) -> Tensor:

@@ -64,7 +64,6 @@ read every slot up to the longest context).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import types
@@ -76,12 +75,13 @@ from torch import Tensor
 
 from services import hf_compat
 from services.cuda_graphs import GraphBuckets, graphs_enabled
-from services.tree.batch import PackedRows, Segment, StepBucket, causal_segment, pack_segments, pad_packed, step_bucket
+from services.tree.batch import (PackedRows, Segment, StepBucket, causal_segment, pack_segments, pad_packed,
+                                 padded_step_mask, padded_tree_rows, step_bucket)
 from services.verifier.attention import additive_mask, attend, use_grouped
 from services.verifier import native
 from services.verifier.kv_cache import SlotKVCache
 from services.verifier.lean_step import LeanLlamaStep, lean_step_enabled
-from services.verifier.tree_attention import segment_parts, tree_verify_attention
+from services.verifier.tree_attention import segment_parts, tree_attention_on, tree_verify_attention
 
 _ACTIVE = threading.local()  # the step being run by this thread's forward (None outside a step)
 
@@ -300,7 +300,7 @@ class ModelRunner:
             raise ValueError("compile and cuda_graphs exclude each other off CUDA (inductor steps, or padded eager "
                              "steps that test the CUDA-graph path): pick one")
         self.graphed = bool(compile and on_cuda) if cuda_graphs is None else bool(cuda_graphs)
-        self.tree_attention = _tree_attention_on(tree_attention, on_cuda, compile or self.graphed)
+        self.tree_attention = tree_attention_on(tree_attention, on_cuda, compile or self.graphed)
         self.cache = SlotKVCache.for_model(target.config, num_slots + int(self.graphed), capacity, target.dtype,
                                            target.device)
         self.kv_bucket = kv_bucket
@@ -386,9 +386,10 @@ class ModelRunner:
         Raises:
             ValueError: from :func:`pack_segments` (bad segments, rows past the capacity).
         """
-        p = pack_segments(segments, self.kv_bucket, self.cache.capacity, with_mask=not self.tree_attention)
+        p = pack_segments(segments, self.kv_bucket, self.cache.capacity,
+                          with_mask=not (self.tree_attention or self.graphed))  # else built on the device
         if self.graphed:
-            return self._execute_padded(p, logit_rows)
+            return self._execute_padded(segments, p, logit_rows)
         self.cache.prepare(p.slots.tolist(), p.kv_length)
         dev = self.target.device
         tree_parts = segment_parts(segments, p, dev) if self.tree_attention else None  # host lists: no sync
@@ -430,8 +431,10 @@ class ModelRunner:
             keep = torch.tensor([p.input_ids.numel() - 1], device=dev)
         return keep, no_logits
 
-    def _execute_padded(self, p: PackedRows, logit_rows: Tensor | None) -> StepOutput:
-        """:meth:`execute` at the step's bucket: pad, run (replay) the bucket's step, slice the real rows."""
+    def _execute_padded(self, segments: list[Segment], p: PackedRows, logit_rows: Tensor | None) -> StepOutput:
+        """:meth:`execute` at the step's bucket: pad, run (replay) the bucket's step, slice the real rows.
+        The step's mask is built inside it from the segments' starts, row counts and parent rows
+        (:func:`~services.tree.batch.padded_step_mask`), not copied in."""
         r = p.input_ids.numel()
         k = r if logit_rows is None else int(logit_rows.numel())
         bucket = step_bucket(p, k, self.scratch_slot, self.kv_bucket, self.cache.capacity)  # = request slots
@@ -443,7 +446,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         logits, feats = self.graphs.run(bucket, *(t.to(dev) for t in (
             padded.input_ids[None], padded.positions[None], padded.write_slot, padded.write_pos, padded.slots,
-            padded.row_index, padded.padded_pos, padded.attn_mask, keep)))
+            padded.row_index, padded.padded_pos, *padded_tree_rows(segments, bucket), keep)))
         # a replay's outputs are the graph's static buffers: the next replay overwrites them
         logits, feats = logits[:k].clone(), feats[:r].clone()
         return StepOutput(logits, feats, _to(p, dev), _elapsed(t0, dev))
@@ -452,8 +455,9 @@ class ModelRunner:
         """The callable of one bucket (captured by :class:`GraphBuckets`): tensors in, ``(logits [K', V]
         float32, features [R', F])`` out; every shape fixed by ``bucket``, no host sync inside."""
 
-        def step(ids, pos, write_slot, write_pos, slots, row_index, padded_pos, attn_mask, keep):
+        def step(ids, pos, write_slot, write_pos, slots, row_index, padded_pos, starts, num_rows, parents, keep):
             none = ids.new_zeros(0)
+            attn_mask = padded_step_mask(starts, num_rows, parents, bucket.kv_length)  # [n', 1, Rm', L']
             p = PackedRows(input_ids=ids[0], positions=pos[0], cu_rows=none, slots=slots, starts=none,
                            row_index=row_index, padded_pos=padded_pos, write_slot=write_slot, write_pos=write_pos,
                            attn_mask=attn_mask, kv_length=bucket.kv_length)
@@ -467,19 +471,6 @@ class ModelRunner:
             return out.logits[0].float(), self.target._features()
 
         return step
-
-
-def _tree_attention_on(asked: bool | None, on_cuda: bool, fixed_or_compiled: bool) -> bool:
-    """Whether a runner's unpadded steps use the tree-verify attention (``ModelRunner``'s ``tree_attention``).
-
-    Raises:
-        ValueError: asked for together with compiled or padded (CUDA-graph) steps.
-    """
-    if asked and fixed_or_compiled:
-        raise ValueError("tree_attention runs eager unpadded steps: it excludes compile and cuda_graphs")
-    if asked is None:
-        return on_cuda and not fixed_or_compiled and os.environ.get("DARTREE_TREE_ATTENTION", "1") != "0"
-    return bool(asked)
 
 
 def auto_compile(target) -> bool:

@@ -27,6 +27,8 @@ bfloat16 to bfloat16 rounding (tests/engine/test_tree_attention.py).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -127,3 +129,16 @@ def segment_parts(segments: list[Segment], p: PackedRows, dev) -> list[tuple]:
     forest = tree_mask_from_parents(parents.to(dev))  # [R, R]
     return [(a, b, s.slot, s.start, length, forest[a:b, a:b], None)
             for s, a, b, length in zip(segments, bounds, bounds[1:], p.segment_kv_lengths)]
+
+
+def tree_attention_on(asked: bool | None, on_cuda: bool, fixed_or_compiled: bool) -> bool:
+    """Whether a runner's unpadded steps use the tree-verify attention (``ModelRunner``'s ``tree_attention``).
+
+    Raises:
+        ValueError: asked for together with compiled or padded (CUDA-graph) steps.
+    """
+    if asked and fixed_or_compiled:
+        raise ValueError("tree_attention runs eager unpadded steps: it excludes compile and cuda_graphs")
+    if asked is None:
+        return on_cuda and not fixed_or_compiled and os.environ.get("DARTREE_TREE_ATTENTION", "1") != "0"
+    return bool(asked)

@@ -17,7 +17,8 @@ import torch
 from services.testing import random_tree, tiny_drafter, tiny_service
 from services.tree import derive_buffers
 from services.metrics import GRAPH_EAGER_STEPS, VerifierMetrics
-from services.tree.batch import Segment, StepBucket, causal_segment, pack_segments, pad_packed, row_bucket, step_bucket
+from services.tree.batch import (Segment, StepBucket, causal_segment, pack_segments, pad_packed, padded_step_mask,
+                                 padded_tree_rows, row_bucket, step_bucket)
 from services.verifier.runner import ModelRunner
 from tests.engine.conftest import TARGET_KW, V
 from tests.engine.test_batched import _engine, _mixed_requests, _run_batched, _solo
@@ -105,6 +106,23 @@ def test_pad_packed_keeps_real_rows_and_sends_padding_to_the_scratch_slot():
         pad_packed(p, b, scratch_slot=2)
     with pytest.raises(ValueError, match="does not fit"):
         pad_packed(p, StepBucket(b.segments, rm - 1, b.rows, b.kv_length, b.logit_rows), scratch_slot=4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_built_padded_mask_equals_the_host_mask(seed):
+    """The mask a padded step builds inside itself from starts, row counts and parent rows equals
+    pad_packed's host-built one, bit for bit (trees, prompt chunks, lone rows, padding segments)."""
+    rng = random.Random(seed)
+    for _ in range(8):
+        n = rng.randrange(1, 5)
+        segs = _segments(rng, rng.sample(range(6), n), [rng.randrange(0, 60) for _ in range(n)])
+        p = pack_segments(segs, kv_bucket=8)
+        b = step_bucket(p, rng.randrange(1, p.input_ids.numel() + 1), max_segments=6, kv_bucket=8, kv_capacity=200)
+        want = pad_packed(p, b, scratch_slot=6).attn_mask
+        got = padded_step_mask(*padded_tree_rows(segs, b), b.kv_length)
+        assert got.shape == want.shape and torch.equal(got, want)
+    bare = pad_packed(pack_segments(segs, kv_bucket=8, with_mask=False), b, scratch_slot=6)
+    assert bare.attn_mask.shape[-1] == 0  # no host mask when the step builds its own
 
 
 def _close(a, b):

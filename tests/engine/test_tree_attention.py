@@ -46,6 +46,18 @@ def test_device_mask_equals_host_mask_on_random_trees(seed):
     assert torch.equal(tree_mask_from_parents(chain.parent_rows), chain.tree_mask)
 
 
+def test_batched_masks_equal_one_tree_at_a_time():
+    rng = random.Random(9)
+    parents = torch.full((5, 20), -1, dtype=torch.long)
+    for i in range(5):  # trees of different sizes, padded with roots
+        b = derive_buffers(random_tree(rng, V, rng.randrange(0, 19), 6), 1)
+        parents[i, :b.parent_rows.numel()] = b.parent_rows
+    batched = tree_mask_from_parents(parents)
+    assert batched.shape == (5, 20, 20)
+    for i in range(5):
+        assert torch.equal(batched[i], tree_mask_from_parents(parents[i]))
+
+
 def test_segment_parents_from_its_mask_and_a_chunk():
     b = derive_buffers(random_tree(random.Random(3), V, 20, 5), 1)
     seg = Segment(b.input_ids, b.position_offsets, b.tree_mask, 0, 0)  # no parent rows given
