@@ -59,3 +59,27 @@ def test_commit_paths_refuses_a_wrong_start():
         cache.commit_paths([slot], [2], torch.tensor([[0, 1]]), [2])
     with pytest.raises(ValueError, match="commit expects"):
         cache.commit_paths([slot], [3], torch.tensor([[0]]), [118])  # past the capacity
+
+
+@pytest.mark.gpu
+def test_device_walk_and_commit_on_cuda_equal_the_host_ones():
+    rng = random.Random(5)
+    host, _ = _two_caches(5)
+    dev = SlotKVCache(num_layers=3, num_kv_heads=2, head_dim=4, num_slots=5, capacity=120, device="cuda")
+    for a, b in zip(host.keys + host.values, dev.keys + dev.values):
+        b.copy_(a)
+    slots = [host.alloc() for _ in range(3)]
+    assert slots == [dev.alloc() for _ in range(3)]
+    starts = [0, 0, 0]
+    items = []
+    for _ in slots:
+        b = derive_buffers(random_tree(rng, V, 12, 4), 1)
+        items.append((b, _targets(rng, b, 0.9)))
+    for s, (b, t) in zip(slots, items):
+        host.commit(s, 0, walk(b, t).accepted_rows)
+    ids, parents, cu, targets, width = _pack(items)
+    out = walk_segments(ids.cuda(), parents.cuda(), cu.cuda(), targets.cuda(), width)
+    lengths = [len(rows) for rows, _ in unpack_walk(out.packed())]
+    dev.commit_paths(slots, starts, out.accepted_rows, lengths)
+    for ka, kb in zip(host.keys + host.values, dev.keys + dev.values):
+        assert torch.equal(ka, kb.cpu())

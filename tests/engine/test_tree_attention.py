@@ -167,3 +167,47 @@ def test_tree_attention_engine_equals_plain_solo(target, seed, n):
     got, _ = _run_batched(engine, arrivals)
     for rid, prompt, sampling, spec in reqs:
         assert got[rid] == _solo(target, service, prompt, sampling, spec), (rid, spec.method)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tree_attention_on_cuda_equals_dense_reference(dtype):
+    """On a GPU the prefix call is the flash kernel (bfloat16) or the matmul fallback (float32);
+    either way the merged result equals SDPA over the dense mask to the dtype's rounding."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hq, hkv, dh = 32, 8, 128  # Qwen3-4B's attention shape
+    for rows, start in ((1, 300), (17, 0), (65, 1000), (129, 37)):
+        cache = torch.randn(2, hkv, start + rows + 8, dh, generator=gen, device="cuda", dtype=dtype)
+        q = torch.randn(1, hq, rows, dh, generator=gen, device="cuda", dtype=dtype)
+        parents = torch.tensor([-1] + [random.Random(rows).randrange(i) for i in range(1, rows)], device="cuda")
+        mask = tree_mask_from_parents(parents)
+        k, v = cache[0, :, :start + rows], cache[1, :, :start + rows]
+        ref = _dense_reference(q.float().cpu(), k.float().cpu(), v.float().cpu(), start, mask.cpu(), dh ** -0.5)
+        got = tree_verify_attention(q, k, v, start, mask, dh ** -0.5)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got.float().cpu(), ref, atol=tol, rtol=tol, msg=f"{rows} rows at {start}")
+
+
+@pytest.mark.gpu
+def test_tree_attention_runner_on_cuda_equals_dense_runner():
+    """The default eager CUDA runner (tree attention) against the dense per-request calls."""
+    from services.testing import tiny_target
+    from tests.engine.conftest import TARGET_KW
+
+    target = tiny_target("qwen3", **TARGET_KW)
+    target.model.to("cuda")
+    target.device = torch.device("cuda")
+    tree = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8)
+    dense = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8, tree_attention=False)
+    assert tree.tree_attention and not dense.tree_attention
+    rng = random.Random(0)
+    slots = [[r.cache.alloc() for _ in range(3)] for r in (dense, tree)][0]
+    lengths = [0, 0, 0]
+    for step in range(6):
+        segs = _segments(rng, slots[:1 + step % 3], lengths)
+        a, b = dense.execute(segs), tree.execute(segs)
+        torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=1e-4)
+        for s in segs:
+            for r in (dense, tree):
+                r.cache.extend(s.slot, s.num_rows)
+            lengths[slots.index(s.slot)] += s.num_rows
