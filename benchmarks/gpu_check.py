@@ -15,6 +15,9 @@ default) ``ar`` and ``dartree-pruned`` also run on an engine whose runner captur
 in CUDA graphs (``EngineConfig(cuda_graphs=True)``; cells marked ``"graphs": true``, bars "+graphs";
 on the CPU smoke run the same padded steps run eagerly).
 
+The verify curve (:mod:`benchmarks.gpu_verify_curve`) times one verify step of 1 ... 129 rows per
+attention path (tree attention, dense, CUDA graphs) at ``--context`` positions.
+
 Writes ``<out>/gpu_check.json`` and ``<out>/gpu_check.png``; prints a table and, last, one JSON
 line. Stays under ``--time-limit`` seconds (default 420: < 8 min with start-up); cells past it are
 reported as skipped. ``--smoke`` runs tiny configs on the CPU in seconds (what CI checks).
@@ -76,18 +79,12 @@ def shapes(smoke: bool) -> dict[str, dict]:
             "qwen3-4b": {"arch": "qwen3", "target": qwen3_4b, "drafter": dict(num_hidden_layers=5, block_size=16)}}
 
 
-def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, graphs: bool = False):
-    """A :class:`SpecEngine` over a random target and a random DFlash + Domino drafter of ``spec``'s
-    shape; ``graphs``: its runner pads every step to a bucket and replays CUDA graphs."""
+def build_target(spec: dict, device: str, dtype: torch.dtype):
+    """A :class:`~services.verifier.target.TargetModel` of ``spec``'s shape with random weights, and
+    its tapped layers."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    from services.drafter.model import DFlashDrafter, DrafterConfig
     from services.models.layers import default_target_layer_ids
-    from services.drafter.service import DrafterService
-    from services.spec import default_tree_knobs
-    from services.verifier.drafter_client import InprocDrafterClient
-    from services.verifier.build import build_engine
-    from services.verifier.engine import EngineConfig
     from services.verifier.target import TargetModel
 
     t = spec["target"]
@@ -99,7 +96,21 @@ def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, 
         model = model_cls(cfg).to(dtype).eval()
     n = t["num_hidden_layers"]
     layers = default_target_layer_ids(n) if n >= 6 else sorted({0, n - 1})  # tiny smoke targets: first + last
-    target = TargetModel(model, layers)
+    return TargetModel(model, layers), layers
+
+
+def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, graphs: bool = False):
+    """A :class:`SpecEngine` over a random target and a random DFlash + Domino drafter of ``spec``'s
+    shape; ``graphs``: its runner pads every step to a bucket and replays CUDA graphs."""
+    from services.drafter.model import DFlashDrafter, DrafterConfig
+    from services.drafter.service import DrafterService
+    from services.spec import default_tree_knobs
+    from services.verifier.drafter_client import InprocDrafterClient
+    from services.verifier.build import build_engine
+    from services.verifier.engine import EngineConfig
+
+    t = spec["target"]
+    target, layers = build_target(spec, device, dtype)
     heads, kv = t["num_attention_heads"], t["num_key_value_heads"]
     head_dim = t.get("head_dim", t["hidden_size"] // heads)
     dcfg = DrafterConfig(hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
@@ -229,9 +240,12 @@ def run_tests(files: list[str], timeout: float) -> dict:
             "output_tail": (r.stdout + r.stderr)[-3000:] if not ok else ""}
 
 
-def breakdown(a, device: str, dtype: torch.dtype, deadline: float) -> tuple[list[dict], list[dict]]:
-    """Every (shape, method, B) cell and the graph probe; cells past ``deadline`` are skipped."""
-    cells, probes = [], []
+def breakdown(a, device: str, dtype: torch.dtype, deadline: float) -> tuple[list[dict], list[dict], list[dict]]:
+    """Every (shape, method, B) cell, the graph probe and the verify curve
+    (:func:`benchmarks.gpu_verify_curve.verify_curve`); cells past ``deadline`` are skipped."""
+    from benchmarks.gpu_verify_curve import ROWS, SMOKE_ROWS, verify_curve
+
+    cells, probes, curves = [], [], []
     gen = torch.Generator().manual_seed(0)
     runs = [(name, spec, graphs) for name, spec in shapes(a.smoke).items()
             for graphs in ((False, True) if a.graphs else (False,))]
@@ -270,10 +284,13 @@ def breakdown(a, device: str, dtype: torch.dtype, deadline: float) -> tuple[list
                 probes.append({"shape": name, **graph_probe(engine.target.model, b + 1, device, a.probe_reps)})
             except Exception as e:  # noqa: BLE001
                 probes.append({"shape": name, "rows": b + 1, "error": f"{type(e).__name__}: {e}"[:500]})
+        if not graphs:
+            curves += verify_curve(engine.target, name, a.context, SMOKE_ROWS if a.smoke else ROWS, a.probe_reps,
+                                   deadline)
         del engine
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    return cells, probes
+    return cells, probes, curves
 
 
 def plot(cells: list[dict], path: Path, title: str) -> str | None:
@@ -397,8 +414,8 @@ def use_bundle(bundle: str) -> dict:
             "status": "failed" if failed else "ok", "failed_imports": failed}
 
 
-def print_table(cells: list[dict], probes: list[dict], tests: dict) -> None:
-    """The human table: one line per cell, per graph probe, and the tests' summary."""
+def print_table(cells: list[dict], probes: list[dict], curves: list[dict], tests: dict) -> None:
+    """The human table: one line per cell, per graph probe, per verify-curve point, and the tests' summary."""
     print(f"{'shape':<14}{'method':<23}{'B':>4}{'draft':>8}{'build':>8}{'verify':>8}{'commit':>8}{'round':>8}")
     for c in cells:
         if c.get("status") != "ok":
@@ -412,15 +429,21 @@ def print_table(cells: list[dict], probes: list[dict], tests: dict) -> None:
         print(f"graph probe {p['shape']} rows={p['rows']}: eager {p.get('eager_ms', float('nan')):.2f} ms, "
               f"graph {p.get('graph_ms') if p.get('graph_ms') is None else round(p['graph_ms'], 2)} ms "
               f"{p.get('error', '')}")
+    for c in curves:
+        print(f"verify {c['shape']} {c['mode']:<15} rows={c.get('rows', '-')}: " + (
+            f"{c['ms']:.2f} ms ({c['ratio_to_one_row']:.2f}x one row), vs dense {c['max_abs_diff_vs_dense']}"
+            if c.get("status") == "ok" else f"{c.get('status', 'error')}: {c.get('error', '')}"))
     print(f"tests: {tests.get('summary', tests['status'])}")
 
 
-def skipped_parts(tests: dict, cells: list[dict], png_skip: str | None) -> list[str]:
+def skipped_parts(tests: dict, cells: list[dict], curves: list[dict], png_skip: str | None) -> list[str]:
     """What did not run, one line each with its reason (the JSON's ``skipped``)."""
     out = [] if tests["status"] != "not run" else ["tests: --no-tests"]
     if tests["status"] == "skipped":
         out.append(f"tests: {tests.get('summary', 'no test ran')} (no CUDA device)")
     out += [f"cell {c['shape']} {_label(c)} B={c.get('budget')}: {c.get('error')}" for c in cells
+            if c.get("status") == "skipped"]
+    out += [f"verify curve {c['shape']} {c['mode']} rows={c.get('rows')}: {c.get('error')}" for c in curves
             if c.get("status") == "skipped"]
     return out + ([png_skip] if png_skip else [])
 
@@ -442,26 +465,27 @@ def main(argv: list[str] | None = None) -> int:
     quiet_progress_bars()
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     tests = run_tests(gpu_test_files(), min(240.0, a.time_limit / 2)) if a.tests else {"status": "not run"}
-    cells, probes = breakdown(a, a.device, dtype, deadline - 5)
+    cells, probes, curves = breakdown(a, a.device, dtype, deadline - 5)
     res = {"schema": 1, "mode": "smoke" if a.smoke else "full",
            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "env": env_info(a.device),
            "config": {"methods": a.methods, "budgets": a.budgets, "rounds": a.rounds, "context": a.context,
                       "graphs": a.graphs,
                       "dtype": str(dtype).removeprefix("torch."), "time_limit_s": a.time_limit,
                       "weights": "random (configs in code, no downloads)"},
-           "bundle": bundle, "tests": tests, "breakdown": cells, "graph_probe": probes, "json": "gpu_check.json",
+           "bundle": bundle, "tests": tests, "breakdown": cells, "graph_probe": probes,
+           "verify_curve": curves, "json": "gpu_check.json",
            "png": "gpu_check.png"}
     png_skip = plot(cells, out / "gpu_check.png", f"round time per phase, {res['env'].get('gpu', a.device)}, "
                                                   f"{res['config']['dtype']}, random weights, context {a.context}")
     res["png"] = None if png_skip else "gpu_check.png"
-    res["skipped"] = skipped_parts(tests, cells, png_skip)
+    res["skipped"] = skipped_parts(tests, cells, curves, png_skip)
     res["elapsed_s"] = time.perf_counter() - t_start
     (out / "gpu_check.json").write_text(json.dumps(res, indent=1))
-    print_table(cells, probes, tests)
-    errors = [c for c in cells if c.get("status") != "ok"]
+    print_table(cells, probes, curves, tests)
+    errors = [c for c in cells if c.get("status") != "ok"] + [c for c in curves if c.get("status") != "ok"]
     print(json.dumps({"out": str(out), "elapsed_s": round(res["elapsed_s"], 1), "tests": tests["status"],
                       "bundle": bundle["status"] if bundle else None,
-                      "cells_ok": len(cells) - len(errors), "cells_not_ok": len(errors)}))
+                      "cells_ok": len(cells) + len(curves) - len(errors), "cells_not_ok": len(errors)}))
     # smoke (CPU): the gpu tests skip by design; a full run on a GPU must have run them
     ok = not errors and tests["status"] in ("ok", "not run", *(("skipped",) if a.smoke else ()))
     return 0 if ok and (bundle is None or bundle["status"] == "ok") else 1

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from benchmarks.gpu_check import PHASES, main
+from benchmarks.gpu_verify_curve import MODES, SMOKE_ROWS
 
 
 def test_smoke_writes_one_json_and_one_png(tmp_path, capsys):
@@ -45,6 +46,11 @@ def test_smoke_writes_one_json_and_one_png(tmp_path, capsys):
         (s, b + 1) for s in ("tiny-llama", "tiny-qwen3") for b in res["config"]["budgets"]}
     assert all(p["captured"] is False and p["graph_ms"] is None and p["graph_equals_eager"] is None
                for p in res["graph_probe"])  # CPU: the eager fallback, nothing compared
+    # the verify curve: every path at every row count, equal to the dense path (float32 on CPU)
+    curve = res["verify_curve"]
+    assert {(c["shape"], c["mode"], c["rows"]) for c in curve} == {
+        (s, m, r) for s in ("tiny-llama", "tiny-qwen3") for m in MODES for r in SMOKE_ROWS}
+    assert all(c["status"] == "ok" and c["ms"] > 0 and c["max_abs_diff_vs_dense"] < 1e-4 for c in curve)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cells_not_ok"] == 0
 
 
