@@ -11,7 +11,9 @@ brings (:data:`IMAGE_PROVIDES`: torch's and transformers' own dependencies, nump
 whose ABI must match the image's torch), writes ``bundle.json`` (wheels, bytes) and refuses a
 bundle over :data:`MAX_BYTES`. :func:`install` (on the GPU machine, no pip needed) unpacks every
 wheel into a scratch target directory; :func:`import_report` then imports :data:`MODULES` and
-every top-level module of the bundle and says where each came from.
+every top-level module of the bundle and says where each came from; :func:`activate` does both
+for ``gpu_check --bundle`` (a fresh scratch target first on ``sys.path`` and on the tests'
+``PYTHONPATH``).
 
 Usage: ``make gpu-bundle [BUNDLE=dir]`` or ``python -m benchmarks.gpu_bundle --out DIR``; the last
 stdout line is one JSON object. Exit code 0 on success, 1 when pip fails or the bundle is too large.
@@ -22,10 +24,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -187,6 +191,25 @@ def import_report(target: Path, modules=MODULES) -> dict:
         report[name] = {"version": str(getattr(mod, "__version__", "") or ""),
                         "from": "bundle" if target.resolve() in where.parents else "environment"}
     return report
+
+
+def activate(bundle: str) -> dict:
+    """Unpack ``bundle``'s wheels into a scratch target, put it first on ``sys.path`` and on the
+    ``PYTHONPATH`` of subprocesses (the tests), and import what the check needs
+    (:func:`import_report`); ``gpu_check``'s JSON ``bundle`` section.
+
+    Raises:
+        ValueError: ``bundle`` holds no wheel.
+    """
+    target = Path(tempfile.mkdtemp(prefix="dartree-bundle-"))
+    wheels = install(Path(bundle), target)
+    sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
+    imports = import_report(target, MODULES)
+    failed = sorted(m for m, r in imports.items() if "error" in r)
+    return {"dir": str(bundle), "target": str(target), "wheels": wheels, "imports": imports,
+            "status": "failed" if failed else "ok", "failed_imports": failed}
 
 
 def main(argv: list[str] | None = None) -> int:

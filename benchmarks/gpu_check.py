@@ -38,20 +38,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
-import os
 import platform
 import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from benchmarks.gpu_bundle import activate
 
 PHASES = ("draft", "tree_build", "verify", "commit", "round")
 METHODS = ("ar", "dflash", "domino", "ddtree", "dartree-pruned")
@@ -277,20 +276,27 @@ def breakdown(a, device: str, dtype: torch.dtype, deadline: float) -> tuple[list
                 except Exception as e:  # noqa: BLE001
                     cell.update(status="error", error=f"{type(e).__name__}: {e}"[:500])
                 cells.append(cell)
-        for b in ([] if graphs else a.budgets):
-            if time.perf_counter() > deadline:
-                break
-            try:
-                probes.append({"shape": name, **graph_probe(engine.target.model, b + 1, device, a.probe_reps)})
-            except Exception as e:  # noqa: BLE001
-                probes.append({"shape": name, "rows": b + 1, "error": f"{type(e).__name__}: {e}"[:500]})
         if not graphs:
+            probes += _graph_probes(engine, name, a, device, deadline)
             curves += verify_curve(engine.target, name, a.context, SMOKE_ROWS if a.smoke else ROWS, a.probe_reps,
                                    deadline)
         del engine
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return cells, probes, curves
+
+
+def _graph_probes(engine, name: str, a, device: str, deadline: float) -> list[dict]:
+    """:func:`graph_probe` of ``B + 1`` rows for every budget ``B`` until ``deadline``."""
+    probes = []
+    for b in a.budgets:
+        if time.perf_counter() > deadline:
+            break
+        try:
+            probes.append({"shape": name, **graph_probe(engine.target.model, b + 1, device, a.probe_reps)})
+        except Exception as e:  # noqa: BLE001 (reported per probe; the check goes on)
+            probes.append({"shape": name, "rows": b + 1, "error": f"{type(e).__name__}: {e}"[:500]})
+    return probes
 
 
 def plot(cells: list[dict], path: Path, title: str) -> str | None:
@@ -397,23 +403,6 @@ def check_args(a) -> None:
         raise ValueError("--budgets, --rounds, --time-limit must be positive and --context >= 2")
 
 
-def use_bundle(bundle: str) -> dict:
-    """Unpack ``bundle``'s wheels into a scratch target, put it first on ``sys.path`` and on the
-    ``PYTHONPATH`` of subprocesses (the tests), and import what the check needs
-    (:func:`benchmarks.gpu_bundle.import_report`); the JSON's ``bundle`` section."""
-    from benchmarks.gpu_bundle import MODULES, import_report, install
-
-    target = Path(tempfile.mkdtemp(prefix="dartree-bundle-"))
-    wheels = install(Path(bundle), target)
-    sys.path.insert(0, str(target))
-    importlib.invalidate_caches()
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
-    imports = import_report(target, MODULES)
-    failed = sorted(m for m, r in imports.items() if "error" in r)
-    return {"dir": str(bundle), "target": str(target), "wheels": wheels, "imports": imports,
-            "status": "failed" if failed else "ok", "failed_imports": failed}
-
-
 def print_table(cells: list[dict], probes: list[dict], curves: list[dict], tests: dict) -> None:
     """The human table: one line per cell, per graph probe, per verify-curve point, and the tests' summary."""
     print(f"{'shape':<14}{'method':<23}{'B':>4}{'draft':>8}{'build':>8}{'verify':>8}{'commit':>8}{'round':>8}")
@@ -452,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
         check_args(a)
-        bundle = use_bundle(a.bundle) if a.bundle else None
+        bundle = activate(a.bundle) if a.bundle else None
     except ValueError as e:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 2
