@@ -611,7 +611,8 @@ def test_drafting_budget_grows_back_when_the_drafter_improves():
     assert max(drafted[-8:]) <= 3, drafted
     drafted, _ = _drive_budgets(pol, tree, 120, accepted=8)    # now the whole chain is
     assert drafted[-5:] == [8] * 5, drafted
-    never = _tile_policy(cheap, draft_s=0.002, widen_every=0)
+    # without widening, and with a regime window short enough to have forgotten the first B = 8 tree
+    never = _tile_policy(cheap, draft_s=0.002, widen_every=0, forecast_trees=8)
     _drive_budgets(never, tree, 60, accepted=1)
     drafted, _ = _drive_budgets(never, tree, 120, accepted=8)
     assert max(drafted[-5:]) < 8, drafted                      # without widening it could not see it
@@ -899,7 +900,7 @@ def _round(pol, rid, tree, owed, remaining=None, accepted=0):
     pol.begin_step([info])
     knobs = pol.draft_knobs(rid, _Spec())
     sel = pol.select([Drafted(info, tree if knobs else DraftTree.empty(), knobs is not None)])[rid]
-    path = [int(t) for t in tree.draft_tokens[:accepted]][:sel.budget]
+    path = [int(t) for t in tree.draft_tokens[:accepted]]  # the text follows the tree, verified or not
     pol.observe_round(rid, path + [99])
     rows = 1 + sel.budget
     fwd, wait = pol.cost.forward_seconds(rows), pol.cost.draft_cost(owed) if knobs else 0.0

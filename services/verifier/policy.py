@@ -59,6 +59,25 @@ log = logging.getLogger("verifier.policy")
 EXPLORE_STEP_COST = 1.25
 
 
+# the forecast of a request that has drafted weighs its own recent trees against this many trees' worth
+# of its method / regime's longer window, and its own trees' weight decays by FORECAST_RELAX a plain round
+FORECAST_PRIOR_TREES = 1.0
+FORECAST_RELAX = 0.9
+# trees (or labels per running request) after which the regime's cached forecast curve is recomputed
+REGIME_REFRESH = 8
+
+
+def _blend(own: list[float], prior: list[float] | None, weight: float) -> list[float]:
+    """``(weight * own + FORECAST_PRIOR_TREES * prior) / (weight + FORECAST_PRIOR_TREES)`` position by
+    position (a missing position is 0); ``own`` alone when there is no ``prior``. Both non-increasing,
+    so is the blend."""
+    if not prior:
+        return own
+    n = max(len(own), len(prior))
+    a, b = own + [0.0] * (n - len(own)), prior + [0.0] * (n - len(prior))
+    return [(weight * x + FORECAST_PRIOR_TREES * y) / (weight + FORECAST_PRIOR_TREES) for x, y in zip(a, b)]
+
+
 def resolve_knobs(spec, defaults: TreeKnobs, schedule: TreeSchedule | None = None, num_running: int = 1,
                   max_budget: int | None = None) -> TreeKnobs:
     """A request's fully resolved knobs. ``spec`` has ``budget, width, depth_bonus, candidates``
@@ -264,7 +283,7 @@ class GoodputPolicy:
     def __init__(self, cost: StepCostModel | None = None, calibrator: AcceptanceCalibrator | None = None,
                  max_budget: int | None = None, explore_every: int = 16, explore_max: int = 128,
                  optimism: float = 0.5, explore_fraction: float = 0.01, schedule: TreeSchedule | None = None,
-                 defaults: TreeKnobs = DEFAULT_KNOBS, forecast_trees: int = 16, widen_every: int = 4,
+                 defaults: TreeKnobs = DEFAULT_KNOBS, forecast_trees: int = 64, widen_every: int = 4,
                  store=None, save_every: int = 64, probe: bool = True, probe_window: int = 64):
         if not defaults.is_resolved():
             raise ValueError(f"the default tree knobs must all be set (got {defaults})")
@@ -293,7 +312,8 @@ class GoodputPolicy:
         self._sized: set[str] = set()    # ... of which explorations (explore_budget; never widened)
         self._regime_calls: dict[str, int] = {}  # drafter calls of each method / regime (the widening)
         self._regime_trees: dict[str, deque] = {}  # recent trees of each method / regime (the forecast)
-        self._curve_cache: dict[str, tuple] = {}  # regime -> (calibration version, mean curve) until its next tree
+        self._curve_cache: dict[str, tuple] = {}  # regime -> (calibration version, trees added, mean curve)
+        self._regime_added: dict[str, int] = {}   # regime -> trees added to its window so far
         self._version = 0  # calibration updates so far (a cached curve is refreshed after _fresh_labels() more)
         self._regime_since: dict[str, int] = {}  # rounds since each method / regime last drafted
         self._regime_interval: dict[str, int] = {}  # the exploration interval of each method / regime
@@ -342,7 +362,7 @@ class GoodputPolicy:
         if window is None:
             window = self._regime_trees[regime] = deque(maxlen=self.forecast_trees)
         window.append((tree, budget or self._cap()))
-        self._curve_cache.pop(regime, None)
+        self._regime_added[regime] = self._regime_added.get(regime, 0) + 1
 
     def forecast(self, regime: str, rid: str | None = None) -> list[float] | None:
         """Expected P of the k-th most likely node of the next draft, k = 0 .. B_max - 1 (descending,
@@ -361,22 +381,44 @@ class GoodputPolicy:
         as before; at c = 8 recomputing every request's curve after every label cost ~1 ms a step
         (0.15 ms a request, 3 % of a q4 CPU step) for forecasts that moved by a few labels' worth."""
         st = self._req.get(rid) if rid is not None else None
-        fresh = self._fresh_labels()
-        if st is not None and st.trees:  # the request's own recent trees: its text, not the other requests'
-            key = (id(st.trees[-1][0]), len(st.trees))
-            if st.curve is None or st.curve[0] != key or self._version - st.curve[1] >= fresh:
-                st.curve = (key, self._version, self._mean_curve(st.trees, regime))
-            curve = st.curve[2]
-        else:
-            window = self._regime_trees.get(regime)
-            if not window:
-                return None
-            cached = self._curve_cache.get(regime)
-            if cached is None or self._version - cached[0] >= fresh:
-                cached = self._curve_cache[regime] = (self._version, self._mean_curve(window, regime))
-            curve = cached[1]
+        regime_curve = self._regime_curve(regime)
+        own = self._own_curve(st, regime) if st is not None else None
+        if own is None and regime_curve is None:
+            return None
+        curve = regime_curve if own is None else _blend(own, regime_curve, self._own_weight(st))
         f = self.cal.request_factor(rid)
         return [min(v * f, 1.0) for v in curve[:next((i for i, v in enumerate(curve) if v <= 0.0), len(curve))]]
+
+    def _own_curve(self, st: _ReqState, regime: str) -> list[float] | None:
+        """The mean curve of the request's own recent trees (cached, :meth:`forecast`); None before its first."""
+        if not st.trees:
+            return None
+        key = (id(st.trees[-1][0]), len(st.trees))
+        if st.curve is None or st.curve[0] != key or self._version - st.curve[1] >= self._fresh_labels():
+            st.curve = (key, self._version, self._mean_curve(st.trees, regime))
+        return st.curve[2]
+
+    def _regime_curve(self, regime: str) -> list[float] | None:
+        """The mean curve of the regime's recent trees; None before its first. Cached until its window
+        has taken an eighth of its length in new trees (at most :data:`REGIME_REFRESH`), or as many times
+        :meth:`_fresh_labels` new labels: a full window of 64 trees is a slow prior, and recomputing it
+        every step cost ~0.5 ms at c = 1; a short one (a cold start) is recomputed as often as before."""
+        window = self._regime_trees.get(regime)
+        if not window:
+            return None
+        cached, added = self._curve_cache.get(regime), self._regime_added.get(regime, 0)
+        every = min(max(len(window) // 8, 1), REGIME_REFRESH)
+        if cached is None or added - cached[1] >= every or self._version - cached[0] >= every * self._fresh_labels():
+            cached = self._curve_cache[regime] = (self._version, added, self._mean_curve(window, regime))
+        return cached[2]
+
+    def _own_weight(self, st: _ReqState) -> float:
+        """Weight of the request's own trees against :data:`FORECAST_PRIOR_TREES` of its regime's: one per
+        own tree, times :data:`FORECAST_RELAX` per round since its last drafter call. A request stops
+        drafting after a dip of its own window and then draws no new tree, so an own-only forecast
+        froze at the dip (2-core CPU, q4, goodput at ``B_max`` = 1: 1,131 of 3,295 rounds plain where
+        fixed B = 1 paid); relaxing towards the regime's longer window lets it draft again."""
+        return len(st.trees) * FORECAST_RELAX ** st.since_draft
 
     def _overheads(self, requests: int) -> tuple[float, float]:
         """``(o, t)`` the step of ``requests`` decoding requests is priced with: the cost model's fit
@@ -394,14 +436,19 @@ class GoodputPolicy:
         """New calibration labels after which a cached forecast curve is recomputed: the running count."""
         return max(1, self._running)
 
-    def _could_pay(self) -> bool:
-        """Whether a steady drafter call could pay at all at c = 1: a chain of k <= 16 nodes (a drafter
-        block), every one accepted, beats a plain step on the cost curve for some k within the budget."""
-        c, o = self.cost, self.cost.overhead_seconds  # a lone request: no t (_overheads)
-        plain = 1.0 / (c.forward_seconds(1) + o)
-        d = c.draft_cost(1)
+    def _could_pay(self, requests: int = 1, drafter: bool = True) -> bool:
+        """Whether a steady drafter call could pay at all in a step of ``requests`` decoding requests
+        (one row each): one request's chain of k <= 16 nodes (a drafter block), every one accepted,
+        beats the plain step's tokens per second on the cost curve for some k within the budget, its
+        k rows priced at the batch's size (``forward(n + k) - forward(n)``: where batching already fills
+        the step, extra rows can cost a large part of a step). ``drafter=False``: the drafter call
+        free (whether the rows alone could pay, whatever the drafter comes to cost)."""
+        n, c = max(requests, 1), self.cost
+        o, e = self._overheads(n)
+        plain = n / (c.forward_seconds(n) + o * n)
+        d = c.draft_cost(1) + e if drafter else 0.0
         top = min(self.max_budget or self.defaults.budget, 16)
-        return any((1 + k) / (d + c.forward_seconds(1 + k) + o) > plain for k in range(1, top + 1))
+        return any((n + k) / (d + c.forward_seconds(n + k) + o * n) > plain for k in range(1, top + 1))
 
     def _saving_per_token(self, curve: list[float]) -> float:
         """Seconds per emitted token a request saves over plain decoding at c = 1 when it drafts with
@@ -430,14 +477,17 @@ class GoodputPolicy:
         within = max((n for n in range(1, cap + 1) if c.forward_seconds(1 + n) <= EXPLORE_STEP_COST * one), default=1)
         return min(max(k + 1, 2), within)  # within is in [1, cap]
 
-    def probe_pays(self, regime: str, st: _ReqState, owed: int, remaining: int | None) -> bool:
+    def probe_pays(self, regime: str, st: _ReqState, owed: int, remaining: int | None, requests: int = 1) -> bool:
         """Whether a probe draft of a request that has not drafted yet pays for itself: expected
         seconds saved over its ``remaining`` tokens (None: its regime's mean request length minus what
         it emitted) at the regime's mean saving per token, above ``draft_cost(owed)``. The mean is
         over the regime's recent requests that drafted plus one pseudo-request at full acceptance of
         a ``B_max`` chain (optimism: text like none seen yet is tried while the evidence is thin).
         Before any request of the regime ended (no saving, no length known): the probe runs where a
-        fully accepted tree could pay at all (:meth:`_could_pay`)."""
+        fully accepted tree could pay at all (:meth:`_could_pay`). In a step of ``requests`` > 1 the probe
+        also needs a fully accepted tree to pay at that batch size (the savings are c = 1 prices)."""
+        if requests > 1 and not self._could_pay(requests):
+            return False
         saved = self._savings.get(regime)
         if remaining is None:
             length = self._lengths.get(regime)
@@ -509,6 +559,7 @@ class GoodputPolicy:
         c = self.cost
         o, e = self._overheads(len(rounds))  # e: a drafted round's own work in the step, beyond its drafter call
         forced_s, planned, self._unforecast = 0.0, 0.0, 0
+        pays_here: bool | None = None  # whether any tree could pay at this batch size (once, when needed)
         curves: list[tuple[float, str, list[float], float]] = []
         held: set[str] = set()  # not drafted yet and no probe due: plain (no catch-up paid)
         sized: dict[str, int] = {}  # the drafting budget of each exploration (explore_budget)
@@ -526,11 +577,16 @@ class GoodputPolicy:
             if explore and self._explore_s + planned > self.explore_fraction * self._wall:
                 explore = False       # over the exploration time budget (this step's planned ones included)
             if self.probe and not st.probed and forecast is not None and not explore and not r.explicit_budget:
-                if not self.probe_pays(st.regime, st, r.owed, r.remaining):
+                if not self.probe_pays(st.regime, st, r.owed, r.remaining, len(rounds)):
                     held.add(r.rid)  # its catch-up would cost more than its text is expected to save
                     continue
                 explore = True  # its probe: its own text's first tree
             if r.explicit_budget or forecast is None or explore:
+                if not r.explicit_budget:
+                    pays_here = self._could_pay(len(rounds), False) if pays_here is None else pays_here
+                    if not pays_here:  # not even a fully accepted tree's rows pay at this batch size: plain
+                        held.add(r.rid)
+                        continue
                 cost = c.draft_cost(r.owed)
                 forced_s += cost + e                     # draft regardless (explicit / no forecast / explore)
                 self._unforecast += not r.explicit_budget
@@ -620,7 +676,9 @@ class GoodputPolicy:
                 cands.append((p, i, rid))
         cands.sort(key=lambda x: (-x[0], x[1]))  # a request's own nodes stay in its order (P sorted, ties by i)
         o, e = self._overheads(len(items))
-        fixed_s = sum(c.draft_cost(d.info.owed) + e for d in items if d.drafted) + o * len(items)
+        # drafter calls made count at the steady price: a catch-up's seconds in the bar made a probe's
+        # nodes look cheap (its 300-token catch-up is ~4 steps; at c = 4 it verified rows that cost more)
+        fixed_s = sum(c.draft_cost(min(d.info.owed, 1)) + e for d in items if d.drafted) + o * len(items)
         k, _, seconds = self._best_prefix(gain0, rows0, [p for p, _, _ in cands], fixed_s)
         chosen = {rid: (probs[rid].numel() if rid in explicit else 0) for rid in orders}
         for _, _, rid in cands[:k]:
