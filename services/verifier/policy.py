@@ -22,9 +22,9 @@ Two policies (``--spec-policy``):
   (``1 + sum`` of the calibrated P of the verified nodes) and the seconds from
   :class:`StepCostModel` (forward ``a + b * rows``, a drafter call per drafting request, a
   per-request overhead). Before drafting it predicts each request's gain from the mean calibrated
-  curve of its method / regime's recent trees (not the request's last tree alone: the drafter's
-  confidence at one position says little about the next, and a forecast read from the last tree
-  stays at that tree's value for as long as the policy does not draft, docs/roofline.md) and
+  curve of its own recent trees, weighed against its method / regime's longer window and relaxed
+  towards it every plain round (a forecast read from the trees before a stop stays at their value
+  for as long as the policy does not draft, docs/configuration.md) and
   lets only requests whose draft pays for itself call the drafter (plus an exploration draft every
   ``explore_every`` rounds, backing off while they do not pay and capped at ``explore_fraction`` of
   the wall time, so a recovering drafter is noticed at a bounded cost); after drafting it adds nodes in
@@ -253,7 +253,8 @@ class GoodputPolicy:
         defaults: the verifier's default knobs, every one set.
         forecast_trees: the forecast before drafting is the mean sorted calibrated P (with
             ``optimism``, under the current calibration) of this many recent trees of the method /
-            regime, times the request's factor.
+            regime (blended with the request's own recent trees, :meth:`forecast`), times the
+            request's factor.
         widen_every: every this many drafter calls of a method / regime, a call drafts one node more
             than the forecast's best budget, so the forecast keeps evidence on the next node and the
             budget can grow again when the drafter grows more confident (0 = never).
@@ -267,8 +268,9 @@ class GoodputPolicy:
             drafter call including its catch-up of the owed context (``draft_cost(owed)``, ~0.2-0.3 ms
             per prompt token on the CPU). Probes are outside the exploration time budget, which the
             calls of earlier requests may have spent. From its first tree on, a request's forecast is
-            the mean of its own recent trees: in mixed traffic the regime's recent trees are other
-            requests' text (a GSM8K request after MT-Bench ones stayed plain through HTTP). Until it
+            mostly the mean of its own recent trees: in mixed traffic the regime's recent trees are
+            other requests' text (a GSM8K request after MT-Bench ones stayed plain through HTTP). In a
+            step of several requests a probe also needs a tree's rows to pay at that batch size. Until it
             has drafted, a request drafts only through the probe, exploration or an explicit budget,
             so a request that never drafts pays no catch-up (the same work as ``ar``).
             ``probe=False``: no probe; the regime's forecast decides from the first round.
@@ -366,9 +368,11 @@ class GoodputPolicy:
 
     def forecast(self, regime: str, rid: str | None = None) -> list[float] | None:
         """Expected P of the k-th most likely node of the next draft, k = 0 .. B_max - 1 (descending,
-        zeros left out): the mean over the regime's recent trees of their sorted calibrated P (with
-        ``optimism``, under the current calibration), times the request's factor; None before the
-        regime's first tree. Position k averages only the trees drafted with a budget above k (a tree
+        zeros left out): the mean over recent trees of their sorted calibrated P (with ``optimism``,
+        under the current calibration), times the request's factor; None before the regime's first
+        tree. A request that has drafted blends the mean of its own recent trees with its regime's
+        (:func:`_blend`, weights :meth:`_own_weight`): its own text first, relaxing towards the regime's
+        longer window while it decodes plainly. Position k averages only the trees drafted with a budget above k (a tree
         drafted with budget 3 says nothing about a 5th node), so drafting small trees does not read as
         "no 5th node" and the budget can grow again.
 
@@ -376,8 +380,8 @@ class GoodputPolicy:
         forecast read from the last tree is biased low and stays there while nothing is drafted
         (docs/roofline.md, "What the goodput policy does here").
 
-        A cached curve is recomputed when its trees change, or once the calibration has taken as many
-        new labels as there are running requests (:meth:`_fresh_labels`): at c = 1 after every label,
+        A cached own curve is recomputed when its trees change, or once the calibration has taken as
+        many new labels as there are running requests (:meth:`_fresh_labels`): at c = 1 after every label,
         as before; at c = 8 recomputing every request's curve after every label cost ~1 ms a step
         (0.15 ms a request, 3 % of a q4 CPU step) for forecasts that moved by a few labels' worth."""
         st = self._req.get(rid) if rid is not None else None
@@ -647,8 +651,9 @@ class GoodputPolicy:
 
         All candidate nodes of the step, in descending calibrated P (each request's own nodes in
         its prefix-closed order), are tried as prefixes k = 0, 1, ...; the k with the most expected
-        tokens per predicted second wins (drafter calls already made count in the seconds: sunk,
-        but they set the bar). Explicit budgets keep the whole tree.
+        tokens per predicted second wins (drafter calls already made count in the seconds at their
+        steady price: sunk, but they set the bar; a catch-up's seconds would lower it). Explicit
+        budgets keep the whole tree.
         """
         c = self.cost
         gain0, rows0 = float(len(items)), len(items)
