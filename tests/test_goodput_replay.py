@@ -14,6 +14,7 @@ from benchmarks.policy_replay import (Q4_CURVE, Q4_ONE_ROW_S, CostCurve, main, r
 
 GSM_LIKE = [0.95, 0.9, 0.8, 0.6, 0.3]     # a chain node's acceptance (given its parent) is drawn from these
 MIXED = [0.9, 0.7, 0.5, 0.3, 0.1]
+NEAR_BREAK_EVEN = [0.8, 0.5, 0.3, 0.1]   # fixed B = 1 within a few % of ar
 WEAK = [0.5, 0.3, 0.1, 0.05]
 
 
@@ -26,25 +27,28 @@ def _tps(traces, arm, cost) -> float:
     return replay(traces, arm, cost)["tokens_per_s"]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_where_b1_pays_the_policy_is_within_3_percent_of_fixed_b1(seed):
-    """GSM8K-like text, one request at a time: fixed B = 1 beats ``ar`` by > 15 % here; goodput capped
-    at one node gets within 3 % of it, and the default budget within 3 % of the best fixed small tree."""
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("mix", [GSM_LIKE, MIXED], ids=["gsm-like", "mixed"])
+def test_where_b1_pays_the_policy_is_within_3_percent_of_fixed_b1(mix, seed):
+    """One request at a time, on text where fixed B = 1 beats ``ar`` (by ~25 % GSM8K-like, ~9 % mixed):
+    goodput capped at one node gets within 3 % of it, and the default budget within 3 % of the best
+    fixed small tree (before: down to 0.946 and 0.943)."""
     cost = _q4()
-    traces = [synthetic_trace(1500, GSM_LIKE, seed)]
+    traces = [synthetic_trace(1500, mix, seed)]
     ar, fixed = _tps(traces, "ar", cost), {b: _tps(traces, b, cost) for b in (1, 2, 3)}
-    assert fixed[1] > 1.15 * ar                                   # the premise: B = 1 pays
+    assert fixed[1] > 1.05 * ar                                   # the premise: B = 1 pays
     capped = _tps(traces, seeded_policy(cost, max_budget=1), cost)
     assert capped >= 0.97 * fixed[1], (capped, fixed[1])
     default = _tps(traces, seeded_policy(cost, max_budget=8), cost)
     assert default >= 0.97 * max(fixed.values()), (default, fixed)
 
 
-@pytest.mark.parametrize("mix", [GSM_LIKE, MIXED, WEAK], ids=["gsm-like", "mixed", "weak"])
+@pytest.mark.parametrize("mix", [GSM_LIKE, MIXED, NEAR_BREAK_EVEN, WEAK],
+                         ids=["gsm-like", "mixed", "near-break-even", "weak"])
 def test_a_budget_cap_of_one_never_does_worse_than_both_fixed_b1_and_ar(mix):
     """With one node to choose, the policy ends at or above the worse of its two options (the issue's
-    run: below both), and within 4 % of the better, whichever it is: B = 1 (GSM8K-like, mixed) or
-    plain decoding (weak drafts)."""
+    run: below both), and within 4 % of the better, whichever it is: B = 1 (GSM8K-like, mixed, near
+    break-even) or plain decoding (weak drafts)."""
     cost = _q4()
     traces = [synthetic_trace(1500, mix, 0)]
     ar, b1 = _tps(traces, "ar", cost), _tps(traces, 1, cost)
