@@ -25,6 +25,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -130,6 +131,68 @@ def seeded_policy(cost: CostCurve, max_budget: int | None = None, **kw):
     return GoodputPolicy(model, AcceptanceCalibrator(), max_budget=max_budget, **kw)
 
 
+
+def position_of(tree: DraftTree, seq: list[int], i: int, depth_bonus: float) -> Position:
+    """The :class:`Position` of a tree drafted after ``seq[: i + 1]``: its nodes in the builder's order
+    (path score + ``depth_bonus`` x depth, descending, ties to the shallower node: the top-B rule of
+    ``dartree-pruned``, so each prefix is the B-budget tree), each node's hit = its path equals
+    ``seq[i + 1 :]``."""
+    toks, pars = tree.draft_tokens.tolist(), tree.parents.tolist()
+    depth, score = tree.depths.tolist(), tree.scores.tolist()
+    order = sorted(range(len(toks)), key=lambda k: (-(score[k] + depth_bonus * depth[k]), depth[k], k))
+    rank = {k: r for r, k in enumerate(order)}
+    hits = []
+    for k in order:
+        path, n = [], k
+        while n >= 0:
+            path.append(toks[n])
+            n = pars[n]
+        hits.append(path[::-1] == seq[i + 1:i + 1 + len(path)])
+    parents = tuple(rank[pars[k]] if pars[k] >= 0 else -1 for k in order)
+    if any(p >= r for r, p in enumerate(parents)):
+        raise ValueError("the builder's order is not prefix-closed for this tree")
+    return Position(parents, tuple(score[k] for k in order), tuple(hits))
+
+
+def record_trace(engine, prompt_ids: list[int], ref: list[int], spec, request_id: str) -> list[Position]:
+    """The trace of one turn at T = 0: the drafter's tree with ``spec``'s knobs at every position of
+    ``ref`` (the ``ar`` output), its context fed from one teacher-forced target forward, one token at a
+    time (as :func:`services.replay.replay_rounds`, which jumps by a round's accepted tokens)."""
+    from services.verifier.drafter_client import DraftJob
+    from services.verifier.policy import resolve_knobs
+
+    knobs = resolve_knobs(spec, engine.policy.defaults)
+    _, feats = engine.target.teacher_forced(list(prompt_ids) + list(ref))
+    p0, out = len(prompt_ids), []
+    ctx_ids, ctx_feats = list(prompt_ids), feats[:p0]
+    try:
+        for i in range(len(ref) - 1):
+            start = p0 + i
+            depth = engine.draft_depth(start)
+            if depth <= 0:
+                break
+            job = DraftJob(request_id, ctx_ids, ctx_feats, ref[i], start, spec.method, knobs, depth)
+            tree, _ = engine.drafter.collect(engine.drafter.submit([job])[0])
+            out.append(position_of(tree, ref, i, knobs.depth_bonus))
+            ctx_ids, ctx_feats = ref[i:i + 1], feats[start:start + 1]
+    finally:
+        engine.drafter.release(request_id)
+    return out
+
+
+def save_trace(path: Path, traces: dict[str, list[Position]], meta: dict) -> None:
+    """Write ``{"meta": meta, "turns": {uid: [[parents, scores, hits], ...]}}`` as JSON."""
+    turns = {uid: [[list(p.parents), [round(x, 5) for x in p.scores], [int(h) for h in p.hits]] for p in t]
+             for uid, t in traces.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta, "turns": turns}, separators=(",", ":")))
+
+
+def load_trace(path: Path) -> list[Position]:
+    """A saved trace's turns one after another (one text, as a request stream replays it)."""
+    turns = json.loads(Path(path).read_text())["turns"]
+    return [Position(tuple(a), tuple(b), tuple(bool(h) for h in c)) for t in turns.values() for a, b, c in t]
+
 class _Slot:
     """One of the ``c`` decoding slots: its trace, position, request and the drafter's owed context."""
 
@@ -198,28 +261,69 @@ def replay(traces: list[list[Position]], arm, cost: CostCurve, request_tokens: i
             "verified": verified}
 
 
+def record(a) -> dict:
+    """``--record``: traces of ``--datasets`` (first turns, chat template) against the float32 target's
+    greedy output, the shipped drafter, ``dartree-pruned`` at ``--budget`` (W = 12, beta = -0.2)."""
+    import torch
+
+    from benchmarks.bench_small_trees import _engine, _prompts
+    from services.drafter.model import load_drafter
+    from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
+    from services.training.heldout import greedy_turns
+    from services.verifier.engine import SpecParams
+    from services.verifier.target import TargetModel
+
+    tdir = resolve_target(None)
+    drafter = load_drafter(DEFAULT_DRAFTER_DIR, dtype=torch.float32)
+    target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, weights="float32")
+    engine = _engine(target, drafter, torch.float32, 16, packed=False)
+    spec = SpecParams("dartree-pruned", budget=a.budget, width=12, depth_bonus=-0.2)
+    traces = {}
+    for t in greedy_turns(target, _prompts(tdir, a.datasets, a.prompts), a.max_tokens):
+        traces[t.uid] = record_trace(engine, t.prompt_ids, t.ref, spec, f"trace-{t.uid}")
+    meta = {"target": str(tdir.name), "drafter": str(DEFAULT_DRAFTER_DIR.name), "method": "dartree-pruned",
+            "budget": a.budget, "width": 12, "depth_bonus": -0.2, "max_tokens": a.max_tokens,
+            "datasets": a.datasets, "prompts_per_dataset": a.prompts, "weights": "float32"}
+    save_trace(Path(a.record), traces, meta)
+    return {"recorded": a.record, "turns": len(traces), "positions": sum(len(t) for t in traces.values())}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--c", type=int, default=1, help="requests decoding together")
     ap.add_argument("--node-p", type=float, nargs="+", default=[0.95, 0.9, 0.8, 0.6, 0.3],
-                    help="acceptance probabilities a chain node's is drawn from")
-    ap.add_argument("--positions", type=int, default=3000, help="trace length per request slot")
+                    help="acceptance probabilities a chain node's is drawn from (synthetic traces)")
+    ap.add_argument("--positions", type=int, default=3000, help="synthetic trace length per request slot")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", default=None, help="replay this recorded trace (every slot starts at another turn)")
     ap.add_argument("--draft-steps", type=float, default=0.35, help="a drafter call in one-row forwards")
+    ap.add_argument("--record", default=None, help="record a trace to this JSON file instead (models needed)")
+    ap.add_argument("--datasets", nargs="+", default=["gsm8k"], help="--record: prompt sets")
+    ap.add_argument("--prompts", type=int, default=4, help="--record: prompts per set")
+    ap.add_argument("--max-tokens", type=int, default=128, help="--record: tokens per turn")
+    ap.add_argument("--budget", type=int, default=8, help="--record: the drafter's budget (the largest replayed)")
     a = ap.parse_args(argv)
     if a.c < 1 or a.positions < 1 or not all(0 < p <= 1 for p in a.node_p):
         ap.error("--c and --positions must be >= 1 and every --node-p in (0, 1]")
+    if a.record:
+        out = record(a)
+        print(json.dumps(out))
+        return out
     cost = CostCurve(table_forward(Q4_CURVE, Q4_ONE_ROW_S), a.draft_steps * Q4_ONE_ROW_S)
-    traces = [synthetic_trace(a.positions, a.node_p, a.seed + k) for k in range(a.c)]
+    if a.trace:
+        one = load_trace(Path(a.trace))
+        traces = [one[k * len(one) // a.c:] + one[:k * len(one) // a.c] for k in range(a.c)]
+    else:
+        traces = [synthetic_trace(a.positions, a.node_p, a.seed + k) for k in range(a.c)]
     arms = {"ar": "ar", **{f"fixed B={b}": b for b in (1, 2, 3, 8)}}
     res = {name: replay(traces, arm, cost)["tokens_per_s"] for name, arm in arms.items()}
     for mb in (1, 8):
         res[f"goodput B_max={mb}"] = replay(traces, seeded_policy(cost, mb), cost)["tokens_per_s"]
-    out = {"c": a.c, "node_p": a.node_p, "positions": a.positions, "seed": a.seed,
+    out = {"c": a.c, "trace": a.trace, "node_p": None if a.trace else a.node_p,
+           "positions": len(traces[0]), "seed": a.seed,
            "modelled_tokens_per_s": {k: round(v, 2) for k, v in res.items()}}
     print(json.dumps(out))
     return out
-
 
 if __name__ == "__main__":
     main()

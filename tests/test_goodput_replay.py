@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.policy_replay import (Q4_CURVE, Q4_ONE_ROW_S, CostCurve, main, replay, seeded_policy,
-                                      synthetic_trace, table_forward)
+import torch
+
+from benchmarks.policy_replay import (Q4_CURVE, Q4_ONE_ROW_S, CostCurve, load_trace, main, position_of, replay,
+                                      save_trace, seeded_policy, synthetic_trace, table_forward)
+from services.tree import DraftTree
 
 GSM_LIKE = [0.95, 0.9, 0.8, 0.6, 0.3]     # a chain node's acceptance (given its parent) is drawn from these
 MIXED = [0.9, 0.7, 0.5, 0.3, 0.1]
@@ -89,3 +92,22 @@ def test_the_replay_command_reports_every_arm(capsys):
     assert '"modelled_tokens_per_s"' in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--node-p", "1.5"])
+
+
+def test_a_drafted_tree_becomes_a_position_in_the_builders_order(tmp_path):
+    """Nodes by path score + beta x depth (so each prefix is the B-budget tree), hits where the node's
+    path is the text; a B-budget tree cut from it accepts what the text says; traces round-trip."""
+    # root -> a(5) -> b(7); root -> c(6); a -> d(8). Text after the root: 5 7 9.
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 0]), torch.tensor([1, 1, 2, 2]),
+                     torch.tensor([-0.1, -1.0, -0.3, -2.0]))
+    pos = position_of(tree, [4, 5, 7, 9], 0, depth_bonus=-0.2)
+    assert pos.parents == (-1, 0, -1, 0)           # a (-0.3), b (-0.7), c (-1.2), d (-2.4)
+    assert pos.hits == (True, True, False, False)
+    assert pos.accepted(pos.tree(1)) == 1 and pos.accepted(pos.tree(2)) == 2 and pos.accepted(pos.tree(4)) == 2
+    assert pos.continuation()[:3] == [1, 2, 0]     # a hit node's token is its depth
+    save_trace(tmp_path / "t.json", {"q/0": [pos], "q/1": [pos, pos]}, {"budget": 4})
+    loaded = load_trace(tmp_path / "t.json")
+    assert [(x.parents, x.hits) for x in loaded] == [(pos.parents, pos.hits)] * 3
+    assert all(x.scores == pytest.approx(pos.scores, abs=1e-5) for x in loaded)
+    out = main(["--trace", str(tmp_path / "t.json")])
+    assert out["positions"] == 3 and out["modelled_tokens_per_s"]["fixed B=2"] > out["modelled_tokens_per_s"]["ar"]
