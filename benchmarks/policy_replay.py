@@ -213,34 +213,43 @@ class _Slot:
             self.rid, self.left, self.owed = f"s{self.k}-{self.n}", self.request_tokens, self.prompt_tokens
 
 
+class _Spec:
+    """A request's ``speculative`` values, all unset (the policy's defaults)."""
+
+    method, budget, width, depth_bonus, candidates = "dartree-pruned", None, None, None, None
+
+
+def _policy_round(policy, slots: list[_Slot], pos: list[Position]) -> tuple[list[bool], list[DraftTree]]:
+    """One step's choice of a goodput policy: ``(drafted, verified trees)`` per slot."""
+    from services.verifier.policy import Drafted, RoundInfo
+
+    infos = [RoundInfo(s.rid, _Spec.method, 0.0, True, owed=s.owed, remaining=s.left) for s in slots]
+    policy.begin_step(infos, num_running=len(slots))
+    knobs = [policy.draft_knobs(s.rid, _Spec()) for s in slots]
+    drafted = [k is not None for k in knobs]
+    made = [p.tree(k.budget) if k is not None else DraftTree.empty() for p, k in zip(pos, knobs)]
+    chosen = policy.select([Drafted(i, t, d) for i, t, d in zip(infos, made, drafted)])
+    return drafted, [chosen[s.rid].tree for s in slots]
+
+
 def replay(traces: list[list[Position]], arm, cost: CostCurve, request_tokens: int = 128,
-           prompt_tokens: int = 300, method: str = "dartree-pruned") -> dict:
+           prompt_tokens: int = 300) -> dict:
     """Replay ``arm`` (``"ar"``, an int B: fixed, or a goodput policy) with one trace per decoding slot
     until the first slot's trace ends. Returns ``tokens_per_s`` (modelled), ``steps``, ``drafts``
     (drafter calls) and ``verified`` (draft nodes verified)."""
     from services.verifier.engine import StepStats
-    from services.verifier.policy import Drafted, RoundInfo
 
     policy = arm if not isinstance(arm, (int, str)) else None
     slots = [_Slot(t, k, prompt_tokens, request_tokens) for k, t in enumerate(traces)]
     tokens = seconds = 0.0
     steps = drafts = verified = 0
-    spec = type("Spec", (), {"method": method, "budget": None, "width": None, "depth_bonus": None,
-                             "candidates": None})()
     while all(s.i < len(s.trace) for s in slots):
         pos = [s.trace[s.i] for s in slots]
         if policy is None:
-            budgets = [0 if arm == "ar" else int(arm)] * len(slots)
             drafted = [arm != "ar"] * len(slots)
-            trees = [p.tree(b) for p, b in zip(pos, budgets)]
+            trees = [p.tree(0 if arm == "ar" else int(arm)) for p in pos]
         else:
-            infos = [RoundInfo(s.rid, method, 0.0, True, owed=s.owed, remaining=s.left) for s in slots]
-            policy.begin_step(infos, num_running=len(slots))
-            knobs = [policy.draft_knobs(s.rid, spec) for s in slots]
-            drafted = [k is not None for k in knobs]
-            made = [p.tree(k.budget) if k is not None else DraftTree.empty() for p, k in zip(pos, knobs)]
-            chosen = policy.select([Drafted(i, t, d) for i, t, d in zip(infos, made, drafted)])
-            trees = [chosen[s.rid].tree for s in slots]
+            drafted, trees = _policy_round(policy, slots, pos)
         rows = sum(1 + t.num_nodes for t in trees)
         wait = sum(cost.draft(s.owed) for s, d in zip(slots, drafted) if d)
         owed = sum(s.owed for s, d in zip(slots, drafted) if d)

@@ -272,6 +272,18 @@ def _stop(proc: subprocess.Popen | None) -> None:
         proc.kill()
 
 
+def report(a, argv: list[str] | None, servers: dict[str, str], gguf: Path, passes: list[dict]) -> dict:
+    """The JSON object of a run: its command, both servers' command lines, the machine, the settings,
+    every pass and :func:`summarize`'s table."""
+    return {"bench": "vs-llama-server", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python -m benchmarks.vs_llama_server " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "servers": servers, "gguf": str(gguf),
+            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                        "cpus": os.cpu_count()},
+            "settings": {k: getattr(a, k) for k in ("max_running", "threads", "passes", "max_tokens", "concurrency",
+                                                    "requests_per_stream", "long_words", "ctx_per_slot")},
+            "passes": passes, "summary": summarize(passes)}
+
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
     import httpx
@@ -302,14 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         for proc in procs:
             _stop(proc)
-    res = {"bench": "vs-llama-server", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "command": "python -m benchmarks.vs_llama_server " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "servers": {OURS: " ".join(ours_argv[1:]), LLAMA: " ".join(llama_argv)}, "gguf": str(gguf),
-           "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                       "cpus": os.cpu_count()},
-           "settings": {k: getattr(a, k) for k in ("max_running", "threads", "passes", "max_tokens", "concurrency",
-                                                   "requests_per_stream", "long_words", "ctx_per_slot")},
-           "passes": passes, "summary": summarize(passes)}
+    res = report(a, argv, {OURS: " ".join(ours_argv[1:]), LLAMA: " ".join(llama_argv)}, gguf, passes)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=2))

@@ -147,6 +147,9 @@ def test_passes_measure_every_workload_on_both_servers_and_report_ratios(two_ser
     assert rep["c1_decode_tps"]["ratio_ours_to_llama"] > 1.5
     assert rep["c1_decode_tps"][vs.OURS]["median"] == pytest.approx(
         statistics.median(p[vs.OURS]["c1_decode_tps"] for p in passes), rel=1e-3)
+    res = vs.report(a, ["--max-tokens", "8"], {vs.OURS: "ours", vs.LLAMA: "theirs"}, Path("/m/a.gguf"), passes)
+    assert res["command"].endswith("vs_llama_server --max-tokens 8") and res["summary"] == rep
+    assert res["settings"]["max_tokens"] == 8 and res["passes"] == passes and json.loads(json.dumps(res)) == res
 
 
 def test_a_failing_stream_fails_the_level(two_servers):
