@@ -6,8 +6,8 @@ The chat template of the served model has no tool format, so tool calls follow a
 convention (docs/serving.md, "Structured output and tool calls"): the tools are listed in a
 system message, and the whole answer is the calls, each written as ``{"name": ..., "arguments":
 {...}}``, one per line (``parallel_tool_calls``, OpenAI's default) or exactly one
-(``parallel_tool_calls: false``). With ``tool_choice`` ``required`` or a named function the grammar
-forces such calls to declared functions with arguments matching their parameters; with ``auto``
+(``parallel_tool_calls: false``; always one for a named ``tool_choice``). With ``tool_choice``
+``required`` or a named function the grammar forces such calls to declared functions with arguments matching their parameters; with ``auto``
 nothing is forced and an answer that parses as such calls is returned as them.
 """
 
@@ -189,8 +189,9 @@ def plan_tools(tools, tool_choice, parallel_tool_calls: bool | None = None,
                whitespace: str = "flexible") -> tuple[ToolPlan | None, str | None]:
     """``(plan, grammar)`` of a chat request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``
     (None = true, OpenAI's default); ``(None, None)`` when no tool may be called (no tools, or
-    ``tool_choice: "none"``). A forced call's grammar allows one or more calls, one per line, when
-    parallel, exactly one otherwise; ``whitespace`` is the JSON layout inside a call
+    ``tool_choice: "none"``). A ``required`` call's grammar allows one or more calls, one per line,
+    when parallel, exactly one otherwise; a named function is called exactly once (vLLM's named
+    function choice: the grammar is that function's call); ``whitespace`` is the JSON layout inside a call
     (:data:`JSON_WHITESPACE`).
 
     Raises:
@@ -225,7 +226,8 @@ def plan_tools(tools, tool_choice, parallel_tool_calls: bool | None = None,
     if not forced:
         return plan, None
     schema = _call_schema(chosen[0]) if len(chosen) == 1 else {"anyOf": [_call_schema(f) for f in chosen]}
-    return plan, checked_grammar(schema, "tools", repeated=parallel, whitespace=whitespace)
+    named = not isinstance(tool_choice, str)
+    return plan, checked_grammar(schema, "tools", repeated=parallel and not named, whitespace=whitespace)
 
 
 def with_tool_prompt(messages: list[dict], plan: ToolPlan | None) -> list[dict]:

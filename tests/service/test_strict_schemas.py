@@ -61,6 +61,18 @@ def test_forced_call_arguments_admit_only_declared_properties(tok, choice, paral
     assert accepts(tok, grammar, wide.replace(" " * 21, " " * 20))
 
 
+def test_a_named_function_is_called_exactly_once(tok):
+    """A named ``tool_choice`` forces one call of that function, parallel or not (a small model
+    otherwise repeats the same call until ``max_tokens``); ``required`` keeps parallel calls."""
+    two = _call({"city": "Paris"}) + "\n" + _call({"city": "Rome"})
+    for choice, parallel, many in [(NAMED, None, False), (NAMED, True, False), ("required", None, True)]:
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                    "tools": [WEATHER_TOOL], "tool_choice": choice})
+        _, grammar = plan_tools(req.tools, req.tool_choice, parallel)
+        assert accepts(tok, grammar, _call({"city": "Paris"}))
+        assert accepts(tok, grammar, two) is many, (choice, parallel)
+
+
 def test_additional_properties_opt_in_and_nesting(tok):
     """A schema that allows more keeps its rule; closing reaches nested objects, array items,
     ``anyOf`` branches and ``$defs``; ``allOf`` members stay open (closing each would refuse the
