@@ -50,7 +50,7 @@ def hf_generate(model, ids: list[int], n: int) -> float:
 
 def engine_ar(engine, ids: list[int], n: int) -> float:
     """Seconds per token of our engine with method ``ar`` (decode clock after the prefill step)."""
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
 
     t0 = None
     count = 0

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     from services.verifier.drafter_client import InprocDrafterClient
     from services.spec import DEFAULT_KNOBS, TreeKnobs
     from services.verifier.build import build_engine
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
     from services.verifier.target import TargetModel
     from services.weights import compute_dtype, drafter_dtype
 

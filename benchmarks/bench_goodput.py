@@ -41,7 +41,7 @@ def run_level(engine, prompts: list[list[int]], c: int, method: str, budget: int
     drafts (an in-process drafter drafts inside it) and the rest (``other``: sampling, tree
     buffers, walk, commit, scheduling), in ms per step, from ``engine.last_step``; steps that
     prefilled a prompt chunk are left out."""
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
 
     queue = list(enumerate(prompts))
     live: dict[str, dict] = {}

@@ -162,7 +162,7 @@ def run_workload(engines: dict, tok, convs: list[dict], method: str, budget: int
     """Run ``convs`` on every engine of ``engines`` (``{"off": e, "on": e}``), interleaved step by
     step; one row per request (own-clock TTFT and latency in seconds, prompt / hit tokens, tokens,
     rounds, drafted / accepted) plus a ``{"mode", "workload", "clock_s", "tokens"}`` total per engine."""
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
 
     spec = SpecParams(method, budget=budget) if method != "ar" else SpecParams("ar")
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)

@@ -166,7 +166,7 @@ def engine_turn(engine, rec: RecordingDrafter | None, tok, prompt_ids: list[int]
                 temperature: float, max_tokens: int, seed: int, stats: CellStats, keep_examples: int,
                 request_id: str) -> dict:
     """Generate one turn with the engine; fold its rounds into ``stats``; return the sample record."""
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
     spec = SpecParams(method, **knobs)
@@ -339,7 +339,7 @@ def replay_turn(engine, tok, prompt_ids: list[int], ref: list[int], finish: str 
     Returns:
         The sample record of :func:`engine_turn` with ``replay: True``.
     """
-    from services.verifier.engine import SpecParams
+    from services.params import SpecParams
 
     spec = SpecParams(method, **knobs)  # replay_rounds resolves the unset knobs as the engine's policy does
     taus: list[int] = []

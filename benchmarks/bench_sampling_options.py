@@ -58,7 +58,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 
 def sampling(name: str, tokens: int, grammar: str):
     """The :class:`SamplingParams` of setting ``name``."""
-    from services.verifier.engine import SamplingParams
+    from services.params import SamplingParams
 
     kw = dict(max_tokens=tokens, ignore_eos=True)
     if name in ("processors", "both"):
@@ -72,7 +72,7 @@ def run_once(engine, ids: list[int], params, method: str, budget: int | None,
              concurrency: int = 1) -> tuple[list[float], list[float], int]:
     """``(step seconds, sampling seconds, masked draft nodes)`` of the decode steps of ``concurrency``
     identical generations batched together (steps where one of them prefills are left out)."""
-    from services.verifier.engine import SpecParams
+    from services.params import SpecParams
 
     live = [f"bench{i}" for i in range(concurrency)]
     for rid in live:
@@ -101,7 +101,7 @@ def tau_rows(engine, tok, a, weights: str) -> list[dict]:
     """Acceptance with and without the :data:`PERSON` schema on :data:`JSON_PROMPTS` (greedy)."""
     from gateway.tools import json_schema_grammar
     from services.generate import encode
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
 
     import llguidance
 

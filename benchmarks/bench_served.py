@@ -61,19 +61,29 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def _next_output(engine, rid: str):
+    """Plan and run steps of ``rid`` alone until it emits (its prefill chunks, then one round each)."""
+    while True:
+        out = engine.step_batch([rid], alone=True)[rid]
+        if isinstance(out, BaseException):
+            raise out
+        if out is not None:
+            return out
+
+
 def inprocess_run(engine, prompt_ids: list[int], args) -> dict:
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
 
     rid = uuid.uuid4().hex
     engine.add_request(rid, prompt_ids, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True),
                        SpecParams(args.method))
     ids, rounds = [], 0
     t0 = time.perf_counter()
-    out = engine.step(rid)  # prefill + first token
+    out = _next_output(engine, rid)  # prefill + first token
     t1 = time.perf_counter()
     ids += out.token_ids
     while out.finish_reason is None:
-        out = engine.step(rid)
+        out = _next_output(engine, rid)
         ids += out.token_ids
         rounds += 1
     t2 = time.perf_counter()

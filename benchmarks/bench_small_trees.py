@@ -135,7 +135,7 @@ def run_tau(a) -> dict:
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.replay import replay_rounds
     from services.training.heldout import greedy_turns
-    from services.verifier.engine import SpecParams
+    from services.params import SpecParams
     from services.verifier.target import TargetModel
 
     tdir = resolve_target(a.target)
@@ -181,7 +181,8 @@ def run_cost(a) -> dict:
     from services.training.heldout import greedy_turns
     from services.tree.batch import causal_segment
     from services.verifier.build import make_runner, time_forward
-    from services.verifier.engine import EngineConfig, SpecParams
+    from services.params import SpecParams
+    from services.verifier.engine import EngineConfig
     from services.verifier.target import TargetModel
     from services.weights import compute_dtype, drafter_dtype
 

@@ -39,7 +39,7 @@ def _median(xs: list[float]) -> float:
 
 def engine_stats(engine, ids: list[int], tokens: int, method: str, budget: int | None = None) -> dict:
     """Per-step stats of one greedy generation: wall / forward ms per step and per row count."""
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
 
     walls, fwd = [], {}
     emitted = 0

@@ -158,7 +158,7 @@ def measure(engine, method: str, budget: int | None, prompt: list[int], rounds: 
     """Mean ms per phase over ``rounds`` rounds of one request: the engine's ``timings`` (draft,
     tree_build, verify, commit) and ``round``, the wall time of the whole engine step that ran the
     round (what a user waits; "other" = round - the four phases: bookkeeping, tree derive, policy)."""
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
 
     sampling = SamplingParams(max_tokens=rounds + 1, temperature=0.0, ignore_eos=True)
     times: dict[str, list[float]] = {p: [] for p in PHASES}

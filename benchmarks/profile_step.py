@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from services.generate import build_inprocess, encode
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
     from services.weights import compute_dtype
 
     torch.set_num_threads(a.threads)

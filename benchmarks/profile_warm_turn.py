@@ -49,8 +49,10 @@ def first_token(engine, rid: str, ids: list[int], sampling, spec) -> dict:
         step_s += time.perf_counter() - t0
         fwd_s += engine.last_step.forward_seconds
     tokens, cached = list(out.token_ids), out.cached_tokens
-    while out.finish_reason is None:
-        out = engine.step(rid)
+    while out.finish_reason is None:  # one round per step: a decode round always emits
+        out = engine.step_batch([rid])[rid]
+        if isinstance(out, BaseException):
+            raise out
         tokens += out.token_ids
     return {"add_s": add_s, "step_s": step_s, "forward_s": fwd_s, "ttft_s": add_s + step_s, "cached": cached,
             "tokens": tokens}
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     from services.models.registry import resolve_target
     from services.spec import TreeKnobs, default_tree_knobs
     from services.verifier.build import build_engine
-    from services.verifier.engine import EngineConfig, SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
+    from services.verifier.engine import EngineConfig
     from services.weights import resolve_cli_weights
 
     torch.set_num_threads(a.threads)

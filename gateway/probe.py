@@ -14,7 +14,8 @@ import uuid
 
 from gateway.engine_client import EngineClient, EngineError
 from gateway.text import TextModel
-from services.protocol import Generate, SamplingSpec, SpecSpec
+from services.params import SamplingParams, SpecParams
+from services.protocol import Generate
 
 PROMPT = "ping"
 # The verifier's prefill emits the first token; the second needs a draft round, so the drafter is
@@ -46,10 +47,10 @@ class GenerateProbe:
 
     async def _generate(self) -> tuple[bool, str, float]:
         t0 = time.monotonic()
-        sampling = SamplingSpec(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+        sampling = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
         # an explicit budget: the goodput policy may skip drafting for a request that leaves it unset,
         # and this probe must go through the drafter whenever the server has one
-        gen = Generate(f"health-{uuid.uuid4().hex[:16]}", list(self.prompt_ids), sampling, SpecSpec(budget=2))
+        gen = Generate(f"health-{uuid.uuid4().hex[:16]}", list(self.prompt_ids), sampling, SpecParams(budget=2))
         num_tokens = draft_tokens = 0
         try:
             async for chunk in self.engine.generate(gen, deadline=t0 + self.timeout_s):

@@ -41,7 +41,8 @@ from gateway.schemas import (
 )
 from gateway.text import PromptTooLong, TemplateError, TextModel
 from gateway.tools import ToolPlan, call_text, checked_grammar, plan_tools, with_tool_prompt
-from services.protocol import MAX_LOGIT_BIAS, METHODS, Generate, SamplingSpec, SpecSpec
+from services.params import MAX_LOGIT_BIAS, ParamError, SamplingParams, SpecParams
+from services.protocol import METHODS, Generate
 
 LARGE_BODY_BYTES = 256 * 1024  # bodies at least this big are prepared on the one-thread large lane
 
@@ -130,23 +131,34 @@ class RequestBuilder:
             raise ApiError(503, f"the server is not ready: {why}", None, "service_unavailable")
         prompt_ids, prompt_text = self._prompt(req, plan)
         max_tokens = self._max_tokens(req, len(prompt_ids), "messages" if kind == "chat" else "prompt")
-        sampling = SamplingSpec(
-            max_tokens=max_tokens,
+        sampling = self._sampling(
+            req, max_tokens=max_tokens,
             temperature=self.config.default_temperature if req.temperature is None else req.temperature,
-            top_p=req.top_p, top_k=max(req.top_k, 0), seed=req.seed,
-            stop_token_ids=tuple(self._check_ids(req.stop_token_ids or [], "stop_token_ids")),
-            ignore_eos=req.ignore_eos, logprobs=logprobs,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=self._logit_bias(req.logit_bias or {}), min_tokens=self._min_tokens(req, max_tokens),
-            min_p=req.min_p, grammar=grammar)
+            top_k=max(req.top_k, 0), stop_token_ids=tuple(self._check_ids(req.stop_token_ids or [], "stop_token_ids")),
+            logprobs=logprobs, logit_bias=self._logit_bias(req.logit_bias or {}),
+            min_tokens=self._min_tokens(req, max_tokens), grammar=grammar)
+        spec = self._spec(req)
+        try:
+            sampling.check()
+            spec.check()
+        except ParamError as exc:
+            raise ApiError(400, str(exc), exc.param, "invalid_value") from None
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Prepared(kind=kind, response_id=f"{prefix}-{log_id}", model=self.model_name,
-                        gen=Generate(f"{log_id}-{uuid.uuid4().hex[:8]}", prompt_ids, sampling, self._spec(req)),
+                        gen=Generate(f"{log_id}-{uuid.uuid4().hex[:8]}", prompt_ids, sampling, spec),
                         prompt_text=prompt_text, stop=stop, echo=bool(getattr(req, "echo", False)),
                         stream=req.stream, include_usage=bool(opts and opts.include_usage),
                         return_token_ids=req.return_token_ids, arrival=arrival,
                         continuous_usage=bool(opts and opts.continuous_usage_stats), n=req.n, tools=plan)
+
+    @staticmethod
+    def _sampling(req, **given) -> SamplingParams:
+        """The request's :class:`SamplingParams`: every params field the body has under the same
+        name and set (None: the params' default), then ``given`` (the fields this builder
+        converts or checks against the server). Ranges are checked by ``check()``."""
+        fields = type(req).model_fields
+        same = {f: v for f in SamplingParams.__struct_fields__ if f in fields and (v := getattr(req, f)) is not None}
+        return SamplingParams(**{**same, **given})
 
     def _structured(self, req) -> tuple[ToolPlan | None, str | None]:
         """The request's tool plan and grammar (``response_format``, or a forced tool call), JSON in
@@ -345,10 +357,12 @@ class RequestBuilder:
                            "context_length_exceeded")
         return explicit
 
-    def _spec(self, req) -> SpecSpec:
+    def _spec(self, req) -> SpecParams:
+        """The request's :class:`SpecParams`: ``speculative`` against the methods this server serves
+        and its request limits (400 naming the field)."""
         opts = req.speculative
         if opts is None:
-            return SpecSpec()
+            return SpecParams()
         info = self.engine.info
         if opts.method is not None and info and info.methods and opts.method not in info.methods:
             what = ("is not served by this server's drafter" if opts.method in METHODS
@@ -361,8 +375,8 @@ class RequestBuilder:
             if value is not None and top and value > top:
                 raise ApiError(400, f"speculative {name} {value} is over the server's maximum {top} "
                                f"(`dartree serve --max-request-budget`)", f"speculative.{name}", "invalid_value")
-        return SpecSpec(method=opts.method, budget=opts.budget, width=opts.width, depth_bonus=opts.depth_bonus,
-                        candidates=opts.candidates)
+        return SpecParams(method=opts.method, budget=opts.budget, width=opts.width, depth_bonus=opts.depth_bonus,
+                          candidates=opts.candidates)
 
 
 def choice_requests(prep: Prepared) -> list[Prepared]:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from services.spec import Method
+
 
 def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torch.dtype, defaults=None,
                     packed_gemm: bool = True, weights: str | None = None, compile: bool | None = False,
@@ -117,7 +119,7 @@ def run_generate(a) -> int:
     (its drafter call's budget, the most nodes it verifies). Unset: :func:`services.spec.default_tree_knobs`.
     """
     from services.spec import TreeKnobs, check_tree_knobs, default_tree_knobs
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
 
     sampling = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
     try:
@@ -145,9 +147,9 @@ def run_generate(a) -> int:
     policy = getattr(a, "spec_policy", "fixed")
     engine, tok, note = build_inprocess(target, pair.drafter, dtype, defaults, packed_gemm=packed, weights=weights,
                                         compile=getattr(a, "compile", False),
-                                        compile_drafter=a.method != "ar",  # ar never calls the drafter
+                                        compile_drafter=Method(a.method).drafts,  # ar never calls the drafter
                                         spec_policy=policy)
-    _check_served(a.method, engine.drafter.info()["methods"], note)  # its kind's methods, "ar" included
+    _check_served(a.method, engine.drafter.info()["methods"], note)  # its kind's methods, ar included
     svc = getattr(engine.drafter, "service", None)
     steps_warmed = engine.runner.compiled or engine.runner.graphed
     drafter_compiled = getattr(svc, "compiled", False)

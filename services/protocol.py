@@ -32,18 +32,20 @@ from msgspec import Meta, Struct
 
 # The method names live in services.spec; re-exported for the modules that read them here.
 from services.spec import (DFLASH_METHODS, EAGLE3_METHODS, HEAD_METHODS, MARKOV_METHODS,  # noqa: F401
-                           METHODS, served_methods)
+                           METHODS, TreeKnobs, served_methods)
+# A request's parameters are one type from the gateway to the engine (services.params); re-exported.
+from services.params import (MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS,  # noqa: F401
+                             SamplingParams, SpecParams)
 
 # v2: SamplingSpec.logprobs, RoundChunk.logprobs; v3: DraftBatch; v4: drafts travel only in DraftBatch
 # (DraftRequest is its job, no longer a message of its own: tag 20 is unused); v5: PeerInfo.default_spec
 # is gone (the verifier owns the tree defaults; every draft job carries resolved knobs); v6:
-# SamplingSpec.grammar (structured output and tool calls)
-PROTOCOL_VERSION = 7
+# SamplingSpec.grammar (structured output and tool calls); v7: RoundChunk.stop_token_id; v8: Generate
+# carries services.params' SamplingParams / SpecParams (ranges checked by their check(), not on
+# decode), a DraftRequest its method and its TreeKnobs (SamplingSpec / SpecSpec are gone)
+PROTOCOL_VERSION = 8
 
-MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (OpenAI chat's top_logprobs limit)
 LOGPROB_FLOOR = -9999.0     # logprobs are clamped to [LOGPROB_FLOOR, 0] (finite, JSON-safe; vLLM's floor)
-MAX_LOGIT_BIAS = 300        # logit_bias entries a request may send (OpenAI's limit)
-MAX_GRAMMAR_CHARS = 256 * 1024  # largest grammar a request may carry (gateway.tools refuses larger: 400)
 
 # Allowed tensor dtypes on the wire and their item sizes (names as torch/numpy spell them).
 DTYPE_SIZES: dict[str, int] = {
@@ -127,38 +129,6 @@ class Limits(Struct, **_opts()):
     max_candidates: NonNeg = 0     # candidate pool K a request may ask for
 
 
-class SpecSpec(Struct, **_opts()):
-    """The request's speculative settings (``None`` = server default), mirrors ``SpecParams``."""
-
-    method: ShortStr | None = None
-    budget: NonNeg | None = None
-    width: NonNeg | None = None
-    depth_bonus: float | None = None
-    candidates: NonNeg | None = None
-
-
-class SamplingSpec(Struct, **_opts()):
-    """Sampling settings, mirrors ``SamplingParams`` (the engine validates ranges again). The fields
-    after ``logprobs`` (penalties, logit_bias, min_tokens, min_p) are new in protocol v5."""
-
-    max_tokens: Annotated[int, Meta(ge=1)] = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: NonNeg = 0
-    seed: int | None = None
-    stop_token_ids: tuple[TokenId, ...] = ()
-    ignore_eos: bool = False
-    logprobs: TopK | None = None   # None: no logprobs; k: each token's logprob plus its top-k alternatives
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
-    logit_bias: Annotated[dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]],
-                          Meta(max_length=MAX_LOGIT_BIAS)] = {}
-    min_tokens: NonNeg = 0
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    grammar: Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)] | None = None  # v6: llguidance grammar
-
-
 class PeerInfo(Struct, **_opts()):
     """What a process tells its peer at handshake; compared by :func:`check_compatible`."""
 
@@ -222,14 +192,14 @@ class Generate(Struct, **_opts()):
 
     request_id: RequestId
     prompt_ids: list[TokenId]
-    sampling: SamplingSpec
-    spec: SpecSpec
+    sampling: SamplingParams            # checked by SamplingParams.check (gateway and engine)
+    spec: SpecParams                    # method None / knobs None: the verifier's defaults
 
 
 class TokenLogprobs(Struct, **_opts()):
     """Raw target logprobs (log_softmax of the logits, before temperature/top-p/top-k) of a round's
     emitted tokens, one row per token: the token's own logprob and its top-k alternatives
-    (most likely first; ``k = SamplingSpec.logprobs``, rows empty when k is 0)."""
+    (most likely first; ``k = SamplingParams.logprobs``, rows empty when k is 0)."""
 
     logprobs: list[LogProb]
     top_ids: list[Annotated[list[TokenId], Meta(max_length=MAX_TOP_LOGPROBS)]] = []
@@ -286,7 +256,8 @@ class DraftRequest(Struct, **_opts()):
     features: TensorMeta                # [len(committed_ids), F] target features at those positions
     root_token: TokenId                 # last committed token (root of the tree)
     start: NonNeg                       # position of the root
-    spec: SpecSpec                      # method and every tree knob set (resolved by the verifier's policy)
+    method: ShortStr                    # a services.spec.Method that drafts
+    knobs: TreeKnobs                    # every tree knob set (resolved by the verifier's policy)
     max_depth: NonNeg | None = None     # cap on tree depth (context-window limit)
 
 

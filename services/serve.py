@@ -58,7 +58,7 @@ from services.drafter.worker import DrafterWorkerConfig
 from services.config_cli import add_config_args, config_from_args, given_by
 from services.devices import normalize_device
 from services.runtime import DRAIN_SIGNAL, STOP_NOW_SIGNAL, error_line, worker_context
-from services.spec import preferred_method
+from services.spec import Method, preferred_method
 from services.verifier.worker import RESTART_AFTER_COMPILE_EXIT, VerifierWorkerConfig
 
 log = logging.getLogger("dartree.serve")
@@ -527,7 +527,7 @@ def preflight(args: argparse.Namespace, use_drafter: bool) -> None:
             raise ValueError(f"the default method {args.default_method!r} ({source}) is not served by "
                              f"the {kind} drafter in {ddir} (it serves: {', '.join(served)}); pass e.g. "
                              f"--default-method {best}")
-    elif args.default_method != "ar" and (source := given_by(args, "default_method")):
+    elif args.default_method != Method.AR and (source := given_by(args, "default_method")):
         # AR-only mode serves 'ar' alone: a default method given by flag or env (even the default value
         # given explicitly) would be silently ignored; left unset, AR-only mode serves 'ar' as documented
         raise ValueError(f"the default method {args.default_method!r} ({source}) needs a drafter, but "
@@ -620,7 +620,7 @@ def plan(args: argparse.Namespace) -> tuple[SupervisorConfig, GatewayConfig, Ver
                                    served_model_name=args.served_model_name or Path(args.target).name)
         vover = {"target": target, "weights": fmt, "dtype": act_dtype, **endpoints}
         if not use_drafter:
-            vover["default_method"] = "ar"
+            vover["default_method"] = Method.AR.value
         verifier = config_from_args(VerifierWorkerConfig, args, **vover)
         drafter = config_from_args(DrafterWorkerConfig, args, target=target, drafter=sup.drafter,
                                    dtype=drafter_dtype,

@@ -17,7 +17,9 @@ class Method(enum.StrEnum):
     """A speculative method a request may name (``"ar"``: plain decoding, no drafter).
 
     The members compare equal to their strings (``Method.DDTREE == "ddtree"``), so a method read from
-    JSON, a flag or the wire needs no conversion before a membership test.
+    JSON, a flag or the wire needs no conversion before a membership test. What each one is (its
+    family, whether it needs the Domino head, branches, is bounded by its budget) is one row of
+    :data:`METHOD_TRAITS`; the family sets below are read from it.
     """
 
     AR = "ar"
@@ -39,37 +41,66 @@ class Method(enum.StrEnum):
 
     @property
     def needs_head(self) -> bool:
-        """Whether the drafter needs the Domino correction head (:data:`HEAD_METHODS`)."""
-        return self.value in HEAD_METHODS
+        """Whether the drafter needs the Domino correction head."""
+        return METHOD_TRAITS[self].head
 
     @property
     def is_tree(self) -> bool:
         """Whether the draft may branch (False: a chain, or no draft at all for ``ar``)."""
-        return self not in (Method.AR, Method.DFLASH, Method.DOMINO, Method.DSPARK)
+        return METHOD_TRAITS[self].tree
+
+    @property
+    def budget_deep(self) -> bool:
+        """Whether a B-node tree of this method is at most B deep and identical when built over only
+        B draft slots (``dartree.pruned_reach``; seqheap / DDTree pop at most B nodes, a depth-d node
+        after its d - 1 ancestors): the drafter then drafts only ``budget`` slots."""
+        return METHOD_TRAITS[self].budget_deep
 
     @property
     def family(self) -> str:
         """The drafter family that serves it: ``"dflash"`` (DFlash backbone, with or without the
         Domino head), ``"dspark"`` (Markov head) or ``"eagle3"``; ``"ar"`` needs none."""
-        if self is Method.AR:
-            return "ar"
-        if self.value in MARKOV_METHODS:
-            return "dspark"
-        return "eagle3" if self.value in EAGLE3_METHODS else "dflash"
+        return METHOD_TRAITS[self].family
 
     def served_by(self, kind: str) -> bool:
         """Whether a drafter of ``kind`` serves this method (:func:`served_methods`)."""
         return self.value in served_methods(kind)
 
 
+@dataclass(frozen=True)
+class MethodTraits:
+    """What a :class:`Method` is. family: the drafter family that serves it (``"ar"``: none);
+    head: needs the Domino correction head; tree: the draft may branch; budget_deep: see
+    :attr:`Method.budget_deep`."""
+
+    family: str
+    head: bool = False
+    tree: bool = True
+    budget_deep: bool = False
+
+
+METHOD_TRAITS: dict[Method, MethodTraits] = {
+    Method.AR: MethodTraits("ar", tree=False),
+    Method.DFLASH: MethodTraits("dflash", tree=False),
+    Method.DDTREE: MethodTraits("dflash", budget_deep=True),
+    Method.DOMINO: MethodTraits("dflash", head=True, tree=False),
+    Method.DARTREE_FIXED: MethodTraits("dflash", head=True),
+    Method.DARTREE_PRUNED: MethodTraits("dflash", head=True, budget_deep=True),
+    Method.SEQHEAP: MethodTraits("dflash", head=True, budget_deep=True),
+    Method.DOMINO_DDTREE: MethodTraits("dflash", head=True),
+    Method.DSPARK: MethodTraits("dspark", tree=False),
+    Method.DSPARK_DARTREE: MethodTraits("dspark", budget_deep=True),
+    Method.EAGLE3: MethodTraits("eagle3"),
+}
+
 # Methods of the DFlash-backbone family (a plain DFlash drafter serves ar/dflash/ddtree, a Domino one all of them).
-DFLASH_METHODS = ("ar", "dflash", "ddtree", "domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree")
+DFLASH_METHODS = tuple(m.value for m in Method if m.family in ("ar", "dflash"))
 # Methods that need a drafter with the Domino correction head.
-HEAD_METHODS = frozenset({"domino", "dartree-fixed", "dartree-pruned", "seqheap", "domino-ddtree"})
+HEAD_METHODS = frozenset(m.value for m in Method if m.needs_head)
 # DSpark drafters (Markov head, docs/algorithms.md §3): its own chain rollout and DARTree with the Markov scorer.
-MARKOV_METHODS = frozenset({"dspark", "dspark-dartree"})
+MARKOV_METHODS = frozenset(m.value for m in Method if m.family == "dspark")
 # EAGLE-3 drafters: the dynamic top-k draft tree (services.tree.eagle).
-EAGLE3_METHODS = frozenset({"eagle3"})
+EAGLE3_METHODS = frozenset(m.value for m in Method if m.family == "eagle3")
 # Every method, in the order tables and error messages list them.
 METHODS = tuple(m.value for m in Method)
 
@@ -77,10 +108,11 @@ DEFAULT_METHOD = Method.DARTREE_PRUNED.value  # the method of a request that nam
 # The default method's stand-ins, best first, when a drafter does not serve it.
 PREFERRED_METHODS = ("dartree-pruned", "dspark-dartree", "eagle3", "ddtree", "ar")
 
+_PLAIN_DFLASH = frozenset(m for m in DFLASH_METHODS if m not in HEAD_METHODS)  # ar, dflash, ddtree
 _SERVED = {
-    "dflash": frozenset({"ar", "dflash", "ddtree"}),
+    "dflash": _PLAIN_DFLASH,
     "domino": frozenset(DFLASH_METHODS),
-    "dspark": frozenset({"ar", "dflash", "ddtree"}) | MARKOV_METHODS,
+    "dspark": _PLAIN_DFLASH | MARKOV_METHODS,
     "eagle3": frozenset({"ar"}) | EAGLE3_METHODS,
 }
 

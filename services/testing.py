@@ -270,12 +270,13 @@ def greedy_reference(model, prompt_ids: list[int], n: int) -> list[int]:
 def served_ar_reference(target_dir, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """Plain greedy decoding of a saved target in this process (what a served greedy answer equals)."""
     from services.verifier.build import build_engine
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
+    from services.spec import Method
     from services.verifier.target import TargetModel
 
     engine = build_engine(TargetModel.from_pretrained(target_dir, [1, 2]), None, packed_gemm=False)
     out = []
-    for r in engine.generate("ref", prompt_ids, SamplingParams(max_tokens=max_tokens), SpecParams(method="ar")):
+    for r in engine.generate("ref", prompt_ids, SamplingParams(max_tokens=max_tokens), SpecParams(method=Method.AR)):
         out += r.token_ids
     return out
 

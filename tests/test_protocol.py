@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from services import protocol as p
+from services.spec import TreeKnobs
 from services.wire import decode, encode, frame_to_array, frame_to_tensor, tensor_to_frame
 
 
@@ -24,8 +25,8 @@ EXAMPLES = [
     p.HelloAck(p.PROTOCOL_VERSION, True, _info(role="drafter", limits=p.Limits(max_context=2048))),
     p.Ping(7),
     p.Pong(7, "e1", True, num_running=2, num_waiting=1),
-    p.Generate("r1", [1, 2, 3], p.SamplingSpec(max_tokens=5, temperature=0.5, seed=3, stop_token_ids=(9,), logprobs=5),
-               p.SpecSpec(method="dartree-pruned", budget=16, depth_bonus=-0.2)),
+    p.Generate("r1", [1, 2, 3], p.SamplingParams(max_tokens=5, temperature=0.5, seed=3, stop_token_ids=(9,), logprobs=5),
+               p.SpecParams(method="dartree-pruned", budget=16, depth_bonus=-0.2)),
     p.RoundChunk("r1", [4, 5, 6], "stop", num_draft_tokens=16, accept_length=2),
     p.RoundChunk("r1", [4], "stop", stop_token_id=9),
     p.RoundChunk("r1", [4, 5], None, logprobs=p.TokenLogprobs([-0.5, -9999.0], [[4, 7], [1, 5]],
@@ -56,7 +57,8 @@ def test_draft_batch_carries_one_frame_per_job_and_is_bounded():
 
     feats = [torch.randn(n, 8) for n in (3, 1, 5)]
     metas, frames = FrameTransport().pack(feats)
-    jobs = [p.DraftRequest(f"r{i}", i, list(range(len(f))), m, 7, 10 + i, p.SpecSpec(method="ddtree"))
+    jobs = [p.DraftRequest(f"r{i}", i, list(range(len(f))), m, 7, 10 + i, "ddtree",
+                           TreeKnobs(4, 2, -0.2, 8))
             for i, (f, m) in enumerate(zip(feats, metas))]
     dec = decode(encode(p.DraftBatch(jobs), frames))
     assert dec.type == p.MessageType.DRAFT_BATCH and dec.msg.jobs == jobs
@@ -76,7 +78,7 @@ def test_draft_batch_with_torch_tensor_frame_round_trips_zero_copy():
     feats = torch.randn(3, 8).to(torch.bfloat16)  # [L, F]
     meta, buf = tensor_to_frame(feats)
     msg = p.DraftBatch([p.DraftRequest("r", 4, [5, 6, 7], meta, root_token=7, start=10,
-                                       spec=p.SpecSpec(method="ddtree"))])
+                                       method="ddtree", knobs=TreeKnobs(budget=3))])
     parts = encode(msg, [buf])
     dec = decode([bytes(x) for x in parts])
     assert dec.msg == msg and len(dec.frames) == 1
@@ -125,11 +127,23 @@ def _round(*logprobs_fields, ids=(4, 5)) -> list:
     _round([-0.5, -0.5], [[1]], [[-1.0]]),               # top rows for 1 of 2 tokens
     _round([-0.5, -0.5], [[1], [2]], [[-1.0], []]),      # row lengths differ
     _round([-0.5, -0.5], [[1] * 21] * 2, [[-1.0] * 21] * 2),  # more than MAX_TOP_LOGPROBS alternatives
-    [bytes((p.MessageType.GENERATE,)), msgspec.msgpack.encode(["r", [1], [5, 0.0, 1.0, 0, None, [], False, 21], []])],
-], ids=["count", "positive", "nan", "floor", "top-rows", "row-lengths", "top-21", "generate-21"])
+], ids=["count", "positive", "nan", "floor", "top-rows", "row-lengths", "top-21"])
 def test_bad_logprobs_are_refused(parts):
     with pytest.raises(p.ProtocolError):
         decode(parts)
+
+
+def test_a_generate_carries_its_params_as_they_are_and_their_check_refuses_a_bad_one():
+    """v8: the wire checks types, the params' ``check()`` their ranges (the engine calls it at
+    admission, so the verifier answers such a request with a 400 naming the field)."""
+    body = msgspec.msgpack.encode(["r", [1], [5, 0.0, 1.0, 0, None, [], False, 21], []])
+    dec = decode([bytes((p.MessageType.GENERATE,)), body])
+    assert dec.msg.sampling == p.SamplingParams(max_tokens=5, logprobs=21) and dec.msg.spec == p.SpecParams()
+    with pytest.raises(ValueError, match="logprobs") as e:
+        dec.msg.sampling.check()
+    assert e.value.param == "logprobs"
+    with pytest.raises(p.ProtocolError):  # a type the params do not have is still refused on decode
+        decode([bytes((p.MessageType.GENERATE,)), msgspec.msgpack.encode(["r", [1], [5, "hot"], []])])
 
 
 def test_a_whole_round_with_top_20_logprobs_fits_the_body_limit():
@@ -144,11 +158,11 @@ def test_a_whole_round_with_top_20_logprobs_fits_the_body_limit():
 
 def test_frame_size_must_match_its_metadata():
     meta = p.TensorMeta("float32", (2, 3))
-    msg = p.DraftBatch([p.DraftRequest("r", 0, [1, 2], meta, 2, 2, p.SpecSpec())])
+    msg = p.DraftBatch([p.DraftRequest("r", 0, [1, 2], meta, 2, 2, "ddtree", TreeKnobs())])
     with pytest.raises(p.ProtocolError, match="frame of 20 bytes"):
         decode(encode(msg, [b"\0" * 20]))
     with pytest.raises(p.ProtocolError, match="not allowed"):
-        bad = p.DraftRequest("r", 0, [1], p.TensorMeta("object", (1,)), 1, 1, p.SpecSpec())
+        bad = p.DraftRequest("r", 0, [1], p.TensorMeta("object", (1,)), 1, 1, "ddtree", TreeKnobs())
         decode(encode(p.DraftBatch([bad]), [b"\0"]))
     with pytest.raises(p.ProtocolError, match="over the 16 limit"):
         decode(encode(msg, [b"\0" * 24]), max_tensor_bytes=16)

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from services.drafter.eagle3 import Eagle3Drafter
-from services.protocol import MARKOV_METHODS, METHODS, served_methods
+from services.protocol import METHODS, served_methods
+from services.spec import Method
 from services.tree import DraftTree
 from services.tree.eagle import eagle_tree
 
@@ -83,10 +84,10 @@ class Eagle3Service:
             raise ValueError("features must have one row per committed token")
         if features.ndim != 2 or features.shape[1] != self.cfg.feature_dim:
             raise ValueError(f"features must be [n, {self.cfg.feature_dim}], got {tuple(features.shape)}")
-        if method not in METHODS or method == "ar":
+        if method not in METHODS or not Method(method).drafts:
             raise ValueError(f"method {method!r} does not draft (choose from {METHODS[1:]})")
-        if method != "eagle3":
-            need = "a DSpark (Markov head) drafter" if method in MARKOV_METHODS else "a DFlash-family drafter"
+        if method != Method.EAGLE3:
+            need = "a DSpark (Markov head) drafter" if Method(method).family == "dspark" else "a DFlash-family drafter"
             raise ValueError(f"method {method!r} needs {need}; this eagle3 drafter serves "
                              f"{', '.join(served_methods('eagle3'))}")
         if not spec.is_resolved():

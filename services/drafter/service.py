@@ -20,6 +20,7 @@ from torch import Tensor
 from services.drafter.model import DFlashDrafter
 from services.protocol import (DFLASH_METHODS, EAGLE3_METHODS, HEAD_METHODS, MARKOV_METHODS,  # noqa: F401 (re-exported)
                                METHODS, served_methods)
+from services.spec import Method
 from services.tree import DraftTree, MarkovScorer, chain, chain_rollout, dartree, ddtree, domino_ddtree, seqheap
 
 
@@ -442,43 +443,68 @@ class DrafterService:
     def _check_job(self, committed_ids, features: Tensor, method: str, spec) -> None:
         if features.shape[0] != len(committed_ids):
             raise ValueError("features must have one row per committed token")
-        if method not in METHODS or method == "ar":
+        if method not in METHODS or not Method(method).drafts:
             raise ValueError(f"method {method!r} does not draft (choose from {METHODS[1:]})")
         if method not in served_methods(self.kind):
-            need = ("a Domino correction head" if method in HEAD_METHODS else "a DSpark (Markov head) drafter"
-                    if method in MARKOV_METHODS else "an EAGLE-3 drafter")
+            m = Method(method)
+            need = ("a Domino correction head" if m.needs_head else "a DSpark (Markov head) drafter"
+                    if m.family == "dspark" else "an EAGLE-3 drafter")
             raise ValueError(f"method {method!r} needs {need}; this {self.kind} drafter serves "
                              f"{', '.join(served_methods(self.kind))}")
         if not spec.is_resolved():
             raise ValueError(f"a draft job's tree knobs must all be set by the verifier (got {spec})")
 
     def _build(self, method: str, spec, hd: Tensor, base: Tensor, root: int) -> DraftTree:
-        budget, width, beta, k = spec.astuple()
-        prefix = self.cfg.pure_draft_prefix_len
-        if method == "dflash":  # scores: the chain's path log-probabilities (the goodput policy calibrates them)
-            toks = torch.argmax(base, dim=-1)
-            return chain(toks, _path_scores(base, toks))
-        if method == "ddtree":
-            return ddtree(torch.log_softmax(base, dim=-1), budget)
-        if method in MARKOV_METHODS:  # DSpark: bias W2 . W1[prev] on every slot, slot 0's prev = the root (§3)
-            head = self.drafter.markov_head
-            scorer = MarkovScorer(head.markov_w1.weight, head.markov_w2.weight)
-            if method == "dspark":
-                toks, rows = chain_rollout(base, scorer, root, pure_draft_prefix_len=0)
-                return chain(toks, _path_scores(rows, toks))
-            return dartree(base, scorer, root, K=k, W=width, B=budget, beta=beta, variant="pruned",
-                           pure_draft_prefix_len=0)
-        scorer = DominoScorer(self.drafter, self.embed, hd.to(self.dtype), self.d2t)
-        if method == "domino":
-            toks, rows = chain_rollout(base, scorer, root, prefix)
-            return chain(toks, _path_scores(rows, toks))
-        if method == "domino-ddtree":
-            return domino_ddtree(chain_rollout(base, scorer, root, prefix)[1], budget)
-        if method == "seqheap":
-            return seqheap(base, scorer, root, K=k, B=budget, beta=beta, pure_draft_prefix_len=prefix)
-        variant = method.split("-")[1]
-        return dartree(base, scorer, root, K=k, W=width, B=budget, beta=beta if variant == "pruned" else 0.0,
-                       variant=variant, pure_draft_prefix_len=prefix)
+        """The tree of one job from its draft rows ``hd [D, H]`` / ``base [D, V]`` (:data:`TREE_BUILDERS`)."""
+        return TREE_BUILDERS[Method(method)](self, spec, hd, base, root)
+
+    def _markov(self) -> MarkovScorer:
+        """DSpark: bias W2 . W1[prev] on every slot, slot 0's prev = the root (docs/algorithms.md §3)."""
+        head = self.drafter.markov_head
+        return MarkovScorer(head.markov_w1.weight, head.markov_w2.weight)
+
+    def _domino(self, hd: Tensor) -> DominoScorer:
+        """The Domino correction head over this round's drafter rows ``hd [D, H]``."""
+        return DominoScorer(self.drafter, self.embed, hd.to(self.dtype), self.d2t)
+
+
+def _chain_of(base: Tensor) -> DraftTree:
+    """DFlash: the argmax chain; scores: its path log-probabilities (the goodput policy calibrates them)."""
+    toks = torch.argmax(base, dim=-1)
+    return chain(toks, _path_scores(base, toks))
+
+
+def _rollout(base: Tensor, scorer, root: int, prefix: int) -> DraftTree:
+    """A chain rolled out slot by slot under ``scorer``."""
+    toks, rows = chain_rollout(base, scorer, root, prefix)
+    return chain(toks, _path_scores(rows, toks))
+
+
+def _dartree(svc: DrafterService, knobs, hd: Tensor, base: Tensor, root: int, variant: str) -> DraftTree:
+    budget, width, beta, k = knobs.astuple()
+    return dartree(base, svc._domino(hd), root, K=k, W=width, B=budget, beta=beta if variant == "pruned" else 0.0,
+                   variant=variant, pure_draft_prefix_len=svc.cfg.pure_draft_prefix_len)
+
+
+# The tree builder of each drafting method: ``builder(service, knobs, hd [D, H], base [D, V], root) -> DraftTree``
+# (knobs: resolved :class:`~services.spec.TreeKnobs`; a method of an existing family is one entry here).
+TREE_BUILDERS: dict[Method, Callable[..., DraftTree]] = {
+    Method.DFLASH: lambda svc, kn, hd, base, root: _chain_of(base),
+    Method.DDTREE: lambda svc, kn, hd, base, root: ddtree(torch.log_softmax(base, dim=-1), kn.budget),
+    Method.DSPARK: lambda svc, kn, hd, base, root: _rollout(base, svc._markov(), root, 0),
+    Method.DSPARK_DARTREE: lambda svc, kn, hd, base, root: dartree(
+        base, svc._markov(), root, K=kn.candidates, W=kn.width, B=kn.budget, beta=kn.depth_bonus, variant="pruned",
+        pure_draft_prefix_len=0),
+    Method.DOMINO: lambda svc, kn, hd, base, root: _rollout(base, svc._domino(hd), root,
+                                                            svc.cfg.pure_draft_prefix_len),
+    Method.DOMINO_DDTREE: lambda svc, kn, hd, base, root: domino_ddtree(
+        chain_rollout(base, svc._domino(hd), root, svc.cfg.pure_draft_prefix_len)[1], kn.budget),
+    Method.SEQHEAP: lambda svc, kn, hd, base, root: seqheap(
+        base, svc._domino(hd), root, K=kn.candidates, B=kn.budget, beta=kn.depth_bonus,
+        pure_draft_prefix_len=svc.cfg.pure_draft_prefix_len),
+    Method.DARTREE_FIXED: lambda svc, kn, hd, base, root: _dartree(svc, kn, hd, base, root, "fixed"),
+    Method.DARTREE_PRUNED: lambda svc, kn, hd, base, root: _dartree(svc, kn, hd, base, root, "pruned"),
+}
 
 
 class _LayerwiseContext:
@@ -503,16 +529,11 @@ class _LayerwiseContext:
             yield kv
 
 
-# methods whose B-node tree is at most B deep and identical when built over only B draft slots
-# (dartree.pruned_reach; seqheap / DDTree pop at most B nodes, a depth-d node after its d - 1 ancestors)
-_BUDGET_DEEP = frozenset({"dartree-pruned", "dspark-dartree", "seqheap", "ddtree"})
-
-
 def _reach(job) -> int:
     """Draft slots ``job``'s tree can use (>= 1): its ``max_depth`` (None = all, a large number),
-    cut to the budget for the methods of :data:`_BUDGET_DEEP`."""
+    cut to the budget for the methods whose tree is at most budget deep (:attr:`Method.budget_deep`)."""
     depth = 1 << 30 if job.max_depth is None else job.max_depth
-    if job.method in _BUDGET_DEEP:
+    if Method(job.method).budget_deep:
         depth = min(depth, job.spec.budget)
     return max(depth, 1)
 

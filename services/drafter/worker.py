@@ -42,7 +42,6 @@ from services.protocol import (
 )
 from services.devices import is_out_of_memory, release_device_cache
 from services.runtime import check_device, check_dtype, trim_heap
-from services.spec import TreeKnobs
 from services.wire import Decoded
 
 log = logging.getLogger("drafter")
@@ -269,20 +268,9 @@ class DrafterWorker:
             release_device_cache()  # the next batch starts from what is really in use
 
     def _draft_jobs(self, jobs: list, feats: list) -> list:
-        """``service.draft_batch`` over the wire jobs whose knobs are valid; a job with a bad knob
-        gets its ValueError (the others are drafted)."""
-        results: list = [None] * len(jobs)
-        ok: list[tuple[int, _Job]] = []
-        for i, (j, f) in enumerate(zip(jobs, feats)):
-            try:
-                knobs = TreeKnobs(j.spec.budget, j.spec.width, j.spec.depth_bonus, j.spec.candidates)
-            except ValueError as exc:
-                results[i] = exc
-                continue
-            ok.append((i, _Job(j, f, knobs)))
-        for (i, _), res in zip(ok, self.service.draft_batch([job for _, job in ok]) if ok else []):
-            results[i] = res
-        return results
+        """``service.draft_batch`` over the wire jobs (their knobs' ranges were checked on decode:
+        :class:`TreeKnobs` checks itself); the service answers a job it cannot draft with its error."""
+        return self.service.draft_batch([_Job(j, f) for j, f in zip(jobs, feats)])
 
     def _release(self, identity: bytes, dec: Decoded) -> None:
         self._forget(dec.msg.request_id)
@@ -296,12 +284,13 @@ class DrafterWorker:
 
 class _Job:
     """A wire :class:`DraftRequest` as ``DrafterService.draft_batch``'s job: its features tensor
-    attached, its method and its :class:`TreeKnobs` apart (the fields of the verifier's ``DraftJob``)."""
+    attached (the fields of the verifier's ``DraftJob``; the knobs are the message's own
+    :class:`~services.spec.TreeKnobs`)."""
 
-    def __init__(self, msg, features, knobs: TreeKnobs):
+    def __init__(self, msg, features):
         self.request_id, self.committed_ids, self.root_token = msg.request_id, msg.committed_ids, msg.root_token
         self.start, self.max_depth, self.features = msg.start, msg.max_depth, features
-        self.method, self.spec = msg.spec.method or "", knobs
+        self.method, self.spec = msg.method, msg.knobs
 
 
 # ------------------------------------------------------------------------------------ process entry

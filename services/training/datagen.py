@@ -76,7 +76,8 @@ def generate_engine(engine, shards: dict[int, list[tuple[str, list[int]]]], max_
     Raises:
         whatever a step raised for a request (the run stops; finished shards are already written).
     """
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
+    from services.spec import Method
 
     eos = engine.eos_token_ids[0] if engine.eos_token_ids else None
     queue = [(b, i) for b in shards for i in range(len(shards[b]))]
@@ -94,7 +95,7 @@ def generate_engine(engine, shards: dict[int, list[tuple[str, list[int]]]], max_
             n += 1
             engine.add_request(rid, p, SamplingParams(max_tokens=max_new_tokens, temperature=1.0 if sampled else 0.0,
                                                       seed=b * 1000 + i),
-                               SpecParams("ar"))
+                               SpecParams(Method.AR))
             live[rid] = (b, i, [])
         for rid, out in engine.step_batch(list(live)).items():
             if isinstance(out, BaseException):

@@ -43,7 +43,8 @@ def greedy_turns(target, prompts: list[tuple[str, list[int]]], max_tokens: int, 
     The cache is reused only when its prompts and ``max_tokens`` equal these.
     """
     from services.verifier.build import build_engine
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
+    from services.spec import Method
 
     key = {"prompts": [list(p) for _, p in prompts], "max_tokens": max_tokens}
     if cache is not None and cache.exists():
@@ -54,7 +55,7 @@ def greedy_turns(target, prompts: list[tuple[str, list[int]]], max_tokens: int, 
     turns = []
     for uid, ids in prompts:
         outs = list(engine.generate(f"heldout-{uid}", list(ids), SamplingParams(max_tokens=max_tokens),
-                                    SpecParams("ar")))
+                                    SpecParams(Method.AR)))
         turns.append(HeldoutTurn(uid, list(ids), [t for o in outs for t in o.token_ids], outs[-1].finish_reason))
     if cache is not None:
         torch.save({"key": key, "turns": [t.__dict__ for t in turns]}, cache)
@@ -73,7 +74,7 @@ def replayed_tau(drafter, target, turns: list[HeldoutTurn], method: str = "dartr
     from services.replay import replay_tau
     from services.verifier.drafter_client import InprocDrafterClient
     from services.verifier.build import build_engine
-    from services.verifier.engine import SpecParams
+    from services.params import SpecParams
 
     was_training = drafter.training
     try:

@@ -61,6 +61,11 @@ class LogitOptions:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
+    def filters(self) -> bool:
+        """Whether a filter after temperature is on (:func:`sample_probs`: ``min_p``)."""
+        return self.min_p > 0
+
+    @property
     def changes_logits(self) -> bool:
         """Whether :func:`process_logits` changes anything."""
         return self.needs_counts or bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.terminator_ids))
@@ -167,10 +172,11 @@ def sample_probs(logits: Tensor, temperature: float, top_p: float = 1.0, top_k: 
     return target_probs(x, 1.0, top_p, top_k)
 
 
-def sample_processed(logits: Tensor, temperature: float, top_p: float, top_k: int, min_p: float,
+def sample_processed(logits: Tensor, temperature: float, top_p: float, top_k: int, opts: LogitOptions,
                      uniforms: Tensor | None = None) -> Tensor:
     """One token per row of processed ``logits [R, V]``: argmax at ``temperature == 0``, else the
-    inverse-CDF sample of :func:`sample_probs` with ``uniforms [R]`` (accept.py). Returns ``[R]`` long."""
+    inverse-CDF sample of :func:`sample_probs` (with the filters of ``opts``: ``min_p``) with
+    ``uniforms [R]`` (accept.py). Returns ``[R]`` long."""
     if temperature == 0:
         return torch.argmax(logits, dim=-1)
-    return sample_rows(sample_probs(logits, temperature, top_p, top_k, min_p), uniforms=uniforms)
+    return sample_rows(sample_probs(logits, temperature, top_p, top_k, opts.min_p), uniforms=uniforms)

@@ -1,19 +1,16 @@
 """The speculative decode loop in batched steps: draft -> one target forward -> walk -> commit.
 
 One loop for every method (docs/design.md, "One engine loop"). A *step* is one forward of the
-target for every
-scheduled request (:class:`ModelRunner` over a slot KV cache); a *round* is one request's
-draft -> verify -> walk -> commit inside a step; prompts are prefilled in chunks that ride along
-with the other requests' rounds. Commit is token by token: EOS, stop token ids and
-``max_tokens`` take effect at the exact token; nothing after (and including) a terminator is
-emitted, counted in usage, or counted in the round statistics. Clock rules: docs/algorithms.md §6.
+target for every request of a :class:`~services.verifier.scheduler.StepPlan` (:class:`ModelRunner`
+over a slot KV cache); a *round* is one request's draft -> verify -> walk -> commit inside a step;
+prompts are prefilled in chunks that ride along with the other requests' rounds. The verifier
+worker makes the plan (``scheduler.make_plan`` over :meth:`SpecEngine.candidates`) and
+:meth:`SpecEngine.step` runs exactly it. Clock rules: docs/algorithms.md §6.
 
-Logprobs (only when a request asks): the raw target distribution, ``log_softmax`` of the logits
-before the logit processors, temperature / top-p / top-k / min_p (vLLM's default), at the row that
-produced each emitted token:
-an accepted draft's parent row on the accepted path, the last accepted row for the bonus token,
-the prompt's last position for the first token (docs/design.md, "Logprobs come from the
-target": never the draft's q or a constant).
+The concerns around the step live beside this file: a request's state and its commit rule
+(``requests.py``), the drafter's outbox and link (``drafts.py``), per-path sampling and logprobs
+(``sampling.py``), prefix placement (``prefix_cache.py``), the plan (``scheduler.py``), the
+policy (``policy.py``).
 """
 
 from __future__ import annotations
@@ -21,214 +18,25 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from math import isfinite
 
 import torch
 
-from services.spec import MAX_BUDGET, METHODS, check_tree_knobs
-from services.protocol import LOGPROB_FLOOR, MAX_TOP_LOGPROBS
-from services.tree import DraftTree, derive_buffers, sample_target_tokens, walk
-from services.tree.accept import position_uniforms
+from services.params import SamplingParams, SpecParams
+from services.spec import MAX_BUDGET
+from services.tree import DraftTree, derive_buffers
 from services.tree.batch import Segment, causal_segment
-from services.tree.grammar import GrammarState, mask_logits
-from services.tree.logit_processors import LogitOptions, path_counts, process_logits, sample_processed, token_counts
+from services.tree.grammar import GrammarState
+from services.verifier import prefix_cache
 from services.verifier.drafter_client import DraftJob, DrafterClient
-from services.verifier.policy import Drafted, FixedPolicy, RoundInfo
-from services.verifier.prefix_cache import Placement, common_prefix
+from services.verifier.drafts import DrafterLink
+from services.verifier.policy import Drafted, FixedPolicy
+from services.verifier.requests import RequestState, RoundOutput, StepStats, commit_prefill, commit_round
 from services.verifier.runner import ModelRunner
-from services.verifier.remote_drafter import DrafterUnavailable
-from services.verifier.scheduler import Candidate, StepPlan, plan_step
+from services.verifier.sampling import (Sampler, TokenLogprobs, compile_grammar, grammar_tokenizer,  # noqa: F401
+                                        token_logprobs)
+from services.verifier.scheduler import Candidate, RoundInfo, StepPlan, make_plan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling. ``temperature == 0`` is greedy.
-
-    Raises:
-        ValueError: one-line reason for an out-of-range field.
-    """
-
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: off; k: each emitted token's raw logprob and its top-k alternatives
-    presence_penalty: float = 0.0    # [-2, 2], over output tokens (logit_processors.py, as every option below)
-    frequency_penalty: float = 0.0   # [-2, 2], times each output token's count
-    repetition_penalty: float = 1.0  # > 0, over prompt + output tokens
-    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias in [-100, 100]
-    min_tokens: int = 0              # EOS / stop ids masked before this many output tokens
-    min_p: float = 0.0               # [0, 1], relative probability floor (T > 0)
-    grammar: str | None = None       # an llguidance grammar the output must match (services/tree/grammar.py)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
-        if not isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (got {self.temperature!r})")
-        if not isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p!r})")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (got {self.top_k!r})")
-        for name in ("temperature", "top_p"):
-            if isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a number (got {getattr(self, name)!r})")
-        lp = self.logprobs
-        if lp is not None and (not isinstance(lp, int) or isinstance(lp, bool) or not 0 <= lp <= MAX_TOP_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None (got {lp!r})")
-        self.stop_token_ids = tuple(self.stop_token_ids)
-        for name, lo, hi in (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not isfinite(v) or not lo <= v <= hi:
-                raise ValueError(f"{name} must be a number in [{lo}, {hi}] (got {v!r})")
-        r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not isfinite(r) or r <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (got {r!r})")
-        m = self.min_tokens
-        if not isinstance(m, int) or isinstance(m, bool) or not 0 <= m <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens] (got {m!r})")
-        self.logit_bias = dict(self.logit_bias)
-        for t, b in self.logit_bias.items():
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                raise ValueError(f"logit_bias keys must be token ids >= 0 (got {t!r})")
-            if isinstance(b, bool) or not isinstance(b, (int, float)) or not isfinite(b) or not -100 <= b <= 100:
-                raise ValueError(f"logit_bias[{t}] must be a number in [-100, 100] (got {b!r})")
-
-
-@dataclass
-class SpecParams:
-    """Speculation knobs of one request (``None`` = the server default)."""
-
-    method: str = "dartree-pruned"
-    budget: int | None = None
-    width: int | None = None
-    depth_bonus: float | None = None
-    candidates: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown speculative method {self.method!r} (choose from {', '.join(METHODS)})")
-        check_tree_knobs(self.budget, self.width, self.depth_bonus, self.candidates)
-
-
-@dataclass
-class TokenLogprobs:
-    """Raw target logprobs of a round's emitted tokens, one row per token (see the module docstring).
-
-    Attributes:
-        logprobs: each emitted token's logprob, clamped to ``[LOGPROB_FLOOR, 0]``.
-        top_ids, top_logprobs: the k most likely tokens of the same row, most likely first.
-    """
-
-    logprobs: list[float]
-    top_ids: list[list[int]]
-    top_logprobs: list[list[float]]
-
-
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], k: int) -> TokenLogprobs:
-    """``log_softmax`` of ``logits [n, V]`` (row i produced ``token_ids[i]``) at the tokens, plus top-k.
-
-    Ties are broken by ascending token id, the way greedy decoding breaks them (``torch.argmax``
-    takes the first maximum): equal logprobs are listed lowest id first, and where more tokens tie
-    at the k-th value than fit, the lowest ids are kept. So at T = 0 a row's first entry is the
-    token plain decoding emits (``torch.topk`` alone leaves both orders unspecified).
-    """
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    lp = torch.nan_to_num(lp, nan=LOGPROB_FLOOR).clamp_(LOGPROB_FLOOR, 0.0)
-    chosen = lp.gather(1, torch.tensor(token_ids, dtype=torch.long, device=lp.device)[:, None])[:, 0]
-    top_ids, top_lps = [], []
-    if k:
-        kth = lp.topk(k, dim=-1).values[:, -1]
-        for row, v in zip(lp, kth):
-            above = (row > v).nonzero()[:, 0]  # ascending ids, fewer than k
-            ids = torch.cat([above, (row == v).nonzero()[:, 0][:k - above.numel()]]).sort().values
-            vals = row[ids]
-            order = vals.argsort(descending=True, stable=True)  # by value, ties by ascending id
-            top_ids.append(ids[order].cpu().tolist())
-            top_lps.append(vals[order].cpu().tolist())
-    else:
-        top_ids = top_lps = [[] for _ in token_ids]
-    return TokenLogprobs(chosen.cpu().tolist(), top_ids, top_lps)
-
-
-@dataclass
-class RoundOutput:
-    """What one ``step`` emitted.
-
-    Attributes:
-        token_ids: emitted tokens (accepted drafts + bonus), cut before any terminator / at max_tokens.
-        finish_reason: None while running, "stop" (EOS or stop id) or "length".
-        stop_token_id: with ``finish_reason`` "stop", the entry of ``stop_token_ids`` that ended the
-            request (excluded from ``token_ids``); None for EOS, a grammar's end, or another finish.
-        num_draft_tokens: draft nodes verified this round (0 for prefill and AR rounds).
-        accept_length: accepted draft tokens among ``token_ids`` (bonus excluded).
-        accepted_per_depth: ``[1] * accept_length`` (depth d accepted), for per-depth counters.
-        timings: seconds per phase: draft, tree_build, verify, commit, total.
-        prefill_seconds: > 0 only for the prefill step (which emits the first token).
-        is_prefill: this step ran the prompt and emitted the first token (not a speculative round).
-        logprobs: one row per ``token_ids`` entry when the request asked for logprobs, else None.
-        grammar_masked: draft nodes the request's grammar forbade (never accepted; 0 without a grammar).
-        drafted: the round called the drafter (False for plain rounds the policy chose, ``ar``, prefill).
-        predicted_tau: the policy's expected emitted tokens of the verified tree (None: no prediction).
-        cached_tokens: with ``is_prefill``, the prompt tokens that were not prefilled (reused in place
-            or copied from another slot; :mod:`services.verifier.prefix_cache`).
-    """
-
-    token_ids: list[int]
-    finish_reason: str | None
-    num_draft_tokens: int = 0
-    accept_length: int = 0
-    accepted_per_depth: list[int] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=dict)
-    prefill_seconds: float = 0.0
-    is_prefill: bool = False
-    logprobs: TokenLogprobs | None = None
-    drafted: bool = False
-    predicted_tau: float | None = None
-    grammar_masked: int = 0
-    cached_tokens: int = 0
-    stop_token_id: int | None = None
-
-
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    spec: SpecParams
-    slot: int = -1
-    prefilled: int = 0                 # prompt tokens already in the slot (chunked prefill)
-    start: int = 0                     # committed length (the root sits at this position)
-    root: int = -1
-    ctx_ids: list[int] = field(default_factory=list)   # committed since the last draft (for the drafter)
-    ctx_feats: torch.Tensor | None = None              # [len(ctx_ids) - owed rows, F]
-    owed_feats: list[torch.Tensor] = field(default_factory=list)  # rows of plain rounds, concatenated at the next draft
-    chunk_feats: list[torch.Tensor] = field(default_factory=list)
-    hist_ids: list[int] = field(default_factory=list)  # ids of the committed positions (from the prompt on)
-    hist_feats: list[torch.Tensor] = field(default_factory=list)  # their features (kept only with a drafter)
-    pending: object = None             # a submitted draft for the next round (overlap), or None
-    skip_round: bool = False           # the policy chose a plain round (decided before the batched draft)
-    resync: bool = False               # the drafter lost this request's context: next draft sends the history
-    prefill_seconds: float = 0.0
-    generated: int = 0
-    sample_seed: int = 0               # T > 0: the token at position t is drawn with position_uniforms(sample_seed, t)
-    logit_opts: LogitOptions | None = None  # None: the raw logits are sampled (no processor is on)
-    out_counts: torch.Tensor | None = None  # [V] float, emitted tokens (with a penalty on)
-    prompt_mask: torch.Tensor | None = None  # [V] bool, prompt tokens (with repetition_penalty)
-    grammar: GrammarState | None = None     # the output's grammar, at the emitted tokens
-    grammar_masked: int = 0                 # draft nodes the grammar forbade in the last round
-    wait_for: str | None = None             # the request whose prefill this one waits for (prefix sharing)
-    wait_len: int = 0                       # ... until it has committed this many shared prompt positions
-    cached: int = 0                         # prompt positions not prefilled (reused in place or copied)
-    stop_token_id: int | None = None        # the stop id (not EOS) that ended the request
-
-    @property
-    def decoding(self) -> bool:
-        return self.prefilled >= len(self.prompt_ids)
 
 
 @dataclass(frozen=True)
@@ -274,56 +82,32 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """What the last :meth:`SpecEngine.step_batch` ran (for metrics and the benchmarks).
-
-    Attributes:
-        requests: requests in the step; rows: rows of its forward; prefill_tokens: prompt-chunk rows;
-        forward_seconds: the target forward; draft_seconds: the drafter's own compute for this step's
-        trees (draft + tree build, wherever it ran); draft_wait_seconds: how long this step waited for
-        them (with overlap, less than draft_seconds: the rest was hidden behind other forwards);
-        decoding: requests running a decode round (not a prompt chunk); drafting: those that called
-        the drafter; speculating: those that verified >= 1 draft node; wall_seconds: the whole step
-        (draft, forward, walk, commit); predicted_seconds: the policy's prediction of wall_seconds
-        (None for the fixed policy); draft_owed: context tokens the drafting requests' drafters had
-        not seen before this step's drafts (their catch-up).
-    """
-
-    requests: int = 0
-    rows: int = 0
-    prefill_tokens: int = 0
-    forward_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    draft_wait_seconds: float = 0.0
-    decoding: int = 0
-    drafting: int = 0
-    speculating: int = 0
-    wall_seconds: float = 0.0
-    predicted_seconds: float | None = None
-    draft_owed: int = 0
-
-
 @dataclass
 class _Planned:
     """One request's part of a step (engine-internal)."""
 
     rid: str
-    req: _Request
+    req: RequestState
     segment: Segment
     buffers: object = None             # VerifyBuffers of a decode round; None for a prompt chunk
     tree: DraftTree | None = None
     timings: dict = field(default_factory=dict)
     final_chunk: bool = False
     drafted: bool = False              # the drafter was called (or its overlapped draft collected)
-    skipped: bool = False              # the policy chose a plain round for a drafting method
+    skipped: bool = False              # the plan gave a drafting method a plain round
     predicted_tau: float | None = None
+
+
+def round_info(rid: str, req: RequestState, can_draft: bool, owed: int) -> RoundInfo:
+    """A decoding request as the policy sees it."""
+    return RoundInfo(rid, req.method, req.sampling.temperature, can_draft=can_draft,
+                     explicit_budget=req.spec.budget is not None, owed=owed, remaining=req.remaining)
 
 
 class SpecEngine:
     """Runs requests in batched steps over a :class:`TargetModel` and a :class:`DrafterClient`.
 
-    A *step* is one target forward (:class:`ModelRunner`) holding every scheduled request's rows: a
+    A *step* is one target forward (:class:`ModelRunner`) holding every planned request's rows: a
     *round* (draft -> verify -> walk -> commit) for each decoding request and a prompt chunk for each
     request being prefilled. A request's tokens never depend on who else is in the step.
 
@@ -363,10 +147,15 @@ class SpecEngine:
             target, config.max_running, self.kv_positions(target, config), config.kv_bucket, compile=config.compile,
             cuda_graphs=config.cuda_graphs)
         self.runner.cache.prefix.enabled = bool(config.prefix_cache)
-        self._reqs: dict[str, _Request] = {}
+        self._reqs: dict[str, RequestState] = {}
         self.last_step = StepStats()
-        self.drafter_up = drafter is not None  # drafts may be requested (see set_drafter_up)
-        self._forget_contexts = False  # the drafter went down: release every request's context
+        self.drafts = DrafterLink(drafter, self.draft_depth)
+        self._next_jobs: list[tuple[RequestState, DraftJob]] = []
+
+    @property
+    def drafter_up(self) -> bool:
+        """Whether drafts may be requested (:meth:`set_drafter_up`)."""
+        return self.drafts.up
 
     def set_drafter_up(self, up: bool) -> None:
         """Say whether the drafter is reachable (the verifier worker calls this from its drafter
@@ -378,12 +167,7 @@ class SpecEngine:
         failure never fails a request"). Going down also releases every running request's drafter
         context (at the next step, on the compute thread): a draining drafter then need not wait
         for requests that no longer draft."""
-        up = bool(up) and self.drafter is not None
-        if self.drafter_up and not up:
-            self._forget_contexts = True  # on the compute thread, at the next step (the client is its own)
-        elif up and not self.drafter_up:
-            log.info("drafter is back: speculative decoding resumes")
-        self.drafter_up = up
+        self.drafts.set_up(up)
 
     @staticmethod
     def kv_positions(target, config: EngineConfig) -> int:
@@ -412,11 +196,14 @@ class SpecEngine:
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
                     spec: SpecParams) -> None:
         """Admit a request and give it a KV slot (prefill happens over its first steps). With the
-        prefix cache only the part of the prompt no slot holds yet is prefilled (:meth:`_place`).
+        prefix cache only the part of the prompt no slot holds yet is prefilled
+        (:func:`services.verifier.prefix_cache.place`).
 
         Raises:
-            ValueError: empty prompt, ids outside the vocabulary, prompt + max_tokens beyond the
-                context window, a drafting method without a drafter, a duplicate id, or no free slot.
+            ValueError: empty prompt, ids outside the vocabulary, a parameter out of range
+                (:class:`~services.params.ParamError` from their ``check()``), prompt + max_tokens
+                beyond the context window, a drafting method without a drafter, a duplicate id, or
+                no free slot.
         """
         if request_id in self._reqs:
             raise ValueError(f"request id {request_id!r} is already active")
@@ -424,154 +211,32 @@ class SpecEngine:
             raise ValueError("the prompt is empty")
         if any((not isinstance(t, int)) or t < 0 or t >= self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        sampling.check(self.vocab_size)
+        spec.check()
+        method = spec.method_or()
         if len(prompt_ids) + sampling.max_tokens > self.max_context:
             raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
                              f"context window of {self.max_context} tokens")
-        if spec.method != "ar" and self.drafter is None:
-            raise ValueError(f"method {spec.method!r} needs a drafter; this server runs without one")
-        bad = [t for t in sampling.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if method.drafts and self.drafter is None:
+            raise ValueError(f"method {method.value!r} needs a drafter; this server runs without one")
         if self.runner.cache.num_free() == 0:
             raise ValueError(f"all {self.config.max_running} KV slots are in use (max_running)")
         grammar = None if sampling.grammar is None else self.compile_grammar(sampling.grammar)
-        seed = sampling.seed  # unseeded T > 0: a seed from torch's global RNG (torch.manual_seed fixes it)
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item()) if sampling.temperature > 0 else 0
-        req = _Request(list(prompt_ids), sampling, spec, sample_seed=seed)
-        self._place(request_id, req)
-        req.grammar = grammar
-        self._set_logit_opts(req)
+        sampler = Sampler(sampling, prompt_ids, self.vocab_size, self.eos_token_ids, grammar)
+        req = RequestState(list(prompt_ids), sampling, spec, method, sampler)
+        prefix_cache.place(self.runner.cache, self._reqs, request_id, req, self.drafter is not None)
         self._reqs[request_id] = req
 
-    # ------------------------------------------------------------------ prefix sharing (prefix_cache.py)
-
-    def _place(self, rid: str, req: _Request) -> None:
-        """Give a new request its slot and the prompt positions it need not prefill: a cached
-        prefix reused in place, or the leading columns another slot has committed copied into its
-        own slot (:meth:`PrefixCache.plan`); or, when a request still prefilling shares at least
-        ``min_copy`` positions more, wait for that prefill (:meth:`_resolve_waits`). With a drafter
-        the reused positions' target features come along, so the drafter's context is rebuilt from
-        exactly the rows a cold prefill would produce."""
-        cache = self.runner.cache
-        pc, need = cache.prefix, self.drafter is not None
-        plan = pc.plan(cache.free_slots(), req.prompt_ids, need, self._committed(rid) if pc.enabled else None)
-        lead, lead_len = self._leader(rid, req.prompt_ids) if pc.enabled else (None, 0)
-        if lead is not None and lead_len >= max(plan.reused, plan.copied) + pc.min_copy:
-            plan = Placement(pc.victim(cache.free_slots()))
-            req.wait_for, req.wait_len = lead, lead_len
-            pc.stats.waits += 1
-        req.slot = plan.slot
-        req.prefilled, feats = cache.take(plan)
-        req.cached = req.prefilled
-        if need and plan.copied and feats is None:
-            feats = self._committed_feats(plan.source, plan.copied)
-        if req.prefilled and feats is not None:
-            req.chunk_feats.append(feats)
-
-    def _committed(self, exclude: str) -> dict[int, list[int]]:
-        """``{slot: ids}`` of every other running request's committed positions (copy sources)."""
-        out = {}
-        for rid, r in self._reqs.items():
-            ids = r.hist_ids if r.decoding else r.prompt_ids[:r.prefilled]
-            if rid != exclude and r.wait_for is None and ids:
-                out[r.slot] = ids
-        return out
-
-    def _committed_feats(self, slot: int, n: int) -> torch.Tensor:
-        """``[n, F]`` target features of the first ``n`` committed positions of the running request
-        in ``slot`` (a copy, never a view of its step's features)."""
-        req = next(r for r in self._reqs.values() if r.slot == slot and r.wait_for is None)
-        parts, have = [], 0
-        for f in (req.hist_feats if req.decoding else req.chunk_feats):
-            if have >= n:
-                break
-            parts.append(f[:n - have])
-            have += parts[-1].shape[0]
-        return torch.cat(parts)
-
-    def _leader(self, rid: str, prompt: list[int]) -> tuple[str | None, int]:
-        """``(request id, n)``: the other request still prefilling (and not waiting itself) whose
-        prompt shares the most leading positions with ``prompt``, ``n`` capped at ``len(prompt) - 1``."""
-        best, best_len = None, 0
-        for other, r in self._reqs.items():
-            if other != rid and not r.decoding and r.wait_for is None:
-                n = min(common_prefix(r.prompt_ids, prompt), len(prompt) - 1)
-                if n > best_len:
-                    best, best_len = other, n
-        return best, best_len
-
-    def _resolve_waits(self, force: frozenset[str] = frozenset()) -> None:
-        """Start every waiting request whose leader has committed the shared positions, finished,
-        or left (abort, error: the waiting request then takes whatever another slot has committed,
-        waits for another request prefilling the prompt, or prefills it itself; nothing an aborted
-        request wrote is read). A request in ``force`` starts now, from what is committed."""
-        cache = self.runner.cache
-        pc, need = cache.prefix, self.drafter is not None
-        for rid, req in list(self._reqs.items()):
-            if req.wait_for is None:
-                continue
-            lead = self._reqs.get(req.wait_for)
-            if rid not in force and lead is not None and not lead.decoding and lead.prefilled < req.wait_len:
-                continue
-            req.wait_for = None
-            sources = {**pc.copy_sources(cache.free_slots(), need), **self._committed(rid)}
-            src, n = pc.longest(req.prompt_ids, sources)
-            lead, lead_len = self._leader(rid, req.prompt_ids) if rid not in force else (None, 0)
-            if lead is not None and lead_len >= n + pc.min_copy:
-                req.wait_for, req.wait_len = lead, lead_len
-            elif n >= pc.min_copy:
-                feats = cache.copy_prefix(src, req.slot, n)
-                req.prefilled = req.cached = n
-                if need:
-                    req.chunk_feats = [feats if feats is not None else self._committed_feats(src, n)]
-
     def compile_grammar(self, grammar: str) -> GrammarState:
-        """A request's :class:`GrammarState` for an llguidance ``grammar`` (a JSON schema's, from
-        ``llguidance.LLMatcher.grammar_from_json_schema``; docs/serving.md "Structured output").
+        """A request's :class:`GrammarState` for an llguidance ``grammar`` (:func:`compile_grammar`
+        with the grammar tokenizer given, else built once from the target's directory).
 
         Raises:
-            ValueError: the grammar does not compile, or the engine has no grammar tokenizer.
-        """
-        import llguidance
-
-        tok = self.grammar_tokenizer()
-        return GrammarState(llguidance.LLMatcher(tok, grammar, log_level=0), self.vocab_size, tok.vocab_size)
-
-    def grammar_tokenizer(self):
-        """The ``llguidance.LLTokenizer`` of grammar requests: the one given, else built once (about
-        0.4 s for a 49k vocabulary) from the target directory's ``tokenizer.json``, EOS = the target's
-        first EOS id.
-
-        Raises:
-            ValueError: none was given and the target's directory has no ``tokenizer.json`` or no EOS.
+            ValueError: the grammar does not compile, or the target has no grammar tokenizer.
         """
         if self._grammar_tokenizer is None:
-            from pathlib import Path
-
-            import llguidance
-
-            path = Path(getattr(getattr(self.target, "config", None), "_name_or_path", "") or ".") / "tokenizer.json"
-            if not path.is_file() or not self.eos_token_ids:
-                raise ValueError("this server cannot constrain output to a grammar: the target has no "
-                                 "tokenizer.json or no EOS token")
-            self._grammar_tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=self.vocab_size,
-                                                             eos_token=self.eos_token_ids[0])
-        return self._grammar_tokenizer
-
-    def _set_logit_opts(self, req: _Request) -> None:
-        """The request's :class:`LogitOptions` and count tensors (left None when nothing is on)."""
-        s = req.sampling
-        terminators = tuple(dict.fromkeys((() if s.ignore_eos else tuple(self.eos_token_ids)) + s.stop_token_ids))
-        opts = LogitOptions(float(s.presence_penalty), float(s.frequency_penalty), float(s.repetition_penalty),
-                            tuple((int(t), float(b)) for t, b in s.logit_bias.items()), s.min_tokens, terminators,
-                            float(s.min_p))
-        if not (opts.changes_logits or opts.min_p > 0):
-            return
-        req.logit_opts = opts
-        if opts.needs_counts:
-            req.out_counts = token_counts([], self.vocab_size)
-            req.prompt_mask = token_counts(req.prompt_ids, self.vocab_size) > 0
+            self._grammar_tokenizer = grammar_tokenizer(self.target, self.vocab_size, self.eos_token_ids)
+        return compile_grammar(self._grammar_tokenizer, grammar, self.vocab_size)
 
     def abort(self, request_id: str) -> None:
         """Free a request's KV slot and drafter context (idempotent); the slot caches nothing."""
@@ -587,148 +252,164 @@ class SpecEngine:
         if keep and req.decoding and req.hist_ids:
             tokens = req.hist_ids
             if self.drafter is not None:
-                feats = torch.cat(req.hist_feats)  # a copy: never a view pinning a whole step's features
+                feats = torch.cat(req.drafts.hist_feats)  # a copy: never a view pinning a whole step's features
         self.runner.cache.free(req.slot, tokens, feats)
         self.policy.release(request_id)
-        if req.pending is not None and not isinstance(req.pending, BaseException):
-            self.drafter.discard(req.pending)
-        if self.drafter is not None and req.spec.method != "ar" and req.decoding:
-            self.drafter.release(request_id)
+        self.drafts.release(request_id, req)
 
-    def step(self, request_id: str) -> RoundOutput:
-        """Run one request alone until it emits (its first call prefills, in chunks, and emits the
-        first token; later calls run one round).
+    def draft_depth(self, start: int) -> int:
+        """Deepest draft allowed for a root at position ``start``: the positions left after the root
+        in the target's context and below the drafter's position limit, capped at ``max_draft_depth``
+        (<= 0: a plain round)."""
+        room = self.max_context - start - 1
+        if self.drafter_max_position:
+            room = min(room, self.drafter_max_position - start - 1)
+        return min(room, self.max_draft_depth)
+
+    # ------------------------------------------------------------------------------------- a step
+
+    def candidates(self, request_ids: list[str], alone: bool = False) -> list[Candidate]:
+        """The requests of ``request_ids`` (priority order; repeats ignored) that may run in the next
+        step, as the planner sees them (``scheduler.make_plan``): slot, prompt progress, whether a
+        decode round may draft, its drafter's owed context, a draft already in flight.
+
+        Before that, on this (the compute) thread: a drafter that went down has every request's
+        drafter context released, and waiting requests whose leader has committed the shared
+        prompt start (prefix sharing); a request still waiting is left out. ``alone``: the
+        requests run without the others (:meth:`generate`): a waiting one starts now from what is
+        committed.
 
         Raises:
-            KeyError: unknown request id; whatever its round raised (the request is then freed).
+            KeyError: unknown request id.
         """
-        self._resolve_waits(force=frozenset([request_id]))  # alone: no other request's prefill to wait for
-        while True:
-            out = self.step_batch([request_id])[request_id]
-            if isinstance(out, BaseException):
-                raise out
-            if out is not None:
-                return out
+        if self.drafts.forget_contexts and not self.drafts.up:
+            self.drafts.forget_contexts = False
+            self.drafts.release_all(self._reqs)
+        force = frozenset(request_ids) if alone else frozenset()
+        prefix_cache.resolve_waits(self.runner.cache, self._reqs, self.drafter is not None, force)
+        out = []
+        for rid in dict.fromkeys(request_ids):
+            req = self._reqs[rid]
+            if req.wait_for is not None:
+                continue
+            can, owed = self.drafts.can_draft(req), len(req.drafts.ctx_ids)
+            out.append(Candidate(rid, req.slot, len(req.prompt_ids), req.prefilled, can, owed,
+                                 info=round_info(rid, req, can, owed) if req.decoding else None, spec=req.spec,
+                                 depth=self.draft_depth(req.start), tree=req.method.is_tree,
+                                 in_flight=req.drafts.pending_knobs if req.drafts.pending is not None else None))
+        return out
 
-    def step_batch(self, request_ids: list[str]) -> dict[str, RoundOutput | BaseException | None]:
-        """One step: plan (:meth:`plan_step`), draft for the decoding requests, one target forward
-        for every scheduled row, then walk / commit / emit per request.
+    def plan(self, request_ids: list[str], alone: bool = False) -> StepPlan:
+        """The plan of a step over ``request_ids`` with this engine's policy and limits
+        (``scheduler.make_plan`` over :meth:`candidates`): what the verifier worker does itself.
 
-        Requests are taken in the plan's order while the step has rows left (``max_step_tokens``;
-        the first always runs): decoding requests' verify rows first, then prompt chunks of
-        requests being prefilled (``prefill_chunk`` each at most). A request waiting for another's
-        prefill (prefix sharing: :meth:`_place`) sits steps out until that prefill has committed
-        the prompt positions they share; then the positions are copied into its slot and it
-        prefills the rest.
+        Raises:
+            KeyError: unknown request id.
+        """
+        return make_plan(self.candidates(request_ids, alone), self.policy, self.config.max_step_tokens,
+                         self.config.prefill_chunk, len(self._reqs))
 
-        Args:
-            request_ids: candidates in priority order (each at most once).
+    def step_batch(self, request_ids: list[str], alone: bool = False) -> dict[str, RoundOutput | BaseException | None]:
+        """:meth:`step` of :meth:`plan` (tools, tests and benchmarks that do not plan themselves)."""
+        return self.step(self.plan(request_ids, alone))
+
+    def step(self, plan: StepPlan) -> dict[str, RoundOutput | BaseException | None]:
+        """Run ``plan``: draft for its decode rounds (one drafter call, with each entry's knobs; an
+        entry without knobs is a plain round), one target forward for every entry's rows, then walk /
+        commit / emit per request. Prompt chunks are exactly the plan's.
 
         Returns:
             For each request that ran: its :class:`RoundOutput`, ``None`` for a prompt chunk that
             emitted nothing yet, or the exception its round raised (that request is freed; the
-            others are unaffected). Requests left out of the step (or waiting) are absent.
+            others are unaffected).
         Raises:
-            KeyError: unknown request id. An error of the shared forward itself propagates (every
-            request of the step is freed).
+            KeyError: a request of the plan is not running. An error of the shared forward itself
+            propagates (every request of the step is freed).
         """
         t_step = time.perf_counter()
-        if self._forget_contexts and not self.drafter_up:
-            self._forget_contexts = False
-            self._release_drafter_contexts()
-        self._resolve_waits()
-        plan = self.plan_step([r for r in request_ids if self._reqs[r].wait_for is None])
         reqs = {e.rid: self._reqs[e.rid] for e in plan.entries}
-        infos = {e.rid: RoundInfo(e.rid, reqs[e.rid].spec.method, reqs[e.rid].sampling.temperature,
-                                  can_draft=e.can_draft, explicit_budget=reqs[e.rid].spec.budget is not None,
-                                  owed=e.owed, remaining=reqs[e.rid].sampling.max_tokens - reqs[e.rid].generated)
-                 for e in plan.decodes}
-        self.policy.begin_step(list(infos.values()), extra_rows=plan.chunk_rows, num_running=len(self._reqs))
+        infos = {e.rid: round_info(e.rid, reqs[e.rid], e.can_draft, e.owed) for e in plan.decodes}
         results: dict[str, RoundOutput | BaseException | None] = {}
         t_sub = time.perf_counter()
         self._submit_drafts(plan, reqs)
         submit_wait = time.perf_counter() - t_sub  # an in-process drafter drafts right here
         items = self._decode_rounds(plan, reqs, infos, results)
-        items += self._prompt_chunks(plan, reqs, items)
-        if not items:  # every request waited (prefix sharing) or failed its draft: an empty step
+        items += self._prompt_chunks(plan, reqs)
+        if not items:  # every round failed its draft: an empty step
             self.last_step = StepStats()
             return results
         self._execute(items, results)
-        self._resolve_waits()  # copy a just-committed prefix now: a later admission may take its slot
-        draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in items)
-        wait_s = submit_wait + sum(p.timings.get("draft_wait", 0.0) for p in items)
-        self.last_step = StepStats(len(items), sum(p.segment.num_rows for p in items),
-                                   sum(p.segment.num_rows for p in items if p.buffers is None),
-                                   items[0].timings["verify"], draft_s, wait_s,
-                                   decoding=sum(1 for p in items if p.buffers is not None),
-                                   drafting=sum(1 for p in items if p.drafted),
-                                   draft_owed=sum(infos[p.rid].owed for p in items if p.drafted),
-                                   speculating=sum(1 for p in items if p.tree is not None and p.tree.num_nodes),
-                                   wall_seconds=time.perf_counter() - t_step,
-                                   predicted_seconds=self.policy.predicted_step_seconds())
+        prefix_cache.resolve_waits(self.runner.cache, self._reqs, self.drafter is not None)  # before an admission
+        self.last_step = self._stats(items, infos, submit_wait, time.perf_counter() - t_step)
         self.policy.observe_step(self.last_step)
         return results
 
-    def _submit_drafts(self, plan: StepPlan, reqs: dict[str, _Request]) -> None:
-        """Every decode round's draft that is not already in flight, as ONE drafter call (a request
-        the policy gives a plain round is marked to skip its drafter call)."""
-        pairs = []
+    def _stats(self, items: list[_Planned], infos: dict[str, RoundInfo], submit_wait: float,
+               wall: float) -> StepStats:
+        """The step's :class:`StepStats` (``submit_wait``: the drafter submission; ``wall``: the step)."""
+        draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in items)
+        wait_s = submit_wait + sum(p.timings.get("draft_wait", 0.0) for p in items)
+        return StepStats(len(items), sum(p.segment.num_rows for p in items),
+                         sum(p.segment.num_rows for p in items if p.buffers is None),
+                         items[0].timings["verify"], draft_s, wait_s,
+                         decoding=sum(1 for p in items if p.buffers is not None),
+                         drafting=sum(1 for p in items if p.drafted),
+                         draft_owed=sum(infos[p.rid].owed for p in items if p.drafted),
+                         speculating=sum(1 for p in items if p.tree is not None and p.tree.num_nodes),
+                         wall_seconds=wall, predicted_seconds=self.policy.predicted_step_seconds())
+
+    def _submit_drafts(self, plan: StepPlan, reqs: dict[str, RequestState]) -> None:
+        """Every decode round's draft that is not already in flight, with the plan's knobs, as ONE
+        drafter call (a drafting round the plan gave no knobs is marked a plain round)."""
+        jobs = []
         for e in plan.decodes:
             req = reqs[e.rid]
-            if req.pending is None and e.can_draft:
-                job = self._draft_job(e.rid, req)
-                if job is None:
-                    req.skip_round = True  # the policy chose a plain round: no drafter call
-                else:
-                    pairs.append((req, job))
-        self._submit(pairs)
+            if req.drafts.pending is not None:
+                continue
+            if e.knobs is not None:
+                jobs.append((req, self.drafts.job(e.rid, req, e.knobs)))
+            elif e.can_draft:
+                req.drafts.skip_round = True  # the policy chose a plain round: no drafter call
+        self.drafts.submit(jobs)
 
-    def _decode_rounds(self, plan: StepPlan, reqs: dict[str, _Request], infos: dict[str, RoundInfo],
+    def _decode_rounds(self, plan: StepPlan, reqs: dict[str, RequestState], infos: dict[str, RoundInfo],
                        results: dict) -> list[_Planned]:
-        """The decode rounds that fit (``nodes + 1`` rows each while rows are left; the first always
-        runs) with their trees collected, cut by the policy and laid out as verify segments. A round
-        whose draft failed is freed and its error put in ``results``."""
+        """The plan's decode rounds with their trees collected, cut by the policy and laid out as
+        verify segments. A round whose draft failed is freed and its error put in ``results``."""
         items: list[_Planned] = []
-        left = plan.max_step_tokens
         for e in plan.decodes:
-            if left > 0 or not items:
-                try:
-                    item = self._plan_round(e.rid, reqs[e.rid])
-                except Exception as exc:
-                    self.abort(e.rid)
-                    results[e.rid] = exc
-                    continue
-                items.append(item)
-                left -= item.tree.num_nodes + 1
+            try:
+                tree, timings, drafted, skipped = self.drafts.collect(reqs[e.rid], self._reqs)
+            except Exception as exc:
+                self.abort(e.rid)
+                results[e.rid] = exc
+                continue
+            items.append(_Planned(e.rid, reqs[e.rid], None, tree=tree, timings=timings, drafted=drafted,
+                                  skipped=skipped))
         if items:  # the policy cuts each tree to its budget (prefix-closed), then the rows are laid out
             chosen = self.policy.select([Drafted(infos[p.rid], p.tree, p.drafted) for p in items])
             for p in items:
                 sel = chosen[p.rid]
                 p.tree, p.predicted_tau = sel.tree, sel.predicted_tau
-                p.buffers = derive_buffers(p.tree, p.req.root)
-                b = p.buffers
+                p.buffers = b = derive_buffers(p.tree, p.req.root)
                 p.segment = Segment(b.input_ids, b.position_offsets, b.tree_mask, p.req.start, p.req.slot,
                                     b.parent_rows)
         return items
 
-    def _prompt_chunks(self, plan: StepPlan, reqs: dict[str, _Request], rounds: list[_Planned]) -> list[_Planned]:
-        """The prompt chunks, each shrunk to the rows the decode ``rounds`` left (at least one row
-        each while any are left; the first entry of a step always runs)."""
-        items: list[_Planned] = []
-        left = plan.max_step_tokens - sum(p.segment.num_rows for p in rounds)
+    @staticmethod
+    def _prompt_chunks(plan: StepPlan, reqs: dict[str, RequestState]) -> list[_Planned]:
+        """The plan's prompt chunks as causal segments."""
+        items = []
         for e in plan.chunks:
-            if left > 0 or not (rounds or items):
-                req, (first, most) = reqs[e.rid], e.chunk
-                n = min(most, max(left, 1))
-                items.append(_Planned(e.rid, req, causal_segment(req.prompt_ids[first:first + n], first, e.slot),
-                                      final_chunk=first + n == len(req.prompt_ids)))
-                left -= n
+            req, (first, n) = reqs[e.rid], e.chunk
+            items.append(_Planned(e.rid, req, causal_segment(req.prompt_ids[first:first + n], first, e.slot),
+                                  final_chunk=first + n == len(req.prompt_ids)))
         return items
 
     def _execute(self, items: list[_Planned], results: dict) -> None:
         """The step's one forward, then walk / commit / emit per request into ``results`` (a finished
         or failed request is freed), then the overlapped next drafts as one submission."""
-        self._next_jobs: list[tuple[_Request, DraftJob]] = []
+        self._next_jobs = []
         out = self._forward(items)
         for item, (logits, feats) in zip(items, out):
             try:
@@ -739,23 +420,7 @@ class SpecEngine:
                 continue
             if isinstance(results[item.rid], RoundOutput) and results[item.rid].finish_reason is not None:
                 self._release(item.rid, keep=True)
-        self._submit(self._next_jobs)
-
-    def plan_step(self, request_ids: list[str]) -> StepPlan:
-        """The :class:`StepPlan` of a step over ``request_ids`` (priority order; repeats ignored):
-        each request's slot, prompt progress, whether a decode round may draft, and its drafter's
-        owed context (:func:`services.verifier.scheduler.plan_step`).
-
-        Raises:
-            KeyError: unknown request id.
-        """
-        cands = []
-        for rid in dict.fromkeys(request_ids):
-            req = self._reqs[rid]
-            can_draft = req.decoding and req.spec.method != "ar" and self.drafter_up \
-                and self.draft_depth(req.start) > 0
-            cands.append(Candidate(rid, req.slot, len(req.prompt_ids), req.prefilled, can_draft, len(req.ctx_ids)))
-        return plan_step(cands, self.config.max_step_tokens, self.config.prefill_chunk)
+        self.drafts.submit(self._next_jobs)
 
     def _forward(self, plan: list[_Planned]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The step's one target forward: ``(logits [rows needing logits, V], features [R_i, F])`` per item."""
@@ -778,181 +443,13 @@ class SpecEngine:
             p.timings["verify"] = step.seconds
         return [(step.logits[s:e], step.features[a:b]) for (s, e), a, b in zip(spans, cu[:-1], cu[1:])]
 
-    @staticmethod
-    def _sample(req: _Request, logits: torch.Tensor, positions: torch.Tensor, buffers=None) -> torch.Tensor:
-        """One token per row of ``logits [R, V]``; row i predicts the token at absolute position
-        ``positions[i]`` (``[R]`` long) and, at T > 0, draws it with that position's uniform, so a
-        seeded request's tokens do not depend on how many rows a round verifies (accept.py).
-
-        With logit processors on, each row's logits are processed as if its path had been emitted
-        token by token (``buffers``: the round's verify buffers; None for the prompt's last row). A
-        grammar masks each row first, at its own path's state (services/tree/grammar.py).
-        """
-        s = req.sampling
-        u = None if s.temperature == 0 else position_uniforms(req.sample_seed, positions)
-        if req.grammar is not None:
-            if buffers is None:
-                allowed, req.grammar_masked = req.grammar.current_mask(), 0
-            else:
-                allowed, req.grammar_masked = req.grammar.tree_masks(buffers.input_ids, buffers.parent_rows)
-            logits = mask_logits(logits, allowed)
-        opts = req.logit_opts
-        if opts is None:
-            return sample_target_tokens(logits, s.temperature, s.top_p, s.top_k, uniforms=u)
-        counts = None
-        if opts.needs_counts:
-            if req.out_counts.device != logits.device:  # once: the counts live with the logits
-                req.out_counts, req.prompt_mask = req.out_counts.to(logits.device), req.prompt_mask.to(logits.device)
-            counts = (req.out_counts[None, :] if buffers is None
-                      else path_counts(req.out_counts, buffers.input_ids, buffers.tree_mask))
-        out_index = positions - len(req.prompt_ids)
-        x = process_logits(logits, opts, counts, None if req.prompt_mask is None else req.prompt_mask, out_index)
-        return sample_processed(x, s.temperature, s.top_p, s.top_k, opts.min_p, uniforms=u)
-
-    @staticmethod
-    def _count(req: _Request, ids: list[int]) -> None:
-        """Add emitted ``ids`` to the request's output counts (a penalty is on)."""
-        if req.out_counts is not None and ids:
-            req.out_counts += token_counts(ids, req.out_counts.shape[0], device=req.out_counts.device)
-
-    def _emit(self, req: _Request, tokens: list[int]) -> tuple[list[int], str | None]:
-        """Commit semantics: cut at the first terminator (excluded) or when max_tokens is reached.
-        With a grammar, EOS always ends the request and so does the grammar's last token (included).
-        A stop id that is not an EOS the request stops on is kept in ``req.stop_token_id``."""
-        s = req.sampling
-        out: list[int] = []
-        for tok in tokens:
-            eos = tok in self.eos_token_ids and (not s.ignore_eos or req.grammar is not None)
-            if eos or tok in s.stop_token_ids:
-                req.stop_token_id = None if eos else tok
-                return out, "stop"
-            out.append(tok)
-            req.generated += 1
-            if req.grammar is not None:
-                req.grammar.advance(tok)
-                if req.grammar.finished:
-                    return out, "stop"
-            if req.generated >= s.max_tokens:
-                return out, "length"
-        return out, None
-
-    @staticmethod
-    def _logprobs(req: _Request, logits: torch.Tensor, rows: torch.Tensor, ids: list[int]) -> TokenLogprobs | None:
-        """Logprobs of the emitted ``ids``; ``ids[i]`` came from ``logits[rows[i]]`` (None unless asked)."""
-        k = req.sampling.logprobs
-        return None if k is None else token_logprobs(logits[rows[:len(ids)].to(logits.device)], ids, k)
-
-    def draft_depth(self, start: int) -> int:
-        """Deepest draft allowed for a root at position ``start``: the positions left after the root
-        in the target's context and below the drafter's position limit, capped at ``max_draft_depth``
-        (<= 0: a plain round)."""
-        room = self.max_context - start - 1
-        if self.drafter_max_position:
-            room = min(room, self.drafter_max_position - start - 1)
-        return min(room, self.max_draft_depth)
-
-    def _plan_round(self, rid: str, req: _Request) -> _Planned:
-        """Collect the request's submitted draft (none: ``ar``, no room, or the policy chose a plain
-        round: an empty tree); the verify rows are laid out by ``step_batch`` once the policy has
-        cut the tree."""
-        t0 = time.perf_counter()
-        timings: dict[str, float] = {}
-        tree = DraftTree.empty()
-        drafted = skipped = False
-        if req.pending is not None:
-            handle, req.pending = req.pending, None
-            try:
-                if isinstance(handle, BaseException):
-                    raise handle
-                tree, dt = self.drafter.collect(handle)
-                timings.update(dt)
-                drafted = True
-            except DrafterUnavailable as exc:
-                self._drafter_lost(exc)  # this round (and each other pending one) runs plainly
-        elif req.skip_round:
-            req.skip_round, skipped = False, True
-        timings["draft_wait"] = time.perf_counter() - t0
-        timings["_t0"] = t0
-        return _Planned(rid, req, None, tree=tree, timings=timings, drafted=drafted, skipped=skipped)
-
-    def _drafter_lost(self, exc: Exception) -> None:
-        """A draft failed with :class:`DrafterUnavailable`: stop drafting until the drafter is up
-        again (:meth:`set_drafter_up`) and release every request's drafter context, which turns every
-        other submitted draft into a plain round (their replies cannot come either: the client has
-        dropped the connection)."""
-        if self.drafter_up:
-            log.warning("drafter unavailable, decoding plainly until it is back: %s", exc)
-        self.drafter_up, self._forget_contexts = False, False
-        self._release_drafter_contexts()
-
-    def _release_drafter_contexts(self) -> None:
-        """Release every running request's drafter context and discard its submitted draft (their
-        next drafts resend the history)."""
-        for rid, r in self._reqs.items():
-            if r.decoding and r.spec.method != "ar":
-                if r.pending is not None and not isinstance(r.pending, BaseException):
-                    self.drafter.discard(r.pending)
-                r.pending, r.resync = None, True
-                self.drafter.release(rid)
-
-    def _resync(self, rid: str, req: _Request) -> None:
-        """Make the request's next draft carry its whole committed history (a drafter that lost its
-        context rebuilds it from these ids and features, as after a prefill)."""
-        self.drafter.release(rid)  # the client forgets the old drafter process's context
-        req.ctx_feats = torch.cat(req.hist_feats) if len(req.hist_feats) > 1 else req.hist_feats[0]
-        req.hist_feats = [req.ctx_feats]
-        req.ctx_ids, req.owed_feats, req.resync = list(req.hist_ids), [], False
-
-    def _draft_job(self, rid: str, req: _Request) -> DraftJob | None:
-        """The next draft of a decoding request (None: ``ar``, no room left for a draft, the
-        drafter is down, or the policy chose a plain round)."""
-        depth = self.draft_depth(req.start)
-        if req.spec.method == "ar" or depth <= 0 or not self.drafter_up:
-            return None
-        knobs = self.policy.draft_knobs(rid, req.spec)  # resolved; None: the policy chose a plain round
-        if knobs is None:
-            return None
-        if req.resync:
-            self._resync(rid, req)
-        return DraftJob(rid, list(req.ctx_ids), self._ctx_feats(req), req.root, req.start, req.spec.method, knobs,
-                        depth)
-
-    @staticmethod
-    def _ctx_feats(req: _Request) -> torch.Tensor | None:
-        """The request's context features for a draft, with the rows of plain rounds since the last
-        draft appended (once, here: a per-round ``torch.cat`` would copy the whole context every round).
-
-        The context's parts are also the last entries of ``hist_feats`` (the same tensors), which
-        then take the concatenation in their place: the history keeps the same rows without a
-        second copy of them (after a prompt, ``F`` x 2 bytes a prompt position in bfloat16).
-        """
-        if req.owed_feats:
-            parts = [req.ctx_feats, *req.owed_feats]
-            req.ctx_feats = torch.cat(parts)
-            req.owed_feats = []
-            tail = req.hist_feats[-len(parts):]
-            if len(tail) == len(parts) and all(a is b for a, b in zip(tail, parts)):
-                req.hist_feats[-len(parts):] = [req.ctx_feats]
-        return req.ctx_feats
-
-    def _submit(self, pairs: list[tuple[_Request, DraftJob]]) -> None:
-        """Start the drafts of ``pairs`` as ONE batched drafter call; each request's round collects
-        its own. A failed submission fails those requests' next round."""
-        if not pairs:
-            return
-        try:
-            handles = self.drafter.submit([job for _, job in pairs])
-        except Exception as exc:
-            handles = [exc] * len(pairs)
-        for (req, _), h in zip(pairs, handles):
-            req.pending = h
-
-    def _queue_next(self, rid: str, req: _Request) -> None:
-        """With overlap: queue the request's next draft, submitted for the whole step at its end."""
-        if self.config.overlap:
-            job = self._draft_job(rid, req)
-            if job is not None:
-                self._next_jobs.append((req, job))
+    def _queue_next(self, rid: str, req: RequestState) -> None:
+        """With overlap: queue the request's next draft, submitted for the whole step at its end, with
+        the knobs the policy resolves now (the next step's plan carries them as the draft in flight)."""
+        if self.config.overlap and self.drafts.can_draft(req):
+            knobs = self.policy.draft_knobs(rid, req.spec)  # None: the policy chose a plain round
+            if knobs is not None:
+                self._next_jobs.append((req, self.drafts.job(rid, req, knobs)))
 
     def _finish(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
         """Per request after the forward: the first token of a finished prefill, or walk + commit + emit."""
@@ -960,78 +457,59 @@ class SpecEngine:
         if item.buffers is None:
             return self._finish_chunk(item, logits, feats)
         t2 = time.perf_counter()
-        buffers, timings = item.buffers, item.timings
-        target_tokens = self._sample(req, logits, req.start + 1 + buffers.position_offsets, buffers)
-        if req.logit_opts is not None or req.grammar is not None:
-            timings["sampling"] = time.perf_counter() - t2  # logit processors + grammar masks + sampling
-        res = walk(buffers, target_tokens.cpu())
-        self.runner.cache.commit(req.slot, req.start, res.accepted_rows)
-        rows = res.accepted_rows
-        accepted = buffers.input_ids[rows[1:]].tolist()
-        ids, finish = self._emit(req, accepted + [res.bonus_token])
-        self._count(req, ids)
-        new_ids, new_feats = buffers.input_ids[rows].tolist(), feats[rows.to(feats.device)]
-        if item.skipped and req.ctx_feats is not None:  # no drafter call: its context still owes these
-            req.ctx_ids.extend(new_ids)
-            req.owed_feats.append(new_feats)
-        else:
-            req.ctx_ids, req.ctx_feats, req.owed_feats = new_ids, new_feats, []
-            if not item.drafted and req.spec.method != "ar" and self.drafter is not None:
-                req.resync = True  # a plain round the drafter never heard of (it was down): resend the history
-        req.hist_ids.extend(new_ids)
-        if self.drafter is not None:
-            req.hist_feats.append(new_feats)
-        req.start += rows.numel()
-        self.policy.observe_round(item.rid, accepted + [res.bonus_token])
-        req.root = res.bonus_token
-        if finish is None:
+        timings = item.timings
+        c = commit_round(req, item.buffers, logits, feats, self.runner.cache, self.eos_token_ids, item.skipped,
+                         item.drafted, self.drafter is not None)
+        if req.sampler.processes:
+            timings["sampling"] = c.sampling_seconds  # logit processors + grammar masks + sampling
+        self.policy.observe_round(item.rid, c.path)
+        if c.finish is None:
             self._queue_next(item.rid, req)
         t3 = time.perf_counter()
-        n_acc = min(len(ids), len(accepted))
-        t0 = timings.pop("_t0")
-        timings.update(commit=t3 - t2, total=t3 - t0)
-        return RoundOutput(ids, finish, num_draft_tokens=item.tree.num_nodes, accept_length=n_acc,
+        n_acc = min(len(c.ids), c.accepted)
+        timings.update(commit=t3 - t2, total=t3 - timings.pop("_t0"))
+        return RoundOutput(c.ids, c.finish, num_draft_tokens=item.tree.num_nodes, accept_length=n_acc,
                            accepted_per_depth=[1] * n_acc, timings=timings,
-                           logprobs=self._logprobs(req, logits, rows, ids), drafted=item.drafted,
-                           predicted_tau=item.predicted_tau, grammar_masked=req.grammar_masked,
+                           logprobs=req.sampler.logprobs(logits, c.rows, c.ids), drafted=item.drafted,
+                           predicted_tau=item.predicted_tau, grammar_masked=req.sampler.grammar_masked,
                            stop_token_id=req.stop_token_id)
 
     def _finish_chunk(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
+        """A prompt chunk is in the slot; after the last one, sample and emit the first token."""
         req = item.req
         n = item.segment.num_rows
         self.runner.cache.extend(req.slot, n)
         req.prefilled += n
         if self.drafter is not None:
-            req.chunk_feats.append(_owned(feats))
+            req.drafts.chunk_feats.append(_owned(feats))
         req.prefill_seconds += item.timings["verify"]
         if not item.final_chunk:
             return None
         t0 = time.perf_counter()
-        first = int(self._sample(req, logits, torch.tensor([len(req.prompt_ids)]))[0])
-        req.start, req.root = len(req.prompt_ids), first
-        req.ctx_ids = list(req.prompt_ids)
-        req.ctx_feats = None if not req.chunk_feats else \
-            torch.cat(req.chunk_feats) if len(req.chunk_feats) > 1 else req.chunk_feats[0]
-        req.chunk_feats = []
-        req.hist_ids = list(req.prompt_ids)
-        req.hist_feats = [req.ctx_feats] if self.drafter is not None else []
-        ids, finish = self._emit(req, [first])
-        self._count(req, ids)
+        ids, finish = commit_prefill(req, logits, self.eos_token_ids, self.drafter is not None)
         if finish is None:
             self._queue_next(item.rid, req)
         dt = req.prefill_seconds + time.perf_counter() - t0
         return RoundOutput(ids, finish, timings={"total": dt}, prefill_seconds=dt, is_prefill=True,
-                           logprobs=self._logprobs(req, logits, torch.zeros(1, dtype=torch.long), ids),
+                           logprobs=req.sampler.logprobs(logits, torch.zeros(1, dtype=torch.long), ids),
                            cached_tokens=req.cached, stop_token_id=req.stop_token_id)
 
     def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams, spec: SpecParams):
-        """Yield :class:`RoundOutput` until the request finishes (convenience for CLI and tests)."""
+        """Yield :class:`RoundOutput` until the request finishes, running it alone (its first output
+        comes after its prefill, in chunks; convenience for the CLI, tools and tests).
+
+        Raises:
+            ValueError: as :meth:`add_request`; whatever a round raised (the request is then freed).
+        """
         self.add_request(request_id, prompt_ids, sampling, spec)
         while True:
-            out = self.step(request_id)
-            yield out
-            if out.finish_reason is not None:
-                return
+            out = self.step_batch([request_id], alone=True)[request_id]
+            if isinstance(out, BaseException):
+                raise out
+            if out is not None:
+                yield out
+                if out.finish_reason is not None:
+                    return
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """Speculation policies: who drafts each step, with which budget, and which nodes are verified.
 
-The engine calls a policy at four points of a step (``SpecEngine.step_batch``):
+A policy is called at four points of a step: the step plan (``scheduler.make_plan``, which the
+verifier worker makes) calls 1 and 2, the engine (``SpecEngine.step``) 3 and 4:
 
 1. :meth:`begin_step` with the step's decoding requests (before any drafting);
 2. :meth:`draft_knobs` per request: the fully resolved :class:`~services.spec.TreeKnobs` of its
-   drafter call, or ``None`` for a plain-decoding round (B = 0: no drafter call at all). This is
+   drafter call, or ``None`` for a plain-decoding round (B = 0: no drafter call at all); with
+   overlap the engine also asks it for a request's next draft right after its commit. This is
    the one place a request's knobs are resolved: its explicit ``speculative`` values, then the
    ``--tree-schedule`` pick at the current running count (:class:`TreeSchedule`), then (goodput)
    ``max_budget`` for the budget, then the verifier's defaults;
@@ -51,6 +53,7 @@ from services.tree import DraftTree
 from services.tree.dartree import select_nodes
 from services.verifier.calibration import AcceptanceCalibrator, regime_of
 from services.verifier.cost_model import StepCostModel
+from services.verifier.scheduler import RoundInfo  # noqa: F401 (the policy's input, re-exported)
 
 log = logging.getLogger("verifier.policy")
 
@@ -100,28 +103,6 @@ def truncate_tree(tree: DraftTree, keep_order: torch.Tensor, b: int) -> DraftTre
     if b <= 0:
         return DraftTree.empty()
     return select_nodes(tree, torch.sort(keep_order[:b]).values)
-
-
-@dataclass
-class RoundInfo:
-    """One decoding request of a step, as the policy sees it.
-
-    Attributes:
-        rid: request id; method: its speculative method; temperature: its sampling temperature;
-        can_draft: the method drafts and the context has room for a draft token;
-        explicit_budget: the request set ``speculative.budget`` itself;
-        owed: context tokens its drafter has not seen (its next draft catches them up first);
-        remaining: tokens it may still emit (``max_tokens`` minus emitted; None = unknown: the policy
-        uses the mean length of its method / regime's ended requests).
-    """
-
-    rid: str
-    method: str
-    temperature: float
-    can_draft: bool
-    explicit_budget: bool = False
-    owed: int = 0
-    remaining: int | None = None
 
 
 @dataclass

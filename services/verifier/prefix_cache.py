@@ -30,7 +30,7 @@ cached).
 one request, which the gateway runs as ``n`` engine requests, or identical prompts of different
 clients) would otherwise all prefill it. A new request whose prompt shares at least ``min_copy``
 positions more with a request still prefilling (the *leader*) than anything committed now waits
-(``SpecEngine._place``): it holds its slot but sits steps out until the leader has committed the
+(:func:`place`): it holds its slot but sits steps out until the leader has committed the
 shared positions, then copies them and prefills only the rest (one token for an identical prompt)
 with its own sampling seed. If the leader is aborted or fails first, the waiting requests take
 whatever is committed elsewhere, wait for another request prefilling the prompt, or prefill it
@@ -66,6 +66,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 ID_BYTES = 8  # bytes counted per cached token id (one list slot; small ids are shared int objects)
@@ -355,3 +356,91 @@ class PrefixCache:
         if e is not None:
             self._tick += 1
             e.last_used = self._tick
+
+
+# ------------------------------------------------------------------------------ placement of requests
+# The engine's side of prefix sharing. ``reqs`` is the engine's request table (request id ->
+# :class:`~services.verifier.requests.RequestState`); ``need``: a drafter exists (the reused
+# positions' target features must come along).
+
+def place(cache, reqs: dict, rid: str, req, need: bool) -> None:
+    """Give a new request its slot and the prompt positions it need not prefill: a cached prefix
+    reused in place, or the leading columns another slot has committed copied into its own slot
+    (:meth:`PrefixCache.plan`); or, when a request still prefilling shares at least ``min_copy``
+    positions more, wait for that prefill (:func:`resolve_waits`). With a drafter the reused
+    positions' target features come along, so the drafter's context is rebuilt from exactly the
+    rows a cold prefill would produce."""
+    pc = cache.prefix
+    plan = pc.plan(cache.free_slots(), req.prompt_ids, need, committed(reqs, rid) if pc.enabled else None)
+    lead, lead_len = leader(reqs, rid, req.prompt_ids) if pc.enabled else (None, 0)
+    if lead is not None and lead_len >= max(plan.reused, plan.copied) + pc.min_copy:
+        plan = Placement(pc.victim(cache.free_slots()))
+        req.wait_for, req.wait_len = lead, lead_len
+        pc.stats.waits += 1
+    req.slot = plan.slot
+    req.prefilled, feats = cache.take(plan)
+    req.cached = req.prefilled
+    if need and plan.copied and feats is None:
+        feats = committed_feats(reqs, plan.source, plan.copied)
+    if req.prefilled and feats is not None:
+        req.drafts.chunk_feats.append(feats)
+
+
+def committed(reqs: dict, exclude: str) -> dict[int, list[int]]:
+    """``{slot: ids}`` of every other running request's committed positions (copy sources)."""
+    out = {}
+    for rid, r in reqs.items():
+        ids = r.hist_ids if r.decoding else r.prompt_ids[:r.prefilled]
+        if rid != exclude and r.wait_for is None and ids:
+            out[r.slot] = ids
+    return out
+
+
+def committed_feats(reqs: dict, slot: int, n: int) -> Tensor:
+    """``[n, F]`` target features of the first ``n`` committed positions of the running request
+    in ``slot`` (a copy, never a view of its step's features)."""
+    req = next(r for r in reqs.values() if r.slot == slot and r.wait_for is None)
+    parts, have = [], 0
+    for f in req.drafts.committed_feats(req.decoding):
+        if have >= n:
+            break
+        parts.append(f[:n - have])
+        have += parts[-1].shape[0]
+    return torch.cat(parts)
+
+
+def leader(reqs: dict, rid: str, prompt: list[int]) -> tuple[str | None, int]:
+    """``(request id, n)``: the other request still prefilling (and not waiting itself) whose
+    prompt shares the most leading positions with ``prompt``, ``n`` capped at ``len(prompt) - 1``."""
+    best, best_len = None, 0
+    for other, r in reqs.items():
+        if other != rid and not r.decoding and r.wait_for is None:
+            n = min(common_prefix(r.prompt_ids, prompt), len(prompt) - 1)
+            if n > best_len:
+                best, best_len = other, n
+    return best, best_len
+
+
+def resolve_waits(cache, reqs: dict, need: bool, force: frozenset[str] = frozenset()) -> None:
+    """Start every waiting request whose leader has committed the shared positions, finished, or
+    left (abort, error: the waiting request then takes whatever another slot has committed, waits
+    for another request prefilling the prompt, or prefills it itself; nothing an aborted request
+    wrote is read). A request in ``force`` starts now, from what is committed."""
+    pc = cache.prefix
+    for rid, req in list(reqs.items()):
+        if req.wait_for is None:
+            continue
+        lead = reqs.get(req.wait_for)
+        if rid not in force and lead is not None and not lead.decoding and lead.prefilled < req.wait_len:
+            continue
+        req.wait_for = None
+        sources = {**pc.copy_sources(cache.free_slots(), need), **committed(reqs, rid)}
+        src, n = pc.longest(req.prompt_ids, sources)
+        lead, lead_len = leader(reqs, rid, req.prompt_ids) if rid not in force else (None, 0)
+        if lead is not None and lead_len >= n + pc.min_copy:
+            req.wait_for, req.wait_len = lead, lead_len
+        elif n >= pc.min_copy:
+            feats = cache.copy_prefix(src, req.slot, n)
+            req.prefilled = req.cached = n
+            if need:
+                req.drafts.chunk_feats = [feats if feats is not None else committed_feats(reqs, src, n)]

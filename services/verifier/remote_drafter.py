@@ -32,7 +32,6 @@ from services.protocol import (
     Pong,
     ProtocolError,
     Release,
-    SpecSpec,
     check_compatible,
     check_hello_version,
 )
@@ -141,7 +140,7 @@ class ZmqDrafterClient:
         for j, meta in zip(jobs, metas):
             round_id = next(self._round)
             msgs.append(DraftRequest(j.request_id, round_id, list(j.committed_ids), meta, int(j.root_token),
-                                     int(j.start), _spec_msg(j.method, j.spec), max_depth=j.max_depth))
+                                     int(j.start), str(j.method), j.spec, max_depth=j.max_depth))
             handles.append((round_id, j.request_id, t0))
         self._sock.send_multipart(encode(DraftBatch(msgs), frames), copy=False)
         self._pending.update(h[0] for h in handles)
@@ -282,12 +281,6 @@ class ZmqDrafterClient:
             raise DrafterError(f"draft reply carries {len(reply.tree)} tensors, expected 4")
         tokens, parents, depths, scores = self.transport.unpack(reply.tree, frames, copy=True)
         return DraftTree(tokens.long(), parents.long(), depths.long(), scores.float())
-
-
-def _spec_msg(method: str, spec) -> SpecSpec:
-    """The wire form of a job's method and resolved tree knobs (``spec``: a ``TreeKnobs``)."""
-    return SpecSpec(method=method, budget=spec.budget, width=spec.width, depth_bonus=spec.depth_bonus,
-                    candidates=spec.candidates)
 
 
 def _fields(info: PeerInfo) -> dict:

@@ -1,10 +1,11 @@
-"""The verifier process: request table, FIFO admission, one batched ``SpecEngine.step_batch`` per loop.
+"""The verifier process: request table, FIFO admission, one planned ``SpecEngine.step`` per loop.
 
 Loop (docs/design.md, "Worker processes"), on the compute thread: recv (drain the inbox filled by
 the gateway I/O thread) ->
 schedule (admit FIFO while fewer than ``max_running`` run; every running request, in an order
-that rotates each step) -> run one ``engine.step_batch`` (the engine's policy resolves each
-request's tree knobs) -> send each request's
+that rotates each step) -> plan (``scheduler.make_plan``: the engine's candidates, each decode
+round's tree knobs from the engine's policy, the row budget) -> run it (``engine.step(plan)``) ->
+send each request's
 :class:`RoundChunk`. Aborts take effect at the next step boundary and free the engine's KV cache
 and the drafter context. Hello and Ping are answered on the I/O thread (readiness never waits
 behind a step). Torch is imported by :func:`run_verifier_process` only.
@@ -21,6 +22,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import msgspec
 
 from services.devices import is_out_of_memory
 from services.memory_plan import DEFAULT_MAX_RUNNING
@@ -42,9 +45,9 @@ from services.protocol import (
 )
 from services.runtime import WEIGHT_CHOICES, check_device, check_dtype, drop_file_pages, trim_heap
 from services.spec import (DEFAULT_MAX_REQUEST_BUDGET, DEFAULT_METHOD, DEFAULT_POLICY, MAX_BUDGET, POLICIES,
-                           check_tree_knobs, parse_tree_schedule, request_tree_limits)
+                           Method, check_tree_knobs, parse_tree_schedule, request_tree_limits)
 from services.verifier.remote_drafter import DrafterError, DrafterUnavailable
-from services.verifier.scheduler import OverlapGroups
+from services.verifier.scheduler import OverlapGroups, StepPlan, make_plan
 from services.wire import Decoded
 
 log = logging.getLogger("verifier")
@@ -215,22 +218,6 @@ class _Entry:
     spec_stats: dict = field(default_factory=dict)
 
 
-def default_params(gen: Generate, method: str):
-    """The engine's ``(SamplingParams, SpecParams)`` for a request (ValueError on bad values)."""
-    from services.verifier.engine import SamplingParams, SpecParams
-
-    s, p = gen.sampling, gen.spec
-    sampling = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                              seed=s.seed, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                              logprobs=s.logprobs, presence_penalty=s.presence_penalty,
-                              frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
-                              logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, min_p=s.min_p,
-                              grammar=s.grammar)
-    spec = SpecParams(method=method, budget=p.budget, width=p.width, depth_bonus=p.depth_bonus,
-                      candidates=p.candidates)
-    return sampling, spec
-
-
 class VerifierWorker:
     """Request table and scheduling around an engine (``add_request`` / ``step`` / ``abort``).
 
@@ -240,7 +227,6 @@ class VerifierWorker:
         config: limits and defaults.
         send: ``send(identity, msg)`` to the gateway (the I/O thread's :meth:`ServerIO.send`).
         drafter_ping: returns whether the drafter answers (called when idle); None = no drafter.
-        params: builds the engine's parameter objects from a :class:`Generate`.
         release_memory: called once when the table has stayed empty for ``release_idle_s``
             seconds after a step (default :func:`services.runtime.trim_heap`: glibc's
             ``malloc_trim``; no ``gc.collect()``, which holds a spawned worker's GIL for ~200 ms).
@@ -261,7 +247,7 @@ class VerifierWorker:
 
     def __init__(self, engine, info: PeerInfo, config: VerifierWorkerConfig, metrics: VerifierMetrics | None = None,
                  send: Callable | None = None, drafter_ping: Callable[[], bool] | None = None,
-                 params: Callable = default_params, release_memory: Callable[[], None] | None = None,
+                 release_memory: Callable[[], None] | None = None,
                  release_idle_s: float = 1.0):
         self.engine, self.info, self.config = engine, info, config
         self._release_memory = release_memory or trim_heap
@@ -276,7 +262,7 @@ class VerifierWorker:
         self.metrics.drafter_up.set(1 if drafter_ping is not None else 0)  # 0 without a drafter at all
         self._heartbeat_seen = False  # a DrafterHeartbeat reports (then the idle ping defers to it)
         self.draining = False
-        self._drafter_ping, self._params = drafter_ping, params
+        self._drafter_ping = drafter_ping
         self.tree_schedule = parse_tree_schedule(config.tree_schedule)
         self._last_ping = 0.0
         self._waiting: deque[_Entry] = deque()
@@ -432,12 +418,13 @@ class VerifierWorker:
         while self._waiting and len(self._running) < self.config.max_running:
             entry = self._waiting.popleft()
             rid = entry.gen.request_id
-            try:
-                sampling, spec = self._params(entry.gen, entry.method)
-                self.engine.add_request(rid, list(entry.gen.prompt_ids), sampling, spec)
+            try:  # the wire's params as they are, the method filled in (services.params)
+                spec = msgspec.structs.replace(entry.gen.spec, method=entry.method)
+                self.engine.add_request(rid, list(entry.gen.prompt_ids), entry.gen.sampling, spec)
             except ValueError as exc:
                 m = _PARAM_RE.search(str(exc))
-                self._error(entry, 400, str(exc), m.group(1) if m else None, "invalid_value")
+                param = getattr(exc, "param", None) or (m.group(1) if m else None)
+                self._error(entry, 400, str(exc), param, "invalid_value")
                 continue
             self._running[rid] = entry
             self._order.append(rid)
@@ -451,12 +438,20 @@ class VerifierWorker:
         self._order.rotate(-1)
         if not self.config.overlap:
             return order
-        return self._groups.pick(order, {r for r in order if self._running[r].method != "ar"})
+        return self._groups.pick(order, {r for r in order if self._running[r].method != Method.AR})
+
+    def _plan(self, order: list[str]) -> StepPlan:
+        """The step's plan over ``order`` (:func:`make_plan`: the engine's candidates, its policy's
+        knobs, the row budget), run as it is by ``engine.step``."""
+        e = self.engine
+        return make_plan(e.candidates(order), e.policy, e.config.max_step_tokens, e.config.prefill_chunk,
+                         e.num_active())
 
     def _step_batch(self, order: list[str]) -> None:
-        """One engine step for ``order``; each request's result is sent as its own chunk."""
+        """One engine step over ``order`` (the plan this worker makes); each request's result is sent
+        as its own chunk."""
         try:
-            results = self.engine.step_batch(order)
+            results = self.engine.step(self._plan(order))
         except Exception as exc:  # the shared forward failed: the engine freed every request of the step
             log.exception("batched step failed for %d requests", len(order))
             for rid in order:
@@ -789,7 +784,7 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
                  "exiting for the supervisor to start the verifier again without the compiler's in-memory state",
                  missed)
         raise SystemExit(RESTART_AFTER_COMPILE_EXIT)
-    methods = ("ar",) + tuple(m for m in (drafter.methods if drafter else ()) if m != "ar")
+    methods = (Method.AR.value,) + tuple(m for m in (drafter.methods if drafter else ()) if m != Method.AR)
     if config.default_method not in methods:
         raise SystemExit(f"default method {config.default_method!r} is not served (available: {', '.join(methods)})")
     info = verifier_info(target_dir, engine, target, epoch, config, methods, drafter)

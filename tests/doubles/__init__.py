@@ -4,7 +4,8 @@
   :class:`FullTreeDrafter`: drafter clients (``submit`` / ``collect`` / ``discard`` / ``release`` /
   ``info``) whose trees are scripted per job, so the engine runs its production path on them.
 - :mod:`tests.doubles.engine`: :class:`FakeEngine` (batched steps of scripted rounds) and
-  :class:`FakeDrafterService` (the drafter worker's service over chain trees).
+  :class:`FakeDrafterService` (the drafter worker's service over chain trees); :func:`next_output`
+  (a real engine's next output of one request run alone).
 """
 
 from tests.doubles.drafters import (
@@ -14,7 +15,7 @@ from tests.doubles.drafters import (
     RandomDrafter,
     ScriptedDrafterClient,
 )
-from tests.doubles.engine import FakeDrafterService, FakeEngine, FakeRound
+from tests.doubles.engine import FakeDrafterService, FakeEngine, FakeRound, next_output
 
 __all__ = ["DraftCall", "FakeDrafterService", "FakeEngine", "FakeRound", "FullTreeDrafter", "OracleDrafter",
-           "RandomDrafter", "ScriptedDrafterClient"]
+           "RandomDrafter", "ScriptedDrafterClient", "next_output"]

@@ -47,8 +47,10 @@ class FakeEngine:
     """``SpecEngine``'s worker-facing methods over scripted rounds; records each step and every free.
 
     Each request emits ``rounds[k]`` in its k-th round (round 0 is its prefill) and finishes with
-    the last one. A step sleeps ``step_delay_s`` once, then runs one round of every request it was
-    given, in order. It has ``slots`` KV slots; each active request holds one.
+    the last one. A step sleeps ``step_delay_s`` once, then runs one round of every request of its
+    plan, in order. It has ``slots`` KV slots; each active request holds one. Its candidates are
+    decode rounds that never draft (the worker plans them with a real :class:`FixedPolicy` and no
+    row limit), so a plan holds every request it was given, in order.
 
     Attributes:
         batches: the request ids of each step; steps: the same, flattened (one entry per round);
@@ -69,6 +71,12 @@ class FakeEngine:
         self.last_step = FakeStepStats()
         self.lock = threading.Lock()
         self.drafter_up: list[bool] = []  # every set_drafter_up call, in order
+        from types import SimpleNamespace
+
+        from services.verifier.policy import FixedPolicy
+
+        self.policy = FixedPolicy()
+        self.config = SimpleNamespace(max_step_tokens=1 << 20, prefill_chunk=1 << 20)
 
     def set_drafter_up(self, up: bool) -> None:
         self.drafter_up.append(bool(up))
@@ -77,6 +85,16 @@ class FakeEngine:
         if 399 in prompt_ids:
             raise ValueError("prompt (1 tokens) + max_tokens (9999) exceeds the context window of 256 tokens")
         self.active[request_id] = 0
+
+    def candidates(self, request_ids: list[str]) -> list:
+        """Every request of ``request_ids`` as a decode round without a draft (``SpecEngine.candidates``)."""
+        from services.verifier.scheduler import Candidate
+
+        return [Candidate(rid, slot=i, prompt_len=0, prefilled=0) for i, rid in enumerate(dict.fromkeys(request_ids))]
+
+    def step(self, plan) -> dict:
+        """:meth:`step_batch` of the plan's requests, in the plan's order."""
+        return self.step_batch([e.rid for e in plan.entries])
 
     def step_batch(self, request_ids: list[str]) -> dict:
         """One round of each request: ``{rid: FakeRound | exception}`` (a failed request is freed)."""
@@ -115,6 +133,22 @@ class FakeEngine:
 
     def num_free_slots(self) -> int:
         return max(0, self.slots - len(self.active))
+
+
+def next_output(engine, request_id: str):
+    """Run one request of a real ``SpecEngine`` alone until it emits: its prefill (in chunks) and
+    first token, or one round. A request waiting for another's prefill starts from what is
+    committed (``alone``).
+
+    Raises:
+        KeyError: unknown request id; whatever its round raised (the engine then freed it).
+    """
+    while True:
+        out = engine.step_batch([request_id], alone=True)[request_id]
+        if isinstance(out, BaseException):
+            raise out
+        if out is not None:
+            return out
 
 
 class FakeDrafterService:

@@ -29,7 +29,8 @@ from services.testing import random_tree, tiny_causal_lm, tiny_service
 from services.tree import derive_buffers
 from services.tree.batch import Segment, causal_segment, split_rows
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 from services.verifier.runner import ModelRunner
 from services.verifier.target import TargetModel
 

@@ -17,7 +17,8 @@ from services.testing import random_tree, tiny_drafter, tiny_service, tiny_targe
 from services.tree import derive_buffers
 from services.tree.batch import Segment, causal_segment, pack_segments, split_rows
 from services.verifier.drafter_client import InprocDrafterClient, _BatchHandle
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 from services.verifier.runner import ModelRunner
 from services.weights import int4_kernel_available
 from tests.engine.conftest import TARGET_KW, V

@@ -13,7 +13,8 @@ import torch
 
 from services.testing import block_logits_one, tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 from tests.engine.test_batched import _run_batched
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,8 @@ from services.drafter.service import DFLASH_METHODS as METHODS
 from services.spec import TreeKnobs
 from services.testing import greedy_reference, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import SpecEngine
 from services.verifier.policy import FixedPolicy
 
 needs_mkl = pytest.mark.skipif(not packing_available(), reason="this torch build has no MKL packed sgemm")

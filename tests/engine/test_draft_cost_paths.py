@@ -13,7 +13,8 @@ from services.drafter.service import DrafterService, _want_q4
 from services.spec import TreeKnobs
 from services.testing import greedy_reference, tiny_drafter
 from services.verifier.drafter_client import DraftJob, InprocDrafterClient
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 from services.weights import Int4Linear, int4_kernel_available, quantize_linears_q4, quantize_q4_1
 from tests.engine.conftest import TARGET_KW, V  # noqa: F401  (fixture: target)
 

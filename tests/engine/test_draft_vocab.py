@@ -12,7 +12,8 @@ from services.drafter.model import DFlashDrafter, load_drafter, reduce_draft_voc
 from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino drafter's methods
 from services.testing import draft_one, greedy_reference, tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import SpecEngine
 
 V = 96
 DRAFT_METHODS = [m for m in METHODS if m != "ar"]

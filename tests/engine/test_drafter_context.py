@@ -9,7 +9,7 @@ import torch
 
 from services.drafter.service import DrafterService
 from services.testing import block_logits_one, draft_job, draft_one, tiny_drafter, tiny_target
-from services.verifier.engine import SpecParams
+from services.params import SpecParams
 
 V = 96
 CHUNK = 4

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 
 from services.testing import greedy_reference
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 from services.verifier.remote_drafter import DrafterUnavailable
-from tests.doubles import OracleDrafter
+from tests.doubles import OracleDrafter, next_output
 from tests.engine.conftest import V  # noqa: F401  (fixture: llama)
 
 D, N = 4, 40
@@ -110,14 +111,14 @@ def test_plain_rounds_while_down_are_resent_even_without_a_failed_draft(llama):
     oracle = OracleDrafter({"r": prompt + ref}, depth=D, distractors=1, vocab_size=V, seed=2)
     engine = SpecEngine(llama, oracle, max_draft_depth=D)
     engine.add_request("r", prompt, SamplingParams(max_tokens=N, ignore_eos=True), SpecParams("dartree-pruned"))
-    out = [t for _ in range(3) for t in engine.step("r").token_ids]
+    out = [t for _ in range(3) for t in next_output(engine, "r").token_ids]
     engine.set_drafter_up(False)
     n_calls = len(oracle.calls)
-    out += [t for _ in range(3) for t in engine.step("r").token_ids]
+    out += [t for _ in range(3) for t in next_output(engine, "r").token_ids]
     assert len(oracle.calls) == n_calls
     assert oracle.released == ["r"]  # its context was released at once (a draining drafter need not wait)
     engine.set_drafter_up(True)
     while len(out) < N:
-        out += engine.step("r").token_ids
+        out += next_output(engine, "r").token_ids
     assert out == ref
     assert len(oracle.calls) > n_calls and oracle.calls[n_calls].committed_ids == (prompt + ref)[:oracle.calls[n_calls].start]

@@ -55,7 +55,7 @@ def test_serve_plans_a_float32_drafter_worker_next_to_a_bfloat16_target(tmp_path
 
 def test_inprocess_engine_runs_a_float32_drafter_on_float32_copies_of_the_target_io(tmp_path, no_native_bf16):
     from services.generate import build_inprocess
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
 
     target, drafter = make_tiny_models(tmp_path)
     engine, _tok, _note = build_inprocess(str(target), str(drafter), torch.bfloat16, weights="bfloat16")

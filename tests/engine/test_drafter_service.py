@@ -9,7 +9,7 @@ import torch
 
 from services.drafter.service import DFLASH_METHODS, HEAD_METHODS, METHODS, DominoScorer  # noqa: F401
 from services.testing import block_logits_one, draft_one, tiny_drafter, tiny_service, tiny_target
-from services.verifier.engine import SpecParams
+from services.params import SpecParams
 
 V = 96
 

@@ -26,7 +26,8 @@ from services.tree import MarkovScorer, dartree
 from services.tree.eagle import eagle_tree
 from services.verifier.drafter_client import InprocDrafterClient
 from services.spec import TreeKnobs
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 from services.verifier.policy import FixedPolicy
 from tests.engine.conftest import TARGET_KW, V
 from tests.engine.test_batched import _run_batched

@@ -21,7 +21,8 @@ import os
 import pytest
 import torch
 
-from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import SpecEngine
 from tests.doubles import OracleDrafter
 
 pytestmark = pytest.mark.e2e

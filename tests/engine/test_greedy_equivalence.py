@@ -16,9 +16,10 @@ import torch
 from services.drafter.service import DFLASH_METHODS, HEAD_METHODS, METHODS
 from services.testing import greedy_reference, tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import SpecEngine
 
-from tests.doubles import OracleDrafter, RandomDrafter
+from tests.doubles import OracleDrafter, RandomDrafter, next_output
 from tests.engine.conftest import TARGET_KW, V  # noqa: F401  (fixtures: target, llama)
 D = 4  # oracle draft depth: a full-accept round emits D + 1 tokens
 N = 40  # generated tokens
@@ -157,7 +158,7 @@ def test_interleaved_requests_keep_separate_state(llama):
     live = set(prompts)
     while live:
         for rid in sorted(live):
-            out = engine.step(rid)
+            out = next_output(engine, rid)
             got[rid] += out.token_ids
             if out.finish_reason:
                 live.discard(rid)

@@ -13,8 +13,9 @@ from services.testing import ARCHS, greedy_reference, tiny_target, tree_from_nod
 from services.tree import derive_buffers, walk
 from services.spec import DEFAULT_KNOBS
 from services.verifier.drafter_client import DraftJob
-from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
-from tests.doubles import OracleDrafter
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import SpecEngine
+from tests.doubles import OracleDrafter, next_output
 
 V = 128
 ATOL = 1e-5
@@ -105,7 +106,7 @@ def test_engine_cache_equals_fresh_prefill_after_many_rounds():
     engine.add_request("r", prompt, SamplingParams(max_tokens=150, ignore_eos=True), SpecParams("dartree-pruned"))
     tokens = []
     for _ in range(20):
-        out = engine.step("r")
+        out = next_output(engine, "r")
         assert out.finish_reason is None
         tokens += out.token_ids
     assert len(tokens) > 40

@@ -18,7 +18,8 @@ from services.tree.draft_tree import tree_from_parents
 from services.tree.logit_processors import (LogitOptions, path_counts, process_logits, sample_probs,
                                             token_counts)
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 
 from tests.doubles import FullTreeDrafter, OracleDrafter, ScriptedDrafterClient
 from tests.engine.conftest import TARGET_KW, V  # noqa: F401  (fixtures: target, llama)

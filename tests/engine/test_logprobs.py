@@ -19,7 +19,8 @@ from services.drafter.service import DFLASH_METHODS as METHODS  # the Domino dra
 from services.protocol import LOGPROB_FLOOR
 from services.testing import greedy_reference, tiny_drafter, tiny_service
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import SamplingParams, SpecEngine, SpecParams, token_logprobs
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import SpecEngine, token_logprobs
 
 from tests.doubles import OracleDrafter
 from tests.engine.conftest import TARGET_KW, V  # noqa: F401  (fixtures: target, llama)

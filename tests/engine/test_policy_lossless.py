@@ -17,7 +17,8 @@ from services.testing import draft_one, greedy_reference, tiny_drafter, tiny_ser
 from services.verifier.calibration import AcceptanceCalibrator
 from services.verifier.cost_model import StepCostModel
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 from services.verifier.policy import GoodputPolicy
 from tests.doubles import OracleDrafter, RandomDrafter
 from tests.engine.conftest import V
@@ -150,7 +151,7 @@ def test_chains_carry_path_scores_for_the_calibrator(target, service, method):
     calibrator can tell a confident chain from a doubtful one."""
     import torch
 
-    from services.verifier.engine import SpecParams as SP
+    from services.params import SpecParams as SP
 
     feats = torch.zeros(3, target.feature_dim)
     tree, _ = draft_one(service, "chain", [5, 6, 7], feats, 9, 3, SP(method), max_depth=5)

@@ -14,9 +14,11 @@ import torch
 
 from services.testing import tiny_drafter, tiny_eagle3, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 from services.verifier.kv_cache import SlotKVCache
 from services.verifier.prefix_cache import PrefixCache, common_prefix
+from tests.doubles import next_output
 from tests.engine.conftest import TARGET_KW, V
 from tests.engine.test_kv_compaction import assert_slot_equals_fresh_prefill
 
@@ -153,7 +155,7 @@ def test_a_running_request_is_never_evicted(llama):
     engine.add_request("b", b, sampling, spec)  # takes the slot caching nothing
     slot_b = engine._reqs["b"].slot
     assert slot_b != slot_a and slot_a in _cached(engine)
-    out = {"b": engine.step("b").token_ids + engine.step("b").token_ids, "c": []}
+    out = {"b": next_output(engine, "b").token_ids + next_output(engine, "b").token_ids, "c": []}
     stats = engine.runner.cache.prefix.stats
     engine.add_request("c", b + [5], sampling, spec)  # shares b's tokens: copied from b's running slot
     assert engine._reqs["c"].slot == slot_a and engine._reqs["c"].prefilled == stats.copied_tokens == len(b)
@@ -175,8 +177,8 @@ def test_an_aborted_request_leaves_nothing_reusable(llama):
     sampling, spec = SamplingParams(max_tokens=20, ignore_eos=True), SpecParams("dartree-pruned", budget=6)
     a = _prompt(rng, 19)
     engine.add_request("a", a, sampling, spec)
-    engine.step("a")
-    engine.step("a")  # prefilled and one round committed
+    next_output(engine, "a")
+    next_output(engine, "a")  # prefilled and one round committed
     engine.abort("a")
     assert not _cached(engine)
     engine.add_request("mid", a, sampling, spec)

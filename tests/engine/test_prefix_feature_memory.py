@@ -19,8 +19,10 @@ import torch
 
 from services.testing import tiny_drafter, tiny_service
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 from services.verifier.policy import FixedPolicy
+from tests.doubles import next_output
 from tests.engine.conftest import V
 
 
@@ -51,8 +53,8 @@ class Recording(InprocDrafterClient):
         for j in jobs:
             if self.engine is not None:
                 req = self.engine._reqs[j.request_id]
-                rows = sum(f.shape[0] for f in req.hist_feats)
-                self.held.append((_storage_bytes(req.hist_feats + [req.ctx_feats]), rows * _row_bytes(j.features)))
+                rows = sum(f.shape[0] for f in req.drafts.hist_feats)
+                self.held.append((_storage_bytes(req.drafts.hist_feats + [req.drafts.ctx_feats]), rows * _row_bytes(j.features)))
         return super().submit(jobs)
 
 
@@ -84,12 +86,12 @@ def test_first_draft_after_plain_rounds_keeps_one_copy_of_the_context(target, se
     engine.add_request("r", prompt, SamplingParams(max_tokens=30, ignore_eos=True), SpecParams("dartree-pruned"))
     req = engine._reqs["r"]
     while not client.sent:
-        engine.step("r")
+        next_output(engine, "r")
     sent = client.sent[0][1]
     assert sent.shape[0] == len(prompt) + 3  # the prompt and the rows of the 3 plain rounds, in one tensor
     held, rows = client.held[0]
     assert held == rows  # at the draft: every committed row held once
-    assert torch.equal(torch.cat(req.hist_feats)[:sent.shape[0]], sent)  # a first draft: positions 0 on
+    assert torch.equal(torch.cat(req.drafts.hist_feats)[:sent.shape[0]], sent)  # a first draft: positions 0 on
     engine.abort("r")  # the module's drafter service forgets its context
 
 
@@ -117,6 +119,6 @@ def test_a_prompt_chunk_keeps_only_its_own_rows(target, service):
     engine.add_request("b", _prompt(4, 21), sampling, spec)
     engine.step_batch(["a", "b"])  # one step: a chunk of each prompt
     for rid in ("a", "b"):
-        (chunk,) = engine._reqs[rid].chunk_feats
+        (chunk,) = engine._reqs[rid].drafts.chunk_feats
         assert chunk.shape[0] == 8
         assert chunk.untyped_storage().nbytes() == 8 * _row_bytes(chunk)  # not the step's 16 rows

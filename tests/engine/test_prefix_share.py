@@ -14,9 +14,10 @@ import random
 import pytest
 
 from services.testing import tiny_drafter, tiny_service
-from services.verifier.engine import SamplingParams, SpecParams
+from services.params import SamplingParams, SpecParams
 from services.verifier.kv_cache import SlotKVCache
 from services.verifier.prefix_cache import Placement
+from tests.doubles import next_output
 from tests.engine.test_kv_compaction import assert_slot_equals_fresh_prefill
 from tests.engine.test_prefix_cache import CHUNK, METHODS, _cached, _cold, _engine, _prompt, _run
 
@@ -76,7 +77,7 @@ def test_copied_prefixes_equal_a_cold_run(target, service, method, temperature):
     src = _prompt(rng, 21)
     src_sampling = SamplingParams(max_tokens=60, ignore_eos=True, temperature=temperature, seed=5)
     engine.add_request("src", src, src_sampling, spec)
-    src_tokens = [t for _ in range(5) for t in engine.step("src").token_ids]  # prefill + 4 rounds
+    src_tokens = [t for _ in range(5) for t in next_output(engine, "src").token_ids]  # prefill + 4 rounds
     committed = list(engine._reqs["src"].hist_ids)
     assert len(committed) > len(src) and engine.runner.cache.length(engine._reqs["src"].slot) == len(committed)
     long_cold = _prompt(rng, 40)
@@ -105,7 +106,7 @@ def test_copied_slot_holds_a_fresh_prefill_of_its_tokens(llama):
     prompt = _prompt(rng, 19)
     engine.add_request("a", prompt, sampling, spec)
     for _ in range(4):
-        engine.step("a")
+        next_output(engine, "a")
     committed = list(engine._reqs["a"].hist_ids)
     cache = engine.runner.cache
     slot = cache.free_slots()[0]
@@ -232,9 +233,9 @@ def test_worker_serves_n_choices_with_one_prefill(llama, overlap):
                             send=lambda identity, msg: sent.append(msg))
     prompt = _prompt(random.Random(9), 26)
     for i in range(3):
-        worker.post(b"c", p.Generate(f"x-{i}", prompt, p.SamplingSpec(max_tokens=7, temperature=0.9, seed=20 + i,
+        worker.post(b"c", p.Generate(f"x-{i}", prompt, p.SamplingParams(max_tokens=7, temperature=0.9, seed=20 + i,
                                                                        ignore_eos=True),
-                                     p.SpecSpec("dartree-pruned", budget=6)))
+                                     p.SpecParams("dartree-pruned", budget=6)))
     for _ in range(200):
         worker.run_once(idle_timeout=0)
         if not worker._has_work():

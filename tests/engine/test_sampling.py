@@ -13,8 +13,9 @@ import torch
 
 from services.testing import tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
-from tests.doubles import FullTreeDrafter, RandomDrafter
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import SpecEngine
+from tests.doubles import FullTreeDrafter, RandomDrafter, next_output
 
 V = 8
 PROMPT = [1, 5, 3]
@@ -157,12 +158,12 @@ def test_seeded_request_is_unaffected_by_interleaved_requests(domino_engine):
                               SpecParams("ddtree"))
     mixed = []
     while True:
-        out = domino_engine.step("a")
+        out = next_output(domino_engine, "a")
         mixed += out.token_ids
         if out.finish_reason:
             break
         torch.rand(3)  # the global RNG must not matter either
-        domino_engine.step("b")
+        next_output(domino_engine, "b")
     domino_engine.abort("b")
     assert mixed == alone
     assert domino_engine.num_active() == 0

@@ -19,7 +19,8 @@ from services.tree.draft_tree import tree_from_parents
 from services.verifier.calibration import AcceptanceCalibrator
 from services.verifier.cost_model import StepCostModel
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import SpecEngine
 from services.verifier.policy import GoodputPolicy
 try:
     from tests.doubles.drafters import FullTreeDrafter, RandomDrafter

@@ -11,7 +11,8 @@ import torch
 from services.drafter.service import DrafterService
 from services.testing import greedy_reference, tiny_drafter
 from services.verifier.drafter_client import DraftJob, InprocDrafterClient
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 from services.spec import TreeKnobs
 from tests.engine.conftest import TARGET_KW, V  # noqa: F401  (fixture: target)
 from tests.engine.test_batched import _run_batched

@@ -21,7 +21,8 @@ from services.tree.draft_tree import tree_from_parents
 from gateway.tools import grammar_error, json_schema_grammar
 from services.tree.grammar import GrammarState, unpack_bitmask
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 
 from tests.doubles import FullTreeDrafter, OracleDrafter, ScriptedDrafterClient
 from tests.engine.conftest import TARGET_KW, V  # noqa: F401  (fixtures: target, llama)

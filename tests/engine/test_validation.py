@@ -9,8 +9,9 @@ import pytest
 from services.drafter.service import DFLASH_METHODS, HEAD_METHODS, METHODS
 from services.testing import greedy_reference, tiny_drafter, tiny_service, tiny_target
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
-from tests.doubles import OracleDrafter
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
+from tests.doubles import OracleDrafter, next_output
 
 V = 96
 CTX = 48
@@ -39,7 +40,7 @@ def engine(target, service):
 ])
 def test_bad_sampling_params(kw, match):
     with pytest.raises(ValueError, match=match):
-        SamplingParams(**kw)
+        SamplingParams(**kw).check()
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -50,12 +51,12 @@ def test_bad_sampling_params(kw, match):
 ])
 def test_bad_spec_params(kw, match):
     with pytest.raises(ValueError, match=match):
-        SpecParams(**kw)
+        SpecParams(**kw).check()
 
 
 def test_unknown_method_message_lists_the_choices():
     with pytest.raises(ValueError) as e:
-        SpecParams("eagle")
+        SpecParams("eagle").check()
     assert all(m in str(e.value) for m in METHODS)
 
 
@@ -102,15 +103,15 @@ def test_head_method_on_a_drafter_without_head_fails_cleanly(target, method):
     svc = tiny_service(target, tiny_drafter(target, projector_type=None, block_size=6))
     engine = SpecEngine(target, InprocDrafterClient(svc))
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8), SpecParams(method))
-    engine.step("r")  # prefill
+    next_output(engine, "r")  # prefill
     with pytest.raises(ValueError, match="correction head"):
-        engine.step("r")
+        next_output(engine, "r")
     assert engine.num_active() == 0 and svc.num_contexts() == 0
 
 
 def test_unknown_request_step_raises_key_error(engine):
     with pytest.raises(KeyError):
-        engine.step("nope")
+        next_output(engine, "nope")
 
 
 @pytest.mark.parametrize("method", DFLASH_METHODS)  # the Domino drafter's methods
@@ -121,8 +122,8 @@ def test_finish_and_abort_free_all_state(engine, service, method):
     engine.add_request("a", [5, 6, 7], sp, SpecParams(method))
     engine.add_request("b", [8, 9], sp, SpecParams(method))
     for _ in range(2):
-        engine.step("a")
-        engine.step("b")
+        next_output(engine, "a")
+        next_output(engine, "b")
     assert engine.num_active() == 2
     if method != "ar":
         assert service.num_contexts() == 2
@@ -133,7 +134,7 @@ def test_finish_and_abort_free_all_state(engine, service, method):
     engine.abort("b")
     assert engine.num_active() == 0 and service.num_contexts() == 0
     with pytest.raises(KeyError):
-        engine.step("a")
+        next_output(engine, "a")
     # the id can be reused after an abort, and the new request starts from scratch
     out = [t for o in engine.generate("a", [5, 6, 7], sp, SpecParams(method)) for t in o.token_ids]
     assert out == greedy_reference(engine.target.model, [5, 6, 7], 12)
@@ -208,7 +209,7 @@ def test_top_k_must_be_an_integer():
     """``SamplingParams`` range-checks ``top_k`` but not its type: 2.5 is accepted and only fails
     later inside ``torch.topk`` (a TypeError from ``step``, not a ValueError at admission)."""
     with pytest.raises(ValueError, match="top_k"):
-        SamplingParams(top_k=2.5, temperature=1.0)
+        SamplingParams(top_k=2.5, temperature=1.0).check()
 
 
 def test_tiny_positive_temperature_behaves_like_greedy(target):

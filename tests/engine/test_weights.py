@@ -20,7 +20,8 @@ import torch
 from services.protocol import DFLASH_METHODS as METHODS  # the methods a DFlash + Domino drafter serves
 from services.testing import REPO, tiny_gguf_target_dir, tiny_service
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 from services.verifier.target import TargetModel
 from services import timing
 from services import weight_choice as WC

@@ -33,7 +33,8 @@ from hypothesis import strategies as st
 from gateway.text import PROMPT_CONTEXT_TOKENS, TextModel
 from services.metrics import VerifierMetrics
 from services.testing import greedy_reference, tiny_target
-from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import SpecEngine
 
 from tests.service.fakes import InprocWorkerStack
 from tests.service.fakes import verifier_info as fake_info

@@ -30,6 +30,7 @@ import pytest
 import zmq
 
 from services import protocol as p
+from services.spec import TreeKnobs
 from services.wire import decode, encode
 
 from .conftest import API_KEY, AUTH, MAX_CONCURRENT, metric_total, scrape
@@ -233,23 +234,23 @@ def test_garbage_on_the_worker_sockets_is_dropped_and_nothing_crashes(rel_server
 
     # the verifier: garbage, then requests that bypass the gateway's validation, then a ping
     v = f"ipc://{paths['verifier']}"
-    bypass = [encode(p.Generate("bypass-vocab", [5, 10**6], p.SamplingSpec(max_tokens=2), p.SpecSpec())),
-              encode(p.Generate("bypass-empty", [], p.SamplingSpec(max_tokens=2), p.SpecSpec())),
-              encode(p.Generate("bypass-nan", [5], p.SamplingSpec(max_tokens=2, temperature=float("nan")), p.SpecSpec())),
-              encode(p.Generate("bypass-method", [5], p.SamplingSpec(max_tokens=2), p.SpecSpec(method="bogus"))),
-              encode(p.Generate("bypass-context", [5], p.SamplingSpec(max_tokens=10**6), p.SpecSpec())),
+    bypass = [encode(p.Generate("bypass-vocab", [5, 10**6], p.SamplingParams(max_tokens=2), p.SpecParams())),
+              encode(p.Generate("bypass-empty", [], p.SamplingParams(max_tokens=2), p.SpecParams())),
+              encode(p.Generate("bypass-nan", [5], p.SamplingParams(max_tokens=2, temperature=float("nan")), p.SpecParams())),
+              encode(p.Generate("bypass-method", [5], p.SamplingParams(max_tokens=2), p.SpecParams(method="bogus"))),
+              encode(p.Generate("bypass-context", [5], p.SamplingParams(max_tokens=10**6), p.SpecParams())),
               encode(p.Abort("never-existed"))]
     replies = _exchange(v, garbage + bypass, encode(p.Ping(42)), lambda m: isinstance(m, p.Pong) and m.nonce == 42)
     assert replies and replies[-1].nonce == 42  # everything before the ping went through the I/O thread
-    replies = _exchange(v, [], encode(p.Generate("bypass-vocab2", [5, 10**6], p.SamplingSpec(max_tokens=2),
-                                                 p.SpecSpec())), lambda m: isinstance(m, p.RequestError))
+    replies = _exchange(v, [], encode(p.Generate("bypass-vocab2", [5, 10**6], p.SamplingParams(max_tokens=2),
+                                                 p.SpecParams())), lambda m: isinstance(m, p.RequestError))
     assert replies and isinstance(replies[-1], p.RequestError) and replies[-1].status == 400
     assert replies[-1].param == "prompt" and "[0, " in replies[-1].message
 
     # the drafter: garbage, a draft whose context is inconsistent (an error reply, no state), a release
     d = f"ipc://{paths['drafter']}"
     feats = p.TensorMeta("float32", (1, 128))
-    bad_job = p.DraftRequest("stranger", 1, [5], feats, 5, 99, p.SpecSpec(method="dflash"))
+    bad_job = p.DraftRequest("stranger", 1, [5], feats, 5, 99, "dflash", TreeKnobs())
     bad_draft = encode(p.DraftBatch([bad_job]), [b"\x00" * 512])
     replies = _exchange(d, garbage + [encode(p.Release("nobody"))], bad_draft, lambda m: isinstance(m, p.DraftReply))
     assert replies and replies[-1].error, replies

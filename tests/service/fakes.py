@@ -108,12 +108,6 @@ class FakeEngineClient(_QueueClient):
 
 # ------------------------------------------------------------------------------------ worker fakes
 
-def fake_params(gen: Generate, method: str):
-    from types import SimpleNamespace
-
-    return gen.sampling, SimpleNamespace(method=method)
-
-
 class InprocWorkerStack:
     """The gateway app (``self.app``) over an :class:`InprocEngineClient` and a verifier worker thread
     running ``engine`` (a real ``SpecEngine``): HTTP (ASGI) -> gateway -> worker -> engine in one

@@ -21,7 +21,7 @@ from services import protocol as p
 from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
 from services.wire import ServerIO, new_epoch
 
-from .fakes import fake_params, verifier_info
+from .fakes import verifier_info
 
 try:
     from tests.doubles.engine import FakeEngine
@@ -41,8 +41,7 @@ def running_verifier(sockdir, engine, **cfg):
     """A verifier worker on ``ipc://`` with its event loop on a thread."""
     ctx = zmq.Context()
     endpoint = f"ipc://{sockdir}/verifier.sock"
-    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), VerifierWorkerConfig(**cfg),
-                            params=fake_params)
+    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), VerifierWorkerConfig(**cfg))
     io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
                   on_error=lambda r: worker.metrics.ipc_errors.labels("gateway").inc(), inbox=worker.inbox,
                   refuse=lambda reason: p.HelloAck(p.PROTOCOL_VERSION, False, worker.info, reason))
@@ -72,7 +71,7 @@ async def connected_client(endpoint) -> ZmqEngineClient:
 
 
 def gen(rid: str) -> p.Generate:
-    return p.Generate(rid, [5, 6], p.SamplingSpec(max_tokens=16), p.SpecSpec())
+    return p.Generate(rid, [5, 6], p.SamplingParams(max_tokens=16), p.SpecParams())
 
 
 def _gauges(worker) -> tuple[float, float]:
@@ -84,7 +83,7 @@ def _worker(max_running: int, max_waiting: int, rounds: int = 5) -> tuple[Verifi
     sent: list = []
     worker = VerifierWorker(FakeEngine(rounds=[[1]] * rounds), verifier_info(400),
                             VerifierWorkerConfig(max_running=max_running, max_waiting=max_waiting),
-                            send=lambda identity, msg: sent.append(msg), params=fake_params)
+                            send=lambda identity, msg: sent.append(msg))
     return worker, sent
 
 

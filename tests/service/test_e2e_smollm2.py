@@ -30,7 +30,8 @@ def test_smollm2_served_greedy_equals_plain_decoding_and_streams_match(smol):
     import openai
 
     from gateway.text import TextModel
-    from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+    from services.params import SamplingParams, SpecParams
+    from services.verifier.engine import SpecEngine
     from services.verifier.target import TargetModel
 
     client = openai.OpenAI(base_url=smol.base + "/v1", api_key="x", max_retries=0, timeout=300)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from services import protocol as p
+from services.spec import TreeKnobs
 from services.drafter.worker import DrafterWorker
 from services.ipc_pool import FrameTransport
 from services.wire import decode, encode
@@ -19,8 +20,8 @@ from tests.doubles import FakeDrafterService
 torch = pytest.importorskip("torch")
 
 
-def _spec() -> p.SpecSpec:
-    return p.SpecSpec(method="dartree-pruned", budget=3)
+def _spec() -> p.SpecParams:
+    return p.SpecParams(method="dartree-pruned", budget=3)
 
 
 def _worker(release_after_bytes: int):
@@ -36,7 +37,7 @@ def _post(worker: DrafterWorker, transport: FrameTransport, jobs: dict[str, int]
     """Queue one DRAFT_BATCH: per request id, that many feature rows (float32, 8 wide: 32 B a row)."""
     feats = [torch.ones(n, 8) for n in jobs.values()]
     metas, frames = transport.pack(feats)
-    reqs = [p.DraftRequest(rid, 1, [1] * n, m, n, n, _spec()) for (rid, n), m in zip(jobs.items(), metas)]
+    reqs = [p.DraftRequest(rid, 1, [1] * n, m, n, n, "dartree-pruned", TreeKnobs(3, 12, -0.2, 64)) for (rid, n), m in zip(jobs.items(), metas)]
     worker.inbox.put((b"v", decode(encode(p.DraftBatch(reqs), [bytes(f) for f in frames]))))
     worker.run_once(timeout=1)
 

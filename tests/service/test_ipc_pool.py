@@ -110,7 +110,8 @@ def test_cuda_ipc_feature_path_of_draft_batches():
     back to a side frame between pooled ones), and more tensors than slots over three batches (the
     ring wraps; copy-on-receipt keeps every batch exact)."""
     from services.ipc_pool import CudaIpcTransport
-    from services.protocol import DraftBatch, DraftRequest, SpecSpec
+    from services.protocol import DraftBatch, DraftRequest
+    from services.spec import TreeKnobs
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -125,7 +126,7 @@ def test_cuda_ipc_feature_path_of_draft_batches():
             feats = [torch.randn(r, 96, device="cuda", generator=gen).to(torch.bfloat16) for r in rows]
             metas, frames = verifier.pack(feats)
             assert [m.slot >= 0 for m in metas] == [r * 96 * 2 <= 1 << 14 for r in rows] and len(frames) == 1
-            jobs = [DraftRequest(f"r{i}", round_id, [5] * r, m, 5, 10, SpecSpec("ddtree"))
+            jobs = [DraftRequest(f"r{i}", round_id, [5] * r, m, 5, 10, "ddtree", TreeKnobs(4, 2, -0.2, 8))
                     for i, (r, m) in enumerate(zip(rows, metas))]
             parts = encode(DraftBatch(jobs), frames)
             parent.send_bytes(str(len(parts)).encode())

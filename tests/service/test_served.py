@@ -121,11 +121,11 @@ def test_inproc_engine_client_runs_the_same_gateway_over_an_in_process_verifier(
     from gateway.engine_client import InprocEngineClient
     from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
 
-    from .fakes import fake_params, verifier_info
+    from .fakes import verifier_info
 
     engine = FakeEngine(rounds=text_rounds)
     text = TextModel(bytelevel_dir)
-    worker = VerifierWorker(engine, verifier_info(text.vocab_size), VerifierWorkerConfig(), params=fake_params)
+    worker = VerifierWorker(engine, verifier_info(text.vocab_size), VerifierWorkerConfig())
     client = InprocEngineClient(post=lambda msg: worker.post(b"inproc", msg), hello=worker.hello,
                                 status=worker.status, local=PeerInfo(role="gateway", epoch="g"))
     worker.send = lambda identity, msg, frames=(): client.deliver_threadsafe(msg)

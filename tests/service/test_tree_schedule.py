@@ -11,9 +11,9 @@ from services.spec import DEFAULT_KNOBS, TreeSchedule, parse_tree_schedule
 from services.verifier.policy import FixedPolicy, GoodputPolicy, RoundInfo
 from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
 
-from tests.doubles import FakeEngine, ScriptedDrafterClient
+from tests.doubles import FakeEngine, ScriptedDrafterClient, next_output
 
-from .fakes import fake_params, verifier_info
+from .fakes import verifier_info
 
 SCHEDULE = "1:16x12,2:12x8,4:8x6,8:4x4"
 EXPECTED = {1: (16, 12), 2: (12, 8), 3: (12, 8), 4: (8, 6), 5: (8, 6), 6: (8, 6), 7: (8, 6), 8: (4, 4)}
@@ -75,13 +75,12 @@ def test_cli_reports_a_bad_schedule_in_one_line(argv_env, monkeypatch, capsys):
 def _worker(engine, schedule: str, max_running: int = 8) -> tuple[VerifierWorker, list]:
     sent: list = []
     config = VerifierWorkerConfig(tree_schedule=schedule, max_running=max_running)
-    worker = VerifierWorker(engine, verifier_info(400), config, send=lambda ident, msg: sent.append(msg),
-                            params=fake_params)
+    worker = VerifierWorker(engine, verifier_info(400), config, send=lambda ident, msg: sent.append(msg))
     return worker, sent
 
 
 def _gen(rid: str) -> p.Generate:
-    return p.Generate(rid, [5, 6], p.SamplingSpec(max_tokens=64), p.SpecSpec())
+    return p.Generate(rid, [5, 6], p.SamplingParams(max_tokens=64), p.SpecParams())
 
 
 class _Unset:
@@ -178,7 +177,8 @@ def tiny():
 
 
 def test_explicit_request_values_override_the_schedule(tiny):
-    from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+    from services.params import SamplingParams, SpecParams
+    from services.verifier.engine import SpecEngine
 
     target, service = tiny
     spy = SpyDrafter(service)
@@ -187,8 +187,8 @@ def test_explicit_request_values_override_the_schedule(tiny):
              "w": SpecParams("dartree-pruned", width=2), "bw": SpecParams("dartree-pruned", budget=3, width=1)}
     for rid, spec in cases.items():
         engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), spec)
-        engine.step(rid)  # prefill: no draft
-        engine.step(rid)
+        next_output(engine, rid)  # prefill: no draft
+        next_output(engine, rid)
         engine.abort(rid)
     assert [s[:3] for s in spy.seen] == [("none", 5, 4), ("b", 9, 4), ("w", 5, 2), ("bw", 3, 1)]
     assert all(nodes <= budget for _, budget, _, nodes in spy.seen)
@@ -204,7 +204,6 @@ def test_greedy_output_is_unchanged_under_the_schedule(tiny, drafter):
     from services.testing import greedy_reference
     from tests.doubles import OracleDrafter
     from services.verifier.engine import SpecEngine
-    from services.verifier.worker import default_params
 
     target, service = tiny
     prompts = {"a": [5, 9, 17, 33], "b": [40, 3, 77, 8, 91, 12], "c": [100, 101]}
@@ -217,11 +216,10 @@ def test_greedy_output_is_unchanged_under_the_schedule(tiny, drafter):
     config = VerifierWorkerConfig(tree_schedule="1:12x4,2:6x2,3:2x1", max_running=3)
     engine = SpecEngine(target, spy, max_draft_depth=8, policy=FixedPolicy(schedule=parse_tree_schedule(config.tree_schedule)))
     sent: list = []
-    worker = VerifierWorker(engine, verifier_info(128), config, send=lambda ident, msg: sent.append(msg),
-                            params=default_params)
+    worker = VerifierWorker(engine, verifier_info(128), config, send=lambda ident, msg: sent.append(msg))
     for rid, prompt in prompts.items():
-        worker.post(b"gw", p.Generate(rid, prompt, p.SamplingSpec(max_tokens=lengths[rid], ignore_eos=True),
-                                      p.SpecSpec(method="dartree-pruned")))
+        worker.post(b"gw", p.Generate(rid, prompt, p.SamplingParams(max_tokens=lengths[rid], ignore_eos=True),
+                                      p.SpecParams(method="dartree-pruned")))
     for _ in range(500):
         worker.run_once(idle_timeout=0)
         if {m.request_id for m in sent if isinstance(m, p.RoundChunk) and m.finish_reason} == set(prompts):

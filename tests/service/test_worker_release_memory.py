@@ -10,12 +10,12 @@ from services import protocol as p
 from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
 from tests.doubles import FakeEngine
 
-from .fakes import fake_params, verifier_info
+from .fakes import verifier_info
 
 
 def _worker(engine, idle_s: float = 0.0):
     calls, sent = [], []
-    worker = VerifierWorker(engine, verifier_info(400), VerifierWorkerConfig(), params=fake_params,
+    worker = VerifierWorker(engine, verifier_info(400), VerifierWorkerConfig(),
                             send=lambda identity, msg: sent.append(msg),
                             release_memory=lambda: calls.append(len(worker._running) + len(worker._waiting)),
                             release_idle_s=idle_s)
@@ -23,7 +23,7 @@ def _worker(engine, idle_s: float = 0.0):
 
 
 def _gen(rid: str) -> p.Generate:
-    return p.Generate(rid, [5, 6], p.SamplingSpec(max_tokens=16), p.SpecSpec())
+    return p.Generate(rid, [5, 6], p.SamplingParams(max_tokens=16), p.SpecParams())
 
 
 def test_memory_is_released_once_when_the_last_request_leaves():

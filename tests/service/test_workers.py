@@ -17,12 +17,13 @@ from gateway.engine_client import EngineError, ZmqEngineClient
 from services import protocol as p
 from services.drafter.worker import DrafterWorker, drafter_info
 from services.ipc_pool import FrameTransport
+from services.spec import TreeKnobs
 from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
 from services.wire import ServerIO, decode, encode, new_epoch
 
 from tests.doubles import FakeDrafterService, FakeEngine
 
-from .fakes import fake_params, verifier_info
+from .fakes import verifier_info
 
 
 @pytest.fixture
@@ -53,7 +54,7 @@ def running_verifier(sockdir, engine, **cfg):
     ctx = zmq.Context()
     endpoint = f"ipc://{sockdir}/verifier.sock"
     config = VerifierWorkerConfig(**cfg)
-    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), config, params=fake_params)
+    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), config)
     io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
                   on_error=lambda r: worker.metrics.ipc_errors.labels("gateway").inc(), inbox=worker.inbox,
                   refuse=lambda reason: p.HelloAck(p.PROTOCOL_VERSION, False, worker.info, reason))
@@ -75,7 +76,7 @@ async def connected_client(endpoint, **kw) -> ZmqEngineClient:
 
 
 def gen(rid: str, prompt=(5, 6), max_tokens: int = 16) -> p.Generate:
-    return p.Generate(rid, list(prompt), p.SamplingSpec(max_tokens=max_tokens), p.SpecSpec())
+    return p.Generate(rid, list(prompt), p.SamplingParams(max_tokens=max_tokens), p.SpecParams())
 
 
 # ----------------------------------------------------------------------------------------- verifier
@@ -318,7 +319,7 @@ def drafter_client(endpoint, timeout_s=5.0, **kw):
 
 
 def _spec(method="dartree-pruned", budget=3):
-    return p.SpecSpec(method=method, budget=budget)
+    return p.SpecParams(method=method, budget=budget)
 
 
 def _job(request_id, committed_ids, features, root_token, start, spec, max_depth=None):
@@ -436,7 +437,8 @@ def test_drafter_views_received_feature_frames_without_copying():
     feats = [torch.arange(16.0).view(2, 8), torch.ones(1, 8)]
     metas, frames = transport.pack(feats)
     frames = [bytes(f) for f in frames]  # the received frames
-    jobs = [p.DraftRequest(f"r{i}", 1, [1] * len(f), m, 1, len(f), _spec()) for i, (f, m) in enumerate(zip(feats, metas))]
+    jobs = [p.DraftRequest(f"r{i}", 1, [1] * len(f), m, 1, len(f), "dartree-pruned",
+                           TreeKnobs(3, 12, -0.2, 64)) for i, (f, m) in enumerate(zip(feats, metas))]
     worker.handle(b"v", decode(encode(p.DraftBatch(jobs), frames)))
     for got, want, frame in zip(service.seen, feats, frames):
         assert torch.equal(got, want)
@@ -499,7 +501,7 @@ def test_overlap_schedule_alternates_two_balanced_groups():
 
     def worker(overlap):
         w = VerifierWorker(FakeEngine(), verifier_info(400, epoch=new_epoch()),
-                           VerifierWorkerConfig(drafter_endpoint="none", overlap=overlap), params=fake_params)
+                           VerifierWorkerConfig(drafter_endpoint="none", overlap=overlap))
         for rid in "abcde":
             w._running[rid] = _Entry(b"", gen(rid), 0.0, "dartree-pruned")
             w._order.append(rid)
@@ -661,8 +663,7 @@ def test_drafter_verdicts_keep_the_verifier_ready_and_reach_engine_and_gauge():
         return worker.metrics.registry.get_sample_value(DRAFTER_UP)
 
     engine = FakeEngine()
-    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), VerifierWorkerConfig(),
-                            params=fake_params, drafter_ping=lambda: True)
+    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), VerifierWorkerConfig(), drafter_ping=lambda: True)
     assert gauge(worker) == 1 and worker.status().ready and worker.status().detail == ""
     worker.on_drafter_heartbeat(False, "the drafter did not answer 2 pings within 1 s each")
     pong = worker.status()
@@ -670,6 +671,5 @@ def test_drafter_verdicts_keep_the_verifier_ready_and_reach_engine_and_gauge():
     assert gauge(worker) == 0 and engine.drafter_up == [False]
     worker.on_drafter_heartbeat(True, "")
     assert worker.status().detail == "" and gauge(worker) == 1 and engine.drafter_up == [False, True]
-    alone = VerifierWorker(FakeEngine(), verifier_info(400, epoch=new_epoch()), VerifierWorkerConfig(),
-                           params=fake_params)
+    alone = VerifierWorker(FakeEngine(), verifier_info(400, epoch=new_epoch()), VerifierWorkerConfig())
     assert gauge(alone) == 0

@@ -8,7 +8,8 @@ import torch
 
 from services.testing import greedy_reference, tiny_target
 from services.training.datagen import generate_engine
-from services.verifier.engine import EngineConfig, SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import EngineConfig, SpecEngine
 
 
 def _shards(seed: int = 0, n_shards: int = 4, per: int = 3, vocab: int = 128):

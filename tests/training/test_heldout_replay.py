@@ -13,7 +13,8 @@ from services.testing import tiny_drafter, tiny_service, tiny_target
 from services.training.heldout import HeldoutTurn, greedy_turns, replayed_tau
 from services.training.train import build_args, run
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import SpecEngine
 
 V = 24
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from services.generate import build_inprocess
-from services.verifier.engine import SamplingParams, SpecParams
+from services.params import SamplingParams, SpecParams
 
 TEXT = ("A hash table stores keys in buckets chosen by a hash function; when two keys land in the same "
         "bucket the table resolves the collision by chaining or by open addressing. ")

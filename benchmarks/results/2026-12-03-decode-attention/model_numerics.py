@@ -17,7 +17,7 @@ import torch
 from services.generate import build_inprocess
 from services.tree.batch import causal_segment
 from services.verifier import attention as A
-from services.verifier.engine import SamplingParams, SpecParams
+from services.params import SamplingParams, SpecParams
 
 TEXT = ("A hash table stores keys in buckets chosen by a hash function; when two keys land in the same "
         "bucket the table resolves the collision by chaining or by open addressing. ")

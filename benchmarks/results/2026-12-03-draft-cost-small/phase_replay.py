@@ -18,7 +18,7 @@ from services.drafter.model import load_drafter
 from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
 from services.replay import replay_rounds
 from services.training.heldout import greedy_turns
-from services.verifier.engine import SpecParams
+from services.params import SpecParams
 from services.verifier.target import TargetModel
 from services.weights import compute_dtype, drafter_dtype
 

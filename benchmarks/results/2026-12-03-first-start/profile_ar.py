@@ -40,7 +40,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from services.generate import build_inprocess, encode
-    from services.verifier.engine import SamplingParams, SpecParams
+    from services.params import SamplingParams, SpecParams
 
     engine, tok, _ = build_inprocess(None, None, torch.bfloat16, weights="q4", spec_policy="fixed")
     ids = encode(tok, "Write a short story about a lighthouse keeper who finds a message in a bottle.", True)

@@ -15,7 +15,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]
 torch.set_num_threads(int(sys.argv[1]))
 from services.generate import build_inprocess
 from services.weights import compute_dtype
-from services.verifier.engine import SamplingParams, SpecParams
+from services.params import SamplingParams, SpecParams
 engine, tok, _ = build_inprocess(None, None, compute_dtype("q4"), weights="q4", compile=sys.argv[2] == "c")
 run = engine.runner
 inner = run._lean_call if run.compiled else run.lean

@@ -37,7 +37,7 @@ def target_forward():
     # a one-row ar forward of another request: use the engine
 warm, cold = [], []
 # cold: a full ar step of another request between drafts
-from services.verifier.engine import SamplingParams, SpecParams
+from services.params import SamplingParams, SpecParams
 engine.add_request("bg", prompts[3], SamplingParams(max_tokens=400, ignore_eos=True), SpecParams("ar"))
 engine.step_batch(["bg"])
 for i in range(60):

@@ -54,7 +54,7 @@ for rep in range(int(sys.argv[1]) if len(sys.argv) > 1 else 6):
         print(name, round(r["ms_per_token"], 3), round(r["forward_ms"][1], 3), flush=True)
 for name, v in res.items():
     print(name, "median ms/token", round(statistics.median(x for x, _ in v), 3), "median forward", round(statistics.median(f for _, f in v), 3))
-from services.verifier.engine import SamplingParams, SpecParams
+from services.params import SamplingParams, SpecParams
 def tokens(fn, rid):
     R._slot_attention_eager = fn
     engine.add_request(rid, ids, SamplingParams(max_tokens=64, ignore_eos=True), SpecParams("ar"))

@@ -18,7 +18,8 @@ from services.replay import replay_rounds
 from services.training.heldout import greedy_turns
 from services.verifier.build import build_engine, make_runner, time_forward
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import EngineConfig, SpecParams
+from services.params import SpecParams
+from services.verifier.engine import EngineConfig
 from services.verifier.target import TargetModel
 tdir = resolve_target(None)
 prompts = _prompts(tdir, ["gsm8k"], 3)

@@ -15,7 +15,7 @@ import torch
 from benchmarks.bench_step import PROMPT, engine_stats
 from services.generate import build_inprocess, encode
 from services.verifier import native
-from services.verifier.engine import SamplingParams, SpecParams
+from services.params import SamplingParams, SpecParams
 from services.weights import compute_dtype
 
 torch.set_num_threads(2)
