@@ -17,7 +17,8 @@ from services.models.architectures import (SERVED, UnsupportedArchitecture, chec
                                            served_context)
 from services.testing import greedy_reference, tiny_drafter, tiny_service
 from services.verifier.drafter_client import InprocDrafterClient
-from services.verifier.engine import SamplingParams, SpecEngine, SpecParams
+from services.params import SamplingParams, SpecParams
+from services.verifier.engine import SpecEngine
 from services.verifier.target import TargetModel
 
 from tests.doubles import OracleDrafter

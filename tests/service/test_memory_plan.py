@@ -145,14 +145,14 @@ def test_a_drafter_out_of_memory_is_a_metric_and_a_readiness_detail():
     from services.verifier.worker import VerifierWorker
     from tests.doubles import FakeEngine
 
-    from .fakes import fake_params, verifier_info
+    from .fakes import verifier_info
 
     oom = DrafterError("drafter: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
     engine = FakeEngine(fail_on_step=1, fail_with=oom)
     sent = []
-    worker = VerifierWorker(engine, verifier_info(400), VerifierWorkerConfig(), params=fake_params,
+    worker = VerifierWorker(engine, verifier_info(400), VerifierWorkerConfig(),
                             send=lambda identity, msg: sent.append(msg))
-    worker.post(b"c", p.Generate("a", [5, 6], p.SamplingSpec(max_tokens=4), p.SpecSpec()))
+    worker.post(b"c", p.Generate("a", [5, 6], p.SamplingParams(max_tokens=4), p.SpecParams()))
     for _ in range(3):
         worker.run_once(idle_timeout=0.01)
     errors = [m for m in sent if isinstance(m, p.RequestError)]
@@ -170,6 +170,7 @@ def test_the_drafter_counts_its_out_of_memory_drafts_and_says_so_in_the_reply():
     from services.drafter.worker import DrafterWorker
     from services.ipc_pool import FrameTransport
     from services.metrics import DRAFTER_ERRORS, DRAFTER_OUT_OF_MEMORY
+    from services.spec import TreeKnobs
     from services.wire import decode, encode
     from tests.doubles import FakeDrafterService
 
@@ -181,7 +182,7 @@ def test_the_drafter_counts_its_out_of_memory_drafts_and_says_so_in_the_reply():
     worker = DrafterWorker(OutOfMemoryService(), p.PeerInfo(role="drafter", epoch="d", vocab_size=400), transport,
                            send=lambda identity, msg, frames=(): replies.append(msg))
     metas, frames = transport.pack([torch.ones(2, 8)])
-    job = p.DraftRequest("a", 1, [1, 1], metas[0], 2, 2, p.SpecSpec(method="dartree-pruned", budget=3))
+    job = p.DraftRequest("a", 1, [1, 1], metas[0], 2, 2, "dartree-pruned", TreeKnobs(3, 12, -0.2, 64))
     worker.inbox.put((b"v", decode(encode(p.DraftBatch([job]), [bytes(f) for f in frames]))))
     worker.run_once(timeout=1)
     assert [r.error for r in replies] == ["OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"]
