@@ -211,3 +211,11 @@ class DrafterLink:
         self.discard(req)
         if req.method.drafts and req.decoding:
             self.drafter.release(rid)
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when it spans its whole storage, else a copy: a prompt chunk's ``[n, F]``
+    features are a slice of its step's ``[R, F]`` features, which the slice would keep alive
+    (every request of the step until each has finished its prefill)."""
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole and t.is_contiguous() else t.clone()

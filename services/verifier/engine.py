@@ -28,7 +28,7 @@ from services.tree.batch import Segment, causal_segment
 from services.tree.grammar import GrammarState
 from services.verifier import prefix_cache
 from services.verifier.drafter_client import DraftJob, DrafterClient
-from services.verifier.drafts import DrafterLink
+from services.verifier.drafts import DrafterLink, owned
 from services.verifier.policy import Drafted, FixedPolicy
 from services.verifier.requests import RequestState, RoundOutput, StepStats, commit_prefill, commit_round
 from services.verifier.runner import ModelRunner
@@ -96,12 +96,6 @@ class _Planned:
     drafted: bool = False              # the drafter was called (or its overlapped draft collected)
     skipped: bool = False              # the plan gave a drafting method a plain round
     predicted_tau: float | None = None
-
-
-def round_info(rid: str, req: RequestState, can_draft: bool, owed: int) -> RoundInfo:
-    """A decoding request as the policy sees it."""
-    return RoundInfo(rid, req.method, req.sampling.temperature, can_draft=can_draft,
-                     explicit_budget=req.spec.budget is not None, owed=owed, remaining=req.remaining)
 
 
 class SpecEngine:
@@ -294,7 +288,7 @@ class SpecEngine:
                 continue
             can, owed = self.drafts.can_draft(req), len(req.drafts.ctx_ids)
             out.append(Candidate(rid, req.slot, len(req.prompt_ids), req.prefilled, can, owed,
-                                 info=round_info(rid, req, can, owed) if req.decoding else None, spec=req.spec,
+                                 info=req.round_info(rid, can, owed) if req.decoding else None, spec=req.spec,
                                  depth=self.draft_depth(req.start), tree=req.method.is_tree,
                                  in_flight=req.drafts.pending_knobs if req.drafts.pending is not None else None))
         return out
@@ -328,7 +322,7 @@ class SpecEngine:
         """
         t_step = time.perf_counter()
         reqs = {e.rid: self._reqs[e.rid] for e in plan.entries}
-        infos = {e.rid: round_info(e.rid, reqs[e.rid], e.can_draft, e.owed) for e in plan.decodes}
+        infos = {e.rid: reqs[e.rid].round_info(e.rid, e.can_draft, e.owed) for e in plan.decodes}
         results: dict[str, RoundOutput | BaseException | None] = {}
         t_sub = time.perf_counter()
         self._submit_drafts(plan, reqs)
@@ -481,7 +475,7 @@ class SpecEngine:
         self.runner.cache.extend(req.slot, n)
         req.prefilled += n
         if self.drafter is not None:
-            req.drafts.chunk_feats.append(_owned(feats))
+            req.drafts.chunk_feats.append(owned(feats))
         req.prefill_seconds += item.timings["verify"]
         if not item.final_chunk:
             return None
@@ -510,11 +504,3 @@ class SpecEngine:
                 yield out
                 if out.finish_reason is not None:
                     return
-
-
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when it spans its whole storage, else a copy: a prompt chunk's ``[n, F]``
-    features are a slice of its step's ``[R, F]`` features, which the slice would keep alive
-    (every request of the step until each has finished its prefill)."""
-    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    return t if whole and t.is_contiguous() else t.clone()

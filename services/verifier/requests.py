@@ -22,6 +22,7 @@ from services.spec import Method
 from services.tree import walk
 from services.verifier.drafts import DraftOutbox
 from services.verifier.sampling import Sampler, TokenLogprobs
+from services.verifier.scheduler import RoundInfo
 
 
 @dataclass
@@ -135,6 +136,11 @@ class RequestState:
     def remaining(self) -> int:
         """Tokens it may still emit."""
         return self.sampling.max_tokens - self.generated
+
+    def round_info(self, rid: str, can_draft: bool, owed: int) -> RoundInfo:
+        """The request as the policy sees it in a decode round."""
+        return RoundInfo(rid, self.method, self.sampling.temperature, can_draft=can_draft,
+                         explicit_budget=self.spec.budget is not None, owed=owed, remaining=self.remaining)
 
 
 def commit_tokens(req: RequestState, tokens: list[int], eos_token_ids) -> tuple[list[int], str | None]:
