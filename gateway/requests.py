@@ -117,13 +117,7 @@ class RequestBuilder:
         stop = req.stop_list()
         check_stop(stop)
         logprobs = requested_logprobs(req)
-        if req.stream_options is not None and not req.stream:
-            raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options",
-                           "invalid_value")
-        opts = req.stream_options
-        if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
-            raise ApiError(400, "'stream_options.continuous_usage_stats' requires 'include_usage': true",
-                           "stream_options.continuous_usage_stats", "invalid_value")
+        opts = self._stream_options(req)
         self._check_choices(req.n)
         plan, grammar = self._structured(req)
         ready, why = self.readiness() if ready is None else ready
@@ -131,6 +125,32 @@ class RequestBuilder:
             raise ApiError(503, f"the server is not ready: {why}", None, "service_unavailable")
         prompt_ids, prompt_text = self._prompt(req, plan)
         max_tokens = self._max_tokens(req, len(prompt_ids), "messages" if kind == "chat" else "prompt")
+        sampling, spec = self._params(req, max_tokens, logprobs, grammar)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return Prepared(kind=kind, response_id=f"{prefix}-{log_id}", model=self.model_name,
+                        gen=Generate(f"{log_id}-{uuid.uuid4().hex[:8]}", prompt_ids, sampling, spec),
+                        prompt_text=prompt_text, stop=stop, echo=bool(getattr(req, "echo", False)),
+                        stream=req.stream, include_usage=bool(opts and opts.include_usage),
+                        return_token_ids=req.return_token_ids, arrival=arrival,
+                        continuous_usage=bool(opts and opts.continuous_usage_stats), n=req.n, tools=plan)
+
+    @staticmethod
+    def _stream_options(req):
+        """``stream_options``, only with ``stream`` and ``continuous_usage_stats`` only with
+        ``include_usage`` (a 400 naming the field otherwise)."""
+        opts = req.stream_options
+        if opts is not None and not req.stream:
+            raise ApiError(400, "'stream_options' is only allowed with 'stream': true", "stream_options",
+                           "invalid_value")
+        if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
+            raise ApiError(400, "'stream_options.continuous_usage_stats' requires 'include_usage': true",
+                           "stream_options.continuous_usage_stats", "invalid_value")
+        return opts
+
+    def _params(self, req, max_tokens: int, logprobs: int | None, grammar: str | None
+                ) -> tuple[SamplingParams, SpecParams]:
+        """The request's :class:`SamplingParams` and :class:`SpecParams`, range-checked by their
+        ``check()`` (a :class:`ParamError` is a 400 naming its field)."""
         sampling = self._sampling(
             req, max_tokens=max_tokens,
             temperature=self.config.default_temperature if req.temperature is None else req.temperature,
@@ -143,13 +163,7 @@ class RequestBuilder:
             spec.check()
         except ParamError as exc:
             raise ApiError(400, str(exc), exc.param, "invalid_value") from None
-        prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return Prepared(kind=kind, response_id=f"{prefix}-{log_id}", model=self.model_name,
-                        gen=Generate(f"{log_id}-{uuid.uuid4().hex[:8]}", prompt_ids, sampling, spec),
-                        prompt_text=prompt_text, stop=stop, echo=bool(getattr(req, "echo", False)),
-                        stream=req.stream, include_usage=bool(opts and opts.include_usage),
-                        return_token_ids=req.return_token_ids, arrival=arrival,
-                        continuous_usage=bool(opts and opts.continuous_usage_stats), n=req.n, tools=plan)
+        return sampling, spec
 
     @staticmethod
     def _sampling(req, **given) -> SamplingParams:
