@@ -42,7 +42,8 @@ from services.params import (MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 # is gone (the verifier owns the tree defaults; every draft job carries resolved knobs); v6:
 # SamplingSpec.grammar (structured output and tool calls); v7: RoundChunk.stop_token_id; v8: Generate
 # carries services.params' SamplingParams / SpecParams (ranges checked by their check(), not on
-# decode), a DraftRequest its method and its TreeKnobs (SamplingSpec / SpecSpec are gone)
+# decode), a DraftRequest its method and its TreeKnobs (SamplingSpec / SpecSpec are gone), PeerInfo
+# its build's WIRE_SCHEMA (a change of a message's layout is refused at handshake without a bump)
 PROTOCOL_VERSION = 8
 
 LOGPROB_FLOOR = -9999.0     # logprobs are clamped to [LOGPROB_FLOOR, 0] (finite, JSON-safe; vLLM's floor)
@@ -149,6 +150,11 @@ class PeerInfo(Struct, **_opts()):
     device: ShortStr = ""                   # "cpu", "cuda:0", ...
     pool: PoolHandle | None = None          # this peer's CUDA-IPC send pool
     context_bytes: NonNeg = 0               # drafter: device bytes its context takes a position (0 = unknown)
+    wire_schema: ShortStr = ""              # v8: WIRE_SCHEMA of the sender's build ("" on init: this build's)
+
+    def __post_init__(self) -> None:
+        if not self.wire_schema:
+            self.wire_schema = WIRE_SCHEMA
 
 
 # ----------------------------------------------------------------------------------------- messages
@@ -297,6 +303,17 @@ MESSAGE_CLASSES: dict[MessageType, type[Struct]] = {
 }
 MESSAGE_TYPES: dict[type[Struct], MessageType] = {cls: t for t, cls in MESSAGE_CLASSES.items()}
 
+
+def wire_schema(classes) -> str:
+    """A 16-hex-digit digest of the layout of ``classes`` (msgspec structs: their JSON schema)."""
+    return hashlib.sha256(msgspec.json.encode(msgspec.json.schema_components(tuple(classes)))).hexdigest()[:16]
+
+
+# WIRE_SCHEMA: a digest of every message's layout (fields, types, bounds; services.params' structs
+# and TreeKnobs included), compared at handshake (check_compatible): two builds whose messages differ refuse each
+# other even when nobody bumped PROTOCOL_VERSION (a new request option is a new SamplingParams field).
+WIRE_SCHEMA = wire_schema(MESSAGE_CLASSES.values())
+
 # Largest msgpack body accepted per type (tensor frames are bounded separately by Limits).
 MAX_BODY_BYTES: dict[MessageType, int] = {t: 64 * 1024 for t in MessageType}
 MAX_BODY_BYTES[MessageType.GENERATE] = 8 * 1024 * 1024      # a prompt of up to ~1M token ids
@@ -311,10 +328,11 @@ MAX_TENSOR_FRAMES[MessageType.DRAFT_BATCH] = MAX_BATCH_JOBS
 def check_compatible(local: PeerInfo, remote: PeerInfo) -> str | None:
     """First reason two peers cannot serve together, or ``None`` when they can.
 
-    Compared when both sides know the value: tokenizer hash, vocab size, EOS and special ids,
-    block size and feature width.
+    Compared when both sides know the value: the wire layout (:data:`WIRE_SCHEMA`), tokenizer
+    hash, vocab size, EOS and special ids, block size and feature width.
     """
     checks = [
+        ("wire schema", local.wire_schema, remote.wire_schema, ""),
         ("tokenizer hash", local.tokenizer_hash, remote.tokenizer_hash, ""),
         ("vocab size", local.vocab_size, remote.vocab_size, 0),
         ("eos token id", local.eos_token_id, remote.eos_token_id, -1),

@@ -231,3 +231,20 @@ def test_a_supervisors_runtime_dir_left_by_a_killed_one_is_removed(tmp_path, mon
     finally:
         live.kill()
         live.wait()
+
+
+def test_the_wire_schema_follows_the_messages_layout_and_mismatched_builds_are_refused():
+    """A new request option (a SamplingParams field) changes WIRE_SCHEMA; peers of builds whose
+    layouts differ refuse each other at handshake, with no PROTOCOL_VERSION bump needed."""
+
+    class WithTypicalP(p.SamplingParams):
+        typical_p: float = 1.0
+
+    assert p.wire_schema([p.SamplingParams]) != p.wire_schema([WithTypicalP])
+    assert p.wire_schema([p.SamplingParams]) == p.wire_schema([p.SamplingParams])
+    mine = p.PeerInfo(role="gateway", epoch="g")
+    assert mine.wire_schema == p.WIRE_SCHEMA
+    assert decode(encode(p.Hello(p.PROTOCOL_VERSION, mine))).msg.info.wire_schema == p.WIRE_SCHEMA
+    other = p.PeerInfo(role="verifier", epoch="v", wire_schema="0123456789abcdef")
+    assert p.check_compatible(mine, other).startswith("wire schema mismatch")
+    assert p.check_compatible(mine, p.PeerInfo(role="verifier", epoch="v")) is None
