@@ -279,7 +279,7 @@ def record(a) -> dict:
     from services.drafter.model import load_drafter
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.training.heldout import greedy_turns
-    from services.verifier.engine import SpecParams
+    from services.params import SpecParams
     from services.verifier.target import TargetModel
 
     tdir = resolve_target(None)
