@@ -203,6 +203,23 @@ class _ReqState:
     pending: deque = field(default_factory=deque)  # [tree, continuation] waiting for labels
 
 
+def _check_goodput_args(defaults: TreeKnobs, max_budget: int | None, explore_every: int, forecast_trees: int,
+                        widen_every: int, explore_fraction: float) -> None:
+    """:class:`GoodputPolicy`'s argument ranges (ValueError: one line naming the first bad one)."""
+    if not defaults.is_resolved():
+        raise ValueError(f"the default tree knobs must all be set (got {defaults})")
+    if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
+        raise ValueError(f"max_budget must be in [1, {MAX_BUDGET}] (got {max_budget})")
+    if explore_every < 1:
+        raise ValueError(f"explore_every must be >= 1 (got {explore_every})")
+    if forecast_trees < 1:
+        raise ValueError(f"forecast_trees must be >= 1 (got {forecast_trees})")
+    if widen_every < 0:
+        raise ValueError(f"widen_every must be >= 0 (got {widen_every})")
+    if not 0 <= explore_fraction <= 1:
+        raise ValueError(f"explore_fraction must be in [0, 1] (got {explore_fraction})")
+
+
 class GoodputPolicy:
     """Per step, choose each request's budget (0 = plain decoding) to maximise tokens / second.
 
@@ -268,18 +285,7 @@ class GoodputPolicy:
                  optimism: float = 0.5, explore_fraction: float = 0.01, schedule: TreeSchedule | None = None,
                  defaults: TreeKnobs = DEFAULT_KNOBS, forecast_trees: int = 64, widen_every: int = 4,
                  store=None, save_every: int = 64, probe: bool = True, probe_window: int = 64):
-        if not defaults.is_resolved():
-            raise ValueError(f"the default tree knobs must all be set (got {defaults})")
-        if max_budget is not None and not 1 <= max_budget <= MAX_BUDGET:
-            raise ValueError(f"max_budget must be in [1, {MAX_BUDGET}] (got {max_budget})")
-        if explore_every < 1:
-            raise ValueError(f"explore_every must be >= 1 (got {explore_every})")
-        if forecast_trees < 1:
-            raise ValueError(f"forecast_trees must be >= 1 (got {forecast_trees})")
-        if widen_every < 0:
-            raise ValueError(f"widen_every must be >= 0 (got {widen_every})")
-        if not 0 <= explore_fraction <= 1:
-            raise ValueError(f"explore_fraction must be in [0, 1] (got {explore_fraction})")
+        _check_goodput_args(defaults, max_budget, explore_every, forecast_trees, widen_every, explore_fraction)
         self.schedule, self.defaults, self._running = schedule, defaults, 1
         self.cost = cost or StepCostModel()
         self.cal = calibrator or AcceptanceCalibrator()
@@ -541,20 +547,39 @@ class GoodputPolicy:
             num_running: requests holding state (the schedule's pick).
         """
         self._running = num_running
-        c = self.cost
         o, e = self._overheads(len(rounds))  # e: a drafted round's own work in the step, beyond its drafter call
+        forced_s, curves, held, sized = self._triage(rounds, e)
+        n = len(rounds)
+        best_m, best_k, pool = self._best_drafting(curves, n, forced_s, o * n, extra_rows)
+        drafting = {rid for _, rid, _, _ in curves[:best_m]}
+        self._skip = {rid for _, rid, _, _ in curves if rid not in drafting} | held
+        pool = sorted((x for x in pool if x[1] in drafting), key=lambda x: -x[0])[:best_k]
+        self._plan = {rid: max(sum(1 for _, r in pool if r == rid), 1) for rid in drafting} | sized
+        self._sized = set(sized)
+
+    def _enter(self, r: RoundInfo) -> _ReqState:
+        """The request's state, its regime set; a new request takes its regime's exploration state."""
+        st = self._state(r.rid)
+        st.regime = f"{r.method}:{regime_of(r.temperature)}"  # one calibration table per method and regime
+        if st.fresh:
+            st.fresh = False
+            st.interval = self._regime_interval.get(st.regime, self.explore_every)
+            st.since_draft = self._regime_since.get(st.regime, 0)
+        return st
+
+    def _triage(self, rounds: list[RoundInfo], e: float) -> tuple[float, list, set[str], dict[str, int]]:
+        """Each round's way into the step (:meth:`begin_step`): ``(forced_s, curves, held, sized)``:
+        the seconds of the drafts made regardless of the forecast (explicit budget, no forecast yet,
+        exploration, probe); ``(gain, rid, forecast curve, drafter seconds)`` of the others, largest
+        gain first; the requests held plain; each exploration's budget."""
+        c = self.cost
         forced_s, planned, self._unforecast = 0.0, 0.0, 0
         pays_here: bool | None = None  # whether any tree could pay at this batch size (once, when needed)
         curves: list[tuple[float, str, list[float], float]] = []
         held: set[str] = set()  # not drafted yet and no probe due: plain (no catch-up paid)
         sized: dict[str, int] = {}  # the drafting budget of each exploration (explore_budget)
         for r in rounds:
-            st = self._state(r.rid)
-            st.regime = f"{r.method}:{regime_of(r.temperature)}"  # one calibration table per method and regime
-            if st.fresh:
-                st.fresh = False
-                st.interval = self._regime_interval.get(st.regime, self.explore_every)
-                st.since_draft = self._regime_since.get(st.regime, 0)
+            st = self._enter(r)
             if not r.can_draft:
                 continue
             forecast = self.forecast(st.regime, r.rid)
@@ -579,11 +604,17 @@ class GoodputPolicy:
                 if explore and st.probed:                # an exploration of a request that has drafted: a small
                     sized[r.rid] = self.explore_budget(forecast)  # tree suffices (its first draft stays whole)
                 continue
-            curve = forecast
-            curves.append((sum(curve), r.rid, curve, c.draft_cost(min(r.owed, 1)) + e))
+            curves.append((sum(forecast), r.rid, forecast, c.draft_cost(min(r.owed, 1)) + e))
         curves.sort(key=lambda x: -x[0])
-        n = len(rounds)
-        per_req = o * n
+        return forced_s, curves, held, sized
+
+    def _best_drafting(self, curves: list, n: int, forced_s: float, per_req: float,
+                       extra_rows: int) -> tuple[int, int, list[tuple[float, str]]]:
+        """``(m, k, pool)``: the first m requests of ``curves`` draft on their forecast; k nodes of
+        their pooled forecasts are expected to be verified; ``pool``: every curve's nodes as (P, rid),
+        most likely first. m and k maximise the step's expected tokens per predicted second
+        (``forced_s``: the drafts made regardless; ``per_req``: the per-request overheads;
+        ``extra_rows``: the step's prompt-chunk rows)."""
         best_m, best_ratio, best_k = 0, -1.0, 0
         pool: list[tuple[float, str]] = []
         draft_s = forced_s
@@ -594,11 +625,7 @@ class GoodputPolicy:
             k, g, t = self._best_prefix(float(n), n, [p for p, _ in pool], draft_s + per_req, extra_rows)
             if t > 0 and g / t > best_ratio + 1e-12:
                 best_m, best_ratio, best_k = m, g / t, k
-        drafting = {rid for _, rid, _, _ in curves[:best_m]}
-        self._skip = {rid for _, rid, _, _ in curves if rid not in drafting} | held
-        pool = sorted((x for x in pool if x[1] in drafting), key=lambda x: -x[0])[:best_k]
-        self._plan = {rid: max(sum(1 for _, r in pool if r == rid), 1) for rid in drafting} | sized
-        self._sized = set(sized)
+        return best_m, best_k, pool
 
     def draft_knobs(self, rid: str, spec) -> TreeKnobs | None:
         """``None`` (plain round, no drafter call) for a request :meth:`begin_step` left out; else the
@@ -637,6 +664,34 @@ class GoodputPolicy:
         budgets keep the whole tree.
         """
         c = self.cost
+        gain0, rows0, cands, orders, probs, explicit = self._select_candidates(items)
+        o, e = self._overheads(len(items))
+        # drafter calls made count at the steady price: a catch-up's seconds in the bar made a probe's
+        # nodes look cheap (its 300-token catch-up is ~4 steps; at c = 4 it verified rows that cost more)
+        fixed_s = sum(c.draft_cost(min(d.info.owed, 1)) + e for d in items if d.drafted) + o * len(items)
+        k, _, seconds = self._best_prefix(gain0, rows0, [p for p, _, _ in cands], fixed_s)
+        chosen = {rid: (probs[rid].numel() if rid in explicit else 0) for rid in orders}
+        for _, _, rid in cands[:k]:
+            chosen[rid] += 1
+        self._back_off(items, chosen, probs, rows0 + k, gain0 + sum(p for p, _, _ in cands[:k]), seconds, e)
+        self._predicted = seconds
+        out = {}
+        for d in items:
+            rid = d.info.rid
+            if rid not in orders:
+                out[rid] = Selection(DraftTree.empty(), 0, 1.0)
+                continue
+            b = chosen[rid]
+            tau = 1.0 + float(probs[rid][:b].sum())
+            out[rid] = Selection(truncate_tree(d.tree, orders[rid], b), b, tau)
+        return out
+
+    def _select_candidates(self, items: list[Drafted]) -> tuple:
+        """``(gain0, rows0, cands, orders, probs, explicit)`` of :meth:`select`: the gain and rows of
+        the step before any cut node (a row and a token per request, explicit budgets' whole trees),
+        the cut candidates ``(P, index, rid)`` in descending P (a request's own nodes in its order),
+        each tree's node order and sorted P, the requests with an explicit budget. Remembers each
+        drafted tree for the forecast and the labels."""
         gain0, rows0 = float(len(items)), len(items)
         cands: list[tuple[float, int, str]] = []
         orders: dict[str, torch.Tensor] = {}
@@ -661,18 +716,15 @@ class GoodputPolicy:
             for i, p in enumerate(p_sorted[:min(self._cap(), st.budget or self._cap())].tolist()):
                 cands.append((p, i, rid))
         cands.sort(key=lambda x: (-x[0], x[1]))  # a request's own nodes stay in its order (P sorted, ties by i)
-        o, e = self._overheads(len(items))
-        # drafter calls made count at the steady price: a catch-up's seconds in the bar made a probe's
-        # nodes look cheap (its 300-token catch-up is ~4 steps; at c = 4 it verified rows that cost more)
-        fixed_s = sum(c.draft_cost(min(d.info.owed, 1)) + e for d in items if d.drafted) + o * len(items)
-        k, _, seconds = self._best_prefix(gain0, rows0, [p for p, _, _ in cands], fixed_s)
-        chosen = {rid: (probs[rid].numel() if rid in explicit else 0) for rid in orders}
-        for _, _, rid in cands[:k]:
-            chosen[rid] += 1
-        rows = rows0 + k
-        total_gain = gain0 + sum(p for p, _, _ in cands[:k])
-        for d in items:  # exploration back-off: a draft that did not pay for its drafter call doubles the
-            rid = d.info.rid  # interval, one that paid resets it
+        return gain0, rows0, cands, orders, probs, explicit
+
+    def _back_off(self, items: list[Drafted], chosen: dict[str, int], probs: dict, rows: int, total_gain: float,
+                  seconds: float, e: float) -> None:
+        """Exploration back-off: a draft that did not pay for its drafter call doubles its request's
+        interval (and its regime's), one that paid resets it."""
+        c = self.cost
+        for d in items:
+            rid = d.info.rid
             if d.drafted and not d.info.explicit_budget:
                 st = self._state(rid)
                 b = chosen.get(rid, 0)
@@ -681,17 +733,6 @@ class GoodputPolicy:
                 paid = b > 0 and (t <= 0 or g / t >= (total_gain - g) / max(seconds - t, 1e-9))
                 st.interval = self.explore_every if paid else min(2 * st.interval, self.explore_max)
                 self._regime_interval[st.regime] = st.interval
-        self._predicted = seconds
-        out = {}
-        for d in items:
-            rid = d.info.rid
-            if rid not in orders:
-                out[rid] = Selection(DraftTree.empty(), 0, 1.0)
-                continue
-            b = chosen[rid]
-            tau = 1.0 + float(probs[rid][:b].sum())
-            out[rid] = Selection(truncate_tree(d.tree, orders[rid], b), b, tau)
-        return out
 
     # ------------------------------------------------------------------ learning
     def observe_round(self, rid: str, committed: list[int]) -> None:

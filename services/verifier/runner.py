@@ -317,7 +317,11 @@ class ModelRunner:
             self.cache.reserve(self.scratch_slot)
             self.graphs = GraphBuckets(self._make_step, enabled=on_cuda and graphs_enabled(), max_graphs=96,
                                        overflow="eager")
-        lean = not self.graphed and lean_step_enabled() and LeanLlamaStep.supports(target.model)
+        self._set_up_step(target, lean=not self.graphed and lean_step_enabled() and LeanLlamaStep.supports(target.model))
+
+    def _set_up_step(self, target, lean: bool) -> None:
+        """The step's callable: the lean step (a llama target off CUDA graphs), compiled or not, or
+        the model compiled by layer regions; with the native slot attention where it builds."""
         self.lean = None  # unpadded steps of a llama target on CPU: services.verifier.lean_step
         self._lean_call = None  # compiled: the lean step's torch.compile'd pass
         if self.compiled:
