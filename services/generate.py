@@ -137,7 +137,7 @@ def run_generate(a) -> int:
     from services.protocol import served_methods
     from services.weights import resolve_cli_weights
 
-    pair = resolve_pair(a.target, a.drafter, ar_only=a.method == "ar", ar_flag="--method ar",
+    pair = resolve_pair(a.target, a.drafter, ar_only=a.method == Method.AR, ar_flag="--method ar",
                         context_fix="'dartree serve --max-context {limit}' serves it exactly")
     target = str(pair.target_dir) if pair.target_dir is not None else a.target
     ddir = None if pair.drafter == "none" else Path(pair.drafter) if pair.drafter else DEFAULT_DRAFTER_DIR

@@ -641,7 +641,7 @@ def _name_models(args: argparse.Namespace) -> None:
     from services.models.registry import served_name
 
     pair = resolve_pair(args.target, args.drafter, max_context=args.max_context,
-                        ar_only=args.default_method == "ar")
+                        ar_only=args.default_method == Method.AR)
     if pair.note:
         log.info("%s (--default-method ar)", pair.note)
     args.drafter = pair.drafter
