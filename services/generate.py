@@ -137,6 +137,9 @@ def run_generate(a) -> int:
     from services.protocol import served_methods
     from services.weights import resolve_cli_weights
 
+    given = Path(a.drafter) if a.drafter and a.drafter != "none" else None
+    if given is not None and (given / "config.json").is_file():  # before the target is looked for
+        _check_served(a.method, served_methods(drafter_kind(given)), f"drafter: {given}")
     pair = resolve_pair(a.target, a.drafter, ar_only=a.method == Method.AR, ar_flag="--method ar",
                         context_fix="'dartree serve --max-context {limit}' serves it exactly")
     target = str(pair.target_dir) if pair.target_dir is not None else a.target

@@ -467,6 +467,6 @@ def test_cli_q4_without_gguf_is_one_line(tmp_path):
     plain = tmp_path / "plain"
     tiny_causal_lm("llama", hidden_size=64, intermediate_size=128).save_pretrained(plain)
     r = subprocess.run([sys.executable, "-m", "services.cli", "generate", "hi", "--target", str(plain),
-                        "--weights", "q4", "--max-tokens", "2"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                        "--weights", "q4", "--max-tokens", "2", "--method", "ar"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("dartree: error: weights 'q4' need")
