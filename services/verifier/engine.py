@@ -123,7 +123,7 @@ class SpecEngine:
     def __init__(self, target, drafter: DrafterClient | None, config: EngineConfig = EngineConfig(),
                  max_draft_depth: int = 16, drafter_max_position: int | None = None, policy=None,
                  runner: ModelRunner | None = None, grammar_tokenizer=None):
-        self.target, self.drafter = target, drafter
+        self.target = target
         self._grammar_tokenizer = grammar_tokenizer
         self.policy = policy if policy is not None else FixedPolicy()
         if drafter_max_position is None and drafter is not None:
@@ -145,6 +145,15 @@ class SpecEngine:
         self.last_step = StepStats()
         self.drafts = DrafterLink(drafter, self.draft_depth)
         self._next_jobs: list[tuple[RequestState, DraftJob]] = []
+
+    @property
+    def drafter(self) -> DrafterClient | None:
+        """The drafter client (None = AR only); assignable, e.g. to wrap it in a recording proxy."""
+        return self.drafts.drafter
+
+    @drafter.setter
+    def drafter(self, client: DrafterClient | None) -> None:
+        self.drafts.drafter = client
 
     @property
     def drafter_up(self) -> bool:
