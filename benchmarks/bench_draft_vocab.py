@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"bench_draft_vocab: no token counts at {a.counts} (python -m services.training.vocab writes them)")
     torch.set_num_threads(a.threads)
     from services.drafter.model import load_drafter, reduce_draft_vocab
-    from services.drafter.service import DrafterService, borrow_target_io
+    from services.drafter.build import borrow_target_io, build_drafter
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.replay import replay_rounds
     from services.training.heldout import greedy_turns, heldout_prompt_ids
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         d = full if n in (0, full.config.vocab_size) else reduce_draft_vocab(
             full, top_ids(counts, n, target.eos_token_ids, secondary=saved.get("secondary")))
         maps[n] = d.draft_to_target()
-        svc = DrafterService(d, embed, head)  # the requests set --budget / --width themselves
+        svc = build_drafter(d, embed, head)  # the requests set --budget / --width themselves
         engines[n] = build_engine(target, InprocDrafterClient(svc), max_draft_depth=full.config.num_draft_slots,
                                   defaults=TreeKnobs(a.budget, a.width).filled_from(DEFAULT_KNOBS))
     ar = build_engine(target, None, packed_gemm=False)

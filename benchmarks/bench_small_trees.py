@@ -87,15 +87,13 @@ def _engine(target, drafter, dtype, block: int, packed: bool, q4_linears: bool |
     call's budget plus one, ``DrafterService(spare_rows=1)``, the default); ``q4_linears`` and
     ``compile`` (its block forward through ``torch.compile``, warmed up here) as
     :class:`DrafterService` (None = its default)."""
-    from services.drafter.service import DrafterService, borrow_target_io
+    from services.drafter.build import build_drafter
     from services.verifier.build import build_engine
     from services.verifier.drafter_client import InprocDrafterClient
 
-    embed, head = borrow_target_io(target.embed_tokens(), target.lm_head(), dtype)
-    svc = DrafterService(drafter, embed, head, packed_gemm=packed, block_rows=block or None,
-                         spare_rows=1 if block == 0 else None, q4_linears=q4_linears, compile=compile)
-    if compile:
-        svc.warm_up()
+    svc = build_drafter(drafter, target.embed_tokens(), target.lm_head(), dtype, packed_gemm=packed,
+                        block_rows=block or None, spare_rows=1 if block == 0 else None, q4_linears=q4_linears,
+                        compile=compile)
     return build_engine(target, InprocDrafterClient(svc), max_draft_depth=svc.block_rows, packed_gemm=False)
 
 

@@ -102,7 +102,7 @@ def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, 
     """A :class:`SpecEngine` over a random target and a random DFlash + Domino drafter of ``spec``'s
     shape; ``graphs``: its runner pads every step to a bucket and replays CUDA graphs."""
     from services.drafter.model import DFlashDrafter, DrafterConfig
-    from services.drafter.service import DrafterService
+    from services.drafter.build import build_drafter
     from services.spec import default_tree_knobs
     from services.verifier.drafter_client import InprocDrafterClient
     from services.verifier.build import build_engine
@@ -121,8 +121,8 @@ def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, 
                          **spec["drafter"])
     with torch.device(device):
         drafter = DFlashDrafter(dcfg).to(dtype).eval()
-    service = DrafterService(drafter, target.embed_tokens(), target.lm_head(),
-                             description="random weights (gpu_check)", packed_gemm=False)
+    service = build_drafter(drafter, target.embed_tokens(), target.lm_head(),
+                            description="random weights (gpu_check)", packed_gemm=False)
     engine = build_engine(target, InprocDrafterClient(service), EngineConfig(max_running=1, max_context=max_context,
                                                                          cuda_graphs=graphs),
                           max_draft_depth=dcfg.num_draft_slots, defaults=default_tree_knobs(device), packed_gemm=False)

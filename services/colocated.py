@@ -33,7 +33,8 @@ def inproc_drafter(drafter_config, epoch: str):
         ValueError, OSError, RuntimeError: a bad drafter directory or setting (as the drafter
             process raises them; the supervisor reports them as one line).
     """
-    from services.drafter.worker import build_drafter_service, drafter_info
+    from services.drafter.build import build_from_config
+    from services.drafter.worker import drafter_info
     from services.ipc_pool import make_transport
     from services.metrics import DrafterMetrics
     from services.runtime import start_metrics_server
@@ -41,7 +42,7 @@ def inproc_drafter(drafter_config, epoch: str):
     from services.verifier.drafter_client import InprocDrafterClient
 
     with phase("verifier", "drafter loaded (in the verifier process)"):
-        service, target_dir = build_drafter_service(drafter_config)
+        service, target_dir = build_from_config(drafter_config)
     log.info("%s", memory_line("drafter", object_memory_parts(service)))
     info = drafter_info(service, target_dir, epoch, drafter_config.device,
                         make_transport(drafter_config.device, False))

@@ -1,5 +1,10 @@
 """Config dataclasses <-> command line: one ``--field-name`` flag per field, grouped by concern.
 
+A field that holds a config dataclass of its own (the verifier's ``engine``:
+:class:`services.verifier.config.EngineConfig`) is flattened: each of its fields is a flag of its own,
+its default the container's default's value, its help that class's docstring entry; a field with
+``metadata={"flag": False}`` has no flag.
+
 Every flag is also read from ``DARTREE_<FIELD>`` (``DARTREE_MAX_RUNNING=4``); a flag beats the
 variable, and a bad variable is an argparse error like a bad flag (exit 2). Each flag's help is its
 field's entry in the ``Attributes:`` section of the dataclass docstring, followed by the variable's
@@ -14,7 +19,7 @@ import os
 import re
 import types
 import typing
-from dataclasses import fields
+from dataclasses import MISSING, fields, is_dataclass
 
 from services.runtime import DRAFTER_PLACEMENTS, DTYPES, START_METHODS, WEIGHT_CHOICES
 from services.spec import METHODS, POLICIES
@@ -203,27 +208,51 @@ def _help(name: str, doc: str, default) -> str:
     return f"{meaning} (env {_env_var(name)}; default: {shown})".replace("%", "%%")
 
 
+def _is_config(tp) -> bool:
+    """Whether annotation ``tp`` is a config dataclass (a field of that type is flattened)."""
+    return isinstance(tp, type) and is_dataclass(tp)
+
+
+def _default(f, container_default=None):
+    """Field ``f``'s default: its value in ``container_default`` (the enclosing field's default), else
+    its own default (or factory)."""
+    if container_default is not None:
+        return getattr(container_default, f.name)
+    return f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
+
+
+def flag_fields(cls, container_default=None):
+    """``(field, type, doc, default)`` of each flag of ``cls``, sub-configs flattened (module docstring)."""
+    docs, hints = field_docs(cls), _hints(cls)
+    for f in fields(cls):
+        if not f.metadata.get("flag", True):
+            continue
+        if _is_config(hints[f.name]):
+            yield from flag_fields(hints[f.name], _default(f, container_default))
+        else:
+            yield f, hints[f.name], docs.get(f.name, ""), _default(f, container_default)
+
+
 def add_config_args(parser: argparse.ArgumentParser, *classes) -> None:
-    """One ``--field-name`` flag per dataclass field (shared names once), grouped by concern
-    (:data:`HELP_GROUPS`), each with its docstring's meaning; env vars give defaults."""
+    """One ``--field-name`` flag per dataclass field (shared names once; sub-configs flattened), grouped
+    by concern (:data:`HELP_GROUPS`), each with its docstring's meaning; env vars give defaults."""
     placed: dict[str, list] = {title: [] for title in HELP_GROUPS}
     seen: set[str] = set()
     for cls in classes:
-        docs, hints = field_docs(cls), _hints(cls)
-        for f in fields(cls):
+        for f, tp, doc, default in flag_fields(cls):
             if f.name not in seen:
                 seen.add(f.name)
                 title = _GROUP_OF.get(f.name) or CLASS_GROUP.get(cls.__name__, cls.__name__)
-                placed.setdefault(title, []).append((f, hints[f.name], docs.get(f.name, "")))
+                placed.setdefault(title, []).append((f, tp, doc, default))
     for title, items in placed.items():
         if items:
             group = parser.add_argument_group(title)
-            for f, tp, doc in items:
-                _add_field(group, f, tp, doc)
+            for f, tp, doc, default in items:
+                _add_field(group, f, tp, doc, default)
 
 
-def _add_field(group, f, tp, doc: str) -> None:
-    default = _env_default(f.name, f.default)
+def _add_field(group, f, tp, doc: str, default) -> None:
+    default = _env_default(f.name, default)
     flag, help_text = "--" + f.name.replace("_", "-"), _help(f.name, doc, default)
     if tp is bool or tp == (bool | None):  # bool | None: unset (None) means "auto"
         group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
@@ -238,18 +267,33 @@ def _add_field(group, f, tp, doc: str) -> None:
 
 
 def config_from_args(cls, args: argparse.Namespace, **overrides):
-    """``cls`` built from the parsed flags it has (plus ``overrides``).
+    """``cls`` built from the parsed flags it has (plus ``overrides``, which may name a sub-config's
+    fields too); a sub-config field is built from its own fields' flags, the rest from the field's default.
 
     Raises:
         ValueError: the class refused a value; a field name written in the message as an identifier
             (``max_running must be >= 1``) is given as its flag (``--max-running must be >= 1``).
     """
-    values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-    values.update(overrides)
+    names = [f.name for f, *_ in flag_fields(cls) if f.name not in overrides]
     try:
-        return cls(**values)
+        return _build(cls, args, overrides)
     except ValueError as e:
-        raise ValueError(_as_flags(str(e), [f.name for f in fields(cls) if f.name not in overrides])) from None
+        raise ValueError(_as_flags(str(e), names)) from None
+
+
+def _build(cls, args: argparse.Namespace, overrides: dict, container_default=None):
+    """``cls`` from ``args`` and ``overrides`` (sub-configs first, so that their refusals come first)."""
+    hints, values = _hints(cls), {}
+    for f in fields(cls):
+        if _is_config(hints[f.name]) and f.name not in overrides:
+            values[f.name] = _build(hints[f.name], args, overrides, _default(f, container_default))
+        elif f.name in overrides:
+            values[f.name] = overrides[f.name]
+        elif hasattr(args, f.name) and f.metadata.get("flag", True):
+            values[f.name] = getattr(args, f.name)
+        elif container_default is not None:
+            values[f.name] = getattr(container_default, f.name)
+    return cls(**values)
 
 
 def _as_flags(message: str, names: list[str]) -> str:

@@ -61,9 +61,27 @@ def capability_lines() -> list[str]:
             f"RAM        {vm.total / 2**30:.1f} GiB, {vm.available / 2**30:.1f} GiB available"]
 
 
+def _pack_lines(now: float) -> list[str]:
+    """Each weight format's cached packs (:mod:`services.weight_formats` ``packs_dir``), one line a file."""
+    from services.machine_cache import state_dir
+    from services.weight_formats import FORMATS
+
+    out = []
+    for fmt in (f for f in FORMATS.values() if f.packs_dir):
+        folder = state_dir() / fmt.packs_dir
+        packs = sorted(folder.glob("*.safetensors"))
+        out.append(f"{fmt.name + ' packs':<16}{folder}")
+        for f in packs:
+            st = f.stat()
+            out.append(f"  {f.name}: {st.st_size / 2**20:.0f} MB, {_age(now - st.st_mtime)}")
+        if not packs:
+            out.append("  none")
+    return out
+
+
 def cache_lines(now: float | None = None) -> list[str]:
     """The cached choices and sweeps, one line each (path first; 'none' when absent)."""
-    from services.machine_cache import ONEDNN_ROWS, Q4_PACKS, inductor_cache_dir, read_entries, state_dir
+    from services.machine_cache import ONEDNN_ROWS, inductor_cache_dir, read_entries, state_dir
     from services.models.registry import cache_root
     from services.verifier.calibration_store import default_store_path
     from services.verifier.cost_model import default_cache_path
@@ -99,13 +117,7 @@ def cache_lines(now: float | None = None) -> list[str]:
         out.append(f"  {shown}, {_age(now - e.get('time', now))}  [{key}]")
     if not verdicts:
         out.append("  none")
-    packs = sorted((state_dir() / Q4_PACKS).glob("*.safetensors"))
-    out.append(f"q4 packs        {state_dir() / Q4_PACKS}")
-    for f in packs:
-        st = f.stat()
-        out.append(f"  {f.name}: {st.st_size / 2**20:.0f} MB, {_age(now - st.st_mtime)}")
-    if not packs:
-        out.append("  none")
+    out += _pack_lines(now)
     path = inductor_cache_dir()
     files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else []
     out.append(f"compiled steps  {path}")

@@ -44,7 +44,7 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
 
     from services.drafter.model import DFlashDrafter, DrafterConfig, load_drafter
     from services.models.layers import default_target_layer_ids
-    from services.drafter.service import borrow_target_io, make_service
+    from services.drafter.build import build_drafter
     from services.drafter.worker import check_drafter_dir
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.spec import default_tree_knobs
@@ -73,14 +73,13 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
         note = "drafter: RANDOMLY INITIALISED (no trained drafter found): expect tau ~ 1, no speedup"
     target = TargetModel.from_pretrained(tdir, drafter.config.target_layer_ids, dtype=dtype, weights=weights)
     defaults = defaults or default_tree_knobs("cpu")
-    embed, head = borrow_target_io(target.embed_tokens(), target.lm_head(), ddtype)
-    service = make_service(drafter, embed, head, description=note,
-                           packed_gemm=packed_gemm, compile=bool(compile) and compile_drafter is not False)
-    from services.verifier.engine import EngineConfig
-    from services.verifier.runner import auto_compile
+    service = build_drafter(drafter, target.embed_tokens(), target.lm_head(), ddtype, description=note,
+                            packed_gemm=packed_gemm, compile=bool(compile) and compile_drafter is not False,
+                            warm_up=False)  # warmed up below, after the target's packs
+    from services.verifier.config import EngineConfig
 
-    steps_compiled = auto_compile(target) if compile is None else bool(compile)
-    engine = build_engine(target, InprocDrafterClient(service), EngineConfig(compile=steps_compiled),
+    engine = build_engine(target, InprocDrafterClient(service), EngineConfig(compile=None if compile is None
+                                                                             else bool(compile)),
                           max_draft_depth=drafter.config.num_draft_slots, policy=spec_policy, defaults=defaults,
                           cost_key=(tdir.name, str(target.weights), "cpu"), packed_gemm=packed_gemm)
     if getattr(service, "compiled", False):

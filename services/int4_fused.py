@@ -18,7 +18,7 @@ class FusedInt4:
     per-column results are bit-identical to separate calls: the int4 CPU kernel computes each
     output column on its own, ``tests/engine/test_drafter_lean.py``; a probe call checks it when the
     module is built) and rebuilt when a linear is replaced. :meth:`get` gives None, so the caller
-    runs the linears one by one, when one of them is not a :class:`services.weights.Int4Linear`
+    runs the linears one by one, when one of them is not a :class:`services.q4_weights.Int4Linear`
     (float32 / dense bfloat16 drafters: their GEMMs make no per-column promise), when a linear but
     the last has rows that are not a multiple of :data:`INT4_PACK_ROWS`, or inside ``torch.compile``
     unless it was built before (an eager call first: :meth:`build`; a traced graph then calls the
@@ -40,7 +40,7 @@ class FusedInt4:
 
     def build(self, *linears: nn.Module) -> nn.Module | None:
         """Build (or rebuild) the fused module of ``linears`` eagerly; returns what :meth:`get` returns."""
-        from services.weights import Int4Linear
+        from services.q4_weights import Int4Linear
 
         self._key, self._mod = tuple(linears), None
         if all(type(m) is Int4Linear and m.bias is None for m in linears) and \

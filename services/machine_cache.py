@@ -10,7 +10,7 @@ file                           what                                             
 ``weights_choice.json``        ``--weights auto``'s accepted measurement            :func:`services.weight_choice.machine_key`
 ``cost_model.json``            the goodput policy's accepted step-cost sweep        :func:`services.verifier.cost_model.cache_key`
 ``onednn_rows.json``           :func:`services.cpu_gemm.invariant_rows` verdicts    :func:`machine_id` + threads + shape
-``q4/<model>-<hash>.safetensors``  the q4 linears as torch's int4 kernel packs them  :func:`services.weights.q4_pack_key`
+``q4/<model>-<hash>.safetensors``  the q4 linears as torch's int4 kernel packs them  :func:`services.q4_weights.q4_pack_key`
 ``calibration.json``           the goodput policy's learnt acceptance calibration  :func:`services.verifier.calibration_store.calibration_key`
 ``inductor/``                  compiled steps' kernels (torch inductor's cache)    inductor's own (graph + torch)
 =============================  ==================================================  ===========================
@@ -34,7 +34,6 @@ from pathlib import Path
 log = logging.getLogger("dartree.cache")
 
 ONEDNN_ROWS = "onednn_rows.json"
-Q4_PACKS = "q4"
 INDUCTOR = "inductor"
 
 

@@ -318,9 +318,10 @@ def plan_verifier_memory(config, target, drafter, graphed: bool, transport=None,
     one block.
 
     Args:
-        config: the :class:`~services.verifier.worker.VerifierWorkerConfig` (``max_running`` None and
-            ``max_context`` 0 are derived; ``gpu_memory_utilization``, ``prefill_chunk``,
-            ``max_step_tokens``, ``prefix_cache``, ``prefix_cache_mib``).
+        config: the :class:`~services.verifier.config.VerifierWorkerConfig` (``engine.max_running``
+            None and ``engine.max_context`` 0 are derived; ``gpu_memory_utilization``,
+            ``engine.prefill_chunk``, ``engine.max_step_tokens``, ``engine.prefix_cache``,
+            ``prefix_cache_mib``).
         target: the loaded :class:`~services.verifier.target.TargetModel` (``config``, ``dtype``,
             ``feature_dim``, ``max_context``, ``device``).
         drafter: the drafter's :class:`~services.protocol.PeerInfo` (``context_bytes``), None without one.
@@ -339,12 +340,12 @@ def plan_verifier_memory(config, target, drafter, graphed: bool, transport=None,
     if getattr(transport, "kind", "") == "cuda_ipc":
         ipc = 2 * transport.num_slots * transport.slot_bytes
     needs = MemoryNeeds(shape, target.dtype.itemsize, target.feature_dim if drafter is not None else 0,
-                        int(getattr(drafter, "context_bytes", 0) or 0), segment_room(config.prefill_chunk),
-                        extra_slots=int(bool(graphed)), step_rows=config.max_step_tokens, ipc_bytes=ipc,
-                        prefix_cache_bytes=config.prefix_cache_mib * 2**20 if config.prefix_cache else 0)
+                        int(getattr(drafter, "context_bytes", 0) or 0), segment_room(config.engine.prefill_chunk),
+                        extra_slots=int(bool(graphed)), step_rows=config.engine.max_step_tokens, ipc_bytes=ipc,
+                        prefix_cache_bytes=config.prefix_cache_mib * 2**20 if config.engine.prefix_cache else 0)
     free, total = (probe or device_memory)(str(target.device))
-    plan = plan_memory(needs, free + ipc, total, config.gpu_memory_utilization, config.max_running,
-                       config.max_context or None)
+    plan = plan_memory(needs, free + ipc, total, config.gpu_memory_utilization, config.engine.max_running,
+                       config.engine.max_context or None)
     logging.getLogger("verifier").info("%s", "\n".join(plan.lines()))
     return plan
 

@@ -14,6 +14,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from services import weight_formats
+
 log = logging.getLogger(__name__)
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("dartree_request_id", default="-")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s [%(request_id)s] %(message)s"
@@ -32,7 +34,7 @@ class RequestIdFilter(logging.Filter):
 DTYPES = ("float32", "bfloat16")  # model precisions the workers run (and the tests cover)
 
 
-WEIGHT_FORMATS = ("float32", "bfloat16", "q4")  # target weight formats (services/weights.py)
+WEIGHT_FORMATS = weight_formats.names()  # target weight formats (services/weight_formats.py)
 WEIGHT_CHOICES = ("auto", *WEIGHT_FORMATS)
 
 

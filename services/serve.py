@@ -59,7 +59,8 @@ from services.config_cli import add_config_args, config_from_args, given_by
 from services.devices import normalize_device
 from services.runtime import DRAIN_SIGNAL, STOP_NOW_SIGNAL, error_line, worker_context
 from services.spec import Method, preferred_method
-from services.verifier.worker import RESTART_AFTER_COMPILE_EXIT, VerifierWorkerConfig
+from services.verifier.config import VerifierWorkerConfig
+from services.verifier.worker import RESTART_AFTER_COMPILE_EXIT
 
 log = logging.getLogger("dartree.serve")
 

@@ -30,8 +30,15 @@ from pathlib import Path
 log = logging.getLogger("dartree.startup")
 
 ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# bytes per parameter of a format, as served (q4: 4-bit linears + scales; bf16 embedding, its int8 lm_head copy)
-FORMAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "q4": 0.6}
+
+
+def weight_bytes_per_param(fmt: str) -> float:
+    """Bytes per parameter of weights served in ``fmt``: a registered format's ``bytes_per_param``
+    (:mod:`services.weight_formats`; q4: 4-bit linears + scales, bf16 embedding, its int8 lm_head
+    copy), a plain dtype's size (``float16``, ``--dtype`` without a format of its own), else 4."""
+    from services.weight_formats import FORMATS
+
+    return FORMATS[fmt].bytes_per_param if fmt in FORMATS else float(ACT_BYTES.get(fmt, 4))
 
 
 # ------------------------------------------------------------------------------------- phases
@@ -84,7 +91,7 @@ def module_bytes(module) -> int:
 def object_memory_parts(obj) -> dict[str, int | str]:
     """``{"weights", "GEMM packs"}`` of the torch modules among ``obj``'s attributes (a drafter
     service: the drafter, the borrowed embedding and lm_head), each storage once; a
-    :class:`~services.drafter.service.MappedEmbedding` (a view of a file mapping, resident only
+    :class:`~services.drafter.build.MappedEmbedding` (a view of a file mapping, resident only
     where read) is shown apart as ``"mapped embedding"``, its weight's bytes."""
     import torch
 
@@ -160,7 +167,7 @@ def serve_footprint(target_dir: Path, fmt: str, act_dtype: str, max_running: int
     """``{"weights", "kv", "kv_capacity"}``: the verifier's planned memory (module doc's formula)."""
     cfg = _config(target_dir)
     cap = kv_capacity(max_context, int(cfg.get("max_position_embeddings", 2048)), prefill_chunk)
-    return {"weights": int(num_parameters(target_dir) * FORMAT_BYTES.get(fmt, 4.0)),
+    return {"weights": int(num_parameters(target_dir) * weight_bytes_per_param(fmt)),
             "kv": kv_bytes(cfg, max_running, cap, act_dtype), "kv_capacity": cap}
 
 

@@ -212,10 +212,10 @@ def tiny_eagle3(target, seed: int = 1, std: float = 0.2, draft_vocab_size: int |
 
 def tiny_service(target, drafter=None, **kw):
     """A :class:`DrafterService` borrowing ``target``'s embedding and lm_head."""
-    from services.drafter.service import make_service
+    from services.drafter.build import build_drafter
 
     drafter = drafter if drafter is not None else tiny_drafter(target, **kw)
-    return make_service(drafter, target.embed_tokens(), target.lm_head())
+    return build_drafter(drafter, target.embed_tokens(), target.lm_head())
 
 
 def draft_job(request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int, spec,

@@ -11,9 +11,11 @@ How, in order:
 1. Rule out what cannot win from the CPU's capabilities: ``bfloat16`` is a candidate only where the
    CPU multiplies bfloat16 natively (``avx512_bf16`` / ``amx_bf16`` on x86, ``bf16`` on ARM); on an
    AVX2-only CPU it is emulated (a 9-row bf16 linear cost 10.7x a one-row one there) and loses to
-   both others. ``q4`` needs torch's int4 kernel and the target's GGUF (:func:`services.weights.q4_unavailable`).
-2. The rule's answer (:func:`rule_choice`): ``q4`` when it runs (the fewest weight bytes per step:
-   a CPU decode step reads every weight once), else ``bfloat16`` where native, else ``float32``.
+   both others (the registry's ``needs_native_bf16``, :mod:`services.weight_formats`). ``q4`` needs
+   torch's int4 kernel and the target's GGUF (its registry entry's ``unavailable``).
+2. The rule's answer (:func:`rule_choice`, the registry's ranks): ``q4`` when it runs (the fewest
+   weight bytes per step: a CPU decode step reads every weight once), else ``bfloat16`` where
+   native, else ``float32``.
 3. Measure the remaining candidates *interleaved* (A B A B ..., one warm-up round excluded; the loop
    of :func:`services.timing.time_interleaved`): a disturbance then lands on every format alike
    instead of on whichever was being timed. Each format and row count is estimated by its **fastest
@@ -45,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from services import timing
+from services import timing, weight_formats
 from services.machine_cache import cpu_info, read_entries, state_dir, write_entry
 
 log = logging.getLogger("services.weights")
@@ -87,19 +89,17 @@ def cpu_capabilities() -> dict:
 
 def candidate_formats(available: list[str]) -> list[str]:
     """The formats worth measuring here: the ``available`` ones
-    (:func:`services.weights.available_formats`) without ``bfloat16`` where the CPU lacks native
-    bf16 (:func:`native_bf16`)."""
-    return [f for f in available if f != "bfloat16" or native_bf16()]
+    (:func:`services.weights.available_formats`) without those that need native bf16 GEMMs
+    (``bfloat16``) where the CPU lacks them (:func:`native_bf16`)."""
+    return [f for f in available if not weight_formats.get(f).needs_native_bf16 or native_bf16()]
 
 
 def rule_choice(candidates: list[str]) -> tuple[str, str]:
-    """``(format, reason)`` without measuring: ``q4`` > native ``bfloat16`` > ``float32`` (a CPU
-    decode step reads every weight once; fewer bytes, faster step)."""
-    if "q4" in candidates:
-        return "q4", "4-bit weights read the fewest bytes per step"
-    if "bfloat16" in candidates:
-        return "bfloat16", "native bf16 GEMMs read half float32's bytes"
-    return "float32", "the only dense format this CPU multiplies natively"
+    """``(format, reason)`` without measuring: the candidate of the lowest registry rank, ``q4`` >
+    native ``bfloat16`` > ``float32`` (a CPU decode step reads every weight once; fewer bytes,
+    faster step); ``float32`` without candidates."""
+    ranked = weight_formats.by_rank(candidates) or [weight_formats.get("float32")]
+    return ranked[0].name, ranked[0].reason
 
 
 # -------------------------------------------------------------------------------------- probes
@@ -234,7 +234,7 @@ def _load_for_timing(load: Callable, target_dir: Path, fmt: str, device: str):
     """A model of ``fmt`` (``load(target_dir, fmt, device)``) as the engine serves it (float32 with
     its 9-row GEMMs packed)."""
     model = load(target_dir, fmt, device)
-    if fmt == "float32":
+    if weight_formats.get(fmt).act_dtype == "float32":
         from services.cpu_gemm import pack_linears
 
         pack_linears(model, [r for r in MEASURE_ROWS if r >= 2])
@@ -273,7 +273,7 @@ def measure_formats(target_dir: Path, formats: list[str], load: Callable, device
 
 def machine_key(target_dir: Path, threads: int, kernels_version: int) -> str:
     """What a cached choice depends on: CPU model and its AVX-512/AMX flags, torch, threads,
-    kernels version (:data:`services.weights.KERNELS_VERSION`), model."""
+    kernels version (:func:`services.weight_formats.kernels_version`), model."""
     cpu, flags = cpu_info()
     simd = ",".join(sorted(f for f in flags if f.startswith(("avx512", "amx"))))
     cfg = (target_dir / "config.json").read_bytes() if (target_dir / "config.json").exists() else b""
@@ -305,7 +305,8 @@ def choose_auto(target_dir: Path, available: list[str], load: Callable, kernels_
     t0 = time.perf_counter()
     cands = candidate_formats(available)
     rule, why_rule = rule_choice(cands)
-    dropped = "" if "bfloat16" in cands else "; bfloat16 ruled out (no native bf16 on this CPU)"
+    out = [f for f in available if f not in cands]  # the formats that need native bf16 GEMMs, on a CPU without
+    dropped = f"; {', '.join(out)} ruled out (no native bf16 on this CPU)" if out else ""
     if len(cands) == 1:
         log.info("weights auto: %s (the only candidate%s)", rule, dropped)
         return rule

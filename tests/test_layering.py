@@ -6,7 +6,8 @@ import, and building the ``dartree`` parser imports no torch.
 By an ``ast`` import graph of ``services/``, ``gateway/`` and ``benchmarks/`` (every import
 statement, function-level ones included, resolved to the module file it loads): no import cycle,
 ``services.tree`` imports nothing of ours, the product never imports the tests, the gateway never
-imports the workers, and the drafter and verifier packages do not import each other. Known
+imports the workers, the drafter and verifier packages do not import each other, and the lower-layer
+top-level modules (weight formats, process plumbing, the wire protocol) import neither. Known
 exceptions are listed below with their reason; a fixed one must leave the list, and nothing may join
 it without a reason.
 """
@@ -54,7 +55,8 @@ def test_gateway_imports_no_torch():
 @pytest.mark.parametrize("module", ["services.protocol", "services.wire", "services.metrics", "services.ipc_pool",
                                     "services.runtime", "services.spec", "services.config_cli",
                                     "services.serve", "services.verifier.worker", "services.drafter.worker",
-                                    "services.verifier.remote_drafter", "services.colocated"])
+                                    "services.verifier.remote_drafter", "services.colocated",
+                                    "services.verifier.config", "services.weight_formats"])
 def test_service_plumbing_is_torch_free_at_import(module):
     assert "torch" not in _imported_after(f"import {module}")
 
@@ -190,16 +192,30 @@ def _edges(source: str, *targets: str) -> set[tuple[str, str]]:
             for t in ts if any(under(t, p) for p in targets)}
 
 
+# Lower-layer top-level modules (the weight formats, process plumbing, the wire protocol): the worker
+# packages are built on them, never the other way round.
+LOWER_LAYER = ("services.weights", "services.weight_formats", "services.q4_weights", "services.int8_head",
+               "services.gguf_blocks", "services.pack_cache", "services.runtime", "services.protocol")
+
+
 @pytest.mark.parametrize("source, targets", [
     ("services", ("tests", "benchmarks")),
     ("benchmarks", ("tests",)),
     ("gateway", ("services.verifier", "services.drafter", "services.serve", "services.tree", "tests")),
     ("services.drafter", ("services.verifier",)),
     ("services.verifier", ("services.drafter",)),
+    *((low, ("services.verifier", "services.drafter")) for low in LOWER_LAYER),
 ])
 def test_forbidden_imports(source, targets):
     bad = sorted(_edges(source, *targets) - ALLOWED_EDGES)
     assert not bad, f"{source} must not import {', '.join(targets)}: {bad}"
+
+
+def test_the_lower_layer_modules_exist():
+    """Each module :data:`LOWER_LAYER` names is in the graph (a rename must update the list, not
+    silently check nothing)."""
+    graph = import_graph()
+    assert all(m in graph for m in LOWER_LAYER), [m for m in LOWER_LAYER if m not in graph]
 
 
 def test_tree_imports_nothing_of_ours():

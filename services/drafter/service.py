@@ -9,9 +9,8 @@ target's lm_head, and build each request's tree (docs/algorithms.md §1.3, §2.2
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
-from pathlib import Path
+import time
 
 import torch
 import torch.nn.functional as F
@@ -98,8 +97,8 @@ class DrafterService:
             The default 1 (B + 1 rows for a shift-label drafter) keeps τ within 1-3 % of the
             trained block (benchmarks/results/2026-12-03-draft-cost).
         q4_linears: the drafter's decoder layers and its feature projection ``fc`` as
-            :class:`services.weights.Int4Linear` (weights rounded to Q4_1 blocks at load,
-            :func:`services.weights.quantize_linears_q4`; the output projection stays bfloat16: on
+            :class:`services.q4_weights.Int4Linear` (weights rounded to Q4_1 blocks at load,
+            :func:`services.q4_weights.quantize_linears_q4`; the output projection stays bfloat16: on
             the int4 kernel it cost 1.5-3.6 % of replayed τ, benchmarks/results/2026-12-03-draft-cost-small);
             None = when the drafter runs in bfloat16 on a CPU with torch's int4 kernel and
             ``packed_gemm`` is on (next to a q4 or bfloat16 target). Drafts change a little
@@ -152,11 +151,11 @@ class DrafterService:
         self.cfg = drafter.config
         self.d2t = drafter.draft_to_target()  # [N] target ids, or None (full vocabulary)
         if self.d2t is not None:
-            lm_head = _frozen_linear(lm_head.weight.detach()[self.d2t.to(lm_head.weight.device)].clone())
+            lm_head = frozen_linear(lm_head.weight.detach()[self.d2t.to(lm_head.weight.device)].clone())
         self.lm_head = lm_head
         self.q4_linears = _want_q4(drafter, packed_gemm) if q4_linears is None else bool(q4_linears)
         if self.q4_linears:
-            from services.weights import quantize_linears_q4
+            from services.q4_weights import quantize_linears_q4
 
             quantize_linears_q4(drafter, self._dtype_of(drafter), names=("layers", "fc"))
         if packed_gemm:
@@ -191,15 +190,15 @@ class DrafterService:
         projection, its int4 weights dequantized, for context appends of at least ``min_rows`` rows
         (:meth:`DFlashDrafter.set_dense_context`). Not oneDNN-packed: a pack doubles their 4.6 MB
         (default drafter) and gained nothing at these row counts."""
-        from services.weights import Int4Linear
+        from services.q4_weights import Int4Linear
 
         dtype = drafter.norm.weight.dtype
         kv = [p for layer in drafter.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
         if any(type(m) is not Int4Linear or m.bias is not None for m in [drafter.fc, *kv]):
             return  # a projection left dense (a shape the int4 kernel cannot pack), or a bias: int4 path
         # copies made outside inference mode (dequantized() returns inference tensors)
-        fc = _frozen_linear(drafter.fc.dequantized().to(dtype, copy=True))
-        kvl = _frozen_linear(torch.cat([m.dequantized() for m in kv]).to(dtype, copy=True))
+        fc = frozen_linear(drafter.fc.dequantized().to(dtype, copy=True))
+        kvl = frozen_linear(torch.cat([m.dequantized() for m in kv]).to(dtype, copy=True))
         drafter.set_dense_context(fc, kvl, min_rows)
 
     @torch.inference_mode()
@@ -539,46 +538,13 @@ def _reach(job) -> int:
 
 
 def _want_q4(drafter: DFlashDrafter, packed_gemm: bool) -> bool:
-    """The default of ``DrafterService(q4_linears=None)``: a bfloat16 CPU drafter where torch has the
-    int4 kernel, with ``packed_gemm`` on."""
-    from services.weights import int4_kernel_available
+    """The default of ``DrafterService(q4_linears=None)``: a bfloat16 drafter on a device where the
+    ``q4`` format's kernels run (:mod:`services.weight_formats`: a CPU with torch's int4 kernel),
+    with ``packed_gemm`` on."""
+    from services.weight_formats import get as get_format
 
     p = next(drafter.parameters())
-    return packed_gemm and p.dtype == torch.bfloat16 and p.device.type == "cpu" and int4_kernel_available()
-
-
-def borrow_target_io(embed: torch.nn.Module, lm_head: torch.nn.Module,
-                     dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The target's ``embed_tokens`` ``[V, H]`` and ``lm_head`` ``[V, H]`` for a drafter running in ``dtype``:
-    the modules themselves when they already are in it, else frozen copies in ``dtype`` (a float32
-    drafter next to a bfloat16 / q4 target, :func:`services.weights.drafter_dtype`)."""
-    if embed.weight.dtype == dtype and lm_head.weight.dtype == dtype:
-        return embed, lm_head
-    return (torch.nn.Embedding.from_pretrained(embed.weight.detach().to(dtype), freeze=True),
-            _frozen_linear(lm_head.weight.detach().to(dtype)))
-
-
-def _frozen_linear(weight: Tensor) -> torch.nn.Linear:
-    """A bias-free ``nn.Linear`` over ``weight [out, in]`` (no gradient; no throw-away random init)."""
-    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-    lin.weight = torch.nn.Parameter(weight, requires_grad=False)
-    return lin
-
-
-def make_service(drafter, embed: torch.nn.Module, lm_head: torch.nn.Module, description: str = "",
-                 packed_gemm: bool = True, compile: bool = False):
-    """The drafter service for any drafter :func:`services.drafter.model.load_drafter` returns:
-    :class:`services.drafter.eagle3_service.Eagle3Service` for EAGLE-3 (it needs only the embedding;
-    never compiled), :class:`DrafterService` otherwise (DFlash, Domino, DSpark; ``compile``: its
-    block forward compiled, see the class)."""
-    from services.drafter.eagle3 import Eagle3Drafter
-
-    if isinstance(drafter, Eagle3Drafter):
-        from services.drafter.eagle3_service import Eagle3Service
-
-        return Eagle3Service(drafter, embed, description=description, packed_gemm=packed_gemm)
-    return DrafterService(drafter, embed, lm_head, description=description, packed_gemm=packed_gemm,
-                          compile=compile)
+    return packed_gemm and p.dtype == torch.bfloat16 and get_format("q4").available(str(p.device))
 
 
 def _path_scores(logits: Tensor, tokens: Tensor) -> Tensor:
@@ -587,58 +553,8 @@ def _path_scores(logits: Tensor, tokens: Tensor) -> Tensor:
     return lp.cumsum(0).cpu()
 
 
-class MappedEmbedding(torch.nn.Embedding):
-    """A frozen ``nn.Embedding`` whose ``weight [V, H]`` is a view of the target's safetensors file
-    mapping, in the file's dtype (:func:`load_borrowed_weights` ``mapped=True``).
-
-    Only the pages of rows looked up become resident (clean file pages, shared with any process
-    mapping the same file), where a converted copy is a private ``[V, H]`` tensor that is resident
-    whole: 56.6 MB for SmolLM2's 49,152 x 576 in bfloat16, of which a drafter reads the rows of a
-    few tokens a round. Lookups return rows in the file's dtype; every caller casts them to its
-    compute dtype (``embed(ids).to(dtype)``), which gives the values a converted table would
-    (a dtype cast is elementwise). CPU only: moving the module copies the view.
-    """
-
-    mapped = True  # read by services.startup.object_memory_parts
-
-
-def _read_tensor(files: list[Path], want: Callable[[str], bool]) -> Tensor | None:
-    """The first tensor whose key ``want`` accepts, as a view of its own mapping of the file
-    (each call maps the file anew, so a tensor read whole does not leave another's pages resident)."""
-    from safetensors import safe_open
-
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for key in st.keys():
-                if want(key):
-                    return st.get_tensor(key)
-    return None
-
-
-def load_borrowed_weights(target_dir: str | Path, dtype: torch.dtype = torch.float32, mapped: bool = False
-                          ) -> tuple[torch.nn.Embedding, torch.nn.Linear]:
-    """Load only the target's ``embed_tokens`` and ``lm_head`` (tied models reuse the embedding).
-
-    Used by a drafter process that does not hold the whole target.
-
-    Args:
-        target_dir: the target's HF directory (``*.safetensors``).
-        dtype: the lm_head's dtype, and the embedding's unless ``mapped``.
-        mapped: the embedding as a :class:`MappedEmbedding` (a view of the file's mapping in the
-            file's dtype, resident only where looked up) instead of a ``[V, H]`` copy in ``dtype``;
-            for a CPU drafter whose callers cast the rows (the drafter services do).
-    Raises:
-        FileNotFoundError: no ``embed_tokens`` weight in the directory's safetensors files.
-    """
-    files = sorted(Path(target_dir).glob("*.safetensors"))
-    is_embed = lambda key: key.endswith("embed_tokens.weight")  # noqa: E731
-    embed_w = _read_tensor(files, is_embed)
-    if embed_w is None:
-        raise FileNotFoundError(f"no embed_tokens weight in {target_dir}")
-    # the head from its own mapping, copied: converting it reads every row, which would otherwise stay
-    # resident in the embedding's mapping; without lm_head.weight the model is tied
-    head_w = _read_tensor(files, lambda key: key == "lm_head.weight")
-    head_w = (head_w if head_w is not None else _read_tensor(files, is_embed)).to(dtype, copy=True)
-    if mapped:
-        return MappedEmbedding.from_pretrained(embed_w, freeze=True), _frozen_linear(head_w)
-    return torch.nn.Embedding.from_pretrained(embed_w.to(dtype), freeze=True), _frozen_linear(head_w)
+def frozen_linear(weight: Tensor) -> torch.nn.Linear:
+    """A bias-free ``nn.Linear`` over ``weight [out, in]`` (no gradient; no throw-away random init)."""
+    lin = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lin.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return lin

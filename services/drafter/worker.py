@@ -303,41 +303,6 @@ def check_drafter_dir(path: str | Path) -> Path:
     return path
 
 
-def check_drafter_fits(drafter_dir: Path, target_dir: Path) -> None:
-    """ValueError (one line naming ``--drafter``) when the drafter was not made for the target
-    (:func:`services.models.pairing.drafter_mismatch`)."""
-    from services.models.architectures import read_config
-    from services.models.pairing import drafter_mismatch
-
-    why = drafter_mismatch(drafter_dir, read_config(target_dir))
-    if why:
-        raise ValueError(f"the drafter in {drafter_dir} does not fit the target in {target_dir}: {why}; pass "
-                         "--drafter (DARTREE_DRAFTER) naming a drafter made for this target")
-
-
-def build_drafter_service(config: DrafterWorkerConfig):
-    """Load the drafter checkpoint and the target's borrowed embedding / lm_head: ``(service, target_dir)``."""
-    import torch
-
-    from services.drafter.model import load_drafter
-    from services.drafter.service import load_borrowed_weights, make_service
-    from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_model_dir, resolve_target
-
-    dtype = getattr(torch, config.dtype)
-    target_dir = resolve_target(config.target)
-    drafter_dir = resolve_model_dir(config.drafter) if config.drafter else DEFAULT_DRAFTER_DIR  # dir or hub id
-    check_drafter_fits(drafter_dir, target_dir)
-    drafter = load_drafter(drafter_dir, dtype=dtype, device=config.device)
-    # on CPU the embedding stays a view of the target's file: only the rows drafted from become resident
-    embed, head = load_borrowed_weights(target_dir, dtype, mapped=torch.device(config.device).type == "cpu")
-    service = make_service(drafter, embed.to(config.device), head.to(config.device),
-                           description=str(drafter_dir), packed_gemm=config.packed_gemm, compile=config.compile)
-    if getattr(service, "compiled", False):
-        log.info("compiling the drafter's block forward (torch.compile) ...")
-        log.info("compiled drafter block ready in %.1f s", service.warm_up())
-    return service, target_dir
-
-
 def drafter_info(service, target_dir: Path, epoch: str, device: str, transport) -> PeerInfo:
     """This drafter's handshake info from the service and the target directory."""
     info = service.info()
@@ -368,10 +333,11 @@ def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = No
 
         torch.set_num_threads(threads)
         log.info("drafter uses %d CPU thread%s", threads, "" if threads == 1 else "s")
+    from services.drafter.build import build_from_config
     from services.startup import memory_line, object_memory_parts, phase
 
     with phase("drafter", "drafter loaded"):
-        service, target_dir = build_drafter_service(config)
+        service, target_dir = build_from_config(config)
     from services.weights import release_freed_memory
 
     release_freed_memory()  # the float32 checkpoint tensors and the full borrowed lm_head, gone since loading

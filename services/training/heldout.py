@@ -70,7 +70,7 @@ def replayed_tau(drafter, target, turns: list[HeldoutTurn], method: str = "dartr
     The drafter is used in eval mode and put back in its previous mode; its weights are not copied
     (a fresh :class:`DrafterService` without GEMM packing each call).
     """
-    from services.drafter.service import make_service
+    from services.drafter.build import build_drafter
     from services.replay import replay_tau
     from services.verifier.drafter_client import InprocDrafterClient
     from services.verifier.build import build_engine
@@ -78,7 +78,7 @@ def replayed_tau(drafter, target, turns: list[HeldoutTurn], method: str = "dartr
 
     was_training = drafter.training
     try:
-        svc = make_service(drafter, target.embed_tokens(), target.lm_head(), packed_gemm=False)
+        svc = build_drafter(drafter, target.embed_tokens(), target.lm_head(), packed_gemm=False)
         engine = build_engine(target, InprocDrafterClient(svc), max_draft_depth=max_draft_depth, packed_gemm=False)
         spec = SpecParams(method, budget=budget, width=width)
         rounds = emitted = 0

@@ -1,6 +1,7 @@
 """The one assembly of a :class:`SpecEngine`: runner, GEMM packs, warm-up, policy, engine, in that order.
 
-The verifier worker, ``dartree generate``, the training scripts, the benchmarks and the test
+The verifier worker (:func:`build_verifier`: the target loaded from a :class:`VerifierWorkerConfig`,
+then :func:`build_engine`), ``dartree generate``, the training scripts, the benchmarks and the test
 helpers all build their engine here, so they run the same object built the same way:
 
 1. a :class:`ModelRunner` over the target (its slot KV cache reserved);
@@ -8,20 +9,25 @@ helpers all build their engine here, so they run the same object built the same 
 3. with ``compile``, the runner's steps warmed up (the packs are part of what is compiled);
 4. the speculation policy, built before the engine: ``goodput`` seeds its cost model from a
    start-up sweep timed on the runner (:func:`time_forward`, with lazy packing paused so the sweep's
-   row counts pack nothing), ``fixed`` needs nothing;
+   row counts pack nothing) and loads its acceptance calibration from the store it is given,
+   ``fixed`` needs nothing;
 5. the engine, handed the runner and the policy.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
-from services.spec import DEFAULT_KNOBS, TreeKnobs, TreeSchedule
+from services.protocol import PeerInfo
+from services.runtime import drop_file_pages
+from services.spec import DEFAULT_KNOBS, TreeKnobs, TreeSchedule, parse_tree_schedule
 from services.tree.batch import causal_segment
-from services.verifier.engine import EngineConfig, SpecEngine
-from services.verifier.runner import ModelRunner
+from services.verifier.config import EngineConfig, VerifierWorkerConfig, default_knobs
+from services.verifier.engine import SpecEngine
+from services.verifier.runner import ModelRunner, auto_compile
 
 log = logging.getLogger("verifier")
 
@@ -71,20 +77,22 @@ def sweep_key(model: str, weights: str, device: str, runner: ModelRunner) -> str
     """The cost-sweep cache key of ``runner``'s steps (:func:`services.verifier.cost_model.cache_key`
     at torch's current thread count): compiled steps cost what eager ones do not, so they get a key
     of their own (``<weights>+compiled``), and a change of the formats' kernels
-    (:data:`services.weights.KERNELS_VERSION`) sweeps again."""
+    (:func:`services.weight_formats.kernels_version`) sweeps again."""
     from services.verifier.cost_model import cache_key
-    from services.weights import KERNELS_VERSION
+    from services.weight_formats import kernels_version
 
-    fmt = f"{weights}{'+compiled' if runner.compiled else ''}|kernels {KERNELS_VERSION}"
+    fmt = f"{weights}{'+compiled' if runner.compiled else ''}|kernels {kernels_version()}"
     return cache_key(model, fmt, device, torch.get_num_threads())
 
 
 def build_policy(name: str, runner: ModelRunner, defaults: TreeKnobs = DEFAULT_KNOBS,
-                schedule: TreeSchedule | None = None, max_budget: int | None = None, cost_sweep: bool = True,
-                cost_key: tuple[str, str, str] = ("model", "float32", "cpu")):
+                 schedule: TreeSchedule | None = None, max_budget: int | None = None, cost_sweep: bool = True,
+                 cost_key: tuple[str, str, str] = ("model", "float32", "cpu"), store=None):
     """The named speculation policy (:data:`services.spec.POLICIES`); ``goodput``'s cost model starts
     from a sweep timed on ``runner`` (cached per machine / ``cost_key`` = ``(model, weights, device)`` and
-    whether the runner's steps are compiled; none with ``cost_sweep=False``).
+    whether the runner's steps are compiled; none with ``cost_sweep=False``), and its acceptance
+    calibration from ``store`` (a :class:`~services.verifier.calibration_store.CalibrationStore`; None =
+    a cold start, nothing saved). ``fixed`` ignores ``store``.
 
     Raises:
         ValueError: unknown policy name, or a bad ``max_budget`` / ``defaults``.
@@ -102,44 +110,166 @@ def build_policy(name: str, runner: ModelRunner, defaults: TreeKnobs = DEFAULT_K
     with lazy_packing_paused():  # the sweep times row counts serving may never run: it packs none
         return pol.goodput_with_sweep(lambda rows: time_forward(runner, rows), key, max_budget, cost_sweep,
                                       dtype=dtype, threads=torch.get_num_threads(), rows=rows,
-                                      device=str(runner.target.device), schedule=schedule, defaults=defaults)
+                                      device=str(runner.target.device), schedule=schedule, defaults=defaults,
+                                      store=store)
 
 
 def build_engine(target, drafter, config: EngineConfig = EngineConfig(), *, max_draft_depth: int = 16,
                  drafter_max_position: int | None = None, policy: str = "fixed",
                  defaults: TreeKnobs = DEFAULT_KNOBS, schedule: TreeSchedule | None = None,
                  max_budget: int | None = None, cost_sweep: bool = True,
-                 cost_key: tuple[str, str, str] | None = None, packed_gemm: bool = True) -> SpecEngine:
+                 cost_key: tuple[str, str, str] | None = None, packed_gemm: bool = True,
+                 calibration_store=None) -> SpecEngine:
     """A :class:`SpecEngine` over a loaded ``target`` and a drafter client (None = plain decoding only).
 
     Args:
         config: the engine's limits (``compile``: the runner's steps are warmed up here, rows 1 and
-            the default tree's B + 1).
+            the default tree's B + 1; None = :func:`~services.verifier.runner.auto_compile` of ``target``).
         max_draft_depth, drafter_max_position: the drafter's limits (see :class:`SpecEngine`).
         policy: ``"fixed"`` or ``"goodput"``; defaults, schedule, max_budget: its knob resolution
             (:class:`services.verifier.policy.FixedPolicy`, :class:`~services.verifier.policy.GoodputPolicy`);
             cost_sweep, cost_key: goodput's start-up sweep (:func:`build_policy`; ``cost_key`` None =
-            the target directory's name, its weight format and its device).
+            the target directory's name, its weight format and its device); calibration_store: where
+            goodput loads and saves its acceptance calibration (None: neither).
         packed_gemm: pack the target's float32 CPU GEMMs by :func:`pack_rule`, each row count on its
             first use (numerics unchanged).
     Raises:
         MemoryError: the KV cache does not fit; ValueError: unknown policy or bad knobs.
     """
+    if config.compile is None:
+        config = replace(config, compile=auto_compile(target))
     runner = make_runner(target, config)
     if packed_gemm:
         target.pack_for_steps(*pack_rule(defaults.budget, max_draft_depth, config.max_running, drafter is not None),
                               lazy=True)
     if config.compile:
-        rows = (1, defaults.budget + 1 if drafter is not None else 2)
-        log.info("compiling the target's steps (%s, rows %s) ...",
-                 "CUDA graphs" if runner.graphed else "torch.compile", rows)
-        log.info("compiled steps ready in %.1f s", runner.warm_up(rows))
-        from services.weights import release_freed_memory
-
-        release_freed_memory()  # tracing and code generation free ~100 MB that glibc would keep resident
+        _warm_up(runner, (1, defaults.budget + 1 if drafter is not None else 2))
     if cost_key is None:
         cost_key = (getattr(target, "name", "model"), str(getattr(target, "weights", "float32")), str(target.device))
-    spec_policy = build_policy(policy, runner, defaults, schedule, max_budget, cost_sweep, cost_key)
+    spec_policy = build_policy(policy, runner, defaults, schedule, max_budget, cost_sweep, cost_key,
+                               store=calibration_store)
     log.info("speculation policy: %s", spec_policy.name)
     return SpecEngine(target, drafter, config, max_draft_depth=max_draft_depth,
                       drafter_max_position=drafter_max_position, policy=spec_policy, runner=runner)
+
+
+def _warm_up(runner: ModelRunner, rows: tuple[int, ...]) -> None:
+    """Compile (or load from inductor's disk cache) ``runner``'s steps of ``rows`` rows, logged."""
+    log.info("compiling the target's steps (%s, rows %s) ...", "CUDA graphs" if runner.graphed else "torch.compile",
+             rows)
+    log.info("compiled steps ready in %.1f s", runner.warm_up(rows))
+    from services.weights import release_freed_memory
+
+    release_freed_memory()  # tracing and code generation free ~100 MB that glibc would keep resident
+
+
+# ------------------------------------------------------------------------------------ the verifier
+
+def load_target(config: VerifierWorkerConfig, drafter: PeerInfo | None):
+    """The verifier's target, loaded per ``config`` and tapping the layers ``drafter`` reads:
+    ``(target, target_dir)``.
+
+    Raises:
+        RuntimeError: the drafter's feature width is not the target's; FileNotFoundError / ValueError:
+            an unknown target or weight format (one line).
+    """
+    from services.models.registry import resolve_target
+    from services.startup import phase
+    from services.verifier.target import TargetModel
+    from services.weights import resolve_cli_weights
+
+    target_dir = resolve_target(config.target)
+    layer_ids = list(drafter.target_layer_ids) if drafter and drafter.target_layer_ids else None
+    weights, _ = resolve_cli_weights(config.weights, config.dtype if config.dtype != "float32" else None,
+                                     target_dir, config.device)  # the supervisor passes a concrete one
+    with phase("verifier", f"target weights loaded ({weights or config.dtype})"):
+        target = TargetModel.from_pretrained(target_dir, layer_ids, dtype=getattr(torch, config.dtype),
+                                             device=config.device, weights=weights)
+    if drafter is not None and drafter.feature_dim and drafter.feature_dim != target.feature_dim:
+        raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
+    return target, target_dir
+
+
+def build_verifier(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo | None):
+    """The verifier process's engine: the target loaded (:func:`load_target`), then :func:`build_engine`
+    with ``config.engine`` (its ``compile`` auto resolved against the target, its limits by
+    :func:`engine_limits`: as given on CPU, the memory plan's on CUDA), the drafter's limits from its
+    handshake ``drafter`` (None: no drafter, plain decoding) and, with a drafter, the goodput
+    policy's calibration store keyed by target, weights, device and :func:`drafter_tag`. Returns
+    ``(engine, target, target_dir)``.
+
+    Raises:
+        MemoryError: the KV cache does not fit; RuntimeError, ValueError: see :func:`load_target`.
+    """
+    from services.startup import phase
+    from services.weights import release_freed_memory
+
+    target, target_dir = load_target(config, drafter)
+    compile = auto_compile(target) if config.engine.compile is None else config.engine.compile
+    running, context = engine_limits(config, target, drafter, drafter_client, compile)
+    engine_config = replace(config.engine, max_running=running, max_context=context, compile=compile)
+    store = None
+    if drafter is not None:
+        from services.verifier.calibration_store import CalibrationStore, calibration_key
+
+        store = CalibrationStore(calibration_key(target_dir.name, str(target.weights), config.device,
+                                                 drafter_tag(drafter)))
+    with phase("verifier", "engine built (KV cache, GEMM packs, step cost model)"):
+        engine = build_engine(target, drafter_client, engine_config,
+                              max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
+                              drafter_max_position=(drafter.max_position or None) if drafter else None,
+                              policy=config.spec_policy, defaults=default_knobs(config),
+                              schedule=parse_tree_schedule(config.tree_schedule),
+                              max_budget=config.spec_max_budget or None, cost_sweep=config.cost_sweep,
+                              cost_key=(target_dir.name, str(target.weights), config.device),
+                              packed_gemm=config.packed_gemm, calibration_store=store)
+    cache = engine.runner.cache
+    cache.prefix.max_bytes = config.prefix_cache_mib * 2**20
+    log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; %s)", cache.num_slots, cache.capacity,
+             cache.nbytes() / 2**30, target.weights, config.device,
+             "allocated on the device" if config.device.startswith("cuda") else "pages committed as used")
+    release_freed_memory()  # what the engine build freed (the cost sweep's activations) leaves the RSS
+    # the q4 packs file's pages: the lean step's fused copies superseded most of them; the linears
+    # still read (o/down projections) fault theirs back at the first step
+    log.info("weight file pages dropped: %.0f MB resident before", drop_file_pages() / 2**20)
+    log_memory(target, engine)
+    return engine, target, target_dir
+
+
+def engine_limits(config: VerifierWorkerConfig, target, drafter: PeerInfo | None, drafter_client,
+                  compile: bool) -> tuple[int, int | None]:
+    """``(max_running, max_context)`` of the engine: ``config.engine``'s on CPU (context None = the
+    target's); on CUDA, after both models loaded, the memory plan's (derived or checked, logged:
+    :func:`services.memory_plan.plan_verifier_memory`; CUDA graphs with ``compile``).
+
+    Raises:
+        ValueError: the limits do not fit the device (one line naming the flag).
+    """
+    if not config.device.startswith("cuda"):
+        return config.engine.max_running, config.engine.max_context or None
+    from services.memory_plan import plan_verifier_memory
+
+    mem = plan_verifier_memory(config, target, drafter, graphed=compile,
+                               transport=getattr(drafter_client, "transport", None))
+    return mem.max_running, mem.max_context
+
+
+def drafter_tag(drafter: PeerInfo) -> str:
+    """The drafter as its handshake describes it (description, block, tapped layers, methods): the
+    key of its saved acceptance calibration."""
+    layers = ",".join(str(i) for i in drafter.target_layer_ids)
+    name = (drafter.model or "drafter").rstrip("/").rsplit("/", 1)[-1]  # a directory: its name, not the machine's path
+    return f"{name}|K{drafter.block_size}|L{layers}|{','.join(drafter.methods)}"
+
+
+def log_memory(target, engine) -> None:
+    """One line: the verifier's resident memory by part (weights, GEMM packs, KV cache, prefix cache)."""
+    from services.cpu_gemm import packed_bytes
+    from services.startup import kv_committed_bytes, mb, memory_line, module_bytes, prefix_cache_part
+
+    cache = engine.runner.cache
+    log.info("%s", memory_line("verifier", {
+        "weights": module_bytes(target.model), "GEMM packs": packed_bytes(target.model),
+        "KV cache": f"{mb(kv_committed_bytes(cache))} written of {mb(cache.nbytes())} reserved in "
+                    f"{str(cache.dtype).removeprefix('torch.')}",
+        "prefix cache": prefix_cache_part(cache.prefix)}))

@@ -27,6 +27,7 @@ from services.tree import DraftTree, derive_buffers
 from services.tree.batch import Segment, causal_segment
 from services.tree.grammar import GrammarState
 from services.verifier import prefix_cache
+from services.verifier.config import EngineConfig
 from services.verifier.drafter_client import DraftJob, DrafterClient
 from services.verifier.drafts import DrafterLink, owned
 from services.verifier.policy import Drafted, FixedPolicy
@@ -37,49 +38,6 @@ from services.verifier.sampling import (Sampler, TokenLogprobs, compile_grammar,
 from services.verifier.scheduler import Candidate, RoundInfo, StepPlan, make_plan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine limits.
-
-    Attributes:
-        max_context: context window (None = the target's position limit).
-        max_running: KV slots, i.e. requests holding state at once (``--max-running``).
-        prefill_chunk: prompt tokens a request prefills per step (chunked prefill, vLLM v1's default).
-        max_step_tokens: rows one step may hold in all (verify rows + prompt chunks); a step always
-            holds at least one request.
-        kv_bucket: a step's KV length is rounded up to a multiple of this (fewer shapes).
-        overlap: submit each request's next draft right after its commit, so the drafter
-            drafts while the target verifies other
-            requests; the caller alternates groups of requests between steps (the verifier worker
-            does). Tokens are unchanged: the same draft is computed, only earlier.
-        compile: run the runner's steps through ``torch.compile`` (:class:`ModelRunner`; on a CUDA
-            target: CUDA graphs of padded steps).
-        cuda_graphs: pad every step to a bucket and run it through CUDA graphs (:class:`ModelRunner`'s
-            ``cuda_graphs``; None = on with ``compile`` on CUDA; True off CUDA runs the padded steps
-            eagerly, the CPU test of the padding).
-        prefix_cache: a finished request's slot keeps its committed KV (and target features) as a
-            cached prefix; a new request takes the free slot sharing the longest prefix with its
-            prompt, or copies the leading columns another slot has committed, or waits for a
-            request prefilling the same prompt, and prefills only the rest
-            (:mod:`services.verifier.prefix_cache`). Same tokens. False: every prompt is prefilled.
-    """
-
-    max_context: int | None = None
-    max_running: int = 8
-    prefill_chunk: int = 256
-    max_step_tokens: int = 512
-    kv_bucket: int = 64
-    overlap: bool = False
-    compile: bool = False
-    cuda_graphs: bool | None = None
-    prefix_cache: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("max_running", "prefill_chunk", "max_step_tokens", "kv_bucket"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
 
 
 @dataclass

@@ -10,7 +10,7 @@ same bits as the Python body (tests/engine/test_native_attention.py compares the
 bfloat16 / float16 path with the grouped attention (:func:`~services.verifier.attention.use_grouped`)
 has a native form, every other step keeps the Python body. The same library holds
 ``dartree_native::int4_mm``, torch's int4 CPU kernel with its group size as an int, which compiled
-q4 linears call (:class:`services.weights.Int4Linear`; the ``quantized::int4mm_packed_weight_cpu``
+q4 linears call (:class:`services.q4_weights.Int4Linear`; the ``quantized::int4mm_packed_weight_cpu``
 overload inductor emits reads the group size from a tensor, one ``item()`` a call). In process the
 two took a compiled q4 one-row step from 10.70 to 10.13 ms a token
 (``benchmarks/results/2026-12-05-native-attention``).
@@ -35,6 +35,8 @@ import sysconfig
 from pathlib import Path
 
 import torch
+
+from services.q4_weights import use_native_int4_mm
 
 log = logging.getLogger("verifier.native")
 
@@ -125,6 +127,7 @@ def load(build: bool = False) -> bool:
         return False
     _register_fake()
     _LOADED = True
+    use_native_int4_mm()  # the compiled q4 linears call dartree_native::int4_mm from now on
     return True
 
 

@@ -14,7 +14,7 @@
 //     scaling) -> [1, R, Hq, Dh] contiguous: writes each request's K/V rows into its slot, then attends
 //     each request's rows to its slot up to its KV length.
 // dartree_native::int4_mm(x [M, K], packed, group_size, scale_zeros) -> [M, N]: torch's int4 CPU kernel
-//     (aten::_weight_int4pack_mm_for_cpu) as one op of a compiled graph (services/weights.py Int4Linear).
+//     (aten::_weight_int4pack_mm_for_cpu) as one op of a compiled graph (services/q4_weights.py Int4Linear).
 
 #include <torch/library.h>
 #include <ATen/ATen.h>

@@ -188,6 +188,9 @@ class FixedPolicy:
     def release(self, rid: str) -> None:
         """Nothing held."""
 
+    def flush(self) -> None:
+        """Nothing learnt to save."""
+
 
 @dataclass
 class _ReqState:

@@ -29,7 +29,7 @@ format. The other per-row ops (embedding, RMSNorm, rotary, SiLU, residual adds) 
 alone. What remains is the linears, which run on all ``R`` flattened rows at once, so whether a
 row depends on ``R`` is the GEMM kernel's property (measured at 1 and 2 threads):
 
-- ``q4`` (torch's int4 kernel, plus the int8-row lm_head of :class:`services.weights.Int8RowLinear`):
+- ``q4`` (torch's int4 kernel, plus the int8-row lm_head of :class:`services.int8_head.Int8RowLinear`):
   every row bitwise equal to its 1-row result for ``R`` = 1..33 on SmolLM2-135M's shapes (on an
   AVX2-only AMD EPYC; the int8 lm_head for 1..9, 16, 17, 33, 64 and 80 rows on the AVX-512 VM).
 - ``bfloat16`` (oneDNN-packed, :mod:`services.cpu_gemm`): the same for every SmolLM2 shape but the
@@ -482,7 +482,10 @@ def auto_compile(target) -> bool:
     target on CPU in ``q4`` that the lean step covers (:class:`~services.verifier.lean_step.LeanLlamaStep`;
     the compiled pass ran its plain decoding 15-20 % faster than eager steps on a 2-core AMD EPYC,
     ``docs/weights.md``, "Compiled steps"). Other formats and devices stay eager unless asked."""
-    return (torch.device(target.device).type == "cpu" and str(getattr(target, "weights", "")) == "q4"
+    from services.weight_formats import FORMATS
+
+    fmt = FORMATS.get(str(getattr(target, "weights", "")))
+    return (torch.device(target.device).type == "cpu" and fmt is not None and fmt.compile_default
             and lean_step_enabled() and LeanLlamaStep.supports(target.model))
 
 

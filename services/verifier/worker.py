@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.devices import is_out_of_memory
-from services.memory_plan import DEFAULT_MAX_RUNNING
 from services.metrics import VerifierMetrics
 from services.protocol import (
-    METHODS,
     PROTOCOL_VERSION,
     Abort,
     Generate,
@@ -43,9 +41,9 @@ from services.protocol import (
     check_compatible,
     check_hello_version,
 )
-from services.runtime import WEIGHT_CHOICES, check_device, check_dtype, drop_file_pages, trim_heap
-from services.spec import (DEFAULT_MAX_REQUEST_BUDGET, DEFAULT_METHOD, DEFAULT_POLICY, MAX_BUDGET, POLICIES,
-                           Method, check_tree_knobs, parse_tree_schedule, request_tree_limits)
+from services.runtime import trim_heap
+from services.spec import Method, parse_tree_schedule, request_tree_limits
+from services.verifier.config import VerifierWorkerConfig
 from services.verifier.remote_drafter import DrafterError, DrafterUnavailable
 from services.verifier.scheduler import OverlapGroups, StepPlan, make_plan
 from services.wire import Decoded
@@ -54,155 +52,6 @@ log = logging.getLogger("verifier")
 RESTART_AFTER_COMPILE_EXIT = 75  # exit code: "start me again, my compiled steps are on disk now"
 DRAFTER_PING_TIMEOUT_S = 1.0  # a drafter heartbeat ping without a Pong by then: not ready
 _PARAM_RE = re.compile(r"(speculative\.\w+|max_tokens|temperature|top_p|top_k|prompt|stop_token_ids|logprobs)")
-
-
-@dataclass(frozen=True)
-class VerifierWorkerConfig:
-    """Verifier process settings (CLI ``--field-name``, env ``DARTREE_FIELD_NAME``).
-
-    Attributes:
-        target: target model (default name or local HF directory).
-        verifier_endpoint: where the verifier listens for the gateway ("" = default ipc:// socket).
-        drafter_endpoint: the drafter's endpoint ("" = default ipc:// socket; "none" = no drafter, AR only).
-        device, dtype: where and in which precision the target runs.
-        compile: run the target's batched steps through ``torch.compile`` (warm-up at start, logged;
-            about a minute the first time on a small CPU, seconds once inductor's disk cache under the
-            state directory is warm). None (auto): compiled for a q4 llama target on CPU
-            (:func:`services.verifier.runner.auto_compile`), eager otherwise.
-        weights: the target's weight format (``services/weights.py``): float32, bfloat16, q4 (the
-            GGUF's 4-bit blocks, bfloat16 activations) or auto (the fastest here, measured once and
-            cached); a concrete format overrides ``dtype``.
-        max_running: requests decoded concurrently, each in its own KV slot, all in one batched step
-            (unset: 8 on CPU; on CUDA planned from the device's free memory, at most 8: see
-            docs/memory-plan.md); max_waiting: queued beyond that (429 after).
-        max_context: context window (0 = the target's; on CUDA the longest that fits when that
-            does not).
-        gpu_memory_utilization: on CUDA, the fraction of the device's memory the server may use
-            (weights, KV cache, feature history, drafter contexts, step buffers); the start-up plan
-            derives or checks the running requests and the context window against it
-            (docs/memory-plan.md).
-        prefill_chunk: prompt tokens a request prefills per step (chunked prefill rides along with the
-            running requests' rounds); max_step_tokens: rows one step may hold (verify rows + chunks;
-            requests beyond it wait for the next step, the order rotates so none starves);
-            kv_bucket: a step reads the KV cache up to its longest context rounded up to this.
-        overlap: split the running drafting requests into two groups that take turns: while the
-            target verifies one group, the drafter drafts the other's next trees (submitted right
-            after their commit); ``ar`` requests run in every step. Same tokens; pays off when the
-            drafter has its own core / GPU stream.
-        default_method: method when a request names none (must be one the drafter serves).
-        spec_policy: ``goodput`` (default): per step, each request's tree budget (0 = plain decoding,
-            no drafter call) is chosen to maximise expected emitted tokens per second of the whole
-            step, from calibrated per-node acceptance and a measured step cost model
-            (``services/verifier/policy.py``); ``fixed``: every drafting request drafts and verifies
-            its whole tree every round (the behaviour before the policy existed).
-        spec_max_budget: the goodput policy's B_max, the budget of its drafter calls and the most nodes
-            it verifies per request (0 = ``budget``, the default tree budget).
-        max_request_budget: the largest tree a request may ask for in ``speculative``: budget and
-            width up to it, candidates up to it or 64; the gateway refuses more with a 400 naming the
-            knob. One request's tree is verified in the step all running requests share, so this
-            bounds what one client can cost the others.
-        cost_sweep: with ``goodput``, time a few target forwards at start-up (1-8, 9, 17, 33 rows and
-            on to B + 1 of the budget, e.g. 65 on CUDA, timed with CUDA events there; a few seconds,
-            cached per machine / model / dtype in ``~/.cache/dartree/cost_model.json`` when its
-            repeats agree; on a busy CPU a rule-based curve, not cached).
-        tree_schedule: manual override, load-dependent tree budget/width, ``"1:16x12,2:12x8,4:8x6,8:4x4"``
-            (``N:BxW`` = at >= N running requests, B nodes and width W; only for requests that leave
-            budget/width unset). "" = off. With ``goodput`` the pick is the drafter call's budget and the
-            policy may still verify fewer nodes (docs/configuration.md, "Tree defaults").
-        budget, width, depth_bonus, candidates: the default tree knobs, for what a request leaves
-            unset (None = :func:`services.spec.default_tree_knobs` of ``device``: B=8 on CPU, 64 on
-            CUDA; W=12, beta=-0.2, K=64). The policy resolves every draft's knobs from them and
-            the drafter receives resolved knobs only; the GEMM packs are sized by ``budget``.
-        draft_timeout_s: deadline of one drafter round trip; drafter_wait_s: how long to wait for the
-            drafter at start; health_interval_s: period of the drafter heartbeat (a thread of its own,
-            so a hung drafter is seen within this period + 2 s even while requests run, and
-            the verifier decodes without speculation until it answers again).
-        drain_timeout_s: on SIGTERM, how long running requests may finish.
-        cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC pool for features (CUDA devices only).
-        packed_gemm: on a float32 CPU, pack the target's GEMM weights for the step sizes of the
-            batched steps (4, B + 1 doubling up to max_running x (B + 1), a chain method's block + 1
-            rows), each on the first step of that size (``services/cpu_gemm.py``: same numerics;
-            SmolLM2: ~0.5 GB per step size used).
-        verifier_metrics_port, metrics_host: Prometheus endpoint (port 0 = off).
-        prefix_cache: a finished request's KV slot keeps its conversation (KV and target features);
-            a request whose prompt starts with it prefills only the rest (chat turns resend the whole
-            conversation). Same tokens as a cold prefill, speculation included.
-        prefix_cache_mib: memory bound, in MiB, on what cached prefixes hold beyond the reserved KV
-            slots: one target feature row per cached position (SmolLM2-135M with the default
-            drafter: 11.25 KiB a position in float32) plus its token id; past it the least recently
-            used prefixes are evicted (a running request's KV never is). 0 keeps no prefix.
-        restart_after_compile: when a start compiled the target's steps from a cold cache (the
-            warm-up wrote inductor's disk cache), end the process right after the warm-up so that the
-            supervisor starts it again: the restarted process loads the compiled steps from the disk
-            cache in seconds and holds none of the compiler's in-memory state (~50 MB on SmolLM2-135M).
-            None (auto): only under ``dartree serve``'s supervisor, which restarts it once.
-    """
-
-    target: str = "smollm2-135m-instruct"
-    verifier_endpoint: str = ""
-    drafter_endpoint: str = ""
-    device: str = "cpu"
-    dtype: str = "float32"
-    weights: str = "auto"
-    max_running: int | None = None
-    max_waiting: int = 64
-    max_context: int = 0
-    prefill_chunk: int = 256
-    max_step_tokens: int = 512
-    kv_bucket: int = 64
-    overlap: bool = False
-    compile: bool | None = None
-    default_method: str = DEFAULT_METHOD
-    spec_policy: str = DEFAULT_POLICY
-    spec_max_budget: int = 0
-    max_request_budget: int = DEFAULT_MAX_REQUEST_BUDGET
-    cost_sweep: bool = True
-    tree_schedule: str = ""
-    budget: int | None = None
-    width: int | None = None
-    depth_bonus: float | None = None
-    candidates: int | None = None
-    draft_timeout_s: float = 30.0
-    drafter_wait_s: float = 600.0
-    health_interval_s: float = 1.0
-    drain_timeout_s: float = 30.0
-    cuda_ipc: bool = True
-    ipc_slots: int = 16
-    ipc_slot_bytes: int = 8 << 20
-    packed_gemm: bool = True
-    verifier_metrics_port: int = 8001
-    metrics_host: str = "127.0.0.1"
-    log_level: str = "INFO"
-    prefix_cache: bool = True
-    prefix_cache_mib: int = 256
-    restart_after_compile: bool | None = None
-    gpu_memory_utilization: float = 0.9
-
-    def __post_init__(self) -> None:
-        if self.max_running is None and not self.device.startswith("cuda"):  # CUDA: the memory plan sets it
-            object.__setattr__(self, "max_running", DEFAULT_MAX_RUNNING)
-        if (self.max_running is not None and self.max_running < 1) or self.max_waiting < 0:
-            raise ValueError("max_running must be >= 1 and max_waiting >= 0")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
-        if self.prefix_cache_mib < 0:
-            raise ValueError(f"prefix_cache_mib must be >= 0 (got {self.prefix_cache_mib})")
-        for name in ("prefill_chunk", "max_step_tokens", "kv_bucket"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
-        check_dtype(self.dtype)
-        check_device(self.device)
-        if self.weights not in WEIGHT_CHOICES:
-            raise ValueError(f"weights {self.weights!r} is not supported (choose from {', '.join(WEIGHT_CHOICES)})")
-        if self.default_method not in METHODS:
-            raise ValueError(f"unknown default_method {self.default_method!r} (choose from {', '.join(METHODS)})")
-        parse_tree_schedule(self.tree_schedule, MAX_BUDGET, self.max_running)  # ValueError: one line
-        check_tree_knobs(self.budget, self.width, self.depth_bonus, self.candidates, prefix="")
-        if self.spec_policy not in POLICIES:
-            raise ValueError(f"unknown spec_policy {self.spec_policy!r} (choose from {', '.join(POLICIES)})")
-        if not 0 <= self.spec_max_budget <= MAX_BUDGET:
-            raise ValueError(f"spec_max_budget must be in [0, {MAX_BUDGET}] (got {self.spec_max_budget})")
-        request_tree_limits(self.max_request_budget)  # ValueError: one line
 
 
 @dataclass
@@ -392,7 +241,7 @@ class VerifierWorker:
             return self._error(entry, 400, f"request id {rid!r} is already in flight", None, "duplicate_request_id")
         # room = free slots + queue places, counting the running requests and every request accepted
         # before this one (in this inbox batch too: they sit in _waiting until the next _admit)
-        if len(self._running) + len(self._waiting) >= self.config.max_running + self.config.max_waiting:
+        if len(self._running) + len(self._waiting) >= self.config.engine.max_running + self.config.max_waiting:
             return self._error(entry, 429, "the verifier queue is full; retry later", None, "overloaded")
         self._waiting.append(entry)
 
@@ -415,7 +264,7 @@ class VerifierWorker:
             log.info("aborted %s (%s)", rid, abort.reason)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.config.max_running:
+        while self._waiting and len(self._running) < self.config.engine.max_running:
             entry = self._waiting.popleft()
             rid = entry.gen.request_id
             try:  # the wire's params as they are, the method filled in (services.params)
@@ -436,7 +285,7 @@ class VerifierWorker:
         requests join every step)."""
         order = list(self._order)
         self._order.rotate(-1)
-        if not self.config.overlap:
+        if not self.config.engine.overlap:
             return order
         return self._groups.pick(order, {r for r in order if self._running[r].method != Method.AR})
 
@@ -543,7 +392,7 @@ class VerifierWorker:
         self.metrics.waiting.set(len(self._waiting))
         nfree = self.engine.num_free_slots()
         self.metrics.kv_slots.labels("free").set(nfree)
-        self.metrics.kv_slots.labels("used").set(self.config.max_running - nfree)
+        self.metrics.kv_slots.labels("used").set(self.config.engine.max_running - nfree)
         prefix = getattr(self.engine, "prefix_cache_stats", None)
         if prefix is not None:
             self.metrics.observe_prefix_cache(*prefix())
@@ -599,7 +448,7 @@ def verifier_info(target_dir, engine, target, epoch: str, config: VerifierWorker
 
     budget, width, candidates = request_tree_limits(config.max_request_budget)
     limits = Limits(max_context=engine.max_context, max_prompt_tokens=engine.max_context - 1,
-                    max_tokens=engine.max_context - 1, max_budget=budget, max_running=config.max_running,
+                    max_tokens=engine.max_context - 1, max_budget=budget, max_running=config.engine.max_running,
                     max_waiting=config.max_waiting, max_width=width, max_candidates=candidates)
     return PeerInfo(role="verifier", epoch=epoch, tokenizer_hash=tokenizer_hash(target_dir),
                     vocab_size=engine.vocab_size, eos_token_id=int(engine.eos_token_ids[0]) if engine.eos_token_ids
@@ -627,81 +476,6 @@ def _connect_drafter(config: VerifierWorkerConfig, target_dir, ctx, epoch: str):
     return client, peer
 
 
-def build_engine(config: VerifierWorkerConfig, drafter_client, drafter: PeerInfo | None):
-    """Load the target (tapping the drafter's layers) and wrap it in a ``SpecEngine``: ``(engine, target, dir)``."""
-    import torch
-
-    from services.models.registry import resolve_target
-    from services.verifier.build import build_engine as assemble
-    from services.verifier.engine import EngineConfig
-    from services.verifier.runner import auto_compile
-    from services.verifier.target import TargetModel
-
-    from services.startup import phase
-    from services.weights import resolve_cli_weights
-
-    target_dir = resolve_target(config.target)
-    layer_ids = list(drafter.target_layer_ids) if drafter and drafter.target_layer_ids else None
-    weights, _ = resolve_cli_weights(config.weights, config.dtype if config.dtype != "float32" else None,
-                                     target_dir, config.device)  # the supervisor passes a concrete one
-    with phase("verifier", f"target weights loaded ({weights or config.dtype})"):
-        target = TargetModel.from_pretrained(target_dir, layer_ids, dtype=getattr(torch, config.dtype),
-                                             device=config.device, weights=weights)
-    if drafter is not None and drafter.feature_dim and drafter.feature_dim != target.feature_dim:
-        raise RuntimeError(f"drafter expects {drafter.feature_dim}-wide features, the target taps {target.feature_dim}")
-    compile = auto_compile(target) if config.compile is None else config.compile
-    running, context = engine_limits(config, target, drafter, drafter_client, compile)
-    engine_config = EngineConfig(max_context=context, max_running=running,
-                                 prefill_chunk=config.prefill_chunk, max_step_tokens=config.max_step_tokens,
-                                 kv_bucket=config.kv_bucket, overlap=config.overlap, compile=compile,
-                                 prefix_cache=config.prefix_cache)
-    with phase("verifier", "engine built (KV cache, GEMM packs, step cost model)"):
-        engine = assemble(target, drafter_client, engine_config,
-                          max_draft_depth=drafter.block_size if drafter and drafter.block_size else 16,
-                          drafter_max_position=(drafter.max_position or None) if drafter else None,
-                          policy=config.spec_policy, defaults=default_knobs(config),
-                          schedule=parse_tree_schedule(config.tree_schedule),
-                          max_budget=config.spec_max_budget or None, cost_sweep=config.cost_sweep,
-                          cost_key=(target_dir.name, str(target.weights), config.device),
-                          packed_gemm=config.packed_gemm)
-    if drafter is not None and hasattr(engine.policy, "attach_store"):  # the goodput policy's calibration
-        from services.verifier.calibration_store import CalibrationStore, calibration_key
-
-        engine.policy.attach_store(CalibrationStore(calibration_key(
-            target_dir.name, str(target.weights), config.device, drafter_tag(drafter))))
-    cache = engine.runner.cache
-    cache.prefix.max_bytes = config.prefix_cache_mib * 2**20
-    log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; %s)", cache.num_slots, cache.capacity,
-             cache.nbytes() / 2**30, target.weights, config.device,
-             "allocated on the device" if config.device.startswith("cuda") else "pages committed as used")
-    from services.weights import release_freed_memory
-
-    release_freed_memory()  # what the engine build freed (the cost sweep's activations) leaves the RSS
-    # the q4 packs file's pages: the lean step's fused copies superseded most of them; the linears
-    # still read (o/down projections) fault theirs back at the first step
-    log.info("weight file pages dropped: %.0f MB resident before", drop_file_pages() / 2**20)
-    log_memory(target, engine)
-    return engine, target, target_dir
-
-
-def engine_limits(config: VerifierWorkerConfig, target, drafter: PeerInfo | None, drafter_client,
-                  compile: bool) -> tuple[int, int | None]:
-    """``(max_running, max_context)`` of the engine: the config's on CPU (context None = the
-    target's); on CUDA, after both models loaded, the memory plan's (derived or checked, logged:
-    :func:`services.memory_plan.plan_verifier_memory`; CUDA graphs with ``compile``).
-
-    Raises:
-        ValueError: the limits do not fit the device (one line naming the flag).
-    """
-    if not config.device.startswith("cuda"):
-        return config.max_running, config.max_context or None
-    from services.memory_plan import plan_verifier_memory
-
-    mem = plan_verifier_memory(config, target, drafter, graphed=compile,
-                               transport=getattr(drafter_client, "transport", None))
-    return mem.max_running, mem.max_context
-
-
 def compiled_cold(engine) -> int:
     """How many graphs this process's compiled steps compiled rather than loaded from inductor's disk
     cache (torch's ``fxgraph_cache_miss`` counter; 0 for eager steps and for a warm cache)."""
@@ -710,36 +484,6 @@ def compiled_cold(engine) -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["inductor"]["fxgraph_cache_miss"])
-
-
-def drafter_tag(drafter: PeerInfo) -> str:
-    """The drafter as its handshake describes it (description, block, tapped layers, methods): the
-    key of its saved acceptance calibration."""
-    layers = ",".join(str(i) for i in drafter.target_layer_ids)
-    name = (drafter.model or "drafter").rstrip("/").rsplit("/", 1)[-1]  # a directory: its name, not the machine's path
-    return f"{name}|K{drafter.block_size}|L{layers}|{','.join(drafter.methods)}"
-
-
-def default_knobs(config: VerifierWorkerConfig):
-    """The verifier's default :class:`~services.spec.TreeKnobs`: the config's, each unset one from
-    :func:`services.spec.default_tree_knobs` of its device."""
-    from services.spec import TreeKnobs, default_tree_knobs
-
-    knobs = TreeKnobs(config.budget, config.width, config.depth_bonus, config.candidates)
-    return knobs.filled_from(default_tree_knobs(config.device))
-
-
-def log_memory(target, engine) -> None:
-    """One line: the verifier's resident memory by part (weights, GEMM packs, KV cache, prefix cache)."""
-    from services.cpu_gemm import packed_bytes
-    from services.startup import kv_committed_bytes, mb, memory_line, module_bytes, prefix_cache_part
-
-    cache = engine.runner.cache
-    log.info("%s", memory_line("verifier", {
-        "weights": module_bytes(target.model), "GEMM packs": packed_bytes(target.model),
-        "KV cache": f"{mb(kv_committed_bytes(cache))} written of {mb(cache.nbytes())} reserved in "
-                    f"{str(cache.dtype).removeprefix('torch.')}",
-        "prefix cache": prefix_cache_part(cache.prefix)}))
 
 
 def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = None,
@@ -775,9 +519,11 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     else:
         with phase("verifier", "drafter connected"):
             drafter_client, drafter = _connect_drafter(config, resolve_target(config.target), ctx, epoch)
-    engine, target, target_dir = build_engine(config, drafter_client, drafter)
-    if config.max_running is None:  # planned from the device's memory (services/memory_plan.py)
-        config = dataclasses.replace(config, max_running=engine.config.max_running)
+    from services.verifier.build import build_verifier
+
+    engine, target, target_dir = build_verifier(config, drafter_client, drafter)
+    # what runs: the engine's limits as built (on CUDA the memory plan's max_running / context)
+    config = dataclasses.replace(config, engine=engine.config)
     restart = config.restart_after_compile if config.restart_after_compile is not None else parent_pid is not None
     if restart and (missed := compiled_cold(engine)):
         log.info("the compiled steps were built from a cold cache (%d graphs compiled and saved to disk): "
@@ -816,8 +562,7 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     try:
         worker.event_loop(stop)
     finally:
-        if hasattr(engine.policy, "flush"):
-            engine.policy.flush()  # what this start learnt is the next one's starting calibration
+        engine.policy.flush()  # what this start learnt is the next one's starting calibration
         io.close()
         if heartbeat is not None:
             heartbeat.close()

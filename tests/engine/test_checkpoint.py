@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.drafter.model import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
-from services.drafter.service import load_borrowed_weights
+from services.drafter.build import load_borrowed_weights
 from services.testing import tiny_causal_lm, tiny_drafter, tiny_target
 
 # Released config.json layouts (values from algorithms.md §1.1: SF configs/qwen3-4b-dflash.json,

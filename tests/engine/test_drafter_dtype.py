@@ -70,7 +70,7 @@ def test_inprocess_engine_runs_a_float32_drafter_on_float32_copies_of_the_target
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_borrowed_io_is_shared_when_the_dtypes_agree_and_equal_copies_otherwise(dtype):
-    from services.drafter.service import borrow_target_io
+    from services.drafter.build import borrow_target_io
 
     emb = torch.nn.Embedding(10, 4).to(torch.bfloat16)
     head = torch.nn.Linear(4, 10, bias=False).to(torch.bfloat16)

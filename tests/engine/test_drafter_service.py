@@ -146,3 +146,27 @@ def test_method_checks(target):
             draft_one(plain, "r", [1], _feats(target, 1), 2, 1, SpecParams(m))
     with pytest.raises(ValueError, match="does not draft"):
         draft_one(plain, "r", [1], _feats(target, 1), 2, 1, SpecParams("ar"))
+
+
+def test_the_one_drafter_assembly_borrows_in_the_drafters_dtype_and_passes_options(target):
+    """``build_drafter``: the target's modules as they are without a dtype, frozen float32 copies for
+    a float32 drafter next to a bfloat16 target, the drafter family's service with the options given
+    (here the block's rows), and a service that drafts the same tree as one made by hand."""
+    from services.drafter.build import build_drafter
+    from services.drafter.service import DrafterService
+
+    d = tiny_drafter(target, block_size=6)
+    svc = build_drafter(d, target.embed_tokens(), target.lm_head(), packed_gemm=False, block_rows=4)
+    assert isinstance(svc, DrafterService) and svc.embed is target.embed_tokens() and svc.block_rows == 4
+    by_hand = DrafterService(d, target.embed_tokens(), target.lm_head(), packed_gemm=False, block_rows=4)
+    spec = SpecParams("dartree-pruned", budget=6, width=3)
+    feats = _feats(target, 5)
+    a, _ = draft_one(svc, "r", [1, 2, 3, 4, 5], feats, 7, 5, spec)
+    b, _ = draft_one(by_hand, "r", [1, 2, 3, 4, 5], feats, 7, 5, spec)
+    assert torch.equal(a.draft_tokens, b.draft_tokens) and torch.equal(a.parents, b.parents)
+    emb16 = torch.nn.Embedding(V, 32).to(torch.bfloat16)
+    head16 = torch.nn.Linear(32, V, bias=False).to(torch.bfloat16)
+    svc32 = build_drafter(d, emb16, head16, torch.float32, packed_gemm=False)
+    assert svc32.embed.weight.dtype is torch.float32 and torch.equal(svc32.embed.weight, emb16.weight.float())
+    with pytest.raises(TypeError):
+        build_drafter(d, target.embed_tokens(), target.lm_head(), no_such_option=1)

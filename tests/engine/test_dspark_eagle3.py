@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from services.drafter.model import DFlashDrafter, load_drafter, save_drafter
-from services.drafter.service import make_service
+from services.drafter.build import make_service
 from services.protocol import served_methods
 from services.testing import (block_logits_one, draft_job, draft_one, greedy_reference, tiny_drafter, tiny_dspark, tiny_eagle3,
                               tiny_service, tiny_target)

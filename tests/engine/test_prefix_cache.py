@@ -300,7 +300,7 @@ def test_verifier_metrics_export_the_prefix_cache(llama):
     from tests.service.fakes import verifier_info
 
     engine = SpecEngine(llama, None, EngineConfig(max_running=1, prefill_chunk=CHUNK))
-    worker = VerifierWorker(engine, verifier_info(V), VerifierWorkerConfig(max_running=1))
+    worker = VerifierWorker(engine, verifier_info(V), VerifierWorkerConfig(engine=EngineConfig(max_running=1)))
     sampling, spec = SamplingParams(max_tokens=4, ignore_eos=True), SpecParams("ar")
     prompt = _prompt(random.Random(4), 12)
     _run(engine, "a", prompt, sampling, spec)

@@ -202,7 +202,7 @@ def test_metrics_export_copied_tokens_and_waits(llama):
     from tests.service.fakes import verifier_info
 
     engine = SpecEngine(llama, None, EngineConfig(max_running=3, prefill_chunk=CHUNK))
-    worker = VerifierWorker(engine, verifier_info(3), VerifierWorkerConfig(max_running=3))
+    worker = VerifierWorker(engine, verifier_info(3), VerifierWorkerConfig(engine=EngineConfig(max_running=3)))
     sampling, spec = SamplingParams(max_tokens=4, ignore_eos=True), SpecParams("ar")
     prompt = _prompt(random.Random(4), 20)
     _steps(engine, {0: [(f"n{i}", prompt, sampling, spec) for i in range(3)]})
@@ -229,7 +229,7 @@ def test_worker_serves_n_choices_with_one_prefill(llama, overlap):
     engine = SpecEngine(llama, InprocDrafterClient(service),
                         EngineConfig(max_running=3, prefill_chunk=CHUNK, overlap=overlap), max_draft_depth=5)
     sent: list = []
-    worker = VerifierWorker(engine, verifier_info(3), VerifierWorkerConfig(max_running=3, overlap=overlap),
+    worker = VerifierWorker(engine, verifier_info(3), VerifierWorkerConfig(engine=EngineConfig(max_running=3, overlap=overlap)),
                             send=lambda identity, msg: sent.append(msg))
     prompt = _prompt(random.Random(9), 26)
     for i in range(3):

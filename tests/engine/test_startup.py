@@ -42,7 +42,7 @@ def test_kv_cache_follows_the_documented_formula(tiny, weights):
     fp = startup.serve_footprint(target_dir, weights, weights, 3, 100, 32)
     assert fp["kv"] == cache.nbytes() and fp["kv_capacity"] == cap
     n_params = sum(p.numel() for p in target.model.parameters())
-    assert fp["weights"] == int(n_params * startup.FORMAT_BYTES[weights])
+    assert fp["weights"] == int(n_params * startup.weight_bytes_per_param(weights))
     buffers = sum(b.numel() * b.element_size() for b in target.model.buffers())  # rotary inv_freq
     assert startup.module_bytes(target.model) == n_params * (4 if weights == "float32" else 2) + buffers
 
@@ -198,3 +198,32 @@ def test_the_supervisor_resolves_the_default_configuration_without_torch(tiny, t
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["weights"] in ("float32", "bfloat16") and got["drafter_dtype"] in ("float32", "bfloat16")
     assert not got["torch"] and not got["transformers"], got
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_the_verifier_is_built_from_its_config_as_it_is(tiny, with_drafter):
+    """``build_verifier``: the engine gets the config's ``engine`` sub-object (``compile`` auto
+    resolved against the target: eager for a float32 target; context 0 = the target's), the prefix
+    cache its memory bound, and the goodput policy its calibration store at construction, keyed by
+    the drafter's handshake (no drafter: no store)."""
+    from dataclasses import replace
+
+    from services.protocol import PeerInfo
+    from services.verifier.build import build_verifier, drafter_tag
+    from services.verifier.config import EngineConfig, VerifierWorkerConfig
+
+    target_dir, _ = tiny
+    config = VerifierWorkerConfig(target=str(target_dir), weights="float32", cost_sweep=False, prefix_cache_mib=3,
+                                  engine=EngineConfig(max_context=0, max_running=2, compile=None))
+    drafter = PeerInfo(role="drafter", epoch="e", block_size=8, target_layer_ids=(1, 2), model="/x/tiny-drafter",
+                       methods=("ar", "dartree-pruned")) if with_drafter else None
+    engine, target, got_dir = build_verifier(config, None, drafter)
+    assert got_dir == target_dir and engine.config == replace(config.engine, compile=False)
+    assert engine.max_context == target.max_context and engine.runner.cache.num_slots == 2
+    assert engine.runner.cache.prefix.max_bytes == 3 * 2**20
+    assert engine.policy.name == "goodput"
+    if with_drafter:
+        assert engine.policy.store is not None and drafter_tag(drafter) in engine.policy.store.key
+        assert drafter_tag(drafter) == "tiny-drafter|K8|L1,2|ar,dartree-pruned"
+    else:
+        assert engine.policy.store is None

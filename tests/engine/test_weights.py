@@ -8,6 +8,7 @@ decoding with the same q4 model (the lossless guarantee is relative to the weigh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -25,6 +26,9 @@ from services.verifier.engine import EngineConfig, SpecEngine
 from services.verifier.target import TargetModel
 from services import timing
 from services import weight_choice as WC
+from services import gguf_blocks as GB
+from services import q4_weights as Q4
+from services import weight_formats as WF
 from services import weights as W
 from tests.doubles import OracleDrafter
 from tests.engine.test_batched import _run_batched
@@ -189,6 +193,12 @@ def test_int4_linear_serves_the_blocks_up_to_bf16_constants(gguf_dir):
         W.Int4Linear(W.Q4Blocks(b.q[:8], b.d[:8], b.m[:8]))
 
 
+def _bump_q4_kernels(monkeypatch) -> None:
+    """The ``q4`` format's kernels one version newer (its cached packs' key changes)."""
+    fmt = WF.FORMATS["q4"]
+    monkeypatch.setitem(WF.FORMATS, "q4", dataclasses.replace(fmt, kernels_version=fmt.kernels_version + 1))
+
+
 def test_q4_packs_are_cached_per_key_and_reused(gguf_dir, monkeypatch, tmp_path):
     """The first q4 load packs the GGUF's blocks and keeps the packs; a restart reads them instead of
     the GGUF and serves bitwise the same model; another key (a new kernels version) or a corrupt file
@@ -196,7 +206,7 @@ def test_q4_packs_are_cached_per_key_and_reused(gguf_dir, monkeypatch, tmp_path)
     monkeypatch.setenv("DARTREE_CACHE_DIR", str(tmp_path / "state"))
     monkeypatch.setenv("DARTREE_INT8_LM_HEAD", "0")  # the packs alone here (the int8 head's file: below)
     read, real = [], W.read_gguf_linears
-    monkeypatch.setattr(W, "read_gguf_linears", lambda *a: read.append(1) or real(*a))
+    monkeypatch.setattr(Q4, "read_gguf_linears", lambda *a: read.append(1) or real(*a))
     first = W.load_causal_lm(gguf_dir, "q4")
     (path,) = (tmp_path / "state" / "q4").glob("*.safetensors")
     second = W.load_causal_lm(gguf_dir, "q4")
@@ -210,7 +220,7 @@ def test_q4_packs_are_cached_per_key_and_reused(gguf_dir, monkeypatch, tmp_path)
     path.write_bytes(b"truncated")                             # corrupt: packed again, file rewritten
     W.load_causal_lm(gguf_dir, "q4")
     assert len(read) == 2 and W.load_causal_lm(gguf_dir, "q4") is not None and len(read) == 2
-    monkeypatch.setattr(W, "KERNELS_VERSION", W.KERNELS_VERSION + 1)  # another key: packed again
+    _bump_q4_kernels(monkeypatch)  # another key: packed again
     W.load_causal_lm(gguf_dir, "q4")
     assert len(read) == 3 and len(list((tmp_path / "state" / "q4").glob("*.safetensors"))) == 2
 
@@ -232,7 +242,7 @@ def test_int8_lm_head_is_cached_per_key_and_reused(gguf_dir, monkeypatch, tmp_pa
     x = torch.randn(3, first.in_features).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(first(x), second(x))
-    monkeypatch.setattr(W, "KERNELS_VERSION", W.KERNELS_VERSION + 1)
+    _bump_q4_kernels(monkeypatch)
     W.load_causal_lm(gguf_dir, "q4")
     assert len(made) == 2 and len(list((tmp_path / "state" / "q4").glob("*.safetensors"))) == 4
 
@@ -246,7 +256,7 @@ def test_a_q4_load_parses_the_gguf_once(gguf_dir, monkeypatch, tmp_path):
     parsed, real = [], gguf.GGUFReader
     monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: parsed.append(1) or real(*a, **k))
     model = W.load_causal_lm(gguf_dir, "q4")
-    assert len(parsed) == 1 and W._READERS is None
+    assert len(parsed) == 1 and GB._READERS is None
     if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         assert isinstance(model.lm_head, W.Int8RowLinear)
 
@@ -429,7 +439,7 @@ def test_fastest_reproduced_ignores_slow_repeats_and_lone_fast_ones():
 
 
 def test_a_cached_emulated_bfloat16_choice_is_measured_again(gguf_dir, avx2_only, monkeypatch):
-    key = WC.machine_key(gguf_dir, torch.get_num_threads(), W.KERNELS_VERSION)
+    key = WC.machine_key(gguf_dir, torch.get_num_threads(), WF.kernels_version())
     avx2_only.parent.mkdir(parents=True)
     avx2_only.write_text(json.dumps({key: {"choice": "bfloat16", "ms": {}, "when": "2026-12-01T00:00:00"}}))
     got = _scripted(monkeypatch, [5.0, 10.0, 2.0, 4.0])

@@ -18,7 +18,8 @@ import zmq
 
 from gateway.engine_client import EngineError, ZmqEngineClient
 from services import protocol as p
-from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
+from services.verifier.config import EngineConfig, VerifierWorkerConfig
+from services.verifier.worker import VerifierWorker
 from services.wire import ServerIO, new_epoch
 
 from .fakes import verifier_info
@@ -37,11 +38,12 @@ def sockdir():
 
 
 @contextmanager
-def running_verifier(sockdir, engine, **cfg):
+def running_verifier(sockdir, engine, max_running: int = 8, **cfg):
     """A verifier worker on ``ipc://`` with its event loop on a thread."""
     ctx = zmq.Context()
     endpoint = f"ipc://{sockdir}/verifier.sock"
-    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), VerifierWorkerConfig(**cfg))
+    config = VerifierWorkerConfig(engine=EngineConfig(max_running=max_running), **cfg)
+    worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), config)
     io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
                   on_error=lambda r: worker.metrics.ipc_errors.labels("gateway").inc(), inbox=worker.inbox,
                   refuse=lambda reason: p.HelloAck(p.PROTOCOL_VERSION, False, worker.info, reason))
@@ -82,7 +84,7 @@ def _gauges(worker) -> tuple[float, float]:
 def _worker(max_running: int, max_waiting: int, rounds: int = 5) -> tuple[VerifierWorker, list]:
     sent: list = []
     worker = VerifierWorker(FakeEngine(rounds=[[1]] * rounds), verifier_info(400),
-                            VerifierWorkerConfig(max_running=max_running, max_waiting=max_waiting),
+                            VerifierWorkerConfig(engine=EngineConfig(max_running=max_running), max_waiting=max_waiting),
                             send=lambda identity, msg: sent.append(msg))
     return worker, sent
 

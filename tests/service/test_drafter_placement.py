@@ -152,7 +152,7 @@ def test_compile_is_auto_unless_set(tmp_path, monkeypatch, flags, env, want):
     else:
         monkeypatch.setenv("DARTREE_COMPILE", env)
     _, _, verifier, drafter_cfg = _plan(tmp_path, monkeypatch, *flags)
-    assert verifier.compile is want and drafter_cfg.compile is bool(want)
+    assert verifier.engine.compile is want and drafter_cfg.compile is bool(want)
 
 
 def test_a_bad_compile_variable_is_one_line(tmp_path, monkeypatch, capsys):

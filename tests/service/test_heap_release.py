@@ -81,7 +81,7 @@ def _file_mapped(t: torch.Tensor, path: Path) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
 @pytest.mark.parametrize("tied", [True, False])
 def test_mapped_embedding_is_a_view_of_the_file_with_the_converted_rows(tmp_path, tied):
-    from services.drafter.service import MappedEmbedding, load_borrowed_weights
+    from services.drafter.build import MappedEmbedding, load_borrowed_weights
     from services.startup import object_memory_parts
     from services.testing import tiny_causal_lm
 

@@ -16,7 +16,7 @@ from services.config_cli import config_from_args
 from services.memory_plan import (SHAPES, MemoryNeeds, TargetShape, drafter_bytes, plan_memory, plan_verifier_memory,
                                   segment_room)
 from services.protocol import PeerInfo
-from services.verifier.worker import VerifierWorkerConfig
+from services.verifier.config import EngineConfig, VerifierWorkerConfig
 
 GIB = 2**30
 IPC = 2 * 16 * (8 << 20)       # both processes' CUDA-IPC rings at the defaults
@@ -105,7 +105,7 @@ def test_the_verifier_plans_from_the_handshake_and_logs_one_block(caplog):
     drafter = PeerInfo(role="drafter", epoch="e", context_bytes=24_576)
     transport = SimpleNamespace(kind="cuda_ipc", num_slots=16, slot_bytes=8 << 20)
     config = VerifierWorkerConfig(device="cuda:0")
-    assert config.max_running is None  # planned on CUDA
+    assert config.engine.max_running is None  # planned on CUDA
     with caplog.at_level(logging.INFO, logger="verifier"):
         p = plan_verifier_memory(config, target, drafter, graphed=True, transport=transport,
                                  probe=lambda dev: (70 * GIB - IPC, 80 * GIB))
@@ -117,7 +117,8 @@ def test_the_verifier_plans_from_the_handshake_and_logs_one_block(caplog):
 
 
 def test_the_config_flag_and_the_cpu_default():
-    assert VerifierWorkerConfig().max_running == 8 and VerifierWorkerConfig(max_running=3).max_running == 3
+    assert VerifierWorkerConfig().engine.max_running == 8
+    assert VerifierWorkerConfig(engine=EngineConfig(max_running=3)).engine.max_running == 3
     with pytest.raises(ValueError, match=r"--gpu-memory-utilization must be in \(0, 1\] \(got 0.0\)"):
         config_from_args(VerifierWorkerConfig, argparse.Namespace(gpu_memory_utilization=0.0))
 
@@ -193,16 +194,17 @@ def test_the_drafter_counts_its_out_of_memory_drafts_and_says_so_in_the_reply():
 
 def test_the_engine_limits_come_from_the_plan_on_cuda_only(monkeypatch):
     from services import memory_plan
-    from services.verifier.worker import engine_limits
+    from services.verifier.build import engine_limits
 
     cfg = SHAPES["qwen3-4b"]
     target = SimpleNamespace(config=SimpleNamespace(to_dict=lambda: dict(cfg)), dtype=torch.bfloat16,
                              feature_dim=5 * 2560, max_context=40960, device="cuda:0")
     drafter = PeerInfo(role="drafter", epoch="e", context_bytes=24_576)
-    assert engine_limits(VerifierWorkerConfig(max_context=4096), target, drafter, None, True) == (8, 4096)  # CPU
+    assert engine_limits(VerifierWorkerConfig(engine=EngineConfig(max_context=4096, max_running=None)), target, drafter,
+                         None, True) == (8, 4096)  # CPU
     monkeypatch.setattr(memory_plan, "device_memory", lambda device: (14 * GIB, 24 * GIB))
     assert engine_limits(VerifierWorkerConfig(device="cuda:0"), target, drafter, None, True) == (5, 8192)
-    given = VerifierWorkerConfig(device="cuda:0", max_running=8, max_context=40960)
+    given = VerifierWorkerConfig(device="cuda:0", engine=EngineConfig(max_running=8, max_context=40960))
     with pytest.raises(ValueError, match=r"^--max-running 8 at --max-context 40960 needs .* lower --max-context to"):
         engine_limits(given, target, drafter, None, True)
 

@@ -174,7 +174,7 @@ def test_generate_without_a_fitting_drafter(hub, capsys):
 @pytest.mark.skipif(not (DEFAULT_DRAFTER_DIR / "config.json").is_file(), reason="no shipped drafter")
 def test_a_drafter_worker_started_alone_refuses_a_drafter_that_does_not_fit(hub):
     """``dartree drafter`` (compose runs it without the supervisor) checks the pair itself."""
-    from services.drafter.worker import check_drafter_fits
+    from services.drafter.build import check_drafter_fits
 
     target, drafter = hub[3], hub[4]
     check_drafter_fits(drafter, target)

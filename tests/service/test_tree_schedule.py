@@ -9,7 +9,8 @@ import pytest
 from services import protocol as p
 from services.spec import DEFAULT_KNOBS, TreeSchedule, parse_tree_schedule
 from services.verifier.policy import FixedPolicy, GoodputPolicy, RoundInfo
-from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
+from services.verifier.config import EngineConfig, VerifierWorkerConfig
+from services.verifier.worker import VerifierWorker
 
 from tests.doubles import FakeEngine, ScriptedDrafterClient, next_output
 
@@ -44,7 +45,7 @@ def test_startup_validation_uses_the_server_limits():
     with pytest.raises(ValueError, match="budget 65 .* must be in \\[1, 64\\]"):
         parse_tree_schedule("1:65x4", max_budget=64)
     with pytest.raises(ValueError, match="threshold 16 exceeds max_running 8"):
-        VerifierWorkerConfig(tree_schedule="1:8x4,16:4x2", max_running=8)
+        VerifierWorkerConfig(tree_schedule="1:8x4,16:4x2", engine=EngineConfig(max_running=8))
     with pytest.raises(ValueError, match="budget 2000"):
         VerifierWorkerConfig(tree_schedule="1:2000x4")
     assert VerifierWorkerConfig(tree_schedule=SCHEDULE).tree_schedule == SCHEDULE
@@ -74,7 +75,7 @@ def test_cli_reports_a_bad_schedule_in_one_line(argv_env, monkeypatch, capsys):
 
 def _worker(engine, schedule: str, max_running: int = 8) -> tuple[VerifierWorker, list]:
     sent: list = []
-    config = VerifierWorkerConfig(tree_schedule=schedule, max_running=max_running)
+    config = VerifierWorkerConfig(tree_schedule=schedule, engine=EngineConfig(max_running=max_running))
     worker = VerifierWorker(engine, verifier_info(400), config, send=lambda ident, msg: sent.append(msg))
     return worker, sent
 
@@ -213,7 +214,7 @@ def test_greedy_output_is_unchanged_under_the_schedule(tiny, drafter):
         spy = TrimmedOracle(OracleDrafter({rid: prompts[rid] + refs[rid] for rid in prompts}, depth=4, seed=5))
     else:
         spy = SpyDrafter(service)
-    config = VerifierWorkerConfig(tree_schedule="1:12x4,2:6x2,3:2x1", max_running=3)
+    config = VerifierWorkerConfig(tree_schedule="1:12x4,2:6x2,3:2x1", engine=EngineConfig(max_running=3))
     engine = SpecEngine(target, spy, max_draft_depth=8, policy=FixedPolicy(schedule=parse_tree_schedule(config.tree_schedule)))
     sent: list = []
     worker = VerifierWorker(engine, verifier_info(128), config, send=lambda ident, msg: sent.append(msg))

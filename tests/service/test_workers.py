@@ -18,7 +18,8 @@ from services import protocol as p
 from services.drafter.worker import DrafterWorker, drafter_info
 from services.ipc_pool import FrameTransport
 from services.spec import TreeKnobs
-from services.verifier.worker import VerifierWorker, VerifierWorkerConfig
+from services.verifier.config import EngineConfig, VerifierWorkerConfig
+from services.verifier.worker import VerifierWorker
 from services.wire import ServerIO, decode, encode, new_epoch
 
 from tests.doubles import FakeDrafterService, FakeEngine
@@ -50,10 +51,10 @@ def _run(ctx, worker, io, endpoint):
 
 
 @contextmanager
-def running_verifier(sockdir, engine, **cfg):
+def running_verifier(sockdir, engine, max_running: int = 8, **cfg):
     ctx = zmq.Context()
     endpoint = f"ipc://{sockdir}/verifier.sock"
-    config = VerifierWorkerConfig(**cfg)
+    config = VerifierWorkerConfig(engine=EngineConfig(max_running=max_running), **cfg)
     worker = VerifierWorker(engine, verifier_info(400, epoch=new_epoch()), config)
     io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
                   on_error=lambda r: worker.metrics.ipc_errors.labels("gateway").inc(), inbox=worker.inbox,
@@ -501,7 +502,7 @@ def test_overlap_schedule_alternates_two_balanced_groups():
 
     def worker(overlap):
         w = VerifierWorker(FakeEngine(), verifier_info(400, epoch=new_epoch()),
-                           VerifierWorkerConfig(drafter_endpoint="none", overlap=overlap))
+                           VerifierWorkerConfig(drafter_endpoint="none", engine=EngineConfig(overlap=overlap)))
         for rid in "abcde":
             w._running[rid] = _Entry(b"", gen(rid), 0.0, "dartree-pruned")
             w._order.append(rid)

@@ -14,7 +14,8 @@ import time
 import torch
 
 from services.drafter.model import load_drafter
-from services.drafter.service import DrafterService, load_borrowed_weights
+from services.drafter.build import load_borrowed_weights
+from services.drafter.service import DrafterService
 from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
 from services.spec import TreeKnobs
 

@@ -78,7 +78,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from services.drafter.worker import DrafterWorkerConfig, build_drafter_service
+    from services.drafter.build import build_from_config as build_drafter_service
+    from services.drafter.worker import DrafterWorkerConfig
 
     svc, _ = build_drafter_service(DrafterWorkerConfig(dtype="bfloat16"))
     g = torch.Generator().manual_seed(0)

@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=32)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from services.drafter.worker import DrafterWorkerConfig, build_drafter_service
+    from services.drafter.build import build_from_config as build_drafter_service
+    from services.drafter.worker import DrafterWorkerConfig
     from services.weights import release_freed_memory
 
     svc, _ = build_drafter_service(DrafterWorkerConfig(dtype="bfloat16"))

@@ -33,7 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     from services import weight_choice as WC
     from services.models.registry import resolve_target
-    from services.weights import KERNELS_VERSION, available_formats, load_causal_lm
+    from services.weight_formats import kernels_version
+    from services.weights import available_formats, load_causal_lm
 
     lines: list[str] = []
 
@@ -69,7 +70,7 @@ def main() -> None:
         th.start()
         n0 = len(lines)
         t0 = time.perf_counter()
-        choice = WC.choose_auto(target, available_formats(target), load, KERNELS_VERSION, cache=False)
+        choice = WC.choose_auto(target, available_formats(target), load, kernels_version(), cache=False)
         took = time.perf_counter() - t0
         th.join()
         line = next((x for x in lines[n0:] if x.startswith("weights auto")), "")

@@ -8,14 +8,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 torch.set_num_threads(2)
 from services.drafter.model import load_drafter
-from services.drafter import service as S
+from services.drafter import build as B, service as S
 from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
 from services.verifier.target import TargetModel
 target = TargetModel.from_pretrained(resolve_target(None), [1, 8, 14, 20, 27], weights="q4")
 svcs = {}
 for arm, rows in (("int4", None), ("dense", S.CATCH_UP_DENSE_ROWS)):
     drafter = load_drafter(DEFAULT_DRAFTER_DIR, dtype=torch.bfloat16)
-    embed, head = S.borrow_target_io(target.embed_tokens(), target.lm_head(), torch.bfloat16)
+    embed, head = B.borrow_target_io(target.embed_tokens(), target.lm_head(), torch.bfloat16)
     svcs[arm] = S.DrafterService(drafter, embed, head, packed_gemm=True, catch_up_rows=rows)
 F = svcs["int4"].cfg.feature_dim
 res = {}

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 torch.set_num_threads(2)
 from torch.profiler import profile  # noqa: E402
 
-from services.drafter import service as S  # noqa: E402
+from services.drafter import build as B, service as S  # noqa: E402
 from services.drafter.model import load_drafter  # noqa: E402
 from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target  # noqa: E402
 from services.spec import TreeKnobs, default_tree_knobs  # noqa: E402
@@ -25,7 +25,7 @@ from services.verifier.target import TargetModel  # noqa: E402
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 drafter = load_drafter(DEFAULT_DRAFTER_DIR, dtype=torch.bfloat16)
 target = TargetModel.from_pretrained(resolve_target(None), drafter.config.target_layer_ids, weights="q4")
-embed, head = S.borrow_target_io(target.embed_tokens(), target.lm_head(), torch.bfloat16)
+embed, head = B.borrow_target_io(target.embed_tokens(), target.lm_head(), torch.bfloat16)
 svc = S.DrafterService(drafter, embed, head, packed_gemm=True)
 kn = default_tree_knobs("cpu")
 spec = TreeKnobs(budget=B, width=kn.width, depth_bonus=kn.depth_bonus, candidates=kn.candidates)
