@@ -65,8 +65,8 @@ def drafter_dtype(act_dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
 
 
 def check_format(fmt: str, allow_auto: bool = True) -> None:
-    """ValueError (one line) unless ``fmt`` is a known weight format (or ``auto`` when allowed)."""
-    ok = CHOICES if allow_auto else FORMATS
+    """ValueError (one line) unless ``fmt`` is a registered weight format (or ``auto`` when allowed)."""
+    ok = ("auto", *weight_formats.names()) if allow_auto else weight_formats.names()
     if fmt not in ok:
         raise ValueError(f"weights {fmt!r} is not supported (choose from {', '.join(ok)})")
 

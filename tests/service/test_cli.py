@@ -322,6 +322,7 @@ def test_the_engine_limits_are_flags_of_the_verifier_config_held_once(monkeypatc
                                                                     "--no-prefix-cache", "--max-context", "512"]))
     assert cfg.engine == EngineConfig(max_context=512, max_running=3, kv_bucket=32, overlap=True, compile=None,
                                       prefix_cache=False)
+    monkeypatch.delenv("DARTREE_KV_BUCKET")
     assert config_from_args(VerifierWorkerConfig, _sub("serve").parse_args([])).engine == VerifierWorkerConfig().engine
     assert VerifierWorkerConfig().engine.compile is None and VerifierWorkerConfig().engine.max_context == 0
     with pytest.raises(ValueError, match=r"^--max-context must be >= 0"):
