@@ -28,7 +28,7 @@ class EngineConfig:
             fits when that does not).
         max_running: requests decoded concurrently, each in its own KV slot, all in one batched step
             (unset: 8 on CPU; on CUDA planned from the device's free memory, at most 8: see
-            docs/memory-plan.md; the verifier builder resolves it before the engine is built).
+            docs/memory-plan.md).
         prefill_chunk: prompt tokens a request prefills per step (chunked prefill rides along with the
             running requests' rounds); max_step_tokens: rows one step may hold (verify rows + chunks;
             requests beyond it wait for the next step, the order rotates so none starves; a step always
