@@ -203,7 +203,7 @@ def test_the_supervisor_resolves_the_default_configuration_without_torch(tiny, t
 @pytest.mark.parametrize("with_drafter", [False, True])
 def test_the_verifier_is_built_from_its_config_as_it_is(tiny, with_drafter):
     """``build_verifier``: the engine gets the config's ``engine`` sub-object (``compile`` auto
-    resolved against the target: eager for a float32 target; context 0 = the target's), the prefix
+    resolved against the target: eager for a float32 target; on CPU the config's limits), the prefix
     cache its memory bound, and the goodput policy its calibration store at construction, keyed by
     the drafter's handshake (no drafter: no store)."""
     from dataclasses import replace
@@ -218,7 +218,8 @@ def test_the_verifier_is_built_from_its_config_as_it_is(tiny, with_drafter):
     drafter = PeerInfo(role="drafter", epoch="e", block_size=8, target_layer_ids=(1, 2), model="/x/tiny-drafter",
                        methods=("ar", "dartree-pruned")) if with_drafter else None
     engine, target, got_dir = build_verifier(config, None, drafter)
-    assert got_dir == target_dir and engine.config == replace(config.engine, compile=False)
+    # compile auto: eager for a float32 target; context 0 and None both mean the target's
+    assert got_dir == target_dir and engine.config == replace(config.engine, compile=False, max_context=None)
     assert engine.max_context == target.max_context and engine.runner.cache.num_slots == 2
     assert engine.runner.cache.prefix.max_bytes == 3 * 2**20
     assert engine.policy.name == "goodput"
