@@ -479,7 +479,8 @@ class ModelRunner:
 
 def auto_compile(target) -> bool:
     """Whether ``dartree serve``'s default (``--compile`` unset) compiles the target's steps: a llama
-    target on CPU in ``q4`` that the lean step covers (:class:`~services.verifier.lean_step.LeanLlamaStep`;
+    target on CPU in a format whose registry entry sets ``compile_default`` (``q4``;
+    :mod:`services.weight_formats`) that the lean step covers (:class:`~services.verifier.lean_step.LeanLlamaStep`;
     the compiled pass ran its plain decoding 15-20 % faster than eager steps on a 2-core AMD EPYC,
     ``docs/weights.md``, "Compiled steps"). Other formats and devices stay eager unless asked."""
     from services.weight_formats import FORMATS
