@@ -232,4 +232,4 @@ def test_serve_plans_every_worker_on_cuda_with_its_index(tmp_path, monkeypatch):
     if rt is not None:
         shutil.rmtree(rt, ignore_errors=True)
     assert verifier.device == drafter_cfg.device == "cuda:0" and sup.drafter_placement == "process"
-    assert verifier.max_running is None  # planned by the verifier from the device's memory
+    assert verifier.engine.max_running is None  # planned by the verifier from the device's memory
