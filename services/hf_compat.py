@@ -149,3 +149,28 @@ def mark_layers_as_compile_regions(model) -> int:
             regions[fn] = torch.compiler.nested_compile_region(fn)
         layer.forward = types.MethodType(regions[fn], layer)
     return len(layers)
+
+
+def rope_inv_freq(head_dim: int, rope_parameters: dict, max_position_embeddings: int) -> tuple[Tensor, float]:
+    """The rotary inverse frequencies ``[head_dim // 2]`` (float32, CPU) and the attention factor (the
+    scale transformers applies to ``cos`` / ``sin``; 1.0 except for ``yarn``) of a scaled RoPE, from
+    transformers' own init functions (``ROPE_INIT_FUNCTIONS``), for ``rope_parameters`` as a config
+    spells them (``rope_type`` and its keys, ``rope_theta`` included; the legacy ``type`` too).
+
+    Raises:
+        ValueError: a ``rope_type`` transformers does not know, or parameters it rejects (one line).
+    """
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(rope_parameters)
+    kind = params.get("rope_type", params.get("type"))
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {kind!r} is not one of transformers' ({', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+    try:
+        cfg = Qwen3Config(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
+                          max_position_embeddings=max_position_embeddings, rope_parameters=params)
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"rope parameters {params} are not valid for {kind!r} ({exc})") from None
+    return inv_freq.float(), float(factor)

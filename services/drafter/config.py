@@ -12,6 +12,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.drafter.layouts import (BACKBONE_FIELDS, CHECKED_FIELDS, LayoutError, check_backbone,
+                                      check_dflash_config, check_fields, layout_of, speculators_fields)
+from services.drafter.layouts import rope_theta as config_rope_theta
 from services.models.layers import default_target_layer_ids
 
 
@@ -40,6 +43,8 @@ def drafter_kind(path: str | Path) -> str:
         raise ValueError(f"{p} holds a {plain[0]} model, not a drafter (DFlash / Domino / DSpark / EAGLE-3)")
     try:
         return DrafterConfig.from_hf(raw).kind
+    except LayoutError as exc:
+        raise LayoutError(f"{p}: {exc}") from None
     except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as exc:
         raise ValueError(f"{p / 'config.json'} is not a drafter config ({type(exc).__name__}: {exc})") from None
 
@@ -74,6 +79,9 @@ class DrafterConfig:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = True
     num_anchors: int = 512
+    attention_bias: bool = False  # biases on q/k/v/o_proj (``attention_bias: true``)
+    rope_scaling: dict | None = None  # a scaled RoPE (rope_type linear / llama3 / yarn and its keys); None: plain
+    own_io: bool = False  # own embed_tokens [V, H] / lm_head [out_vocab, H] (speculators exports), not the target's
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
@@ -139,6 +147,15 @@ class DrafterConfig:
         }
         if self.draft_vocab_size is not None:  # EAGLE-3's field; absent in the full-vocabulary layout
             out["draft_vocab_size"] = self.draft_vocab_size
+        return out | self._to_hf_extras()
+
+    def _to_hf_extras(self) -> dict:
+        """The fields away from the released defaults: attention bias, a scaled RoPE, own embedding / head."""
+        out: dict = {"attention_bias": self.attention_bias}
+        if self.rope_scaling:
+            out["rope_scaling"] = dict(self.rope_scaling)
+        if self.own_io:
+            out["dartree_own_io"] = True
         return out
 
     def _to_hf_dspark(self) -> dict:
@@ -159,10 +176,10 @@ class DrafterConfig:
             "markov_rank": self.markov_rank, "markov_head_type": "vanilla",
             "enable_confidence_head": self.enable_confidence_head,
             "confidence_head_with_markov": self.confidence_head_with_markov,
-        }
+        } | self._to_hf_extras()
 
     @classmethod
-    def _from_hf_dspark(cls, cfg: dict) -> "DrafterConfig":
+    def _from_hf_dspark(cls, cfg: dict, extras: dict) -> "DrafterConfig":
         """Parse DSpark's config layout (``Qwen3DSparkModel``).
 
         Raises:
@@ -170,10 +187,10 @@ class DrafterConfig:
         """
         kind = cfg.get("markov_head_type", "vanilla")
         if kind != "vanilla":
-            raise ValueError(f"markov_head_type {kind!r} is not supported (only the released 'vanilla' head)")
+            raise LayoutError(f"markov_head_type {kind!r} is not served (only the released 'vanilla' head)")
         n_layers = cfg.get("num_target_layers", 36)
         return cls(
-            **_backbone_fields(cfg), block_size=cfg.get("block_size", 7),
+            **_backbone_fields(cfg), **extras, block_size=cfg.get("block_size", 7),
             num_target_layers=n_layers, target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
             mask_token_id=cfg["mask_token_id"],
             target_layer_ids=list(cfg.get("target_layer_ids") or default_target_layer_ids(n_layers)),
@@ -184,18 +201,34 @@ class DrafterConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "DrafterConfig":
-        """Parse a released or our own config.json (tolerates DART's older field spellings; DSpark's
-        ``Qwen3DSparkModel`` layout too)."""
-        if "Qwen3DSparkModel" in (cfg.get("architectures") or []) or cfg.get("markov_rank"):
-            return cls._from_hf_dspark(cfg)
+        """Parse a drafter config.json in any served layout (:mod:`services.drafter.layouts`: z-lab
+        DFlash, Domino, DSpark's two schemas, speculators exports; DART's older field spellings too).
+
+        Raises:
+            LayoutError: a layout or field that cannot be served exactly, one line naming it.
+            KeyError: a missing backbone field.
+        """
+        layout = layout_of(cfg)
+        if layout == "speculators":
+            cfg = speculators_fields(cfg)
+            layout = layout_of(cfg)
+        if layout == "dflash2":
+            check_dflash_config(cfg.get("dflash_config") or {})
+        check_fields(cfg, BACKBONE_FIELDS | CHECKED_FIELDS)
+        extras = dict(rope_scaling=check_backbone(cfg), attention_bias=bool(cfg.get("attention_bias", False)),
+                      own_io=bool(cfg.get("dartree_own_io", False)))
+        if layout == "dspark":
+            return cls._from_hf_dspark(cfg, extras)
         dc = dict(cfg.get("dflash_config") or {})
+        check_dflash_config(dc)
         proj = dc.get("projector_type")
-        proj = "domino" if proj == "causal_v5" else proj
+        proj = "domino" if proj == "causal_v5" else None if proj == "dflash" else proj
         emb_dim = dc.get("emb_dim", cfg.get("emb_dim", 256))
         n_layers = cfg.get("num_target_layers", 36)
-        layer_ids = dc.get("target_layer_ids") or default_target_layer_ids(n_layers)
+        layer_ids = dc.get("target_layer_ids") or cfg.get("target_layer_ids") or default_target_layer_ids(n_layers)
         return cls(
-            **_backbone_fields(cfg), block_size=cfg.get("block_size", 16), num_target_layers=n_layers,
+            **_backbone_fields(cfg), **extras, num_target_layers=n_layers,
+            block_size=int(dc.get("block_size", cfg.get("block_size", 16))),  # DFlash 2 nests it in dflash_config
             target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
             mask_token_id=dc.get("mask_token_id", cfg.get("mask_token_id", 0)), target_layer_ids=list(layer_ids),
             projector_type=proj, shift_label=bool(dc.get("shift_label", False)),
@@ -213,5 +246,5 @@ def _backbone_fields(cfg: dict) -> dict:
         num_key_value_heads=cfg["num_key_value_heads"],
         head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
         vocab_size=cfg["vocab_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)),
+        rope_theta=config_rope_theta(cfg, 1e6),
         max_position_embeddings=cfg.get("max_position_embeddings", 40960))

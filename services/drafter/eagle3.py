@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from services.drafter.layers import MLP, RMSNorm, read_model_safetensors, rope
+from services.drafter.layers import MLP, RMSNorm, apply_rope, read_model_safetensors, rope_cos_sin
+from services.drafter.layouts import rope_scaling_of
+from services.drafter.layouts import rope_theta as config_rope_theta
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -58,6 +60,7 @@ class Eagle3Config:
     target_layer_ids: list[int] = field(default_factory=lambda: eagle3_layer_ids(30))
     depth: int = 6   # draft steps per round = deepest tree node (EAGLE-3 default 6-8)
     top_k: int = 8   # children kept per expanded node and nodes expanded per step (EAGLE-2/3 top-k)
+    rope_scaling: dict | None = None  # a scaled RoPE (e.g. Llama 3.1's llama3), as DrafterConfig.rope_scaling
 
     def __post_init__(self) -> None:
         if len(self.target_layer_ids) != 3:
@@ -99,14 +102,15 @@ class Eagle3Config:
             "eagle_config": {"use_aux_hidden_state": True,
                              "eagle_aux_hidden_state_layer_ids": [i + 1 for i in self.target_layer_ids]},
             "dartree": {"depth": self.depth, "top_k": self.top_k},
-        }
+        } | ({"rope_scaling": dict(self.rope_scaling)} if self.rope_scaling else {})
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "Eagle3Config":
         """Parse a released or our own EAGLE-3 config.json.
 
         Raises:
-            ValueError: not an EAGLE-3 config, more than one layer, or no ``draft_vocab_size``.
+            ValueError: not an EAGLE-3 config, more than one layer, or no ``draft_vocab_size``; a RoPE
+                that cannot be served (:class:`~services.drafter.layouts.LayoutError`, naming the field).
         """
         if ARCHITECTURE not in (cfg.get("architectures") or []):
             raise ValueError(f"not an EAGLE-3 config (architectures {cfg.get('architectures')})")
@@ -123,7 +127,7 @@ class Eagle3Config:
             num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
             head_dim=cfg.get("head_dim", h // cfg["num_attention_heads"]), vocab_size=cfg["vocab_size"],
             draft_vocab_size=cfg["draft_vocab_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 1e4)),
+            rope_theta=config_rope_theta(cfg, 1e4), rope_scaling=rope_scaling_of(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             target_hidden_size=cfg.get("target_hidden_size", h), num_target_layers=n_t,
             target_layer_ids=[i - 1 for i in aux] if aux else eagle3_layer_ids(n_t),
@@ -148,8 +152,9 @@ class Eagle3Attention(nn.Module):
         ``mask [B, T, L + T]`` bool (True = visible; None = causal over the new rows, all past visible).
         Returns ``(out [B, T, H], k_new [B, Hkv, T, Dh], v_new)`` (rotated keys, to append to a cache)."""
         c = self.c
-        q = rope(self.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim)).transpose(1, 2), pos, c.rope_theta)
-        k = rope(self.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim)).transpose(1, 2), pos, c.rope_theta)
+        cos, sin = rope_cos_sin(pos, c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        q = apply_rope(self.q_proj(x).unflatten(-1, (c.num_attention_heads, c.head_dim)).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim)).transpose(1, 2), cos, sin)
         v = self.v_proj(x).unflatten(-1, (c.num_key_value_heads, c.head_dim)).transpose(1, 2)
         kk = k if past_k is None else torch.cat([past_k, k], dim=2)
         vv = v if past_v is None else torch.cat([past_v, v], dim=2)

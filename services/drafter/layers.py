@@ -4,6 +4,8 @@ RMSNorm, rotary embedding, the SiLU-gated MLP, and reading a drafter's ``model.s
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 
 import torch
@@ -44,22 +46,43 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 _FUSED_RMS = getattr(torch.ops.aten, "_fused_rms_norm", None)
 
 
-def rope_cos_sin(pos: Tensor, dh: int, theta: float) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(pos: Tensor, dh: int, theta: float, scaling: dict | None = None,
+                 max_positions: int = 0) -> tuple[Tensor, Tensor]:
     """The rotary tables of positions ``pos`` for :func:`apply_rope`, float32: ``cos`` and the
     signed ``sin`` (its first half negated), ``[T, Dh]`` for ``pos [T]``, ``[B, 1, T, Dh]`` for
     ``pos [B, T]`` (per-row positions, broadcast over heads).
 
     Computed once per forward and shared by every layer and by queries and keys (half-split layout,
-    as HF Llama/Qwen3).
+    as HF Llama/Qwen3). ``scaling``: a scaled RoPE's parameters (``rope_type`` ``linear`` /
+    ``llama3`` / ``yarn`` and its keys, :attr:`DrafterConfig.rope_scaling`), whose frequencies and
+    attention factor come from transformers' own init functions
+    (:func:`services.hf_compat.rope_inv_freq`, with ``max_positions`` as the config's
+    ``max_position_embeddings``); None: the plain ``theta ** (-2i / Dh)`` frequencies.
     """
-    inv = 1.0 / (theta ** (torch.arange(0, dh, 2, device=pos.device, dtype=torch.float32) / dh))
+    factor = 1.0
+    if scaling is None:
+        inv = 1.0 / (theta ** (torch.arange(0, dh, 2, device=pos.device, dtype=torch.float32) / dh))
+    else:
+        inv, factor = _scaled_inv_freq(dh, json.dumps({**scaling, "rope_theta": theta}, sort_keys=True),
+                                       int(max_positions))
+        inv = inv.to(pos.device)
     ang = pos.float()[..., None] * inv  # [T, Dh/2] or [B, T, Dh/2]
     emb = torch.cat([ang, ang], -1)  # [..., Dh]
     cos, sin = emb.cos(), emb.sin()
+    if factor != 1.0:  # yarn's attention factor, as transformers scales its tables
+        cos, sin = cos * factor, sin * factor
     sin = torch.cat([-sin[..., : dh // 2], sin[..., dh // 2:]], -1)
     if pos.ndim == 2:  # broadcast over heads
         cos, sin = cos[:, None], sin[:, None]
     return cos, sin
+
+
+@functools.lru_cache(maxsize=32)
+def _scaled_inv_freq(dh: int, params_json: str, max_positions: int) -> tuple[Tensor, float]:
+    """:func:`services.hf_compat.rope_inv_freq` of JSON-spelled parameters, once per distinct RoPE."""
+    from services.hf_compat import rope_inv_freq
+
+    return rope_inv_freq(dh, json.loads(params_json), max_positions)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -72,13 +95,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + xf.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)
 
 
-def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
-    """Rotary embedding (half-split layout, as HF Llama/Qwen3).
+def rope(x: Tensor, pos: Tensor, theta: float, scaling: dict | None = None, max_positions: int = 0) -> Tensor:
+    """Rotary embedding (half-split layout, as HF Llama/Qwen3); ``scaling`` as :func:`rope_cos_sin`.
 
     ``x [..., T, Dh]`` with ``pos [T]`` (shared positions) or ``x [B, H, T, Dh]`` with ``pos [B, T]``
     (per-row positions, e.g. one training block per anchor).
     """
-    return apply_rope(x, *rope_cos_sin(pos, x.shape[-1], theta))
+    return apply_rope(x, *rope_cos_sin(pos, x.shape[-1], theta, scaling, max_positions))
 
 
 class MLP(nn.Module):
@@ -103,13 +126,44 @@ class MLP(nn.Module):
 
 
 def read_model_safetensors(p: Path, device: str) -> dict[str, Tensor]:
-    """``p/model.safetensors`` as a state dict; a missing file is FileNotFoundError, a damaged one
-    (truncated, not safetensors) ValueError, each one line naming the file."""
+    """A drafter directory's weights as one state dict: ``p/model.safetensors``, or the shards a
+    ``p/model.safetensors.index.json`` names in its ``weight_map`` (as transformers writes them).
+
+    Raises:
+        FileNotFoundError: neither file, or a shard the index names is missing (one line naming it).
+        ValueError: a damaged file (truncated, not safetensors), an index that is not the
+            transformers layout, or a shard holding a tensor the index does not place there (one
+            line naming the file / tensor).
+    """
+    single, index = p / "model.safetensors", p / "model.safetensors.index.json"
+    if single.is_file():
+        return _read_safetensors(single, device)
+    if not index.is_file():
+        raise FileNotFoundError(f"drafter directory {str(p)!r} has no model.safetensors (nor model.safetensors.index.json)")
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{index} is not a safetensors index (no weight_map: {error_line(exc)})") from None
+    sd: dict[str, Tensor] = {}
+    for name in shards:
+        f = p / name
+        if not f.is_file():
+            raise FileNotFoundError(f"{index} names shard {name!r}, which is missing")
+        for key, t in _read_safetensors(f, device).items():
+            if weight_map.get(key) != name:
+                raise ValueError(f"{f} holds {key!r}, which {index.name} places in {weight_map.get(key)!r}")
+            sd[key] = t
+    missing = sorted(set(weight_map) - set(sd))
+    if missing:
+        raise ValueError(f"{index.name} lists {len(missing)} tensor(s) no shard holds, e.g. {missing[0]!r}")
+    return sd
+
+
+def _read_safetensors(f: Path, device: str) -> dict[str, Tensor]:
+    """One safetensors file as a state dict; a damaged one is ValueError naming it."""
     from safetensors.torch import load_file
 
-    f = p / "model.safetensors"
-    if not f.is_file():
-        raise FileNotFoundError(f"drafter directory {str(p)!r} has no model.safetensors")
     try:
         return load_file(str(f), device=device)
     except Exception as exc:  # safetensors raises its own SafetensorError (and OSError) for a damaged file

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from services.drafter.config import DrafterConfig as DrafterConfig  # re-export (torch-free module)
 from services.drafter.config import drafter_kind as drafter_kind  # re-export
+from services.drafter.layouts import LayoutError, layout_of, speculators_keys
 from services.drafter.layers import MLP, FusedInt4, RMSNorm, apply_rope, read_model_safetensors, rms_norm, rope_cos_sin
 
 
@@ -36,10 +37,11 @@ class Attention(nn.Module):
         super().__init__()
         self.c = c
         h, nh, nkv, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(h, nh * dh, bias=False)
-        self.k_proj = nn.Linear(h, nkv * dh, bias=False)
-        self.v_proj = nn.Linear(h, nkv * dh, bias=False)
-        self.o_proj = nn.Linear(nh * dh, h, bias=False)
+        bias = c.attention_bias
+        self.q_proj = nn.Linear(h, nh * dh, bias=bias)
+        self.k_proj = nn.Linear(h, nkv * dh, bias=bias)
+        self.v_proj = nn.Linear(h, nkv * dh, bias=bias)
+        self.o_proj = nn.Linear(nh * dh, h, bias=bias)
         self.q_norm = RMSNorm(dh, c.rms_norm_eps)
         self.k_norm = RMSNorm(dh, c.rms_norm_eps)
         self._qkv = FusedInt4()
@@ -156,9 +158,10 @@ class DFlashDrafter(nn.Module):
             self.prefix_gru = nn.GRU(c.target_hidden_size, c.gru_hidden_dim, num_layers=1, batch_first=True, bias=False)
             self.embed_proj = nn.Sequential(nn.Linear(c.hidden_size + c.gru_hidden_dim, c.emb_dim, bias=False),
                                             nn.SiLU(), nn.Linear(c.emb_dim, c.out_vocab_size, bias=False))
-        if c.is_dspark:
+        if c.is_dspark or c.own_io:
             self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+            self.lm_head = nn.Linear(c.hidden_size, c.out_vocab_size, bias=False)
+        if c.is_dspark:
             self.markov_head = MarkovHead(c.vocab_size, c.markov_rank)
             if c.enable_confidence_head:
                 self.confidence_head = ConfidenceHead(
@@ -197,6 +200,11 @@ class DFlashDrafter(nn.Module):
     def has_head(self) -> bool:
         """Whether a Domino correction head is present."""
         return self.config.projector_type == "domino"
+
+    @property
+    def has_own_io(self) -> bool:
+        """Whether the drafter carries its own ``embed_tokens`` / ``lm_head`` (DSpark, speculators exports)."""
+        return self.config.is_dspark or self.config.own_io
 
     @property
     def has_markov(self) -> bool:
@@ -265,7 +273,7 @@ class DFlashDrafter(nn.Module):
         else:
             kv = torch.stack([torch.stack([a.k_proj(ctx), a.v_proj(ctx)], -2) for a in attns], -3
                              ).unflatten(-1, (nkv, dh))
-        cos, sin = rope_cos_sin(pos, dh, c.rope_theta)  # [C, Dh] or [B, 1, C, Dh]
+        cos, sin = self.rope_tables(pos)  # [C, Dh] or [B, 1, C, Dh]
         cos, sin = (cos[:, None, None], sin[:, None, None]) if pos.ndim == 1 else (
             cos[:, 0, :, None, None], sin[:, 0, :, None, None])  # [(B,) C, 1, 1, Dh]
         k_w = torch.stack([a.k_norm.weight for a in attns])[:, None]  # [L, 1, Dh]
@@ -278,11 +286,17 @@ class DFlashDrafter(nn.Module):
         (or ``[B, Q]``) against per-layer context ``(K, V)`` ``[B, Hkv, C, Dh]`` (any strides) ->
         drafter states ``[B, Q, H]``; ``ctx_mask [B, Q, C]`` bool (True = visible) or None.
         The rotary tables are computed once for every layer."""
-        rope_cs = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)
+        rope_cs = self.rope_tables(pos)
         h = block_emb
         for layer, (k, v) in zip(self.layers, ctx_kv):
             h = layer(h, rope_cs, k, v, ctx_mask)
         return self.norm(h)
+
+    def rope_tables(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """:func:`~services.drafter.layers.rope_cos_sin` of positions ``pos [T]`` (or ``[B, T]``) under
+        this drafter's RoPE (plain, or the config's ``rope_scaling``)."""
+        c = self.config
+        return rope_cos_sin(pos, c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
 
     # ----- Domino head pieces (docs/algorithms.md §2.1, §2.3) -----
     def head_split(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -335,6 +349,8 @@ def reduce_draft_vocab(model: DFlashDrafter, target_ids: Tensor) -> DFlashDrafte
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     if model.has_head:
         sd["embed_proj.2.weight"] = sd["embed_proj.2.weight"][ids]
+    if c.own_io:  # its own lm_head: the selected rows
+        sd["lm_head.weight"] = sd["lm_head.weight"][ids]
     sd["d2t"], sd["t2d"] = out.d2t.clone(), out.t2d.clone()
     out.load_state_dict(sd, strict=True)
     return out.to(next(model.parameters()).dtype).train(model.training)
@@ -376,17 +392,20 @@ def save_drafter(model, out_dir: str | Path, extra: dict | None = None, omit_tar
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """Load a drafter directory with ``strict=True``: DFlash / Domino / DSpark (:class:`DFlashDrafter`) or
-    EAGLE-3 (``architectures`` ``LlamaForCausalLMEagle3``: :class:`services.drafter.eagle3.Eagle3Drafter`).
+    """Load a drafter directory with ``strict=True``: DFlash / Domino / DSpark / speculators exports
+    (:class:`DFlashDrafter`, :mod:`services.drafter.layouts`) or EAGLE-3 (``architectures``
+    ``LlamaForCausalLMEagle3``: :class:`services.drafter.eagle3.Eagle3Drafter`); weights from
+    ``model.safetensors`` or the shards of ``model.safetensors.index.json``.
 
     A DSpark directory saved with ``target_copies_omitted`` must hold every key but ``embed_tokens`` /
     ``lm_head``; those two are allocated empty and the model's ``needs_target_io`` is True until
     :meth:`DFlashDrafter.copy_target_io` fills them (the drafter service does).
 
     Raises:
-        FileNotFoundError: missing config.json / model.safetensors.
-        ValueError: a damaged model.safetensors (one line naming it).
-        RuntimeError: key or shape mismatch (strict load).
+        FileNotFoundError: missing config.json / weights (or a shard the index names).
+        ValueError: a damaged weights file (one line naming it); a layout or config field that
+            cannot be served (:class:`~services.drafter.layouts.LayoutError`, one line naming it).
+        RuntimeError: missing / unexpected tensors or a shape mismatch (one line naming them).
     """
     p = Path(path)
     raw = json.loads((p / "config.json").read_text())
@@ -394,19 +413,49 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.float32, device: s
         from services.drafter.eagle3 import load_eagle3
 
         return load_eagle3(p, dtype=dtype, device=device)
-    cfg = DrafterConfig.from_hf(raw)
+    try:
+        cfg = DrafterConfig.from_hf(raw)
+    except LayoutError as exc:
+        raise LayoutError(f"{p}: {exc}") from None
+    if (p / "mask_embedding.pt").is_file():
+        raise LayoutError(f"{p}: mask_embedding.pt (a trained mask-token embedding) is not served")
+    if cfg.rope_scaling:  # parameters transformers rejects: refused now, not at the first draft
+        rope_cos_sin(torch.zeros(1), cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
     with torch.device("meta"):
         model = DFlashDrafter(cfg)
-    sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in read_model_safetensors(p, device).items()}
+    sd = read_model_safetensors(p, device)
+    if layout_of(raw) == "speculators":
+        sd = speculators_keys(sd)
+    sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
     omitted = bool(raw.get(OMIT_FLAG)) and cfg.is_dspark
     if omitted:
         for k in DSPARK_TARGET_COPIES:
             if k in sd:
                 raise RuntimeError(f"{p}: config says the target copies are omitted but {k} is present")
             sd[k] = torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-    model.load_state_dict(sd, strict=True, assign=True)
+    strict_load(model, sd, p)
     model.needs_target_io = omitted
     return model.eval()
+
+
+def strict_load(model: nn.Module, sd: dict[str, Tensor], where: Path) -> None:
+    """``model.load_state_dict(sd, strict=True, assign=True)`` whose failure is one line naming the
+    tensors: unexpected ones first (a layout piece we do not serve, e.g. DFlash 2's
+    ``layers.0.attention_conv.base_kernel``), then missing ones, then shape mismatches.
+
+    Raises:
+        RuntimeError: as above.
+    """
+    want = model.state_dict()
+    unexpected, missing = sorted(set(sd) - set(want)), sorted(set(want) - set(sd))
+    for what, keys in (("unexpected tensors (not served)", unexpected), ("missing tensors", missing)):
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            raise RuntimeError(f"{where}: {what}: {', '.join(keys[:3])}{more}")
+    for k, v in sd.items():
+        if tuple(v.shape) != tuple(want[k].shape):
+            raise RuntimeError(f"{where}: tensor {k} has shape {tuple(v.shape)}, the config gives {tuple(want[k].shape)}")
+    model.load_state_dict(sd, strict=True, assign=True)
 
 
 def config_summary(c: DrafterConfig) -> dict:

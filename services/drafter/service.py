@@ -142,7 +142,8 @@ class DrafterService:
             raise ValueError(f"context_chunk must be >= 1 (got {context_chunk})")
         self.context_chunk = int(context_chunk)
         self.block_rows, self.spare_rows = block_rows, spare_rows
-        if drafter.has_markov:  # DSpark carries its own (frozen) copies of the target's embedding and lm_head
+        own = getattr(drafter, "has_own_io", drafter.has_markov)
+        if own:  # DSpark / speculators exports carry their own embedding and lm_head (copies of the target's)
             if drafter.needs_target_io:  # saved without them: they ARE the target's, refill from it
                 drafter.copy_target_io(embed.weight.detach().to(self._dtype_of(drafter)),
                                        lm_head.weight.detach().to(self._dtype_of(drafter)))
@@ -150,7 +151,7 @@ class DrafterService:
         self.drafter, self.embed = drafter.eval(), embed
         self.cfg = drafter.config
         self.d2t = drafter.draft_to_target()  # [N] target ids, or None (full vocabulary)
-        if self.d2t is not None:
+        if self.d2t is not None and not own:  # an own head already has the N draft rows
             lm_head = frozen_linear(lm_head.weight.detach()[self.d2t.to(lm_head.weight.device)].clone())
         self.lm_head = lm_head
         self.q4_linears = _want_q4(drafter, packed_gemm) if q4_linears is None else bool(q4_linears)
