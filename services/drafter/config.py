@@ -25,7 +25,9 @@ def drafter_kind(path: str | Path) -> str:
 
     Raises:
         FileNotFoundError: no config.json. ValueError: a config.json that is not valid JSON or not a
-            drafter's (a target model's ``*ForCausalLM`` included), in one line.
+            drafter's (a target model's ``*ForCausalLM`` included), in one line;
+            :class:`~services.drafter.layouts.LayoutError` (a ValueError) for a layout or field we
+            cannot serve exactly, naming it.
     """
     p = Path(path)
     try:
@@ -44,7 +46,7 @@ def drafter_kind(path: str | Path) -> str:
     try:
         return DrafterConfig.from_hf(raw).kind
     except LayoutError as exc:
-        raise LayoutError(f"{p}: {exc}") from None
+        raise LayoutError(f"{p / 'config.json'} is not a drafter config this server runs exactly: {exc}") from None
     except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as exc:
         raise ValueError(f"{p / 'config.json'} is not a drafter config ({type(exc).__name__}: {exc})") from None
 

@@ -226,27 +226,33 @@ def speculators_fields(raw: dict) -> dict[str, Any]:
                           f"for a {'DSpark' if kind == 'dspark' else 'Domino'} head")
     anchor = raw.get("sample_from_anchor", kind == "dspark")
     shift = bool(anchor or raw.get("shift_label") or (proj == "domino" and raw.get("shift_label") is None))
-    flat = {**tl, "block_size": raw.get("block_size", 8), "mask_token_id": raw["mask_token_id"],
-            "target_layer_ids": [int(i) - 1 for i in aux], "num_target_layers": max(aux),
-            "target_hidden_size": raw.get("target_hidden_size") or tl["hidden_size"], "dartree_own_io": True}
+    flat = {**tl, "num_target_layers": max(aux), "dartree_own_io": True,
+            "target_hidden_size": raw.get("target_hidden_size") or tl["hidden_size"]}
+    drafter = {"block_size": raw.get("block_size", 8), "mask_token_id": raw["mask_token_id"],
+               "target_layer_ids": [int(i) - 1 for i in aux]}
     if kind == "dspark":
-        if not raw.get("markov_rank"):
-            raise LayoutError("markov_rank 0: a DSpark export without its Markov head is not served")
-        if not shift:
-            raise LayoutError("sample_from_anchor: false is not served for a DSpark drafter")
-        return flat | {"architectures": ["Qwen3DSparkModel"], "markov_rank": raw["markov_rank"],
-                       "markov_head_type": raw.get("markov_head_type", "vanilla"),
-                       "enable_confidence_head": raw.get("enable_confidence_head", True),
-                       "confidence_head_with_markov": raw.get("confidence_head_with_markov", True)}
-    dc = {"block_size": flat.pop("block_size"), "mask_token_id": flat.pop("mask_token_id"),
-          "target_layer_ids": flat.pop("target_layer_ids"), "shift_label": shift}
+        return _speculators_dspark(raw, flat | drafter, shift)
+    dc = drafter | {"shift_label": shift}
     if proj == "domino":
         dc.update(projector_type="domino", pure_draft_prefix_len=raw.get("pure_draft_prefix_len", 1),
                   emb_dim=raw.get("emb_dim", 256), gru_hidden_dim=raw.get("gru_hidden_dim", 1024))
-    out = flat | {"dflash_config": dc}
-    if draft != vocab:
-        out["draft_vocab_size"] = draft
-    return out
+    return flat | {"dflash_config": dc} | ({"draft_vocab_size": draft} if draft != vocab else {})
+
+
+def _speculators_dspark(raw: dict, flat: dict, shift: bool) -> dict:
+    """A speculators DSpark export as the ``Qwen3DSparkModel`` field set.
+
+    Raises:
+        LayoutError: no Markov head (``markov_rank`` 0) or ``sample_from_anchor: false``.
+    """
+    if not raw.get("markov_rank"):
+        raise LayoutError("markov_rank 0: a DSpark export without its Markov head is not served")
+    if not shift:
+        raise LayoutError("sample_from_anchor: false is not served for a DSpark drafter")
+    return flat | {"architectures": ["Qwen3DSparkModel"], "markov_rank": raw["markov_rank"],
+                   "markov_head_type": raw.get("markov_head_type", "vanilla"),
+                   "enable_confidence_head": raw.get("enable_confidence_head", True),
+                   "confidence_head_with_markov": raw.get("confidence_head_with_markov", True)}
 
 
 def speculators_keys(sd: dict) -> dict:
