@@ -448,7 +448,7 @@ def strict_load(model: nn.Module, sd: dict[str, Tensor], where: Path) -> None:
     """
     want = model.state_dict()
     unexpected, missing = sorted(set(sd) - set(want)), sorted(set(want) - set(sd))
-    for what, keys in (("unexpected tensors (not served)", unexpected), ("missing tensors", missing)):
+    for what, keys in (("Unexpected tensors (not served)", unexpected), ("Missing tensors", missing)):
         if keys:
             more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
             raise RuntimeError(f"{where}: {what}: {', '.join(keys[:3])}{more}")

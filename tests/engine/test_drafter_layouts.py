@@ -128,7 +128,7 @@ def test_dflash2_convolutions_and_selector_are_refused_naming_them(tmp_path):
     assert "attention_conv" in msg and "candidate_selector" in msg
     # the tensors alone (a config that does not declare them): refused naming the tensors
     d2 = write(tmp_path / "tensors", zlab(), {**sd, **extra})
-    with pytest.raises(RuntimeError, match="unexpected tensors.*attention_conv.base_kernel") as err:
+    with pytest.raises(RuntimeError, match="Unexpected tensors.*attention_conv.base_kernel") as err:
         load_drafter(d2)
     assert "\n" not in str(err.value)
 
@@ -315,7 +315,7 @@ def test_attention_bias_is_served(tmp_path):
     assert d.config.attention_bias and set(d.state_dict()) == set(sd)
     assert_matches(d, ref)
     no_bias = {k: v for k, v in sd.items() if not k.endswith("_proj.bias")}
-    with pytest.raises(RuntimeError, match="missing tensors.*q_proj.bias"):
+    with pytest.raises(RuntimeError, match="Missing tensors.*q_proj.bias"):
         load_drafter(write(tmp_path / "nobias", zlab(attention_bias=True), no_bias))
 
 
