@@ -20,7 +20,7 @@ from services.drafter.config import DrafterConfig, drafter_kind
 from services.drafter.layers import rope_cos_sin
 from services.drafter.layouts import LayoutError
 from services.drafter.model import load_drafter
-from services.drafter.service import make_service
+from services.drafter.build import make_service
 from services.testing import block_logits_one
 from tests.doubles.dflash_reference import reference_for
 
