@@ -11,6 +11,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from services.verifier.requests import StepStats
+
 
 @dataclass
 class FakeRound:
@@ -28,19 +30,6 @@ class FakeRound:
     drafted: bool = False
     predicted_tau: float | None = None
     stop_token_id: int | None = None
-
-
-@dataclass(frozen=True)
-class FakeStepStats:
-    """Duck-typed ``StepStats`` of a step that ran ``requests`` scripted rounds."""
-
-    requests: int = 0
-    rows: int = 0
-    prefill_tokens: int = 0
-    forward_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    draft_wait_seconds: float = 0.0
-    decoding: int = 0
 
 
 class FakeEngine:
@@ -68,7 +57,7 @@ class FakeEngine:
         self.batches: list[list[str]] = []
         self.steps: list[str] = []
         self.aborted: list[str] = []
-        self.last_step = FakeStepStats()
+        self.last_step = StepStats()
         self.lock = threading.Lock()
         self.drafter_up: list[bool] = []  # every set_drafter_up call, in order
         from types import SimpleNamespace
@@ -106,7 +95,7 @@ class FakeEngine:
                 results[rid] = self._round(rid)
             except Exception as exc:
                 results[rid] = exc
-        self.last_step = FakeStepStats(requests=len(request_ids), rows=len(request_ids))
+        self.last_step = StepStats(requests=len(request_ids), rows=len(request_ids))
         return results
 
     def _round(self, request_id: str) -> FakeRound:
