@@ -502,23 +502,14 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     import zmq
 
     from services.devices import bind_device
-    from services.models.registry import resolve_target
-    from services.runtime import on_stop_signals, prepare_process, start_metrics_server
-    from services.wire import ServerIO, ipc_endpoint, new_epoch
+    from services.runtime import on_stop_signals, prepare_process
+    from services.wire import new_epoch
 
     prepare_process("dartree-verifier", config.log_level, parent_pid)
     config = dataclasses.replace(config, device=bind_device(config.device))  # "cuda" -> "cuda:N", set_device
     epoch, ctx, stop = new_epoch(), zmq.Context(), threading.Event()
-    from services.startup import phase
-
     inproc = drafter is not None
-    if inproc:
-        drafter_client, drafter, _ = drafter(epoch)
-    elif config.drafter_endpoint == "none":
-        drafter_client, drafter = None, None
-    else:
-        with phase("verifier", "drafter connected"):
-            drafter_client, drafter = _connect_drafter(config, resolve_target(config.target), ctx, epoch)
+    drafter_client, drafter = _open_drafter(config, drafter, ctx, epoch)
     from services.verifier.build import build_verifier
 
     engine, target, target_dir = build_verifier(config, drafter_client, drafter)
@@ -530,6 +521,45 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
                  "exiting for the supervisor to start the verifier again without the compiler's in-memory state",
                  missed)
         raise SystemExit(RESTART_AFTER_COMPILE_EXIT)
+    worker = _make_worker(config, engine, target, target_dir, epoch, drafter_client, drafter, inproc)
+    heartbeat = None if inproc else _start_heartbeat(config, ctx, drafter_client, worker)
+    on_stop_signals(worker.begin_drain, stop.set, supervised=parent_pid is not None)
+    try:
+        _serve(config, ctx, worker, stop)
+    finally:
+        if heartbeat is not None:
+            heartbeat.close()
+        if drafter_client is not None and not inproc:
+            drafter_client.close()
+        ctx.destroy(linger=0)
+        log.info("verifier stopped")
+
+
+def _open_drafter(config: VerifierWorkerConfig, build_inproc: Callable | None, ctx, epoch: str):
+    """``(client, drafter info)``: built in this process (``build_inproc``), connected to the drafter
+    process at ``config.drafter_endpoint``, or ``(None, None)`` when that is ``"none"``."""
+    from services.models.registry import resolve_target
+    from services.startup import phase
+
+    if build_inproc is not None:
+        client, info, _ = build_inproc(epoch)
+        return client, info
+    if config.drafter_endpoint == "none":
+        return None, None
+    with phase("verifier", "drafter connected"):
+        return _connect_drafter(config, resolve_target(config.target), ctx, epoch)
+
+
+def _make_worker(config: VerifierWorkerConfig, engine, target, target_dir, epoch: str, drafter_client, drafter,
+                 inproc: bool) -> "VerifierWorker":
+    """The worker over a built engine: its served methods checked, its info and metrics (the metrics
+    server started).
+
+    Raises:
+        SystemExit: the default method is not served.
+    """
+    from services.runtime import start_metrics_server
+
     methods = (Method.AR.value,) + tuple(m for m in (drafter.methods if drafter else ()) if m != Method.AR)
     if config.default_method not in methods:
         raise SystemExit(f"default method {config.default_method!r} is not served (available: {', '.join(methods)})")
@@ -539,18 +569,30 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     start_metrics_server(config.verifier_metrics_port, config.metrics_host, metrics.registry)
     # the idle ping also re-handshakes a restarted drafter; a drafter in this process always answers
     ping = (lambda: True) if inproc else (lambda: drafter_client.ping(1.0)) if drafter_client else None
-    worker = VerifierWorker(engine, info, config, metrics, drafter_ping=ping)
-    heartbeat = None
-    if drafter_client is not None and not inproc:  # drafter liveness off the compute thread (readiness never waits on a round)
-        from services.verifier.remote_drafter import DrafterHeartbeat
+    return VerifierWorker(engine, info, config, metrics, drafter_ping=ping)
 
-        def on_heartbeat(ok: bool, detail: str) -> None:
-            drafter_client.set_available(ok)  # a draft being waited for gives up at once
-            worker.on_drafter_heartbeat(ok, detail)
 
-        heartbeat = DrafterHeartbeat(drafter_client.endpoint, ctx, config.health_interval_s, DRAFTER_PING_TIMEOUT_S,
-                                     on_heartbeat).start()
-    on_stop_signals(worker.begin_drain, stop.set, supervised=parent_pid is not None)
+def _start_heartbeat(config: VerifierWorkerConfig, ctx, drafter_client, worker: "VerifierWorker"):
+    """The drafter process's liveness, off the compute thread (readiness never waits on a round);
+    None without a drafter process."""
+    if drafter_client is None:
+        return None
+    from services.verifier.remote_drafter import DrafterHeartbeat
+
+    def on_heartbeat(ok: bool, detail: str) -> None:
+        drafter_client.set_available(ok)  # a draft being waited for gives up at once
+        worker.on_drafter_heartbeat(ok, detail)
+
+    return DrafterHeartbeat(drafter_client.endpoint, ctx, config.health_interval_s, DRAFTER_PING_TIMEOUT_S,
+                            on_heartbeat).start()
+
+
+def _serve(config: VerifierWorkerConfig, ctx, worker: "VerifierWorker", stop: threading.Event) -> None:
+    """Serve the gateway's socket until ``stop`` (after a drain); then save the policy's calibration
+    and close the socket."""
+    from services.wire import ServerIO, ipc_endpoint
+
+    info, metrics = worker.info, worker.metrics
     endpoint = config.verifier_endpoint or ipc_endpoint("verifier")
     io = ServerIO(ctx, endpoint, "verifier", on_message=worker.on_io_message,
                   on_error=lambda reason: metrics.ipc_errors.labels("gateway").inc(),
@@ -558,15 +600,9 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     worker.send = io.send
     io.start()
     log.info("verifier ready on %s (model %s, context %d, methods %s)", endpoint, info.model, info.max_context,
-             ", ".join(methods))
+             ", ".join(info.methods))
     try:
         worker.event_loop(stop)
     finally:
-        engine.policy.flush()  # what this start learnt is the next one's starting calibration
+        worker.engine.policy.flush()  # what this start learnt is the next one's starting calibration
         io.close()
-        if heartbeat is not None:
-            heartbeat.close()
-        if drafter_client is not None and not inproc:
-            drafter_client.close()
-        ctx.destroy(linger=0)
-        log.info("verifier stopped")
