@@ -214,7 +214,7 @@ def test_mixed_batch_with_options_equals_solo_plain(llama, service):
                                 dict(presence_penalty=float("nan"))])
 def test_out_of_range_options_are_refused(kw):
     with pytest.raises(ValueError):
-        SamplingParams(**kw)
+        SamplingParams(**kw).check()
 
 
 def test_logit_bias_outside_the_vocabulary_is_refused(llama):

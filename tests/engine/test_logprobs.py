@@ -165,4 +165,4 @@ def test_top_logprobs_list_ties_in_greedy_order():
 @pytest.mark.parametrize("bad", [-1, 21, True, 2.0])
 def test_sampling_params_refuse_bad_logprobs(bad):
     with pytest.raises(ValueError, match="logprobs"):
-        SamplingParams(logprobs=bad)
+        SamplingParams(logprobs=bad).check()
