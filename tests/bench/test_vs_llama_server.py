@@ -117,36 +117,44 @@ def two_servers():
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         servers.append(srv)
         bases[name] = f"http://127.0.0.1:{srv.server_address[1]}"
+    bases[vs.OURS_AR] = bases[vs.OURS]  # the ar arm is our server, asked for plain decoding
     yield bases, [s.RequestHandlerClass for s in servers]
     for s in servers:
         s.shutdown()
 
 
-def test_passes_measure_every_workload_on_both_servers_and_report_ratios(two_servers):
+def test_passes_measure_every_workload_on_every_arm_and_report_ratios(two_servers):
     bases, handlers = two_servers
     a = vs.parse_args(["--max-tokens", "8", "--concurrency", "2", "3", "--requests-per-stream", "2",
                        "--long-words", "50"])
     factory = lambda: httpx.Client(timeout=30)  # noqa: E731
-    passes = [vs.run_pass(factory, bases, vs.pass_order(p), a) for p in range(2)]
-    assert vs.pass_order(0) == [vs.OURS, vs.LLAMA] and vs.pass_order(1) == [vs.LLAMA, vs.OURS]
-    metrics = {"c1_decode_tps", "long_ttft_s", "next_turn_ttft_s", "c2_tps", "c3_tps"}
+    passes = [vs.run_pass(factory, bases, vs.pass_order(p), a) for p in range(3)]
+    assert [vs.pass_order(p) for p in range(4)] == [
+        [vs.OURS, vs.OURS_AR, vs.LLAMA], [vs.OURS_AR, vs.LLAMA, vs.OURS], [vs.LLAMA, vs.OURS, vs.OURS_AR],
+        [vs.OURS, vs.OURS_AR, vs.LLAMA]]
+    metrics = {"c1_mixed_tps", "c1_gsm8k_tps", "long_ttft_s", "next_turn_ttft_s", "c2_tps", "c3_tps"}
     assert all(set(p[name]) == metrics for p in passes for name in (vs.OURS, vs.LLAMA))
+    assert all(set(p[vs.OURS_AR]) == metrics - {"long_ttft_s", "next_turn_ttft_s"} for p in passes)
     ours_bodies = handlers[0].bodies
-    # per pass: 8 prompts at c = 1, the long turn and its next turn, 2 x 2 + 3 x 2 concurrent requests
-    assert len(ours_bodies) == 2 * (len(vs.PROMPTS) + 2 + 4 + 6)
+    # per pass, default arm: 8 prompts at c = 1, the long turn and its next turn, 2 x 2 + 3 x 2 concurrent
+    # requests; the ar arm: the same without the two TTFT turns
+    assert len(ours_bodies) == 3 * ((len(vs.PROMPTS) + 2 + 4 + 6) + (len(vs.PROMPTS) + 4 + 6))
     assert all(b["temperature"] == 0 and b["ignore_eos"] and b["stream"] and b["max_tokens"] == 8 for b in ours_bodies)
+    ar = [b for b in ours_bodies if b.get("speculative") == {"method": "ar"}]
+    assert len(ar) == 3 * (len(vs.PROMPTS) + 4 + 6) and not any("speculative" in b for b in handlers[1].bodies)
     nxt = next(b for b in ours_bodies if len(b["messages"]) == 3)
     assert nxt["messages"][1]["role"] == "assistant" and nxt["messages"][1]["content"].startswith("t0 t1")
     assert nxt["messages"][2]["content"] == vs.NEXT_TURN and len(nxt["messages"][0]["content"].split()) == 4 + 50
     rep = vs.summarize(passes)
     assert set(rep) == metrics
     for m in metrics:
-        assert len(rep[m][vs.OURS]["passes"]) == 2
+        assert len(rep[m][vs.OURS]["passes"]) == 3
     # the scripted llama-server is slower to its first token and between tokens
-    assert rep["long_ttft_s"]["ratio_ours_to_llama"] < 0.5
-    assert rep["c1_decode_tps"]["ratio_ours_to_llama"] > 1.5
-    assert rep["c1_decode_tps"][vs.OURS]["median"] == pytest.approx(
-        statistics.median(p[vs.OURS]["c1_decode_tps"] for p in passes), rel=1e-3)
+    assert rep["long_ttft_s"]["ratio_ours_to_llama"] < 0.5 and rep["long_ttft_s"]["ratio_ours_to_ar"] is None
+    assert rep["c1_mixed_tps"]["ratio_ours_to_llama"] > 1.5 and rep["c1_gsm8k_tps"]["ratio_ar_to_llama"] > 1.5
+    assert 0.5 < rep["c1_mixed_tps"]["ratio_ours_to_ar"] < 2.0       # one scripted server behind both arms
+    assert rep["c1_mixed_tps"][vs.OURS]["median"] == pytest.approx(
+        statistics.median(p[vs.OURS]["c1_mixed_tps"] for p in passes), rel=1e-3)
     res = vs.report(a, ["--max-tokens", "8"], {vs.OURS: "ours", vs.LLAMA: "theirs"}, Path("/m/a.gguf"), passes)
     assert res["command"].endswith("vs_llama_server --max-tokens 8") and res["summary"] == rep
     assert res["settings"]["max_tokens"] == 8 and res["passes"] == passes and json.loads(json.dumps(res)) == res
@@ -167,5 +175,6 @@ _BINARY = Path(sys.executable).parent / "llama-server"
 def test_a_real_pass_against_llama_server(tmp_path):
     out = vs.main(["--max-running", "2", "--passes", "1", "--max-tokens", "16", "--concurrency", "2",
                    "--requests-per-stream", "1", "--long-words", "200", "--out", str(tmp_path / "vs.json")])
-    assert set(out["summary"]) >= {"c1_decode_tps", "long_ttft_s", "next_turn_ttft_s", "c2_tps"}
+    assert set(out["summary"]) >= {"c1_mixed_tps", "c1_gsm8k_tps", "long_ttft_s", "next_turn_ttft_s", "c2_tps"}
+    assert out["summary"]["c2_tps"]["ratio_ours_to_ar"] is not None
     assert json.loads((tmp_path / "vs.json").read_text())["bench"] == "vs-llama-server"
