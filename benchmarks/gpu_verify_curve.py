@@ -59,14 +59,16 @@ def _median_ms(runner: ModelRunner, seg: Segment, reps: int, cuda: bool) -> floa
     return 1000 * statistics.median(times)
 
 
-def verify_curve(target, shape: str, context: int, rows: tuple[int, ...], reps: int, deadline: float) -> list[dict]:
-    """One entry per (path, rows): ``ms``, ``ratio_to_one_row`` and ``max_abs_diff_vs_dense``; a
-    path that cannot be built or run is one entry with its ``error``; past ``deadline``
-    (``time.perf_counter()``) the rest is ``skipped``."""
+def verify_curve(target, shape: str, context: int, rows: tuple[int, ...], reps: int, deadline: float,
+                 modes=tuple(MODES)) -> list[dict]:
+    """One entry per (path of ``modes``, rows): ``ms``, ``ratio_to_one_row`` and
+    ``max_abs_diff_vs_dense``; a path that cannot be built or run is one entry with its ``error``;
+    past ``deadline`` (``time.perf_counter()``) the rest is ``skipped``."""
     cuda = torch.device(target.device).type == "cuda"
     capacity = context + max(rows) + 64
     out, dense_logits = [], {}
-    for mode, kwargs in sorted(MODES.items(), key=lambda kv: kv[0] != "dense"):  # dense first: the reference
+    chosen = {m: MODES[m] for m in modes}
+    for mode, kwargs in sorted(chosen.items(), key=lambda kv: kv[0] != "dense"):  # dense first: the reference
         try:
             runner = _prefilled(target, kwargs, context, capacity)
         except Exception as e:  # noqa: BLE001 (reported per path; the check goes on)
