@@ -79,11 +79,11 @@ def resolve(api: str):
     raise ImportError(api)
 
 
-def probe(features=FEATURES) -> list[dict]:
-    """Per feature: ``api``, ``used_by``, ``available`` and, when missing, ``reason`` (package and
-    version, the error)."""
+def probe(features=None) -> list[dict]:
+    """Per feature of ``features`` (None: :data:`FEATURES`): ``api``, ``used_by``, ``available`` and,
+    when missing, ``reason`` (package and version, the error)."""
     out = []
-    for f in features:
+    for f in FEATURES if features is None else features:
         row = {"api": f.api, "used_by": f.used_by, "available": True}
         try:
             resolve(f.api)

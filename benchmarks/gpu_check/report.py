@@ -62,6 +62,8 @@ def _speedup_lines(ax, rows: list[dict], name: str) -> None:
         ax.plot([b for b, _ in pts], [s for _, s in pts], marker="o", label=f"{key[0]}: {key[1]}")
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xscale("log", base=2)
+    budgets = sorted({r["budget"] for r in rows})
+    ax.set_xticks(budgets, [str(b) for b in budgets])
     ax.set_xlabel("tree budget B")
     ax.set_ylabel("predicted speedup (c = 1)")
     ax.set_title(f"{name}: tau x t_step(1 row) / t_round(B)" if rows else f"{name}: no prediction")

@@ -173,8 +173,9 @@ def served_run(device: str, models: tuple[Path, Path], work: Path, max_tokens: i
 
     Returns:
         ``status`` (``ok`` when every stream equals plain decoding, else ``failed`` / ``error``),
-        ``ready_s``, ``processes`` (worker names), ``transport``, per-method ``wall_s`` / ``tokens`` /
-        ``tokens_per_s``, the comparison, ``killed`` and, when not ok, the ``error`` and the log tail.
+        ``ready_s``, ``processes`` (worker names), ``pids`` (supervisor first), ``transport``,
+        per-method ``wall_s`` / ``tokens`` / ``tokens_per_s``, the comparison, ``killed`` and, when
+        not ok, the ``error`` and the log tail.
     """
     from services.runtime import free_loopback_ports
 
@@ -191,6 +192,7 @@ def served_run(device: str, models: tuple[Path, Path], work: Path, max_tokens: i
         res["ready_s"] = wait_ready(base, proc, timeout)
         workers = descendants(proc.pid)
         res["processes"] = sorted(set(workers.values()))
+        res["pids"] = [proc.pid, *sorted(workers)]
         runs = {m: asyncio.run(concurrent_streams(base, m, max_tokens, max(5.0, deadline - time.monotonic())))
                 for m in ("ar", SPEC_METHOD)}
         res.update({m: {k: v for k, v in r.items() if k != "ids"} for m, r in runs.items()})

@@ -63,9 +63,8 @@ def test_install_unpacks_wheels_and_reports_where_modules_come_from(tmp_path, mo
         gpu_bundle.install(tmp_path / "t", tmp_path / "t2")
 
 
-def test_smoke_check_with_a_bundle(tmp_path, monkeypatch, capsys):
-    """The whole --smoke check with --bundle: wheels unpacked into a scratch target first on sys.path
-    and on the tests' PYTHONPATH, every module the check needs imported, one JSON, one PNG."""
+def _smoke_with_bundle(tmp_path, monkeypatch, *args: str) -> dict:
+    """``gpu_check --smoke --bundle`` (one tiny wheel) with ``args``; returns the JSON."""
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))
     bundle = tmp_path / "b"
@@ -73,8 +72,24 @@ def test_smoke_check_with_a_bundle(tmp_path, monkeypatch, capsys):
     _wheel(bundle, "probe_two", {"probe_two/__init__.py": "__version__ = '0.1'\n"})
     out = tmp_path / "gc"
     assert gpu_check.main(["--smoke", "--bundle", str(bundle), "--out", str(out), "--methods", "ar",
-                           "--budgets", "4", "--rounds", "1", "--no-graphs"]) == 0
-    res = json.loads((out / "gpu_check.json").read_text())
+                           "--budgets", "4", "--rounds", "1", *args]) == 0
+    return json.loads((out / "gpu_check.json").read_text())
+
+
+def test_smoke_check_with_a_bundle(tmp_path, monkeypatch, capsys):
+    """The --smoke check (no served part) with --bundle: wheels unpacked into a scratch target first on
+    sys.path and on the tests' PYTHONPATH, every module the check needs imported, one JSON, one PNG;
+    an API this torch lacks is listed under ``skipped`` and its part (the CUDA-graph cells) left out."""
+    from benchmarks.gpu_check import compat
+
+    monkeypatch.setattr(compat, "FEATURES", (*compat.FEATURES, compat.Feature("torch.cuda.graph_v99", "a test",
+                                                                              "graphs")))
+    res = _smoke_with_bundle(tmp_path, monkeypatch, "--no-serve", "--shapes", "tiny-llama")
+    out = tmp_path / "gc"
+    assert not any(c["graphs"] for c in res["breakdown"]) and res["config"]["graphs"] is False
+    assert "graphs" not in {c["mode"] for c in res["verify_curve"]}
+    assert any(s.startswith("torch.cuda.graph_v99: not in torch") and s.endswith("(graphs left out)")
+               for s in res["skipped"])
     b = res["bundle"]
     assert b["status"] == "ok" and b["wheels"] == ["probe_two-0.1-py3-none-any.whl"]
     assert b["imports"]["probe_two"] == {"version": "0.1", "from": "bundle"}
@@ -84,6 +99,26 @@ def test_smoke_check_with_a_bundle(tmp_path, monkeypatch, capsys):
     assert res["png"] == "gpu_check.png" and (out / "gpu_check.png").is_file()
     assert any(s.startswith("tests:") and "no CUDA device" in s for s in res["skipped"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bundle"] == "ok"
+
+
+@pytest.mark.slow
+def test_whole_smoke_check_with_the_served_part(tmp_path, monkeypatch, capsys):
+    """The whole --smoke check, served part included (minutes on 2 busy cores: ``dartree serve`` starts a
+    supervisor, gateway, verifier and drafter process): 8 concurrent streams equal to ``ar`` on the same
+    server, over the CPU transport; every process it started is gone afterwards."""
+    res = _smoke_with_bundle(tmp_path, monkeypatch)
+    served = res["served"]
+    assert served["status"] == "ok" and served["mps"]["status"] == "not available"
+    (run,) = served["runs"]
+    assert run["status"] == "ok" and run["transport"] == "frames" and run["mps"] is False
+    assert {"dartree-gateway", "dartree-verifie", "dartree-drafter"} <= set(run["processes"])  # comm: 15 chars
+    assert run["requests"] == run["equal"] == 8 and run["mismatches"] == []
+    assert run["ar"]["tokens"] == run["dartree-pruned"]["tokens"] == 8 * run["max_tokens"]  # ignore_eos
+    assert run["ready_s"] > 0 and run["dartree-pruned"]["tokens_per_s"] > 0
+    assert not [p for p in run["pids"] if Path(f"/proc/{p}").exists()
+                and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert any(s.startswith("mps: not available") for s in res["skipped"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["served"] == "ok"
 
 
 def test_bad_bundle_and_old_versions_are_one_line(tmp_path, monkeypatch, capsys):

@@ -1,5 +1,7 @@
 """``make gpu-check`` end to end in its CPU ``--smoke`` mode: one JSON with every section filled and
-one PNG; bad arguments are one line and exit code 2 (the full mode needs a GPU: see the script)."""
+one PNG; bad arguments are one line and exit code 2 (the full mode needs a GPU: see the script).
+The served part alone: tests/bench/test_gpu_check_serve.py; the whole check with it (slow):
+tests/bench/test_gpu_bundle.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from benchmarks.gpu_verify_curve import MODES, SMOKE_ROWS
 
 def test_smoke_writes_one_json_and_one_png(tmp_path, capsys):
     out = tmp_path / "gc"
-    assert main(["--smoke", "--out", str(out), "--methods", "ar", "dflash", "ddtree", "dartree-pruned"]) == 0
+    assert main(["--smoke", "--out", str(out), "--methods", "ar", "dflash", "ddtree", "dartree-pruned", "--no-serve",
+                 "--paper-tau", "8=3.5"]) == 0
     res = json.loads((out / "gpu_check.json").read_text())
     assert res["mode"] == "smoke" and res["png"] == "gpu_check.png"
     assert (out / "gpu_check.png").stat().st_size > 5000
@@ -52,11 +55,44 @@ def test_smoke_writes_one_json_and_one_png(tmp_path, capsys):
         (s, m, r) for s in ("tiny-llama", "tiny-qwen3") for m in MODES for r in SMOKE_ROWS}
     assert all(c["status"] == "ok" and c["ms"] > 0 and c["max_abs_diff_vs_dense"] < 1e-4 for c in curve)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cells_not_ok"] == 0
+    _check_predicted(res)
+    assert res["served"] == {"status": "not run", "reason": "--no-serve"} and "served: --no-serve" in res["skipped"]
+    assert all(f["available"] for f in res["compat"])  # the pinned torch / transformers have every API
+
+
+def _check_predicted(res: dict) -> None:
+    """Every predicted speedup recomputed from the JSON's own cells and verify curve (eager tree attention
+    on the CPU), for every tau source at every measured budget it has a tau for."""
+    pred = res["predicted"]
+    assert pred["verify_mode"] == "tree-attention"
+    sources = pred["tau_sources"]
+    assert sources["paper"] == {"status": "ok", "taus": {"given": {"8": 3.5}}, "source": "--paper-tau"}
+    assert sources["replay-protocol"]["status"] == sources["replay-trace"]["status"] == "ok"
+    rows = pred["speedup"]
+    want = {(s, "paper", "given", 8) for s in ("tiny-llama", "tiny-qwen3")}
+    want |= {(s, "replay-trace", "gsm8k", b) for s in ("tiny-llama", "tiny-qwen3") for b in (4, 8)}
+    want |= {(s, "replay-protocol", d, 8) for s in ("tiny-llama", "tiny-qwen3")
+             for d in ("gsm8k", "humaneval", "mt-bench", "mean")}
+    assert {(r["shape"], r["source"], r["dataset"], r["budget"]) for r in rows} == want
+    for r in rows:
+        verify = {c["rows"]: c["ms"] for c in res["verify_curve"] if c["shape"] == r["shape"]
+                  and c["mode"] == "tree-attention"}
+        (cell,) = [c for c in res["breakdown"] if c["shape"] == r["shape"] and c["method"] == "dartree-pruned"
+                   and c["budget"] == r["budget"] and not c["graphs"]]
+        ph = cell["phase_ms"]
+        t_round = ph["draft"] + ph["tree_build"] + verify[r["budget"] + 1] + ph["commit"]
+        assert r["t_step1_ms"] == verify[1] and r["t_round_ms"] == pytest.approx(t_round)
+        assert r["speedup"] == pytest.approx(r["tau"] * verify[1] / t_round)
+    assert {r["tau"] for r in rows if r["source"] == "paper"} == {3.5}
+    assert pred["budgets_without_tau"] == []
 
 
 @pytest.mark.parametrize("argv, msg", [(["--device", "cuda"], "no CUDA device"),
                                        (["--smoke", "--methods", "nope"], "unknown method"),
-                                       (["--smoke", "--rounds", "-1"], "must be positive")])
+                                       (["--smoke", "--rounds", "-1"], "must be positive"),
+                                       (["--smoke", "--shapes", "qwen3-4b"], "unknown shape"),
+                                       (["--smoke", "--paper-tau", "64"], "expected B=tau"),
+                                       (["--smoke", "--paper-tau", "64=0.5"], "expected B=tau")])
 def test_bad_arguments_are_one_line(tmp_path, capsys, argv, msg):
     import torch
 
