@@ -72,7 +72,8 @@ $(LLAMA_TOOLS) &: | setup
 bench-deps: setup $(LLAMA_TOOLS)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} $(PIP) install -r requirements-bench.txt
 
-# On a machine with a CUDA GPU: the gpu-marked tests + a round-time breakdown on random weights
+# On a machine with a CUDA GPU: the gpu-marked tests, the served stack on a tiny model (8 streams
+# equal to ar), a round-time breakdown on random weights and the predicted speedup per budget
 # (< 8 min), one JSON + one PNG under OUT. `make gpu-check ARGS=--smoke` runs a tiny CPU version.
 OUT ?= benchmarks/results/gpu-check
 gpu-check: setup
