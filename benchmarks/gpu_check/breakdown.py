@@ -62,23 +62,8 @@ def breakdown(a, device: str, dtype: torch.dtype, deadline: float) -> tuple[list
             cells.append({"shape": name, "graphs": graphs, "status": "error",
                           "error": f"build: {type(e).__name__}: {e}"[:500]})
             continue
-        build_s = time.perf_counter() - t0
-        vocab = spec["target"]["vocab_size"]
-        prompt = torch.randint(100, vocab - 100, (a.context,), generator=gen).tolist()
-        for m in (a.methods if not graphs else [m for m in a.methods if m in GRAPH_METHODS]):
-            for b in (a.budgets if m in BUDGET_METHODS else [None]):
-                cell = {"shape": name, "method": m, "budget": b, "build_s": build_s, "graphs": graphs}
-                if time.perf_counter() > deadline:
-                    cells.append({**cell, "status": "skipped", "error": "time limit"})
-                    continue
-                try:
-                    measure(engine, m, b, prompt, 2, f"warm-{name}-{m}-{b}")  # untimed warm-up
-                    cell.update(measure(engine, m, b, prompt, a.rounds, f"{name}-{m}-{b}"), status="ok")
-                    if graphs:
-                        cell["graphs_captured"] = engine.runner.graphs.num_captured()
-                except Exception as e:  # noqa: BLE001
-                    cell.update(status="error", error=f"{type(e).__name__}: {e}"[:500])
-                cells.append(cell)
+        prompt = torch.randint(100, spec["target"]["vocab_size"] - 100, (a.context,), generator=gen).tolist()
+        cells += _cells(engine, a, name, graphs, prompt, time.perf_counter() - t0, deadline)
         if not graphs:
             probes += _graph_probes(engine, name, a, device, deadline)
             modes = [m for m in MODES if a.graphs or m != "graphs"]
@@ -88,6 +73,27 @@ def breakdown(a, device: str, dtype: torch.dtype, deadline: float) -> tuple[list
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
     return cells, probes, curves
+
+
+def _cells(engine, a, name: str, graphs: bool, prompt: list[int], build_s: float, deadline: float) -> list[dict]:
+    """The (method, B) cells of one engine: :func:`measure` after two untimed warm-up rounds; past
+    ``deadline`` a cell is ``skipped``, a failing one is ``error`` with its message."""
+    cells = []
+    for m in (a.methods if not graphs else [m for m in a.methods if m in GRAPH_METHODS]):
+        for b in (a.budgets if m in BUDGET_METHODS else [None]):
+            cell = {"shape": name, "method": m, "budget": b, "build_s": build_s, "graphs": graphs}
+            if time.perf_counter() > deadline:
+                cells.append({**cell, "status": "skipped", "error": "time limit"})
+                continue
+            try:
+                measure(engine, m, b, prompt, 2, f"warm-{name}-{m}-{b}")  # untimed warm-up
+                cell.update(measure(engine, m, b, prompt, a.rounds, f"{name}-{m}-{b}"), status="ok")
+                if graphs:
+                    cell["graphs_captured"] = engine.runner.graphs.num_captured()
+            except Exception as e:  # noqa: BLE001 (reported per cell; the check goes on)
+                cell.update(status="error", error=f"{type(e).__name__}: {e}"[:500])
+            cells.append(cell)
+    return cells
 
 
 def _graph_probes(engine, name: str, a, device: str, deadline: float) -> list[dict]:
