@@ -93,11 +93,11 @@ def apply_compat(a, features: list[dict]) -> None:
 
 
 def run_served(a, deadline: float) -> dict:
-    """The served part within what is left of the time limit (a third of it at most)."""
+    """The served part within what is left of the time limit (half of it at most, for each run)."""
     if not a.serve:
         return {"status": "not run", "reason": "--no-serve"}
     left = deadline - time.perf_counter()
-    return served_check(a.device, a.serve_tokens, max(30.0, min(a.serve_timeout, left / 3)))
+    return served_check(a.device, a.serve_tokens, max(30.0, min(a.serve_timeout, left / 2)))
 
 
 def predicted(a, cells: list[dict], curves: list[dict]) -> dict:

@@ -106,7 +106,7 @@ def test_whole_smoke_check_with_the_served_part(tmp_path, monkeypatch, capsys):
     """The whole --smoke check, served part included (minutes on 2 busy cores: ``dartree serve`` starts a
     supervisor, gateway, verifier and drafter process): 8 concurrent streams equal to ``ar`` on the same
     server, over the CPU transport; every process it started is gone afterwards."""
-    res = _smoke_with_bundle(tmp_path, monkeypatch)
+    res = _smoke_with_bundle(tmp_path, monkeypatch, "--time-limit", "1200")  # the server starts in 1-2 min here
     served = res["served"]
     assert served["status"] == "ok" and served["mps"]["status"] == "not available"
     (run,) = served["runs"]
