@@ -110,6 +110,7 @@ def predicted(a, cells: list[dict], curves: list[dict]) -> dict:
     with_tau = {b for s in sources.values() for t in s["taus"].values() for b in t}
     return {"formula": "speedup = tau(B) * t_step(1 row) / t_round(B); t_round = draft + tree_build + "
                        "verify(B + 1 rows) + commit; c = 1", "verify_mode": mode, "tau_sources": sources,
+            "note": "the replayed tau are the SmolLM2-135M drafter's; the timed targets have random weights",
             "budgets_without_tau": [b for b in measured if b not in with_tau],
             "speedup": predict.predictions(cells, curves, sources, mode)}
 
