@@ -8,7 +8,9 @@ chat template) and ``-c`` = N x ``--ctx-per-slot``; and ours again with every re
 decoding (``"speculative": {"method": "ar"}``, the ``dartree-ar`` arm). Every request is a streamed
 chat completion at T = 0 with ``ignore_eos`` (all generate exactly ``--max-tokens``). Per pass, every
 workload runs on every arm, the order rotating between passes (interleaved); the TTFT workloads skip
-the ``dartree-ar`` arm (its prefill is the default arm's):
+the ``dartree-ar`` arm (its prefill is the default arm's). ``--dspark`` adds a fourth arm at c = 1:
+a second ``llama-server`` with our DSpark drafter as its draft model (``--spec-type draft-dspark``;
+:mod:`benchmarks.llama_dspark` converts it with llama.cpp's own converter):
 
 - ``c1_mixed_tps`` / ``c1_gsm8k_tps``: the 8 chat prompts one at a time (GSM8K-style, code, chat);
   decode tokens/s = (completion tokens - 1) / (last streamed token - first), pooled over all 8 and
@@ -43,6 +45,7 @@ from pathlib import Path
 from benchmarks.bench_llama import PeerUnavailableError
 
 OURS, OURS_AR, LLAMA = "dartree", "dartree-ar", "llama-server"
+LLAMA_DSPARK = "llama-server-dspark"  # --dspark: llama-server with our DSpark drafter (c = 1 workloads only)
 ARMS = (OURS, OURS_AR, LLAMA)
 ARM_BODY = {OURS_AR: {"speculative": {"method": "ar"}}}  # what an arm adds to every request
 GSM8K = 3  # PROMPTS[:GSM8K] are the GSM8K-style ones
@@ -115,6 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--llama-server", default=None, help="the binary (default: .venv/bin/llama-server, PATH)")
     ap.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="more `dartree serve` flags (last)")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds each server may take to be ready")
+    ap.add_argument("--dspark", action="store_true", help="add llama-server + our DSpark drafter (c = 1 only)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     for name in ("max_running", "threads", "passes", "max_tokens", "requests_per_stream", "long_words", "ctx_per_slot"):
@@ -211,7 +215,7 @@ def run_pass(client_factory, bases: dict[str, str], order: list[str], a) -> dict
             recs = [chat(client, bases[name], [{"role": "user", "content": p}], a.max_tokens, ARM_BODY.get(name))
                     for p in PROMPTS]
         out[name]["c1_mixed_tps"], out[name]["c1_gsm8k_tps"] = decode_tps(recs), decode_tps(recs[:GSM8K])
-    for name in (n for n in order if n != OURS_AR):
+    for name in (n for n in order if n in (OURS, LLAMA)):
         with client_factory() as client:
             first = [{"role": "user", "content": long_prompt}]
             rec = chat(client, bases[name], first, a.max_tokens)
@@ -219,7 +223,7 @@ def run_pass(client_factory, bases: dict[str, str], order: list[str], a) -> dict
             out[name]["long_ttft_s"] = rec["ttft_s"]
             out[name]["next_turn_ttft_s"] = chat(client, bases[name], nxt, a.max_tokens)["ttft_s"]
     for c in a.concurrency:
-        for name in order:
+        for name in (n for n in order if n != LLAMA_DSPARK):
             out[name][f"c{c}_tps"] = concurrent_tps(client_factory, bases[name], PROMPTS, c, a.requests_per_stream,
                                                     a.max_tokens, ARM_BODY.get(name))
     return out
@@ -231,7 +235,8 @@ def pass_order(p: int, arms: tuple[str, ...] = ARMS) -> list[str]:
     return list(arms[k:] + arms[:k])
 
 
-RATIOS = {"ratio_ours_to_llama": (OURS, LLAMA), "ratio_ar_to_llama": (OURS_AR, LLAMA), "ratio_ours_to_ar": (OURS, OURS_AR)}
+RATIOS = {"ratio_ours_to_llama": (OURS, LLAMA), "ratio_ar_to_llama": (OURS_AR, LLAMA), "ratio_ours_to_ar": (OURS, OURS_AR),
+          "ratio_dspark_to_llama": (LLAMA_DSPARK, LLAMA)}
 
 
 def summarize(passes: list[dict]) -> dict:
@@ -241,7 +246,7 @@ def summarize(passes: list[dict]) -> dict:
     out = {}
     for m in metrics:
         row = {}
-        for name in ARMS:
+        for name in ARMS + (LLAMA_DSPARK,):
             vals = [p[name][m] for p in passes if p.get(name, {}).get(m) is not None]
             if vals:
                 row[name] = {"passes": [round(v, 4) for v in vals], "median": round(statistics.median(vals), 4)}
@@ -299,38 +304,59 @@ def report(a, argv: list[str] | None, servers: dict[str, str], gguf: Path, passe
                                                     "requests_per_stream", "long_words", "ctx_per_slot")},
             "passes": passes, "summary": summarize(passes)}
 
+def plan(a) -> tuple[dict[str, list[str]], dict[str, str], Path]:
+    """``(argv per server, base URL per arm, GGUF)``: ours, ``llama-server`` and (``--dspark``) the
+    DSpark one, each on a free loopback port.
+
+    Raises:
+        SystemExit: a peer that cannot run here (one line).
+    """
+    from benchmarks.bench_llama import resolve_gguf
+    from benchmarks.llama_dspark import dspark_argv, dspark_gguf
+    from services.models.registry import resolve_target
+    from services.runtime import free_loopback_ports
+
+    port, vport, dport, lport, sport = free_loopback_ports(5)
+    try:
+        binary, gguf = find_llama_server(a.llama_server), resolve_gguf(None, a.gguf)
+        argv = {OURS: dartree_argv(port, (vport, dport), a.max_running, a.serve_args),
+                LLAMA: llama_server_argv(binary, gguf, a.threads, a.max_running, a.ctx_per_slot, lport)}
+        if a.dspark:
+            draft = dspark_gguf(resolve_target(None))
+            argv[LLAMA_DSPARK] = dspark_argv(llama_server_argv(binary, gguf, a.threads, 1, a.ctx_per_slot, sport),
+                                             draft, a.threads)
+    except PeerUnavailableError as e:
+        raise SystemExit(f"vs_llama_server: {e}") from None
+    bases = {OURS: f"http://127.0.0.1:{port}", OURS_AR: f"http://127.0.0.1:{port}", LLAMA: f"http://127.0.0.1:{lport}"}
+    if a.dspark:
+        bases[LLAMA_DSPARK] = f"http://127.0.0.1:{sport}"
+    return argv, bases, gguf
+
+
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
     import httpx
 
-    from benchmarks.bench_llama import resolve_gguf
-    from services.runtime import free_loopback_ports
-
-    try:
-        binary, gguf = find_llama_server(a.llama_server), resolve_gguf(None, a.gguf)
-    except PeerUnavailableError as e:
-        raise SystemExit(f"vs_llama_server: {e}") from None
-    port, vport, dport, lport = free_loopback_ports(4)
-    ours_argv = dartree_argv(port, (vport, dport), a.max_running, a.serve_args)
-    llama_argv = llama_server_argv(binary, gguf, a.threads, a.max_running, a.ctx_per_slot, lport)
-    bases = {OURS: f"http://127.0.0.1:{port}", OURS_AR: f"http://127.0.0.1:{port}", LLAMA: f"http://127.0.0.1:{lport}"}
-    procs: list[subprocess.Popen | None] = [None, None]
+    cmds, bases, gguf = plan(a)
+    arms = tuple(bases)
+    procs: list[subprocess.Popen] = []
     passes = []
     try:
-        procs[0] = _start(ours_argv, bases[OURS] + "/health/ready", "/tmp/vs-llama-dartree.log", a.ready_timeout)
-        procs[1] = _start(llama_argv, bases[LLAMA] + "/health", "/tmp/vs-llama-server.log", a.ready_timeout)
+        for name, cmd in cmds.items():
+            ready = bases[name] + ("/health/ready" if name == OURS else "/health")
+            procs.append(_start(cmd, ready, f"/tmp/vs-llama-{name}.log", a.ready_timeout))
         factory = lambda: httpx.Client(timeout=600)  # noqa: E731
-        for name in ARMS:  # warm-up: first-use packing, the drafter's first call, slot set-up
+        for name in arms:  # warm-up: first-use packing, the drafter's first call, slot set-up
             with factory() as client:
                 chat(client, bases[name], [{"role": "user", "content": PROMPTS[0]}], 16, ARM_BODY.get(name))
         for p in range(a.passes):
-            passes.append(run_pass(factory, bases, pass_order(p), a))
+            passes.append(run_pass(factory, bases, pass_order(p, arms), a))
             print(f"pass {p}: " + json.dumps(passes[-1]), file=sys.stderr, flush=True)
     finally:
         for proc in procs:
             _stop(proc)
-    servers = {OURS: " ".join(ours_argv[1:]), OURS_AR: '(the same server) + {"speculative": {"method": "ar"}}',
-               LLAMA: " ".join(llama_argv)}
+    servers = {name: " ".join(cmd[1:] if name == OURS else cmd) for name, cmd in cmds.items()}
+    servers[OURS_AR] = '(the same server) + {"speculative": {"method": "ar"}}'
     res = report(a, argv, servers, gguf, passes)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

