@@ -282,7 +282,7 @@ def test_help_names_no_internal_identifiers():
 
 
 def test_an_unusable_host_is_named_as_the_host_flag():
-    from services.serve import check_listen
+    from services.serve_plan import check_listen
 
     with pytest.raises(ValueError, match=r"^--host: '999\.1\.1\.1' is not a usable address"):
         check_listen("999.1.1.1", 8399, "--port")
