@@ -41,6 +41,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from benchmarks.bench_llama import PeerUnavailableError
+from benchmarks.bench_stats import write_result
 
 OURS, OURS_AR, LLAMA = "dartree", "dartree-ar", "llama-server"
 ARMS = (OURS, OURS_AR, LLAMA)
@@ -332,11 +333,7 @@ def main(argv: list[str] | None = None) -> dict:
     servers = {OURS: " ".join(ours_argv[1:]), OURS_AR: '(the same server) + {"speculative": {"method": "ar"}}',
                LLAMA: " ".join(llama_argv)}
     res = report(a, argv, servers, gguf, passes)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=2))
-    print(json.dumps(res))
-    return res
+    return write_result(res, a.out)
 
 
 if __name__ == "__main__":
