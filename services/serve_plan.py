@@ -1,7 +1,7 @@
 """The plan of one ``dartree serve``: every setting checked, the models named and resolved, the
 processes' configs built, before anything is spawned.
 
-Functions :mod:`services.serve` calls::
+Its functions (:mod:`services.serve` calls :func:`plan`; ``dartree serve-ray`` uses :func:`check_listen`)::
 
     plan(args: argparse.Namespace) -> (SupervisorConfig, GatewayConfig, VerifierWorkerConfig,
                                        DrafterWorkerConfig | None, runtime dir | None)
