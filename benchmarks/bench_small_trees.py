@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_served import metric_sum
+from benchmarks.bench_stats import write_result
 
 
 def _prompts(target_dir, datasets: list[str], n: int, max_prompt_tokens: int = 384) -> list[tuple[str, list[int]]]:
@@ -587,11 +588,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(a.threads)
     res = {"tau": run_tau, "cost": run_cost, "e2e": run_e2e, "http": run_http}[a.cmd](a)
     res["command"] = "python -m benchmarks.bench_small_trees " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=2))
-    print(json.dumps(res))
-    return res
+    return write_result(res, a.out)
 
 
 if __name__ == "__main__":

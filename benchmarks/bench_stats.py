@@ -18,12 +18,28 @@ import hashlib
 import json
 import math
 from collections import Counter
+from pathlib import Path
 
 TABLE2_METHODS = ("dartree-pruned", "dartree-fixed", "seqheap", "domino-ddtree", "ddtree", "domino")
 TABLE3_METHODS = ("dspark", "dspark-dartree")  # the paper's Table 3: DSpark-Markov alone vs + DARTree
 TABLE4_METHODS = ("eagle3", "dartree-pruned", "ddtree")  # Table 4: EAGLE-3's 64-node tree next to ours
 DATASET_LABELS = {"gsm8k": "GSM8K", "math500": "MATH-500", "aime25": "AIME25", "humaneval": "HumanEval",
                   "mt-bench": "MT-Bench", "sharegpt": "ShareGPT", "mbpp": "MBPP", "alpaca": "Alpaca"}
+
+
+def write_result(res: dict, out: str | Path | None) -> dict:
+    """A benchmark's result, the way every script ends: written to ``out`` as indented JSON (its
+    folder made; None or "": no file) and printed as the last stdout line, one JSON line. Returns ``res``.
+
+    Raises:
+        OSError: ``out`` cannot be written. TypeError: ``res`` holds a value JSON cannot encode.
+    """
+    text = json.dumps(res)  # first: a value JSON cannot encode leaves no half-written file
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(res, indent=2))
+    print(text)
+    return res
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from benchmarks.bench_llama import PeerUnavailableError
+from benchmarks.bench_stats import write_result
 
 OURS, OURS_AR, LLAMA = "dartree", "dartree-ar", "llama-server"
 LLAMA_DSPARK = "llama-server-dspark"  # --dspark: llama-server with our DSpark drafter (c = 1 workloads only)
@@ -358,11 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     servers = {name: " ".join(cmd[1:] if name == OURS else cmd) for name, cmd in cmds.items()}
     servers[OURS_AR] = '(the same server) + {"speculative": {"method": "ar"}}'
     res = report(a, argv, servers, gguf, passes)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=2))
-    print(json.dumps(res))
-    return res
+    return write_result(res, a.out)
 
 
 if __name__ == "__main__":

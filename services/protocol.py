@@ -43,8 +43,9 @@ from services.params import (MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 # SamplingSpec.grammar (structured output and tool calls); v7: RoundChunk.stop_token_id; v8: Generate
 # carries services.params' SamplingParams / SpecParams (ranges checked by their check(), not on
 # decode), a DraftRequest its method and its TreeKnobs (SamplingSpec / SpecSpec are gone), PeerInfo
-# its build's WIRE_SCHEMA (a change of a message's layout is refused at handshake without a bump)
-PROTOCOL_VERSION = 8
+# its build's WIRE_SCHEMA (a change of a message's layout is refused at handshake without a bump);
+# v9: PeerInfo.context_bytes (the drafter's device bytes per context position, for the memory plan)
+PROTOCOL_VERSION = 9
 
 LOGPROB_FLOOR = -9999.0     # logprobs are clamped to [LOGPROB_FLOOR, 0] (finite, JSON-safe; vLLM's floor)
 
@@ -149,7 +150,7 @@ class PeerInfo(Struct, **_opts()):
     limits: Limits | None = None
     device: ShortStr = ""                   # "cpu", "cuda:0", ...
     pool: PoolHandle | None = None          # this peer's CUDA-IPC send pool
-    context_bytes: NonNeg = 0               # drafter: device bytes its context takes a position (0 = unknown)
+    context_bytes: NonNeg = 0               # v9, drafter: device bytes its context takes a position (0 = unknown)
     wire_schema: ShortStr = ""              # v8: WIRE_SCHEMA of the sender's build ("" on init: this build's)
 
     def __post_init__(self) -> None:

@@ -212,7 +212,7 @@ def serve_ray_main(a: argparse.Namespace) -> int:
     """
     import ray
 
-    from services.serve import check_listen
+    from services.serve_plan import check_listen
 
     config = config_from_cli(a)
     app = build_app(config)

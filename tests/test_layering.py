@@ -54,7 +54,8 @@ def test_gateway_imports_no_torch():
 
 @pytest.mark.parametrize("module", ["services.protocol", "services.wire", "services.metrics", "services.ipc_pool",
                                     "services.runtime", "services.spec", "services.config_cli",
-                                    "services.serve", "services.verifier.worker", "services.drafter.worker",
+                                    "services.serve", "services.serve_plan", "services.transport_config",
+                                    "services.verifier.worker", "services.drafter.worker",
                                     "services.verifier.remote_drafter", "services.colocated",
                                     "services.verifier.config", "services.weight_formats"])
 def test_service_plumbing_is_torch_free_at_import(module):
@@ -201,7 +202,8 @@ LOWER_LAYER = ("services.weights", "services.weight_formats", "services.q4_weigh
 @pytest.mark.parametrize("source, targets", [
     ("services", ("tests", "benchmarks")),
     ("benchmarks", ("tests",)),
-    ("gateway", ("services.verifier", "services.drafter", "services.serve", "services.tree", "tests")),
+    ("gateway", ("services.verifier", "services.drafter", "services.serve", "services.serve_plan", "services.tree",
+                 "tests")),
     ("services.drafter", ("services.verifier",)),
     ("services.verifier", ("services.drafter",)),
     *((low, ("services.verifier", "services.drafter")) for low in LOWER_LAYER),

@@ -233,6 +233,16 @@ def test_a_supervisors_runtime_dir_left_by_a_killed_one_is_removed(tmp_path, mon
         live.wait()
 
 
+def test_a_v8_peer_is_refused_at_handshake():
+    """v9 added ``PeerInfo.context_bytes``: a v8 build (which sends no such field) is refused by its
+    version, in one line naming both."""
+    assert p.PROTOCOL_VERSION == 9 and "context_bytes" in p.PeerInfo.__struct_fields__
+    why = p.check_hello_version(8)
+    assert why == "protocol version mismatch: peer speaks v8, this process speaks v9"
+    old = msgspec.msgpack.encode([8, {"role": "drafter"}])
+    assert p.peek_protocol_version(old) == 8
+
+
 def test_the_wire_schema_follows_the_messages_layout_and_mismatched_builds_are_refused():
     """A new request option (a SamplingParams field) changes WIRE_SCHEMA; peers of builds whose
     layouts differ refuse each other at handshake, with no PROTOCOL_VERSION bump needed."""

@@ -42,6 +42,7 @@ from services.protocol import (
 )
 from services.devices import is_out_of_memory, release_device_cache
 from services.runtime import check_device, check_dtype, trim_heap
+from services.transport_config import TransportConfig
 from services.wire import Decoded
 
 log = logging.getLogger("drafter")
@@ -60,11 +61,13 @@ class DrafterWorkerConfig:
         drafter_endpoint: where the drafter listens ("" = the default ipc:// socket).
         device, dtype: where and in which precision the drafter runs (every draft job carries
             its tree knobs, resolved by the verifier).
-        cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC tensor pool (used only on a CUDA device).
+        transport: the CUDA-IPC tensor pool (used only on a CUDA device) and ``metrics_host``
+            (:class:`~services.transport_config.TransportConfig`, shared with the verifier; one flag each).
         packed_gemm: on a float32 CPU, pre-pack GEMM weights for the round's fixed row counts
             (``services/cpu_gemm.py``: same numerics, ~1.2x faster rounds on the CI CPU).
-        drafter_metrics_port, metrics_host: the drafter's Prometheus endpoint (port 0 = off); served by
-            the verifier process when the drafter runs inside it (``--drafter-placement``).
+        drafter_metrics_port: the drafter's Prometheus endpoint's port (0 = off; its host:
+            ``transport.metrics_host``); served by the verifier process when the drafter runs inside
+            it (``--drafter-placement``).
         max_tensor_bytes: largest tensor frame accepted.
         drain_timeout_s: on SIGTERM, how long the drafter may keep serving the requests in flight.
         compile: the drafter's block forward through ``torch.compile`` (warm-up at start, logged;
@@ -82,12 +85,9 @@ class DrafterWorkerConfig:
     drafter_endpoint: str = ""
     device: str = "cpu"
     dtype: str = "float32"
-    cuda_ipc: bool = True
-    ipc_slots: int = 16
-    ipc_slot_bytes: int = 8 << 20
+    transport: TransportConfig = TransportConfig()
     packed_gemm: bool = True
     drafter_metrics_port: int = 8002
-    metrics_host: str = "127.0.0.1"
     max_tensor_bytes: int = 1 << 30
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
@@ -342,10 +342,11 @@ def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = No
 
     release_freed_memory()  # the float32 checkpoint tensors and the full borrowed lm_head, gone since loading
     log.info("%s", memory_line("drafter", object_memory_parts(service)))
-    transport = make_transport(config.device, config.cuda_ipc, config.ipc_slots, config.ipc_slot_bytes)
+    link = config.transport
+    transport = make_transport(config.device, link.cuda_ipc, link.ipc_slots, link.ipc_slot_bytes)
     info = drafter_info(service, target_dir, new_epoch(), config.device, transport)
     metrics = DrafterMetrics(drafter=info.model)
-    start_metrics_server(config.drafter_metrics_port, config.metrics_host, metrics.registry)
+    start_metrics_server(config.drafter_metrics_port, link.metrics_host, metrics.registry)
     stop = threading.Event()
     ctx = zmq.Context()
     worker = DrafterWorker(service, info, transport, metrics)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from services.memory_plan import DEFAULT_MAX_RUNNING
 from services.protocol import METHODS
 from services.runtime import WEIGHT_CHOICES, check_device, check_dtype
+from services.transport_config import TransportConfig
 from services.spec import (DEFAULT_MAX_REQUEST_BUDGET, DEFAULT_METHOD, DEFAULT_POLICY, MAX_BUDGET, POLICIES,
                            TreeKnobs, check_tree_knobs, default_tree_knobs, parse_tree_schedule,
                            request_tree_limits)
@@ -121,12 +122,13 @@ class VerifierWorkerConfig:
             so a hung drafter is seen within this period + 2 s even while requests run, and
             the verifier decodes without speculation until it answers again).
         drain_timeout_s: on SIGTERM, how long running requests may finish.
-        cuda_ipc, ipc_slots, ipc_slot_bytes: CUDA-IPC pool for features (CUDA devices only).
+        transport: the CUDA-IPC feature pool (CUDA devices only) and ``metrics_host``
+            (:class:`~services.transport_config.TransportConfig`, shared with the drafter; one flag each).
         packed_gemm: on a float32 CPU, pack the target's GEMM weights for the step sizes of the
             batched steps (4, B + 1 doubling up to max_running x (B + 1), a chain method's block + 1
             rows), each on the first step of that size (``services/cpu_gemm.py``: same numerics;
             SmolLM2: ~0.5 GB per step size used).
-        verifier_metrics_port, metrics_host: Prometheus endpoint (port 0 = off).
+        verifier_metrics_port: Prometheus endpoint's port (0 = off; its host: ``transport.metrics_host``).
         prefix_cache_mib: memory bound, in MiB, on what cached prefixes hold beyond the reserved KV
             slots: one target feature row per cached position (SmolLM2-135M with the default
             drafter: 11.25 KiB a position in float32) plus its token id; past it the least recently
@@ -160,12 +162,9 @@ class VerifierWorkerConfig:
     drafter_wait_s: float = 600.0
     health_interval_s: float = 1.0
     drain_timeout_s: float = 30.0
-    cuda_ipc: bool = True
-    ipc_slots: int = 16
-    ipc_slot_bytes: int = 8 << 20
+    transport: TransportConfig = TransportConfig()
     packed_gemm: bool = True
     verifier_metrics_port: int = 8001
-    metrics_host: str = "127.0.0.1"
     log_level: str = "INFO"
     prefix_cache_mib: int = 256
     restart_after_compile: bool | None = None

@@ -468,7 +468,8 @@ def _connect_drafter(config: VerifierWorkerConfig, target_dir, ctx, epoch: str):
 
     local = PeerInfo(role="verifier", epoch=epoch, tokenizer_hash=tokenizer_hash(target_dir),
                      eos_token_id=config_eos_token_id(target_dir), special_token_ids=special_token_ids(target_dir))
-    transport = make_transport(config.device, config.cuda_ipc, config.ipc_slots, config.ipc_slot_bytes)
+    link = config.transport
+    transport = make_transport(config.device, link.cuda_ipc, link.ipc_slots, link.ipc_slot_bytes)
     client = ZmqDrafterClient(config.drafter_endpoint or ipc_endpoint("drafter"), local, transport,
                               config.draft_timeout_s, ctx)
     peer = client.connect(wait_s=config.drafter_wait_s)
@@ -566,7 +567,7 @@ def _make_worker(config: VerifierWorkerConfig, engine, target, target_dir, epoch
     info = verifier_info(target_dir, engine, target, epoch, config, methods, drafter)
     metrics = VerifierMetrics(model=info.model, default_method=config.default_method, spec_policy=config.spec_policy,
                               tree_schedule=str(parse_tree_schedule(config.tree_schedule) or ""))
-    start_metrics_server(config.verifier_metrics_port, config.metrics_host, metrics.registry)
+    start_metrics_server(config.verifier_metrics_port, config.transport.metrics_host, metrics.registry)
     # the idle ping also re-handshakes a restarted drafter; a drafter in this process always answers
     ping = (lambda: True) if inproc else (lambda: drafter_client.ping(1.0)) if drafter_client else None
     return VerifierWorker(engine, info, config, metrics, drafter_ping=ping)

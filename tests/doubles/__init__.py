@@ -6,6 +6,8 @@
 - :mod:`tests.doubles.engine`: :class:`FakeEngine` (batched steps of scripted rounds) and
   :class:`FakeDrafterService` (the drafter worker's service over chain trees); :func:`next_output`
   (a real engine's next output of one request run alone).
+- :mod:`tests.doubles.segments`: :func:`random_segments` (random trees, prompt chunks and lone rows
+  as verify segments) and :class:`LockstepSlots` (KV slots several runners commit in lockstep).
 """
 
 from tests.doubles.drafters import (

@@ -34,7 +34,8 @@ def test_drafter_dtype_is_float32_on_a_cpu_without_native_bf16_else_the_activati
 
 
 def test_serve_plans_a_float32_drafter_worker_next_to_a_bfloat16_target(tmp_path, monkeypatch, no_native_bf16):
-    from services.serve import add_serve_args, plan
+    from services.serve import add_serve_args
+    from services.serve_plan import plan
 
     target, drafter = make_tiny_models(tmp_path)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))

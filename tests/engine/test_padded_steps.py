@@ -21,22 +21,8 @@ from services.tree.batch import (Segment, StepBucket, causal_segment, pack_segme
                                  padded_tree_rows, row_bucket, step_bucket)
 from services.verifier.runner import ModelRunner
 from tests.engine.conftest import TARGET_KW, V
+from tests.doubles.segments import LockstepSlots, random_segments
 from tests.engine.test_batched import _engine, _mixed_requests, _run_batched, _solo
-
-
-def _segments(rng, slots, lengths):
-    """Per slot: a random tree at its committed length, a prompt chunk, or a lone ar row."""
-    segs = []
-    for i, (slot, start) in enumerate(zip(slots, lengths)):
-        kind = i % 3
-        if kind == 0:
-            b = derive_buffers(random_tree(rng, V, rng.randrange(2, 10), 4), 6)
-            segs.append(Segment(b.input_ids, b.position_offsets, b.tree_mask, start, slot))
-        elif kind == 1:
-            segs.append(causal_segment([rng.randrange(3, V) for _ in range(rng.randrange(2, 12))], start, slot))
-        else:
-            segs.append(causal_segment([rng.randrange(3, V)], start, slot))
-    return segs
 
 
 def test_step_bucket_rounds_up_and_caps():
@@ -82,7 +68,7 @@ def test_steps_past_the_graphs_run_eager_and_are_counted(target):
 
 def test_pad_packed_keeps_real_rows_and_sends_padding_to_the_scratch_slot():
     rng = random.Random(1)
-    segs = _segments(rng, [0, 2, 1], [5, 0, 9])
+    segs = random_segments(rng, [0, 2, 1], [5, 0, 9], V)
     p = pack_segments(segs, kv_bucket=8)
     r, (n, rm) = p.input_ids.numel(), p.row_index.shape
     b = step_bucket(p, r, max_segments=4, kv_bucket=8, kv_capacity=100)
@@ -115,7 +101,7 @@ def test_device_built_padded_mask_equals_the_host_mask(seed):
     rng = random.Random(seed)
     for _ in range(8):
         n = rng.randrange(1, 5)
-        segs = _segments(rng, rng.sample(range(6), n), [rng.randrange(0, 60) for _ in range(n)])
+        segs = random_segments(rng, rng.sample(range(6), n), [rng.randrange(0, 60) for _ in range(n)], V)
         p = pack_segments(segs, kv_bucket=8)
         b = step_bucket(p, rng.randrange(1, p.input_ids.numel() + 1), max_segments=6, kv_bucket=8, kv_capacity=200)
         want = pad_packed(p, b, scratch_slot=6).attn_mask
@@ -157,12 +143,9 @@ def test_padded_runner_equals_plain_runner(target, one_thread):
     padded = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8, cuda_graphs=True)
     assert padded.cache.num_free() == 4 and padded.scratch_slot == 4
     rng = random.Random(0)
-    slots = [[r.cache.alloc() for _ in range(3)] for r in (plain, padded)]
-    assert slots[0] == slots[1]
-    slots = slots[0]
-    lengths = [0, 0, 0]
+    walk = LockstepSlots((plain, padded))
     for step in range(6):
-        segs = _segments(rng, slots[:1 + step % 3], lengths)
+        segs = walk.segments(rng, step, V)
         rows = sum(s.num_rows for s in segs)
         keep = None if step % 2 == 0 else torch.tensor(sorted(rng.sample(range(rows), rng.randrange(1, rows + 1))))
         a, b = plain.execute(segs, keep), padded.execute(segs, keep)
@@ -171,12 +154,9 @@ def test_padded_runner_equals_plain_runner(target, one_thread):
         if step == 0:  # same KV length, one segment on both sides
             assert torch.equal(a.logits, b.logits) and torch.equal(a.features, b.features)
         assert torch.equal(a.packed.cu_rows, b.packed.cu_rows)
-        for s in segs:  # commit everything written (trees: a prefix; the KV then must match too)
-            for r in (plain, padded):
-                r.cache.extend(s.slot, s.num_rows)
-            lengths[slots.index(s.slot)] += s.num_rows
+        walk.commit(segs)  # commit everything written (trees: all their nodes; the KV then must match too)
         for layer in range(len(plain.cache.keys)):
-            for s, n in zip(slots, lengths):
+            for s, n in zip(walk.slots, walk.lengths):
                 _close(plain.cache.keys[layer][s, :, :n], padded.cache.keys[layer][s, :, :n])
                 _close(plain.cache.values[layer][s, :, :n], padded.cache.values[layer][s, :, :n])
     assert len(padded.graphs.steps) >= 3 and padded.graphs.num_captured() == 0  # CPU: eager, no capture
@@ -220,8 +200,8 @@ def test_padded_step_holds_no_host_sync(target):
     runner.graphs.make_fn = guarded
     rng = random.Random(2)
     slots = [runner.cache.alloc() for _ in range(3)]
-    runner.execute(_segments(rng, slots, [0, 0, 0]))
-    runner.execute(_segments(rng, slots[:1], [0]), torch.tensor([0]))
+    runner.execute(random_segments(rng, slots, [0, 0, 0], V))
+    runner.execute(random_segments(rng, slots[:1], [0], V), torch.tensor([0]))
     with pytest.raises(AssertionError, match="host sync"):  # the guard itself works
         with _fail_on_host_sync():
             torch.ones(2).tolist()
@@ -257,15 +237,11 @@ def test_graphed_runner_equals_eager_runner_on_cuda(arch):
     graphed = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8, compile=True)
     assert graphed.graphed and not graphed.compiled
     rng = random.Random(0)
-    slots = [[r.cache.alloc() for _ in range(3)] for r in (eager, graphed)][0]
-    lengths = [0, 0, 0]
+    walk = LockstepSlots((eager, graphed))
     for step in range(8):
-        segs = _segments(rng, slots[:1 + step % 3], lengths)
+        segs = walk.segments(rng, step, V)
         a, b = eager.execute(segs), graphed.execute(segs)
         torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(b.features, a.features, rtol=1e-4, atol=1e-4)
-        for s in segs:
-            for r in (eager, graphed):
-                r.cache.extend(s.slot, s.num_rows)
-            lengths[slots.index(s.slot)] += s.num_rows
+        walk.commit(segs)
     assert graphed.graphs.num_captured() >= 2

@@ -68,7 +68,8 @@ def test_a_cache_that_cannot_fit_is_refused_naming_the_flags(tiny):
 
 
 def test_serve_plan_refuses_a_kv_cache_beyond_the_ram(tiny, tmp_path, monkeypatch):
-    from services.serve import add_serve_args, plan
+    from services.serve import add_serve_args
+    from services.serve_plan import plan
 
     target_dir, drafter_dir = tiny
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
@@ -165,7 +166,8 @@ def test_doctor_remeasure_on_a_tiny_target(tmp_path):
 _PLAN_SCRIPT = """
 import argparse, json, sys
 
-from services.serve import add_serve_args, plan
+from services.serve import add_serve_args
+from services.serve_plan import plan
 
 
 def main():

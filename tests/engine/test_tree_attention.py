@@ -19,9 +19,9 @@ from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import EngineConfig, SpecEngine
 from services.verifier.runner import ModelRunner
 from services.verifier.tree_attention import prefix_attention, tree_verify_attention
+from tests.doubles.segments import LockstepSlots
 from tests.engine.conftest import V
 from tests.engine.test_batched import _mixed_requests, _run_batched, _solo
-from tests.engine.test_padded_steps import _segments
 
 
 def test_device_mask_of_the_worked_example():
@@ -134,17 +134,13 @@ def test_tree_attention_runner_equals_dense_runner(target):
     tree = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8, tree_attention=True)
     assert tree.tree_attention and not dense.tree_attention  # CPU keeps the dense calls by default
     rng = random.Random(0)
-    slots = [[r.cache.alloc() for _ in range(3)] for r in (dense, tree)][0]
-    lengths = [0, 0, 0]
+    walk = LockstepSlots((dense, tree))
     for step in range(6):
-        segs = _segments(rng, slots[:1 + step % 3], lengths)
+        segs = walk.segments(rng, step, V)
         a, b = dense.execute(segs), tree.execute(segs)
         torch.testing.assert_close(b.logits, a.logits, atol=1e-5, rtol=0)
         torch.testing.assert_close(b.features, a.features, atol=1e-5, rtol=0)
-        for s in segs:
-            for r in (dense, tree):
-                r.cache.extend(s.slot, s.num_rows)
-            lengths[slots.index(s.slot)] += s.num_rows
+        walk.commit(segs)
 
 
 def test_tree_attention_refused_with_padded_steps(target):
@@ -201,13 +197,9 @@ def test_tree_attention_runner_on_cuda_equals_dense_runner():
     dense = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8, tree_attention=False)
     assert tree.tree_attention and not dense.tree_attention
     rng = random.Random(0)
-    slots = [[r.cache.alloc() for _ in range(3)] for r in (dense, tree)][0]
-    lengths = [0, 0, 0]
+    walk = LockstepSlots((dense, tree))
     for step in range(6):
-        segs = _segments(rng, slots[:1 + step % 3], lengths)
+        segs = walk.segments(rng, step, V)
         a, b = dense.execute(segs), tree.execute(segs)
         torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=1e-4)
-        for s in segs:
-            for r in (dense, tree):
-                r.cache.extend(s.slot, s.num_rows)
-            lengths[slots.index(s.slot)] += s.num_rows
+        walk.commit(segs)

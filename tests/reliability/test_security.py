@@ -51,7 +51,8 @@ def test_defaults_bind_loopback_only():
     from services.verifier.worker import VerifierWorkerConfig
 
     assert GatewayConfig().host == "127.0.0.1"
-    assert VerifierWorkerConfig().metrics_host == DrafterWorkerConfig().metrics_host == "127.0.0.1"
+    assert VerifierWorkerConfig().transport.metrics_host == DrafterWorkerConfig().transport.metrics_host \
+        == "127.0.0.1"
     assert VerifierWorkerConfig().verifier_endpoint == DrafterWorkerConfig().drafter_endpoint == ""  # = ipc://
 
 

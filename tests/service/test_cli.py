@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -223,7 +225,8 @@ def test_round_tokens_counts_the_dropped_terminator():
 
 def test_generate_refusal_prints_only_the_error_line(tmp_path):
     """A request the engine refuses (prompt + max_tokens past the context) prints its one error line
-    and nothing else: no "[dartree] drafter" banner before it."""
+    and nothing else: no "[dartree] drafter" banner before it, and no set-up warning either (on a
+    busy CPU the step cost sweep warns that it fell back to the rule-based curve: held, then dropped)."""
     import os
 
     target_dir, drafter_dir = make_tiny_models(tmp_path)
@@ -233,6 +236,42 @@ def test_generate_refusal_prints_only_the_error_line(tmp_path):
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dartree: error: ") and "context" in lines[0], lines
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("error, shown", [(None, ["load: slow", "sweep: busy"]), (ValueError, []),
+                                          (RuntimeError, []), (KeyError, ["load: slow", "sweep: busy"])])
+def test_generate_holds_the_set_up_warnings_until_the_request_is_accepted(error, shown):
+    """The set-up's warnings (a busy CPU during the cost sweep) reach the handlers only once the
+    request is accepted, in order; a one-line refusal drops them (its error line prints alone); a
+    bug's exception releases them before its traceback."""
+    from services.generate import HeldLogs
+
+    root, collect = logging.getLogger(), _Collect()
+    root.addHandler(collect)
+    try:
+        with contextlib.suppress(ValueError, RuntimeError, KeyError):
+            with HeldLogs() as held:
+                logging.getLogger("dartree.test").warning("load: %s", "slow")
+                logging.getLogger("dartree.test.sweep").warning("sweep: busy")
+                assert collect.messages == [] and len(held.records) == 2  # held, nobody saw them yet
+                if error is not None:
+                    raise error("refused")
+                held.pass_on()  # the request was accepted
+                assert collect.messages == ["load: slow", "sweep: busy"]
+                logging.getLogger("dartree.test").warning("decoding")  # after: straight through
+        assert collect in root.handlers and held not in root.handlers
+        assert collect.messages == shown + (["decoding"] if error is None else [])
+    finally:
+        root.removeHandler(collect)
 
 
 def test_log_level_is_case_insensitive_and_listed_once(monkeypatch):
@@ -282,7 +321,7 @@ def test_help_names_no_internal_identifiers():
 
 
 def test_an_unusable_host_is_named_as_the_host_flag():
-    from services.serve import check_listen
+    from services.serve_plan import check_listen
 
     with pytest.raises(ValueError, match=r"^--host: '999\.1\.1\.1' is not a usable address"):
         check_listen("999.1.1.1", 8399, "--port")

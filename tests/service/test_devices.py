@@ -213,7 +213,8 @@ def test_serve_plans_every_worker_on_cuda_with_its_index(tmp_path, monkeypatch):
     import torch
 
     from services import devices
-    from services.serve import add_serve_args, plan
+    from services.serve import add_serve_args
+    from services.serve_plan import plan
 
     from .tiny import make_tiny_models
 

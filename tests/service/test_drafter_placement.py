@@ -1,6 +1,6 @@
 """``--drafter-placement``: the drafter in its own process or inside the verifier process.
 
-The rule of ``auto`` (:func:`services.serve.resolve_drafter_placement`), the processes the supervisor
+The rule of ``auto`` (:func:`services.serve_plan.resolve_drafter_placement`), the processes the supervisor
 starts for each placement, and a tiny server with the drafter inside the verifier: greedy answers
 equal plain decoding for every drafting method, rounds draft, no drafter process runs, and the
 drafter's metrics are still served on the drafter's port.
@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from benchmarks.bench_served import metric_sum as _metric
-from services.serve import Supervisor, add_serve_args, plan, resolve_drafter_placement
+from services.serve import Supervisor, add_serve_args
+from services.serve_plan import plan, resolve_drafter_placement
 from services.testing import served_ar_reference, start_server
 
 from .tiny import TINY_FLAGS, make_tiny_models

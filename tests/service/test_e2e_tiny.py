@@ -14,6 +14,7 @@ import json
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -34,13 +35,21 @@ def tiny(tmp_path_factory):
     return make_tiny_models(tmp_path_factory.mktemp("tiny"))
 
 
+# The tests bound CPU-bound work by the pytest timeout (pyproject.toml), not by wall-clock budgets of
+# their own: on the shared 2-core machines a 240-token answer of the tiny model takes 2 s idle and over
+# a minute under load. WORK_TIMEOUT_S bounds one non-streamed answer; DRAIN_S is the server's drain
+# budget, which the SIGTERM test's in-flight requests must finish within to end normally.
+WORK_TIMEOUT_S = 600.0
+DRAIN_S = 600.0
+
+
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     target_dir, drafter_dir = tiny
     log = tmp_path_factory.mktemp("log") / "serve.log"
     with start_server(*TINY_FLAGS, "--budget", "8", "--candidates", "8", "--width", "4", "--ping-timeout-s", "3",
-                      "--draft-timeout-s", "10", "--drain-timeout-s", "20", log=log, target=target_dir,
-                      drafter=drafter_dir) as srv:
+                      "--draft-timeout-s", "10", "--drain-timeout-s", str(DRAIN_S), log=log, target=target_dir,
+                      drafter=drafter_dir, ready_timeout=WORK_TIMEOUT_S, stop_timeout=DRAIN_S + 60) as srv:
         yield srv
 
 
@@ -275,11 +284,14 @@ def test_concurrent_different_requests_share_steps_and_equal_plain_decoding(serv
 
 def test_kill_9_of_the_drafter_mid_stream_loses_nothing_and_speculation_comes_back(server):
     """The stream goes on without speculation (no error event, the text of plain decoding); the
-    supervisor starts a new drafter and later requests draft with it (the draft-token counter moves)."""
-    server.wait_ready(timeout=180)
+    supervisor starts a new drafter and later requests draft with it (the draft-token counter moves).
+
+    No wall-clock budget of its own beyond the HTTP read timeouts: the new drafter's start-up and each
+    request take as long as the machine's load makes them (the pytest timeout catches a hang)."""
+    server.wait_ready(timeout=WORK_TIMEOUT_S)
     body = {"prompt": "x", "max_tokens": 240, "temperature": 0, "stream": True,
             "speculative": {"budget": 8}}  # explicit budget: drafts every round
-    ref = httpx.post(server.base + "/v1/completions", timeout=60,
+    ref = httpx.post(server.base + "/v1/completions", timeout=WORK_TIMEOUT_S,
                      json={**body, "stream": False, "speculative": {"method": "ar"}}).json()["choices"][0]
     old = server.child("dartree-drafter")
     events = []
@@ -295,24 +307,23 @@ def test_kill_9_of_the_drafter_mid_stream_loses_nothing_and_speculation_comes_ba
     choices = [e["choices"][0] for e in events if e.get("choices")]
     assert "".join(ch["text"] for ch in choices) == ref["text"]
     assert choices[-1]["finish_reason"] == ref["finish_reason"]
-    server.wait_replaced("dartree-drafter", old.pid)  # the supervisor notices the death and starts a new one
+    server.wait_replaced("dartree-drafter", old.pid, timeout=WORK_TIMEOUT_S)  # the supervisor starts a new one
     vport = server.metrics_ports[0]
-    drafts = lambda: _metric(httpx.get(f"http://127.0.0.1:{vport}/metrics").text,  # noqa: E731
+    drafts = lambda: _metric(httpx.get(f"http://127.0.0.1:{vport}/metrics", timeout=60).text,  # noqa: E731
                              "dartree_spec_draft_tokens_total")
-    deadline = time.monotonic() + 120
-    while True:
+    while True:  # until the verifier has re-connected to the new drafter (its start-up under load: minutes)
         before = drafts()
-        again = httpx.post(server.base + "/v1/completions", json={**body, "stream": False, "max_tokens": 16}, timeout=60)
+        again = httpx.post(server.base + "/v1/completions", json={**body, "stream": False, "max_tokens": 16},
+                           timeout=WORK_TIMEOUT_S)
         assert again.status_code == 200 and ref["text"].startswith(again.json()["choices"][0]["text"]), again.text
         if drafts() > before:
             break
-        assert time.monotonic() < deadline, "no draft with the new drafter within 120 s"
         time.sleep(0.2)
 
 
 @pytest.mark.parametrize("victim", ["dartree-verifie"], ids=["verifier"])
 def test_kill_9_of_a_worker_mid_stream_gives_a_clean_error_and_recovers(server, victim):
-    server.wait_ready(timeout=180)  # a previous kill's restart can still flip readiness for a heartbeat or two
+    server.wait_ready(timeout=WORK_TIMEOUT_S)  # a previous kill's restart can still flip readiness for a heartbeat or two
     old = server.child(victim)
     body = {"prompt": "x", "max_tokens": 240, "stream": True,
             "speculative": {"budget": 8}}  # explicit budget: drafts every round, so it needs the drafter
@@ -326,33 +337,48 @@ def test_kill_9_of_a_worker_mid_stream_gives_a_clean_error_and_recovers(server, 
                     break
             tail = [line for line in lines if line.startswith("data: ")]
     assert tail[-1] == "data: [DONE]" and "error" in json.loads(tail[-2][6:]), tail[-3:]
-    server.wait_replaced(victim, old.pid)  # the supervisor notices the death and starts a new one
-    server.wait_ready(timeout=180)
-    ok = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 8}, timeout=60)
+    server.wait_replaced(victim, old.pid, timeout=WORK_TIMEOUT_S)  # the supervisor starts a new one
+    server.wait_ready(timeout=WORK_TIMEOUT_S)  # its start-up (target, cost sweep) under load: minutes
+    ok = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 8}, timeout=WORK_TIMEOUT_S)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
 
 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(server):
-    server.wait_ready(timeout=180)
-    with httpx.Client(base_url=server.base, timeout=60) as c:
-        # six sequences of 240 tokens: a drain that outlasts the first probe even on a fast machine (one
-        # sequence of the tiny model was done, and the gateway gone, before the probe connected)
-        with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 240, "n": 6, "stream": True}) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: {"):
-                    break
-            server.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 3.0  # the drain reaches the gateway within a moment of the signal
-            while True:  # (the batched engine finishes 6 x 240 tiny-model tokens in a few seconds)
-                refused = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
-                if refused.status_code == 503 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            rest = [line for line in lines if line.startswith("data: ")]
-    assert refused.status_code == 503
+    """SIGTERM to the supervisor: new requests get 503 while the in-flight ones finish normally, then
+    the server exits 0.
+
+    The in-flight stream is read on a thread of its own, so the probes never wait behind it; they
+    run until the gateway answers 503 or the stream has ended (then the drain is over and the probe
+    came too late: six sequences of 240 tokens outlast the supervisor's reaction even on a fast
+    machine). Under load the sequences take longer, within the drain budget ``DRAIN_S``."""
+    server.wait_ready(timeout=WORK_TIMEOUT_S)
+    started, rest = threading.Event(), []
+
+    def read_stream():
+        with httpx.Client(base_url=server.base, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 240, "n": 6,
+                                                            "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        rest.append(line)
+                        started.set()
+        started.set()
+
+    reader = threading.Thread(target=read_stream, daemon=True)
+    reader.start()
+    assert started.wait(WORK_TIMEOUT_S) and rest, "the stream never started"
+    server.proc.send_signal(signal.SIGTERM)
+    refused = None
+    while reader.is_alive():  # the gateway's drain begins a moment after the signal (its supervisor relays it)
+        refused = httpx.post(server.base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+        if refused.status_code == 503:
+            break
+        time.sleep(0.05)
+    assert refused is not None and refused.status_code == 503, "the drain never refused a request"
+    reader.join(DRAIN_S + 30)
+    assert not reader.is_alive()
     assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
-    assert server.proc.wait(60) == 0
+    assert server.proc.wait(DRAIN_S + 60) == 0
 
 
 def test_start_server_passes_env_and_raises_with_the_log_when_the_server_dies_before_ready(tmp_path):

@@ -114,7 +114,8 @@ def test_a_target_without_a_matching_shipped_drafter_is_refused_naming_the_flag(
 
 
 def _plan(*flags: str):
-    from services.serve import add_serve_args, plan
+    from services.serve import add_serve_args
+    from services.serve_plan import plan
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
