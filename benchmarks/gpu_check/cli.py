@@ -12,17 +12,19 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_bundle import activate
-from benchmarks.gpu_check import compat, predict
+import benchmarks.gpu_check.compat as compat
+import benchmarks.gpu_check.predict as predict
 from benchmarks.gpu_check.breakdown import METHODS, breakdown, gpu_test_files, run_tests
 from benchmarks.gpu_check.engines import shapes
 from benchmarks.gpu_check.report import env_info, plot, print_table, skipped_parts
 from benchmarks.gpu_check.serve import served_check
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from benchmarks.gpu_check import __doc__ as doc
+DESCRIPTION = "make gpu-check: on a CUDA machine, the gpu-marked tests, the served stack and the round cost, in one go."
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=doc.splitlines()[0])
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=DESCRIPTION)
     p.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.png")
     p.add_argument("--smoke", action="store_true", help="tiny configs on the CPU (minutes; what CI runs)")
     p.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
