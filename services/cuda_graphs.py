@@ -142,43 +142,63 @@ class GraphedStep:
 
 
 class GraphBuckets:
-    """One :class:`GraphedStep` per bucket key, captured on first use, all sharing one memory pool.
+    """One :class:`GraphedStep` per bucket key, all sharing one memory pool.
+
+    Two ways to fill it: ``lazy`` (a key is captured on its first use, up to ``max_graphs``), or
+    up front (``lazy=False``: :meth:`capture` each key at start; a key never captured runs its
+    callable eagerly, uncaptured, and is counted in :attr:`num_eager_overflow`). Capture the widest
+    shapes first: a later capture reuses what the earlier ones freed in the shared pool.
 
     Args:
         make_fn: ``make_fn(key) -> fn`` the callable of a bucket (e.g. the runner's forward with the
-            bucket's static step metadata bound), called once per key.
+            bucket's static step metadata bound), called once per key (and per eager call of a key
+            that is not captured).
         enabled: False (or no CUDA) runs every bucket eagerly through the same interface.
-        warmup: see :class:`GraphedStep`; max_graphs: captures kept at most.
-        overflow: what a new key beyond ``max_graphs`` does: ``"raise"`` (ValueError) or ``"eager"``
-            (its callable runs eagerly, uncaptured, every time: slower, same results).
+        warmup: see :class:`GraphedStep`; max_graphs: lazy captures kept at most.
+        overflow: what a new key beyond ``max_graphs`` does when ``lazy``: ``"raise"`` (ValueError)
+            or ``"eager"`` (its callable runs eagerly, uncaptured, every time: slower, same results).
+        lazy: capture keys on first use (True) or only by :meth:`capture` (False).
     Raises (from :meth:`run`):
         ValueError: a new key beyond ``max_graphs`` with ``overflow="raise"``, or inputs not matching
-            the key's first call.
+            the key's capture.
     """
 
     def __init__(self, make_fn: Callable[[Hashable], Callable[..., Outputs]], enabled: bool = True,
-                 warmup: int = 2, max_graphs: int = 64, overflow: str = "raise"):
+                 warmup: int = 2, max_graphs: int = 64, overflow: str = "raise", lazy: bool = True):
         if overflow not in ("raise", "eager"):
             raise ValueError(f"overflow must be 'raise' or 'eager' (got {overflow!r})")
         self.make_fn, self.warmup, self.max_graphs, self.overflow = make_fn, warmup, max_graphs, overflow
-        self.num_eager_overflow = 0  # calls run eagerly because every graph place was taken
+        self.lazy = lazy
+        self.num_eager_overflow = 0  # calls run eagerly: past every graph place (lazy) or never captured
         self.enabled = enabled and graphs_enabled()
         self.steps: dict[Hashable, GraphedStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
 
-    def run(self, key: Hashable, *inputs: Tensor) -> Outputs:
-        """The bucket ``key``'s step on ``inputs`` (captured from these inputs on the key's first call)."""
+    def capture(self, key: Hashable, *inputs: Tensor) -> GraphedStep:
+        """Capture ``key``'s step from ``inputs`` now (runs it ``warmup + 1`` times on CUDA; off CUDA
+        or disabled it only records the key: its calls run eagerly, uncounted). A key captured
+        already is kept as it is."""
         step = self.steps.get(key)
         if step is None:
+            step = GraphedStep(self.make_fn(key), inputs, self.warmup, self.pool,
+                               enabled=self.enabled and inputs[0].device.type == "cuda")
+            self.steps[key] = step
+        return step
+
+    def run(self, key: Hashable, *inputs: Tensor) -> Outputs:
+        """The bucket ``key``'s step on ``inputs`` (lazy: captured from these inputs on the key's first call)."""
+        step = self.steps.get(key)
+        if step is None:
+            if not self.lazy:
+                self.num_eager_overflow += 1
+                return self.make_fn(key)(*inputs)
             if len(self.steps) >= self.max_graphs:
                 if self.overflow == "eager":
                     self.num_eager_overflow += 1
                     return self.make_fn(key)(*inputs)
                 raise ValueError(f"more than {self.max_graphs} graph buckets requested (key {key!r}); "
                                  "coarsen the buckets")
-            step = GraphedStep(self.make_fn(key), inputs, self.warmup, self.pool,
-                               enabled=self.enabled and inputs[0].device.type == "cuda")
-            self.steps[key] = step
+            step = self.capture(key, *inputs)
         return step(*inputs)
 
     def num_captured(self) -> int:
