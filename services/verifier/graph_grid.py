@@ -88,7 +88,7 @@ class GraphGrid:
         text = (f"{len(self.buckets)} graphs: {rows} x KV lengths {','.join(map(str, self.kv_lengths))} x "
                 f"segments {','.join(map(str, self.segments))} (up to {self.segment_rows} rows a segment)")
         if self.dropped_rows:
-            text += f"; rows {self.dropped_rows[0]}..{self.dropped_rows[-1]} left out (--max-graphs), run eager"
+            text += f"; rows {self.dropped_rows[0]}..{self.dropped_rows[-1]} left out (graph limit), run eager"
         return text
 
 
