@@ -256,7 +256,7 @@ def engine_limits(config: VerifierWorkerConfig, target, drafter: PeerInfo | None
                   compile: bool) -> tuple[int, int | None]:
     """``(max_running, max_context)`` of the engine: ``config.engine``'s on CPU (context None = the
     target's); on CUDA, after both models loaded, the memory plan's (derived or checked, logged:
-    :func:`services.memory_plan.plan_verifier_memory`; CUDA graphs with ``compile``).
+    :func:`services.memory_plan.plan_verifier_memory`; CUDA graphs unless ``engine.cuda_graphs`` is False).
 
     Raises:
         ValueError: the limits do not fit the device (one line naming the flag).
@@ -265,7 +265,7 @@ def engine_limits(config: VerifierWorkerConfig, target, drafter: PeerInfo | None
         return config.engine.max_running, config.engine.max_context or None
     from services.memory_plan import plan_verifier_memory
 
-    mem = plan_verifier_memory(config, target, drafter, graphed=compile,
+    mem = plan_verifier_memory(config, target, drafter, graphed=config.engine.cuda_graphs is not False,
                                transport=getattr(drafter_client, "transport", None))
     return mem.max_running, mem.max_context
 

@@ -371,7 +371,9 @@ class ModelRunner:
             raise RuntimeError("this runner runs unpadded steps (cuda_graphs off): nothing to capture")
         grid = verify_grid(self.cache.num_slots - 1, max_rows, segment_rows, self.kv_bucket, self.cache.capacity,
                            max_graphs)
-        return self.padded.capture(grid, int(self.target.vocab_size), int(self.target.feature_dim), self.target.dtype)
+        info = self.padded.capture(grid, int(self.target.vocab_size), int(self.target.feature_dim), self.target.dtype)
+        self.warm_up_seconds += info["seconds"]
+        return info
 
     @torch.inference_mode()
     def warm_up(self, rows: tuple[int, ...] = (1, 9)) -> float:

@@ -87,3 +87,19 @@ def test_on_cpu_nothing_is_captured_and_graphs_are_off_by_default(target):
     assert padded.graphs.pool is None and len(padded.graphs.steps) == len(padded.padded.grid.buckets) > 0
     assert not any(s.captured for s in padded.graphs.steps.values())
     assert torch.device(target.device).type == "cpu"
+
+
+def test_the_flag_and_the_refusal_off_cuda():
+    """``--no-cuda-graphs`` turns the padded steps off on CUDA; ``--cuda-graphs`` on another device is
+    refused at start with the reason; unset they follow the device (the memory plan's ``graphed``)."""
+    from services.cli import build_parser, command_parser
+    from services.config_cli import config_from_args
+    from services.verifier.config import EngineConfig, VerifierWorkerConfig
+
+    parser = command_parser(build_parser(), "serve")
+    for argv, want in (([], None), (["--no-cuda-graphs"], False), (["--cuda-graphs"], True)):
+        args = parser.parse_args(argv + ["--device", "cuda"])
+        assert config_from_args(VerifierWorkerConfig, args).engine.cuda_graphs is want
+    with pytest.raises(ValueError, match=r"^--cuda-graphs needs a CUDA device \(got --device cpu\)"):
+        VerifierWorkerConfig(device="cpu", engine=EngineConfig(cuda_graphs=True))
+    assert VerifierWorkerConfig(device="cpu", engine=EngineConfig(cuda_graphs=False)).engine.cuda_graphs is False
