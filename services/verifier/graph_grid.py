@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.cuda_graphs import kv_lengths, segment_counts
 from services.tree.batch import StepBucket, grid_bucket, row_bucket
 
 DEFAULT_MAX_GRAPHS = 256  # captures at most (each a few tens of ms at start on a GPU; memory is one shared pool)
@@ -34,30 +35,6 @@ def row_buckets(max_rows: int) -> tuple[int, ...]:
     """Every :func:`~services.tree.batch.row_bucket` up to the one of ``max_rows``: ``(1, 16, 32, ...)``."""
     top = row_bucket(max_rows)
     return (1,) + tuple(range(16, top + 1, 16))
-
-
-def kv_lengths(kv_bucket: int, capacity: int) -> tuple[int, ...]:
-    """The KV lengths a step reads: ``kv_bucket`` times a power of two, the last capped at ``capacity``.
-
-    Raises:
-        ValueError: ``kv_bucket`` or ``capacity`` below 1.
-    """
-    if kv_bucket < 1 or capacity < 1:
-        raise ValueError(f"kv_bucket and capacity must be >= 1 (got {kv_bucket}, {capacity})")
-    out, length = [], kv_bucket
-    while length < capacity:
-        out.append(length)
-        length *= 2
-    return tuple(out) + (capacity,)
-
-
-def segment_counts(max_segments: int) -> tuple[int, ...]:
-    """The segment counts of padded steps: powers of two below ``max_segments``, then ``max_segments``."""
-    out, n = [], 1
-    while n < max_segments:
-        out.append(n)
-        n *= 2
-    return tuple(out) + (max_segments,)
 
 
 @dataclass(frozen=True)

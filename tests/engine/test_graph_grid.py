@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from services.tree.batch import StepBucket, causal_segment, pack_segments, step_bucket
-from services.verifier.graph_grid import kv_lengths, row_buckets, segment_counts, verify_grid
+from services.cuda_graphs import kv_lengths, segment_counts
+from services.verifier.graph_grid import row_buckets, verify_grid
 from services.verifier.runner import ModelRunner
 
 
