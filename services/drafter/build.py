@@ -73,7 +73,9 @@ def build_from_config(config):
     drafter = load_drafter(drafter_dir, dtype=dtype, device=config.device)
     # on CPU the embedding stays a view of the target's file: only the rows drafted from become resident
     embed, head = load_borrowed_weights(target_dir, dtype, mapped=torch.device(config.device).type == "cpu")
-    graphs = {} if config.cuda_graphs is None or drafter.__class__.__name__ == "Eagle3Drafter" \
+    from services.drafter.eagle3 import Eagle3Drafter
+
+    graphs = {} if config.cuda_graphs is None or isinstance(drafter, Eagle3Drafter) \
         else {"cuda_graphs": config.cuda_graphs}  # EAGLE-3: no block forward to capture
     service = build_drafter(drafter, embed.to(config.device), head.to(config.device), description=str(drafter_dir),
                             packed_gemm=config.packed_gemm, compile=config.compile, **graphs)

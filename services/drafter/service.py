@@ -104,6 +104,11 @@ class DrafterService:
             ``packed_gemm`` is on (next to a q4 or bfloat16 target). Drafts change a little
             (τ in the results above), the served output does not (the target decides every token).
         context_chunk: positions by which a request's context buffer grows (see Context storage).
+        cuda_graphs: the block forward through CUDA graphs captured at start for a grid of
+            requests x block rows x context lengths (:mod:`services.drafter.graphed_block`; calls
+            outside it run eagerly); None = on for a CUDA drafter that is not compiled; True off
+            CUDA runs the same padded calls eagerly (the CPU tests). Raises ValueError for a
+            drafter whose scaled RoPE cannot be captured when True.
         catch_up_rows: with ``q4_linears``, a context append of at least this many
             positions (a new request's prompt, the tokens of plain rounds) projects through dense
             bfloat16 copies of the int4 ``fc`` and k/v weights, dequantized
