@@ -4,7 +4,7 @@
 This module is the one place that builds a drafter for the verifier's process: the verifier package
 never imports the drafter package (nor the other way round). The supervisor binds
 :func:`inproc_drafter` to the drafter's config and hands it to
-:func:`services.verifier.worker.run_verifier_process`, which calls it with its epoch. Importing this
+:func:`services.verifier.process.run_verifier_process`, which calls it with its epoch. Importing this
 module imports no torch.
 """
 

@@ -131,6 +131,9 @@ FIELD_HELP = {"drafter": "drafter checkpoint: a local directory or a hub id, org
                          "warm-up at start: about a minute the first time on a small CPU, seconds once its kernels "
                          "are cached); unset (auto): the target's steps only, for a q4 llama target on CPU; "
                          "--no-compile: eager steps",
+              "cuda_graphs": "on a CUDA device, capture the verify step's CUDA graphs at start (a grid of rows x KV "
+                             "lengths; steps past it run eagerly) and replay them; unset (auto): on for a CUDA "
+                             "device; --no-cuda-graphs: eager steps",
               "packed_gemm": "on a float32 CPU, pre-pack the GEMM weights for the rows of a round (same numerics, "
                              "faster rounds; more RAM)",
               "cuda_ipc": "share feature tensors between the workers through a CUDA-IPC pool (CUDA devices only)",

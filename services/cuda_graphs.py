@@ -29,8 +29,9 @@ target): a step is keyed by its :class:`~services.tree.batch.StepBucket` (segmen
 rows, KV length, logit rows; row counts by :func:`~services.tree.batch.row_bucket`), its :class:`~services.tree.batch.PackedRows` padded to
 the key (:func:`~services.tree.batch.pad_packed`: padding rows write to a scratch slot), the key's
 callable runs the target's eager forward with the padded step metadata as tensor inputs, and the
-runner slices the real rows out of the static outputs. The drafter block (fixed ``block_size``
-rows, context length bucketed) could be keyed the same way; it is not captured yet.
+runner slices the real rows out of the static outputs (a grid of buckets captured at start:
+:mod:`services.verifier.graph_grid`). The drafter's block forward is captured the same way, keyed by
+batch, block rows and context length (:mod:`services.drafter.graphed_block`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,30 @@ def pick_bucket(n: int, buckets: Sequence[int]) -> int:
     return min(fit)
 
 
+def kv_lengths(kv_bucket: int, capacity: int) -> tuple[int, ...]:
+    """The KV lengths a step reads: ``kv_bucket`` times a power of two, the last capped at ``capacity``.
+
+    Raises:
+        ValueError: ``kv_bucket`` or ``capacity`` below 1.
+    """
+    if kv_bucket < 1 or capacity < 1:
+        raise ValueError(f"kv_bucket and capacity must be >= 1 (got {kv_bucket}, {capacity})")
+    out, length = [], kv_bucket
+    while length < capacity:
+        out.append(length)
+        length *= 2
+    return tuple(out) + (capacity,)
+
+
+def segment_counts(max_segments: int) -> tuple[int, ...]:
+    """The segment counts of padded steps: powers of two below ``max_segments``, then ``max_segments``."""
+    out, n = [], 1
+    while n < max_segments:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (max_segments,)
+
+
 def _sig(t: Tensor) -> tuple:
     return tuple(t.shape), t.dtype, t.device
 
@@ -78,6 +103,9 @@ class GraphedStep:
         pool: a memory pool shared with other graphs of the same runner
             (``torch.cuda.graph_pool_handle()``); graphs sharing a pool must be replayed one at a time.
         enabled: False forces eager calls (also the case off CUDA).
+        share_inputs: the example inputs ARE the static inputs (no copies kept): the caller writes
+            each call's values into them (views of buffers shared by several graphs) and calls with
+            the same tensors.
     Attributes:
         captured: True when calls replay a graph, False when they run ``fn`` eagerly.
     Raises:
@@ -87,7 +115,7 @@ class GraphedStep:
     """
 
     def __init__(self, fn: Callable[..., Outputs], example_inputs: Sequence[Tensor], warmup: int = 2,
-                 pool=None, enabled: bool = True):
+                 pool=None, enabled: bool = True, share_inputs: bool = False):
         if not example_inputs:
             raise ValueError("GraphedStep needs at least one example input tensor")
         devices = {t.device for t in example_inputs}
@@ -99,7 +127,7 @@ class GraphedStep:
         self.captured = enabled and self.device.type == "cuda" and graphs_enabled()
         self.graph: torch.cuda.CUDAGraph | None = None
         if self.captured:
-            self.static_inputs = [t.detach().clone() for t in example_inputs]
+            self.static_inputs = [t if share_inputs else t.detach().clone() for t in example_inputs]
             self._capture(warmup, pool)
 
     def _capture(self, warmup: int, pool) -> None:
@@ -142,43 +170,65 @@ class GraphedStep:
 
 
 class GraphBuckets:
-    """One :class:`GraphedStep` per bucket key, captured on first use, all sharing one memory pool.
+    """One :class:`GraphedStep` per bucket key, all sharing one memory pool.
+
+    Two ways to fill it: ``lazy`` (a key is captured on its first use, up to ``max_graphs``), or
+    up front (``lazy=False``: :meth:`capture` each key at start; a key never captured runs its
+    callable eagerly, uncaptured, and is counted in :attr:`num_eager_overflow`). Capture the widest
+    shapes first: a later capture reuses what the earlier ones freed in the shared pool.
 
     Args:
         make_fn: ``make_fn(key) -> fn`` the callable of a bucket (e.g. the runner's forward with the
-            bucket's static step metadata bound), called once per key.
+            bucket's static step metadata bound), called once per key (and per eager call of a key
+            that is not captured).
         enabled: False (or no CUDA) runs every bucket eagerly through the same interface.
-        warmup: see :class:`GraphedStep`; max_graphs: captures kept at most.
-        overflow: what a new key beyond ``max_graphs`` does: ``"raise"`` (ValueError) or ``"eager"``
-            (its callable runs eagerly, uncaptured, every time: slower, same results).
+        warmup: see :class:`GraphedStep`; max_graphs: lazy captures kept at most.
+        overflow: what a new key beyond ``max_graphs`` does when ``lazy``: ``"raise"`` (ValueError)
+            or ``"eager"`` (its callable runs eagerly, uncaptured, every time: slower, same results).
+        lazy: capture keys on first use (True) or only by :meth:`capture` (False).
+        share_inputs: see :class:`GraphedStep` (every key's inputs are views the caller fills).
     Raises (from :meth:`run`):
         ValueError: a new key beyond ``max_graphs`` with ``overflow="raise"``, or inputs not matching
-            the key's first call.
+            the key's capture.
     """
 
     def __init__(self, make_fn: Callable[[Hashable], Callable[..., Outputs]], enabled: bool = True,
-                 warmup: int = 2, max_graphs: int = 64, overflow: str = "raise"):
+                 warmup: int = 2, max_graphs: int = 64, overflow: str = "raise", lazy: bool = True,
+                 share_inputs: bool = False):
         if overflow not in ("raise", "eager"):
             raise ValueError(f"overflow must be 'raise' or 'eager' (got {overflow!r})")
         self.make_fn, self.warmup, self.max_graphs, self.overflow = make_fn, warmup, max_graphs, overflow
-        self.num_eager_overflow = 0  # calls run eagerly because every graph place was taken
+        self.lazy, self.share_inputs = lazy, share_inputs
+        self.num_eager_overflow = 0  # calls run eagerly: past every graph place (lazy) or never captured
         self.enabled = enabled and graphs_enabled()
         self.steps: dict[Hashable, GraphedStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
 
-    def run(self, key: Hashable, *inputs: Tensor) -> Outputs:
-        """The bucket ``key``'s step on ``inputs`` (captured from these inputs on the key's first call)."""
+    def capture(self, key: Hashable, *inputs: Tensor) -> GraphedStep:
+        """Capture ``key``'s step from ``inputs`` now (runs it ``warmup + 1`` times on CUDA; off CUDA
+        or disabled it only records the key: its calls run eagerly, uncounted). A key captured
+        already is kept as it is."""
         step = self.steps.get(key)
         if step is None:
+            step = GraphedStep(self.make_fn(key), inputs, self.warmup, self.pool,
+                               enabled=self.enabled and inputs[0].device.type == "cuda", share_inputs=self.share_inputs)
+            self.steps[key] = step
+        return step
+
+    def run(self, key: Hashable, *inputs: Tensor) -> Outputs:
+        """The bucket ``key``'s step on ``inputs`` (lazy: captured from these inputs on the key's first call)."""
+        step = self.steps.get(key)
+        if step is None:
+            if not self.lazy:
+                self.num_eager_overflow += 1
+                return self.make_fn(key)(*inputs)
             if len(self.steps) >= self.max_graphs:
                 if self.overflow == "eager":
                     self.num_eager_overflow += 1
                     return self.make_fn(key)(*inputs)
                 raise ValueError(f"more than {self.max_graphs} graph buckets requested (key {key!r}); "
                                  "coarsen the buckets")
-            step = GraphedStep(self.make_fn(key), inputs, self.warmup, self.pool,
-                               enabled=self.enabled and inputs[0].device.type == "cuda")
-            self.steps[key] = step
+            step = self.capture(key, *inputs)
         return step(*inputs)
 
     def num_captured(self) -> int:

@@ -30,6 +30,7 @@ import gateway.app  # noqa: F401
 import services.colocated  # noqa: F401
 import services.drafter.worker  # noqa: F401
 import services.startup  # noqa: F401
+import services.verifier.process  # noqa: F401
 import services.verifier.worker  # noqa: F401
 
 

@@ -15,8 +15,14 @@ contexts and anything else already on the device are counted as used. As vLLM's
       drafter  = C x drafter bytes a position     the drafter's context buffer (every drafter layer's
                                                   K/V) and its share of the batch scratch, as the
                                                   drafter reports it at handshake (PeerInfo.context_bytes)
+      gathers  = 2 x (C + segment room) x 2 x kv_heads x head_dim x bytes(activations)
+                                                  padded steps only: one layer's K/V of every segment,
+                                                  gathered per layer, in the graph pool and in an
+                                                  eager step past the grid
     fixed      = step activations (the CUDA graph pool: the widest step's logits in the model dtype
                  and float32, its hidden / MLP activations and features, its attention mask)
+               + with padded steps (CUDA graphs): the same again for steps run eagerly past the
+                 captured grid (the graph pool's memory is not theirs to use)
                + IPC slots (each process's CUDA-IPC send ring) + the prefix cache's bound
     slots      = max_running (+ 1 scratch slot that padded CUDA-graph steps write to)
 
@@ -125,6 +131,8 @@ class MemoryNeeds:
         step_rows: rows of the widest step (``--max-step-tokens``).
         ipc_bytes: the CUDA-IPC send rings of both processes (0 without them).
         prefix_cache_bytes: the prefix cache's bound beyond the KV slots (``--prefix-cache-mib``).
+        padded_steps: steps run padded through CUDA graphs (the graph pool's K/V gathers per slot,
+            and the activations of eager steps past the captured grid besides the pool).
     """
 
     target: TargetShape
@@ -136,18 +144,22 @@ class MemoryNeeds:
     step_rows: int = 512
     ipc_bytes: int = 0
     prefix_cache_bytes: int = 0
+    padded_steps: bool = False
 
     def per_slot(self, context: int) -> dict[str, int]:
         """Bytes of one request slot at a context of ``context`` tokens, by part."""
-        return {"KV cache": (context + self.segment_room) * self.target.kv_bytes_per_position(self.act_bytes),
-                "feature history": context * self.feature_dim * self.act_bytes,
-                "drafter contexts": context * self.drafter_bytes_per_position}
+        kv = (context + self.segment_room) * self.target.kv_bytes_per_position(self.act_bytes)
+        return {"KV cache": kv, "feature history": context * self.feature_dim * self.act_bytes,
+                "drafter contexts": context * self.drafter_bytes_per_position,
+                "padded-step K/V gathers": 2 * kv // self.target.layers if self.padded_steps else 0}
 
     def fixed(self, context: int) -> dict[str, int]:
         """Bytes that do not grow with the slots, by part (the attention mask grows with ``context``)."""
         t, a, rows = self.target, self.act_bytes, self.step_rows
         per_row = t.vocab * (a + LOGIT_BYTES) + a * (4 * t.hidden + 3 * t.intermediate + self.feature_dim)
-        return {"step activations (CUDA graph pool)": rows * per_row + rows * (context + self.segment_room),
+        step = rows * per_row + rows * (context + self.segment_room)
+        return {"step activations (CUDA graph pool)": step,
+                "eager steps past the graph grid": step if self.padded_steps else 0,
                 "IPC slots": self.ipc_bytes, "prefix cache": self.prefix_cache_bytes}
 
     def slot_bytes(self, context: int) -> int:
@@ -325,7 +337,8 @@ def plan_verifier_memory(config, target, drafter, graphed: bool, transport=None,
         target: the loaded :class:`~services.verifier.target.TargetModel` (``config``, ``dtype``,
             ``feature_dim``, ``max_context``, ``device``).
         drafter: the drafter's :class:`~services.protocol.PeerInfo` (``context_bytes``), None without one.
-        graphed: steps run through CUDA graphs (one more KV slot, the padded steps' scratch).
+        graphed: steps run through CUDA graphs (one more KV slot, the padded steps' scratch, and
+            :class:`MemoryNeeds`' ``padded_steps`` parts).
         transport: the drafter link's tensor transport; a CUDA-IPC one holds two rings of
             ``num_slots x slot_bytes`` (this side's and the drafter's, both allocated already).
         probe: ``device -> (free, total)`` (None: :func:`device_memory`).
@@ -342,7 +355,8 @@ def plan_verifier_memory(config, target, drafter, graphed: bool, transport=None,
     needs = MemoryNeeds(shape, target.dtype.itemsize, target.feature_dim if drafter is not None else 0,
                         int(getattr(drafter, "context_bytes", 0) or 0), segment_room(config.engine.prefill_chunk),
                         extra_slots=int(bool(graphed)), step_rows=config.engine.max_step_tokens, ipc_bytes=ipc,
-                        prefix_cache_bytes=config.prefix_cache_mib * 2**20 if config.engine.prefix_cache else 0)
+                        prefix_cache_bytes=config.prefix_cache_mib * 2**20 if config.engine.prefix_cache else 0,
+                        padded_steps=bool(graphed))
     free, total = (probe or device_memory)(str(target.device))
     plan = plan_memory(needs, free + ipc, total, config.gpu_memory_utilization, config.engine.max_running,
                        config.engine.max_context or None)
@@ -400,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     needs = MemoryNeeds(target, 2, a.taps * target.hidden if a.drafter_layers else 0,
                         drafter_bytes(target, a.drafter_layers),
                         segment_room(256), extra_slots=1, step_rows=512,
-                        ipc_bytes=2 * 16 * (8 << 20) if a.drafter_layers else 0, prefix_cache_bytes=256 * 2**20)
+                        ipc_bytes=2 * 16 * (8 << 20) if a.drafter_layers else 0, prefix_cache_bytes=256 * 2**20,
+                        padded_steps=True)
     try:
         plan = plan_memory(needs, offline_free(total, target, a.drafter_layers, a.taps), total,
                            a.gpu_memory_utilization, a.max_running, a.max_context)

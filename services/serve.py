@@ -57,7 +57,7 @@ from services.config_cli import add_config_args, config_from_args
 from services.runtime import DRAIN_SIGNAL, STOP_NOW_SIGNAL, error_line, worker_context
 from services.serve_plan import SupervisorConfig, plan
 from services.verifier.config import VerifierWorkerConfig
-from services.verifier.worker import RESTART_AFTER_COMPILE_EXIT
+from services.verifier.process import RESTART_AFTER_COMPILE_EXIT
 
 log = logging.getLogger("dartree.serve")
 
@@ -91,7 +91,7 @@ def gateway_main(args: argparse.Namespace) -> int:
 
 
 def verifier_main(args: argparse.Namespace) -> int:
-    from services.verifier.worker import run_verifier_process
+    from services.verifier.process import run_verifier_process
 
     run_verifier_process(config_from_args(VerifierWorkerConfig, args))
     return 0
@@ -117,7 +117,7 @@ def _gateway_entry(config: GatewayConfig, parent_pid: int) -> None:
 
 
 def _verifier_entry(config: VerifierWorkerConfig, parent_pid: int) -> None:
-    from services.verifier.worker import run_verifier_process
+    from services.verifier.process import run_verifier_process
 
     os.setpgrp()
     run_verifier_process(config, parent_pid)
@@ -128,7 +128,7 @@ def _verifier_drafter_entry(configs: tuple[VerifierWorkerConfig, DrafterWorkerCo
     import functools
 
     from services.colocated import inproc_drafter
-    from services.verifier.worker import run_verifier_process
+    from services.verifier.process import run_verifier_process
 
     os.setpgrp()
     run_verifier_process(configs[0], parent_pid, drafter=functools.partial(inproc_drafter, configs[1]))

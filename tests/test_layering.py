@@ -55,7 +55,7 @@ def test_gateway_imports_no_torch():
 @pytest.mark.parametrize("module", ["services.protocol", "services.wire", "services.metrics", "services.ipc_pool",
                                     "services.runtime", "services.spec", "services.config_cli",
                                     "services.serve", "services.serve_plan", "services.transport_config",
-                                    "services.verifier.worker", "services.drafter.worker",
+                                    "services.verifier.worker", "services.verifier.process", "services.drafter.worker",
                                     "services.verifier.remote_drafter", "services.colocated",
                                     "services.verifier.config", "services.weight_formats"])
 def test_service_plumbing_is_torch_free_at_import(module):

@@ -48,6 +48,8 @@ def build_drafter(drafter, embed: torch.nn.Module, lm_head: torch.nn.Module, dty
     if warm_up and getattr(service, "compiled", False):
         log.info("compiling the drafter's block forward (torch.compile) ...")
         log.info("compiled drafter block ready in %.1f s", service.warm_up())
+    if warm_up and getattr(service, "graphed", None) is not None:  # CUDA graphs of the block, at start
+        service.warm_up_seconds += service.graphed.capture()["seconds"]
     return service
 
 
@@ -71,8 +73,12 @@ def build_from_config(config):
     drafter = load_drafter(drafter_dir, dtype=dtype, device=config.device)
     # on CPU the embedding stays a view of the target's file: only the rows drafted from become resident
     embed, head = load_borrowed_weights(target_dir, dtype, mapped=torch.device(config.device).type == "cpu")
+    from services.drafter.eagle3 import Eagle3Drafter
+
+    graphs = {} if config.cuda_graphs is None or isinstance(drafter, Eagle3Drafter) \
+        else {"cuda_graphs": config.cuda_graphs}  # EAGLE-3: no block forward to capture
     service = build_drafter(drafter, embed.to(config.device), head.to(config.device), description=str(drafter_dir),
-                            packed_gemm=config.packed_gemm, compile=config.compile)
+                            packed_gemm=config.packed_gemm, compile=config.compile, **graphs)
     return service, target_dir
 
 

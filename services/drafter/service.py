@@ -104,6 +104,11 @@ class DrafterService:
             ``packed_gemm`` is on (next to a q4 or bfloat16 target). Drafts change a little
             (τ in the results above), the served output does not (the target decides every token).
         context_chunk: positions by which a request's context buffer grows (see Context storage).
+        cuda_graphs: the block forward through CUDA graphs captured at start for a grid of
+            requests x block rows x context lengths (:mod:`services.drafter.graphed_block`; calls
+            outside it run eagerly); None = on for a CUDA drafter that is not compiled; True off
+            CUDA runs the same padded calls eagerly (the CPU tests). Raises ValueError for a
+            drafter whose scaled RoPE cannot be captured when True.
         catch_up_rows: with ``q4_linears``, a context append of at least this many
             positions (a new request's prompt, the tokens of plain rounds) projects through dense
             bfloat16 copies of the int4 ``fc`` and k/v weights, dequantized
@@ -132,7 +137,8 @@ class DrafterService:
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
                  description: str = "", packed_gemm: bool = True, compile: bool = False,
                  block_rows: int | None = None, spare_rows: int | None = 1, q4_linears: bool | None = None,
-                 context_chunk: int = 256, catch_up_rows: int | None = CATCH_UP_DENSE_ROWS):
+                 context_chunk: int = 256, catch_up_rows: int | None = CATCH_UP_DENSE_ROWS,
+                 cuda_graphs: bool | None = None):
         block_rows = drafter.config.block_size if block_rows is None else int(block_rows)
         if not 2 <= block_rows <= drafter.config.block_size:
             raise ValueError(f"block_rows must be in [2, {drafter.config.block_size}] (got {block_rows})")
@@ -184,6 +190,9 @@ class DrafterService:
         self.warm_up_seconds = 0.0
         self._block_forward = (torch.compile(drafter.block_forward, dynamic=True) if compile
                                else drafter.block_forward)
+        from services.drafter.graphed_block import graphed_block_for
+
+        self.graphed = graphed_block_for(self, cuda_graphs)  # None: eager blocks
 
     @staticmethod
     def _dense_catch_up(drafter: DFlashDrafter, min_rows: int) -> None:
@@ -350,8 +359,11 @@ class DrafterService:
         q = self.rows_for(logit_rows)
         ids = torch.tensor([root_token] + [c.mask_token_id] * (q - 1), device=self.device)
         pos = torch.arange(start, start + q, device=self.device)
-        ctx = self._layer_kv(self._ctx[request_id][:, :, None, :, :self._ctx_len[request_id]])
-        h = self._block_forward(self.embed(ids).to(self.dtype)[None], pos, ctx)[0]
+        emb, buf, length = self.embed(ids).to(self.dtype)[None], self._ctx[request_id], self._ctx_len[request_id]
+        h = self.graphed(emb, pos[None], [buf], [length]) if self.graphed is not None else None
+        if h is None:  # eager (no graphs, or outside their grid)
+            h = self._block_forward(emb, pos, self._layer_kv(buf[:, :, None, :, :length]))
+        h = h[0]
         hd = h if c.shift_label else h[1:]
         return hd, self.lm_head(hd[:logit_rows].to(self.lm_head.weight.dtype)).float()
 
@@ -370,14 +382,16 @@ class DrafterService:
         c = self.cfg
         n, q = len(jobs), self.rows_for(logit_rows)
         lens = [self._ctx_len.get(rid, 0) for rid, *_ in jobs]
-        cmax = max(lens)
-        ctx = self._batch_kv([self._ctx.get(rid) for rid, *_ in jobs], lens)
-        dev = self.device
-        mask = (torch.arange(cmax, device=dev)[None, None, :]
-                < torch.tensor(lens, device=dev)[:, None, None]).expand(n, q, cmax)
+        cmax, dev = max(lens), self.device
         ids = torch.tensor([[root] + [c.mask_token_id] * (q - 1) for _, root, _ in jobs], device=dev)
         pos = torch.stack([torch.arange(start, start + q, device=dev) for _, _, start in jobs])
-        h = self._block_forward(self.embed(ids).to(self.dtype), pos, ctx, mask)  # [n, Q, H]
+        emb, bufs = self.embed(ids).to(self.dtype), [self._ctx.get(rid) for rid, *_ in jobs]
+        h = self.graphed(emb, pos, bufs, lens) if self.graphed is not None else None  # [n, Q, H]
+        if h is None:  # eager (no graphs, or outside their grid)
+            ctx = self._batch_kv(bufs, lens)
+            mask = (torch.arange(cmax, device=dev)[None, None, :]
+                    < torch.tensor(lens, device=dev)[:, None, None]).expand(n, q, cmax)
+            h = self._block_forward(emb, pos, ctx, mask)
         hd = h if c.shift_label else h[:, 1:]
         logits = self.lm_head(hd[:, :logit_rows].to(self.lm_head.weight.dtype)).float()
         return [(hd[i], logits[i]) for i in range(n)]

@@ -73,6 +73,9 @@ class DrafterWorkerConfig:
         compile: the drafter's block forward through ``torch.compile`` (warm-up at start, logged;
             :class:`services.drafter.service.DrafterService`); ``dartree serve --compile`` sets it
             together with the verifier's.
+        cuda_graphs: the drafter's block forward through CUDA graphs captured at start
+            (:mod:`services.drafter.graphed_block`; calls outside their grid run eagerly). None (auto):
+            on for a CUDA device unless ``compile``; True on another device is refused at start.
         drafter_threads: the drafter's intra-op CPU threads. In a drafter process (0 = auto: 1 on
             a machine with at most 2 cores, else half of them; the verifier shares the cores and its
             own threads keep spinning for a while after each step; see :func:`drafter_threads`).
@@ -93,12 +96,16 @@ class DrafterWorkerConfig:
     log_level: str = "INFO"
     compile: bool = False
     drafter_threads: int = 0
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         # the CLI's --compile is unset (None, "auto") by default: auto leaves the drafter eager
         object.__setattr__(self, "compile", bool(self.compile))
         check_dtype(self.dtype)
         check_device(self.device)
+        if self.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"--cuda-graphs needs a CUDA device (got --device {self.device}); "
+                             "leave it unset or pass --no-cuda-graphs")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
         if not 0 <= self.drafter_threads <= 1024:

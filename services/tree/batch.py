@@ -217,24 +217,30 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-ROW_STEP = 16  # row counts past this are bucketed to its multiples (below it: powers of two)
+ROW_STEP = 16  # row counts past one are bucketed to its multiples
 
 
 def row_bucket(n: int) -> int:
-    """The row count a step's ``n`` rows are padded to: the next power of two up to
-    :data:`ROW_STEP`, then the next multiple of it (1, 2, 4, 8, 16, 32, 48, 64, 80, ...): a 65-row
-    verify (a B = 64 tree and its root) runs 80 rows, not 128, and a GPU's cost per row count is
-    flat over such a step (memory bound), while a few dozen buckets cover every tree budget."""
+    """The row count a step's ``n`` rows are padded to: 1 for one row (a plain decoding step), else
+    the next multiple of :data:`ROW_STEP` (1, 16, 32, 48, 64, 80, ...): a 65-row verify (a B = 64
+    tree and its root) runs 80 rows, not 128; a GPU's cost per row count is flat over such a step
+    (memory bound), and a few dozen buckets cover every tree budget."""
     n = max(1, int(n))
-    return _pow2_at_least(n) if n <= ROW_STEP else -(-n // ROW_STEP) * ROW_STEP
+    return 1 if n == 1 else -(-n // ROW_STEP) * ROW_STEP
 
 
-def step_bucket(p: PackedRows, logit_rows: int, max_segments: int, kv_bucket: int, kv_capacity: int) -> StepBucket:
+def step_bucket(p: PackedRows, logit_rows: int, max_segments: int, kv_bucket: int, kv_capacity: int,
+                segment_rows: int | None = None) -> StepBucket:
     """The bucket a step is padded to: the segment count rounded up to a power of two, rows per
     segment, flattened rows and logit rows to :func:`row_bucket`, the KV length to ``kv_bucket``
     times a power of two (all capped: segments at ``max_segments``, flattened rows at ``n' * Rm'``,
     logit rows at ``R'``, KV length at ``kv_capacity``). This keeps the graphs a server captures to
     a few dozen (vLLM / SGLang pad their decode batches the same way).
+
+    ``segment_rows`` (the CUDA-graph grid's shapes, :mod:`services.verifier.graph_grid`): the rows
+    per segment and the logit rows follow from the flattened rows instead, so that a bucket is fixed
+    by its segments, rows and KV length: ``Rm' = R'`` for one segment, else ``min(R', segment_rows)``
+    (or the widest segment's bucket when wider), and ``K' = R'``.
 
     Raises:
         ValueError: ``p`` has more segments than ``max_segments`` or a KV length past ``kv_capacity``.
@@ -245,11 +251,23 @@ def step_bucket(p: PackedRows, logit_rows: int, max_segments: int, kv_bucket: in
     if p.kv_length > kv_capacity:
         raise ValueError(f"a step reads {p.kv_length} KV columns, the cache holds {kv_capacity}")
     segs = min(_pow2_at_least(n), max_segments)
+    length = min(kv_bucket * _pow2_at_least(-(-p.kv_length // kv_bucket)), kv_capacity)
+    if segment_rows is not None:
+        return grid_bucket(segs, row_bucket(p.input_ids.numel()), length, segment_rows, rm)
     per_seg = row_bucket(rm)
     rows = min(row_bucket(p.input_ids.numel()), segs * per_seg)
     keep = min(row_bucket(logit_rows), rows)
-    length = min(kv_bucket * _pow2_at_least(-(-p.kv_length // kv_bucket)), kv_capacity)
     return StepBucket(segs, per_seg, rows, length, keep)
+
+
+def grid_bucket(segments: int, rows: int, kv_length: int, segment_rows: int, widest: int = 1) -> StepBucket:
+    """The bucket of ``segments`` segments, ``rows`` flattened rows (a :func:`row_bucket`) and
+    ``kv_length`` columns when buckets follow ``segment_rows`` (:func:`step_bucket`): rows per
+    segment ``rows`` for one segment, else ``min(rows, segment_rows)``, widened to the ``widest``
+    segment's bucket and to what holds ``rows`` in ``segments`` segments; logit rows ``rows``."""
+    per_seg = rows if segments == 1 else max(min(rows, segment_rows), row_bucket(widest),
+                                             row_bucket(-(-rows // segments)))
+    return StepBucket(segments, per_seg, rows, kv_length, rows)
 
 
 def pad_packed(p: PackedRows, bucket: StepBucket, scratch_slot: int) -> PackedRows:

@@ -124,7 +124,9 @@ def build_engine(target, drafter, config: EngineConfig = EngineConfig(), *, max_
 
     Args:
         config: the engine's limits (``compile``: the runner's steps are warmed up here, rows 1 and
-            the default tree's B + 1; None = :func:`~services.verifier.runner.auto_compile` of ``target``).
+            the default tree's B + 1; None = :func:`~services.verifier.runner.auto_compile` of ``target``;
+            a runner with ``cuda_graphs``, the default on CUDA, captures its grid here instead:
+            :func:`capture_graphs`).
         max_draft_depth, drafter_max_position: the drafter's limits (see :class:`SpecEngine`).
         policy: ``"fixed"`` or ``"goodput"``; defaults, schedule, max_budget: its knob resolution
             (:class:`services.verifier.policy.FixedPolicy`, :class:`~services.verifier.policy.GoodputPolicy`);
@@ -142,7 +144,9 @@ def build_engine(target, drafter, config: EngineConfig = EngineConfig(), *, max_
     if packed_gemm:
         target.pack_for_steps(*pack_rule(defaults.budget, max_draft_depth, config.max_running, drafter is not None),
                               lazy=True)
-    if config.compile:
+    if runner.graphed:
+        capture_graphs(runner, config, (max_budget or defaults.budget) + 1 if drafter is not None else 1)
+    elif config.compile:
         _warm_up(runner, (1, defaults.budget + 1 if drafter is not None else 2))
     if cost_key is None:
         cost_key = (getattr(target, "name", "model"), str(getattr(target, "weights", "float32")), str(target.device))
@@ -151,6 +155,18 @@ def build_engine(target, drafter, config: EngineConfig = EngineConfig(), *, max_
     log.info("speculation policy: %s", spec_policy.name)
     return SpecEngine(target, drafter, config, max_draft_depth=max_draft_depth,
                       drafter_max_position=drafter_max_position, policy=spec_policy, runner=runner)
+
+
+def capture_graphs(runner: ModelRunner, config: EngineConfig, segment_rows: int) -> dict:
+    """Capture ``runner``'s verify-step grid at start (:meth:`ModelRunner.capture_graphs`): a request
+    verifies at most ``segment_rows`` rows (B + 1; 1 without a drafter), a step at most
+    ``max_running x segment_rows`` rows bounded by ``config.max_step_tokens``. Logged with its memory."""
+    max_rows = min(config.max_step_tokens, config.max_running * segment_rows)
+    info = runner.capture_graphs(max_rows, segment_rows)
+    from services.weights import release_freed_memory
+
+    release_freed_memory()
+    return info
 
 
 def _warm_up(runner: ModelRunner, rows: tuple[int, ...]) -> None:
@@ -240,7 +256,7 @@ def engine_limits(config: VerifierWorkerConfig, target, drafter: PeerInfo | None
                   compile: bool) -> tuple[int, int | None]:
     """``(max_running, max_context)`` of the engine: ``config.engine``'s on CPU (context None = the
     target's); on CUDA, after both models loaded, the memory plan's (derived or checked, logged:
-    :func:`services.memory_plan.plan_verifier_memory`; CUDA graphs with ``compile``).
+    :func:`services.memory_plan.plan_verifier_memory`; CUDA graphs unless ``engine.cuda_graphs`` is False).
 
     Raises:
         ValueError: the limits do not fit the device (one line naming the flag).
@@ -249,7 +265,7 @@ def engine_limits(config: VerifierWorkerConfig, target, drafter: PeerInfo | None
         return config.engine.max_running, config.engine.max_context or None
     from services.memory_plan import plan_verifier_memory
 
-    mem = plan_verifier_memory(config, target, drafter, graphed=compile,
+    mem = plan_verifier_memory(config, target, drafter, graphed=config.engine.cuda_graphs is not False,
                                transport=getattr(drafter_client, "transport", None))
     return mem.max_running, mem.max_context
 

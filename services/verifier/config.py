@@ -9,7 +9,7 @@ the sub-object: each of its fields is a flag of its own (``--max-running``, not
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from services.memory_plan import DEFAULT_MAX_RUNNING
 from services.protocol import METHODS
@@ -44,9 +44,13 @@ class EngineConfig:
             state directory is warm; on a CUDA target: CUDA graphs of padded steps). None (auto):
             compiled for a q4 llama target on CPU (:func:`services.verifier.runner.auto_compile`,
             resolved when the engine is built), eager otherwise.
-        cuda_graphs: pad every step to a bucket and run it through CUDA graphs (:class:`ModelRunner`'s
-            ``cuda_graphs``; None = on with ``compile`` on CUDA; True off CUDA runs the padded steps
-            eagerly, the CPU test of the padding). Not a command-line setting.
+        cuda_graphs: on a CUDA target, pad every verify step to a bucket and replay the CUDA graphs
+            captured at start for a grid of rows x KV lengths (:class:`ModelRunner`'s ``cuda_graphs``;
+            :mod:`services.verifier.graph_grid`; steps past the grid run eagerly and are counted in
+            ``dartree_graph_eager_steps_total``). None (auto) = on for a CUDA device; False
+            (``--no-cuda-graphs``): eager unpadded steps; True on another device is refused at start
+            in the verifier process (engines built directly run the padded steps eagerly there, the
+            CPU test of the padding).
         prefix_cache: a finished request's KV slot keeps its conversation (KV and target features);
             a request whose prompt starts with it prefills only the rest (chat turns resend the whole
             conversation): it takes the free slot sharing the longest prefix with its prompt, or copies
@@ -61,7 +65,7 @@ class EngineConfig:
     kv_bucket: int = 64
     overlap: bool = False
     compile: bool | None = False
-    cuda_graphs: bool | None = field(default=None, metadata={"flag": False})
+    cuda_graphs: bool | None = None
     prefix_cache: bool = True
 
     def __post_init__(self) -> None:
@@ -171,6 +175,9 @@ class VerifierWorkerConfig:
     gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
+        if self.engine.cuda_graphs and not self.device.startswith("cuda"):
+            raise ValueError(f"--cuda-graphs needs a CUDA device (got --device {self.device}); "
+                             "leave it unset or pass --no-cuda-graphs")
         if self.engine.max_running is None and not self.device.startswith("cuda"):  # CUDA: the memory plan sets it
             object.__setattr__(self, "engine", replace(self.engine, max_running=DEFAULT_MAX_RUNNING))
         if self.max_waiting < 0:

@@ -74,12 +74,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services import hf_compat
-from services.cuda_graphs import GraphBuckets, graphs_enabled
-from services.tree.batch import (PackedRows, Segment, StepBucket, causal_segment, pack_segments, pad_packed,
-                                 padded_step_mask, padded_tree_rows, step_bucket)
+from services.tree.batch import PackedRows, Segment, causal_segment, pack_segments
 from services.verifier.attention import additive_mask, attend, use_grouped
 from services.verifier import native
+from services.verifier.graph_grid import DEFAULT_MAX_GRAPHS, verify_grid
 from services.verifier.kv_cache import SlotKVCache
+from services.verifier.padded_step import PaddedSteps
 from services.verifier.lean_step import LeanLlamaStep, lean_step_enabled
 from services.verifier.tree_attention import segment_parts, tree_attention_on, tree_verify_attention
 
@@ -269,17 +269,18 @@ class ModelRunner:
             the opaque slot-attention op), and one more when only some rows need logits. Call
             :meth:`warm_up` at start (tens of seconds on a 2-core CPU; inductor caches its kernels on
             disk, so later starts are faster). The reference paths of :class:`TargetModel` stay eager.
-            On a CUDA target ``compile`` means CUDA graphs instead (``cuda_graphs`` below).
+            On a CUDA target with ``cuda_graphs`` (the default there) ``compile`` adds nothing.
         cuda_graphs: run every step *padded to a bucket* (:func:`~services.tree.batch.step_bucket`:
             segments and KV length rounded up to powers of two, row counts by
-            :func:`~services.tree.batch.row_bucket`: 1, 2, 4, 8, 16, then multiples of 16)
-            through :class:`services.cuda_graphs.GraphBuckets`: on CUDA each bucket's eager forward
-            is captured once in a CUDA graph and replayed (no host sync inside a step: attention
-            gathers the slots, masks are built before the call); off CUDA (or with
-            ``DARTREE_CUDA_GRAPHS=0``) the same padded step runs eagerly, which is how the padding
-            is tested on CPU. Padding rows write to a scratch slot the cache holds in addition to
-            ``num_slots`` (:func:`~services.tree.batch.pad_packed`). None: on when ``compile`` and
-            the target is on CUDA.
+            :func:`~services.tree.batch.row_bucket`: 1, then multiples of 16) through
+            :class:`~services.verifier.padded_step.PaddedSteps`: on CUDA :meth:`capture_graphs`
+            captures a grid of buckets at start (:mod:`services.verifier.graph_grid`) and steps
+            replay them (no host sync inside a step: attention gathers the slots, masks are built
+            on the device); a step outside the grid runs the same padded step eagerly, counted in
+            :attr:`num_eager_steps`. Off CUDA (or with ``DARTREE_CUDA_GRAPHS=0``) nothing is
+            captured and padded steps run eagerly, which is how the padding is tested on CPU.
+            Padding rows write to a scratch slot the cache holds in addition to ``num_slots``
+            (:func:`~services.tree.batch.pad_packed`). None: on when the target is on CUDA.
         tree_attention: unpadded steps run :func:`~services.verifier.tree_attention.tree_verify_attention`
             per request (an unmasked prefix call merged with the ``[R_i, R_i]`` tree block by
             log-sum-exp; tree masks built on the device from parent rows; no host-built prefix mask,
@@ -299,7 +300,7 @@ class ModelRunner:
         if compile and cuda_graphs and not on_cuda:
             raise ValueError("compile and cuda_graphs exclude each other off CUDA (inductor steps, or padded eager "
                              "steps that test the CUDA-graph path): pick one")
-        self.graphed = bool(compile and on_cuda) if cuda_graphs is None else bool(cuda_graphs)
+        self.graphed = on_cuda if cuda_graphs is None else bool(cuda_graphs)
         self.tree_attention = tree_attention_on(tree_attention, on_cuda, compile or self.graphed)
         self.cache = SlotKVCache.for_model(target.config, num_slots + int(self.graphed), capacity, target.dtype,
                                            target.device)
@@ -311,12 +312,13 @@ class ModelRunner:
         self.compiled = bool(compile) and not self.graphed
         self.warm_up_seconds = 0.0  # all :meth:`warm_up` calls so far (the compile time when compiled)
         self._forward = target.model
-        self.graphs: GraphBuckets | None = None
+        self.padded: PaddedSteps | None = None
         if self.graphed:
             self.scratch_slot = num_slots  # the cache's last slot; slots 0 .. num_slots - 1 serve requests
             self.cache.reserve(self.scratch_slot)
-            self.graphs = GraphBuckets(self._make_step, enabled=on_cuda and graphs_enabled(), max_graphs=96,
-                                       overflow="eager")
+            self.padded = PaddedSteps(self.cache, self.scratch_slot, kv_bucket, self._padded_forward, target.device,
+                                      enabled=on_cuda)
+        self.graphs = self.padded.graphs if self.padded is not None else None
         self._set_up_step(target, lean=not self.graphed and lean_step_enabled() and LeanLlamaStep.supports(target.model))
 
     def _set_up_step(self, target, lean: bool) -> None:
@@ -350,8 +352,28 @@ class ModelRunner:
 
     @property
     def num_eager_steps(self) -> int:
-        """Padded steps run eagerly, uncaptured, because every graph place was taken (0 unpadded)."""
-        return self.graphs.num_eager_overflow if self.graphs is not None else 0
+        """Padded steps run eagerly, uncaptured, because their bucket is not in the captured grid
+        (0 unpadded)."""
+        return self.padded.num_eager_steps if self.padded is not None else 0
+
+    @torch.inference_mode()
+    def capture_graphs(self, max_rows: int, segment_rows: int, max_graphs: int = DEFAULT_MAX_GRAPHS) -> dict:
+        """Capture the verify step's grid (:func:`~services.verifier.graph_grid.verify_grid` of this
+        runner's slots, KV bucket and capacity; ``max_rows``: the widest step, ``segment_rows``: a
+        request's widest tree, B + 1), logged with its memory. Call once at start, before serving.
+
+        Returns:
+            :meth:`PaddedSteps.capture`'s summary.
+        Raises:
+            RuntimeError: the runner has no padded steps (``cuda_graphs`` off).
+        """
+        if self.padded is None:
+            raise RuntimeError("this runner runs unpadded steps (cuda_graphs off): nothing to capture")
+        grid = verify_grid(self.cache.num_slots - 1, max_rows, segment_rows, self.kv_bucket, self.cache.capacity,
+                           max_graphs)
+        info = self.padded.capture(grid, int(self.target.vocab_size), int(self.target.feature_dim), self.target.dtype)
+        self.warm_up_seconds += info["seconds"]
+        return info
 
     @torch.inference_mode()
     def warm_up(self, rows: tuple[int, ...] = (1, 9)) -> float:
@@ -436,45 +458,23 @@ class ModelRunner:
         return keep, no_logits
 
     def _execute_padded(self, segments: list[Segment], p: PackedRows, logit_rows: Tensor | None) -> StepOutput:
-        """:meth:`execute` at the step's bucket: pad, run (replay) the bucket's step, slice the real rows.
-        The step's mask is built inside it from the segments' starts, row counts and parent rows
-        (:func:`~services.tree.batch.padded_step_mask`), not copied in."""
-        r = p.input_ids.numel()
-        k = r if logit_rows is None else int(logit_rows.numel())
-        bucket = step_bucket(p, k, self.scratch_slot, self.kv_bucket, self.cache.capacity)  # = request slots
-        padded = pad_packed(p, bucket, self.scratch_slot)
-        self.cache.prepare(sorted(set(padded.slots.tolist())), bucket.kv_length)
-        keep = torch.zeros(bucket.logit_rows, dtype=torch.long)
-        keep[:k] = torch.arange(k) if logit_rows is None else logit_rows.long().cpu()
+        """:meth:`execute` at the step's bucket (:meth:`PaddedSteps.execute`)."""
         dev = self.target.device
         t0 = time.perf_counter()
-        logits, feats = self.graphs.run(bucket, *(t.to(dev) for t in (
-            padded.input_ids[None], padded.positions[None], padded.write_slot, padded.write_pos, padded.slots,
-            padded.row_index, padded.padded_pos, *padded_tree_rows(segments, bucket), keep)))
-        # a replay's outputs are the graph's static buffers: the next replay overwrites them
-        logits, feats = logits[:k].clone(), feats[:r].clone()
+        logits, feats = self.padded.execute(segments, p, logit_rows)
         return StepOutput(logits, feats, _to(p, dev), _elapsed(t0, dev))
 
-    def _make_step(self, bucket: StepBucket):
-        """The callable of one bucket (captured by :class:`GraphBuckets`): tensors in, ``(logits [K', V]
-        float32, features [R', F])`` out; every shape fixed by ``bucket``, no host sync inside."""
-
-        def step(ids, pos, write_slot, write_pos, slots, row_index, padded_pos, starts, num_rows, parents, keep):
-            none = ids.new_zeros(0)
-            attn_mask = padded_step_mask(starts, num_rows, parents, bucket.kv_length)  # [n', 1, Rm', L']
-            p = PackedRows(input_ids=ids[0], positions=pos[0], cu_rows=none, slots=slots, starts=none,
-                           row_index=row_index, padded_pos=padded_pos, write_slot=write_slot, write_pos=write_pos,
-                           attn_mask=attn_mask, kv_length=bucket.kv_length)
-            _ACTIVE.step = (self.cache, p, None, "padded")
-            try:
-                with hf_compat.attention_without_mask(self.target.model):
-                    out = self.target.model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
-                                            logits_to_keep=keep)
-            finally:
-                _ACTIVE.step = None
-            return out.logits[0].float(), self.target._features()
-
-        return step
+    def _padded_forward(self, p: PackedRows, ids: Tensor, pos: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
+        """The target's forward over a padded step's metadata ``p`` (one attention call a layer over the
+        bucket's layout): ``(logits [K', V] float32, features [R', F])``; no host sync."""
+        _ACTIVE.step = (self.cache, p, None, "padded")
+        try:
+            with hf_compat.attention_without_mask(self.target.model):
+                out = self.target.model(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
+                                        logits_to_keep=keep)
+        finally:
+            _ACTIVE.step = None
+        return out.logits[0].float(), self.target._features()
 
 
 def auto_compile(target) -> bool:

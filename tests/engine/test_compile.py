@@ -183,7 +183,7 @@ import sys
 from types import SimpleNamespace
 from services.testing import tiny_target
 from services.verifier.runner import ModelRunner
-from services.verifier.worker import compiled_cold
+from services.verifier.process import compiled_cold
 target = tiny_target("llama", vocab_size=128, hidden_size=32, num_layers=2, max_position_embeddings=256)
 runner = ModelRunner(target, num_slots=2, capacity=64, compile=True)
 runner.warm_up((1, 5))

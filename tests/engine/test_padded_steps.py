@@ -30,39 +30,56 @@ def test_step_bucket_rounds_up_and_caps():
                        causal_segment([3], 7, 2)], kv_bucket=16)
     assert (p.row_index.shape, p.input_ids.numel(), p.kv_length) == ((3, 5), 9, 48)
     b = step_bucket(p, logit_rows=3, max_segments=8, kv_bucket=16, kv_capacity=300)
-    assert b == StepBucket(segments=4, rows_per_segment=8, rows=16, kv_length=64, logit_rows=4)
-    b = step_bucket(p, logit_rows=9, max_segments=3, kv_bucket=16, kv_capacity=50)
-    assert b == StepBucket(segments=3, rows_per_segment=8, rows=16, kv_length=50, logit_rows=16)
+    assert b == StepBucket(segments=4, rows_per_segment=16, rows=16, kv_length=64, logit_rows=16)
+    b = step_bucket(p, logit_rows=1, max_segments=3, kv_bucket=16, kv_capacity=50)
+    assert b == StepBucket(segments=3, rows_per_segment=16, rows=16, kv_length=50, logit_rows=1)
+    one = pack_segments([causal_segment([1], 7, 2)], kv_bucket=16)  # a plain decoding row: no padding
+    assert step_bucket(one, 1, 8, 16, 300) == StepBucket(1, 1, 1, 16, 1)
     with pytest.raises(ValueError, match="segments exceeds"):
         step_bucket(p, 1, max_segments=2, kv_bucket=16, kv_capacity=300)
 
 
-def test_rows_bucket_by_powers_of_two_then_by_16():
+def test_rows_bucket_by_16_past_one_row():
     assert [row_bucket(n) for n in (0, 1, 2, 3, 5, 9, 16, 17, 32, 33, 48, 49, 65, 129)] == \
-        [1, 1, 2, 4, 8, 16, 16, 32, 32, 48, 48, 64, 80, 144]
-    for n in range(1, 300):  # never below n, never 16 rows or more of padding, one bucket per 16 past 16
+        [1, 1, 16, 16, 16, 16, 16, 32, 32, 48, 48, 64, 80, 144]
+    for n in range(2, 300):  # never below n, less than 16 rows of padding, multiples of 16
         b = row_bucket(n)
-        assert n <= b < max(2 * n, n + 16) and (b <= 16 or b % 16 == 0)
-    # a B = 64 tree (65 verify rows) beside an ar row: 80 rows per segment, 96 rows, not 128
+        assert n <= b < n + 16 and b % 16 == 0
+    # a B = 64 tree (65 verify rows) beside an ar row: 80 rows per segment, 80 rows, not 128
     b65 = derive_buffers(random_tree(random.Random(0), V, 64, 8), 1)
     p = pack_segments([Segment(b65.input_ids, b65.position_offsets, b65.tree_mask, 10, 0),
                        causal_segment([3], 4, 1)], kv_bucket=16)
     b = step_bucket(p, logit_rows=66, max_segments=4, kv_bucket=16, kv_capacity=512)
     assert b == StepBucket(segments=2, rows_per_segment=80, rows=80, kv_length=128, logit_rows=80)
+    # the grid's bucketing: rows per segment capped at segment_rows, every row's logits
+    b = step_bucket(p, logit_rows=1, max_segments=4, kv_bucket=16, kv_capacity=512, segment_rows=80)
+    assert b == StepBucket(segments=2, rows_per_segment=80, rows=80, kv_length=128, logit_rows=80)
 
 
-def test_steps_past_the_graphs_run_eager_and_are_counted(target):
-    """New buckets past the runner's graph places run eagerly (same results) and are counted; the
-    worker's metric advances by the runner's running total."""
+def test_steps_past_the_grid_run_eager_and_are_counted(target):
+    """Once a grid is captured, a step whose bucket is in it is not counted (on CPU it runs eagerly
+    too: nothing is captured), a step outside it runs eagerly and is counted; the worker's metric
+    advances by the runner's running total. Without padded steps nothing is counted."""
     runner = ModelRunner(target, num_slots=2, capacity=100, kv_bucket=8, cuda_graphs=True)
-    runner.graphs.max_graphs = 1
-    slot = runner.cache.alloc()
+    info = runner.capture_graphs(max_rows=32, segment_rows=16)  # rows 1, 16, 32; 1 or 2 segments
+    assert info["graphs"] == 0 and runner.graphs.num_captured() == 0 and info["pool_bytes"] == 0  # CPU
+    assert set(runner.graphs.steps) == set(runner.padded.grid.buckets)
+    a, b = runner.cache.alloc(), runner.cache.alloc()
     metrics = VerifierMetrics(model="tiny")
-    for rows, expect in ((1, 0), (5, 1), (1, 1), (20, 2)):  # buckets 1 (kept), 8, 1 again, 32
-        runner.execute([causal_segment([4] * rows, 0, slot)])
-        assert runner.num_eager_steps == expect
+    steps = (([1], 0), ([5], 0), ([33], 1),  # 33 rows: past the widest step
+             ([20], 1),  # one request's 20 rows (a prompt chunk): wider than segment_rows
+             ([1, 1], 0), ([17, 2], 1),  # a 17-row segment beside another: wider than segment_rows
+             ([16, 16], 0), ([1], 0))
+    for rows, counted in steps:
+        before = runner.num_eager_steps
+        segs = [causal_segment([4] * n, 0, slot) for n, slot in zip(rows, (a, b))]
+        bucket = runner.padded.bucket(pack_segments(segs, 8, 100, with_mask=False), sum(rows))
+        assert (bucket not in runner.padded.grid) == bool(counted), rows
+        runner.execute(segs)
+        assert runner.num_eager_steps - before == counted, rows
         metrics.observe_graph_eager_steps(runner.num_eager_steps)
-        assert metrics.registry.get_sample_value(GRAPH_EAGER_STEPS) == expect
+        assert metrics.registry.get_sample_value(GRAPH_EAGER_STEPS) == runner.num_eager_steps
+    assert runner.num_eager_steps == 3
     assert ModelRunner(target, num_slots=1, capacity=64).num_eager_steps == 0  # unpadded: none
 
 
@@ -159,7 +176,8 @@ def test_padded_runner_equals_plain_runner(target, one_thread):
             for s, n in zip(walk.slots, walk.lengths):
                 _close(plain.cache.keys[layer][s, :, :n], padded.cache.keys[layer][s, :, :n])
                 _close(plain.cache.values[layer][s, :, :n], padded.cache.values[layer][s, :, :n])
-    assert len(padded.graphs.steps) >= 3 and padded.graphs.num_captured() == 0  # CPU: eager, no capture
+    # no grid captured: every padded step ran eagerly and was counted
+    assert padded.graphs.num_captured() == 0 and padded.num_eager_steps == 6
 
 
 @contextlib.contextmanager
@@ -223,25 +241,61 @@ def test_padded_engine_equals_plain_solo(target, seed, n):
         assert got[rid] == _solo(target, service, prompt, sampling, spec), (rid, spec.method)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_graphed_runner_equals_eager_runner_on_cuda(arch):
-    """On a GPU the padded steps are captured (one graph per bucket) and replay what the eager
-    unpadded runner computes, step after step (same kernels, so equal up to float32 reduction order)."""
+def _cuda_target(arch):
     from services.testing import tiny_target
 
     target = tiny_target(arch, **TARGET_KW)
     target.model.to("cuda")
     target.device = torch.device("cuda")
-    eager = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8)
-    graphed = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8, compile=True)
-    assert graphed.graphed and not graphed.compiled
-    rng = random.Random(0)
-    walk = LockstepSlots((eager, graphed))
-    for step in range(8):
+    return target
+
+
+def _grid_runner(target, monkeypatch, captured: bool) -> ModelRunner:
+    """A padded runner on CUDA with the same grid as every other one here, captured or not
+    (``DARTREE_CUDA_GRAPHS=0``: the grid's buckets, each run eagerly)."""
+    with monkeypatch.context() as m:
+        if not captured:
+            m.setenv("DARTREE_CUDA_GRAPHS", "0")
+        runner = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8)  # CUDA: padded by default
+        info = runner.capture_graphs(max_rows=48, segment_rows=16)
+    assert runner.graphed and not runner.compiled and (info["graphs"] > 0) == captured
+    return runner
+
+
+def _steps(runners, n_steps=8, seed=0):
+    """The same random steps on every runner, committed on each: yields their outputs per step."""
+    rng = random.Random(seed)
+    walk = LockstepSlots(tuple(runners))
+    for step in range(n_steps):
         segs = walk.segments(rng, step, V)
-        a, b = eager.execute(segs), graphed.execute(segs)
+        yield [r.execute(segs) for r in runners]
+        walk.commit(segs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_graphed_runner_equals_eager_runner_on_cuda(arch, monkeypatch):
+    """On a GPU the grid is captured at start and its graphs replay what the eager unpadded runner
+    computes, step after step (equal up to float32 reduction order: other shapes)."""
+    target = _cuda_target(arch)
+    eager = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8, cuda_graphs=False)
+    graphed = _grid_runner(target, monkeypatch, captured=True)
+    for a, b in _steps([eager, graphed]):
         torch.testing.assert_close(b.logits, a.logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(b.features, a.features, rtol=1e-4, atol=1e-4)
-        walk.commit(segs)
-    assert graphed.graphs.num_captured() >= 2
+    assert graphed.num_eager_steps == 0  # every step was in the grid
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_graph_replay_equals_the_eager_padded_step_bitwise(arch, monkeypatch):
+    """A replayed graph computes the very padded step it captured: logits, features and the KV it
+    writes equal, bit for bit, the same grid bucket run eagerly."""
+    target = _cuda_target(arch)
+    graphed = _grid_runner(target, monkeypatch, captured=True)
+    eager = _grid_runner(target, monkeypatch, captured=False)
+    for a, b in _steps([eager, graphed]):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.features, b.features)
+    assert graphed.num_eager_steps == 0 and eager.num_eager_steps == 0
+    for k_a, k_b in zip(eager.cache.keys, graphed.cache.keys):
+        assert torch.equal(k_a[:4], k_b[:4])

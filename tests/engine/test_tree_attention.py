@@ -186,15 +186,16 @@ def test_tree_attention_on_cuda_equals_dense_reference(dtype):
 
 @pytest.mark.gpu
 def test_tree_attention_runner_on_cuda_equals_dense_runner():
-    """The default eager CUDA runner (tree attention) against the dense per-request calls."""
+    """The eager CUDA runner (``cuda_graphs=False``: tree attention by default) against the dense
+    per-request calls."""
     from services.testing import tiny_target
     from tests.engine.conftest import TARGET_KW
 
     target = tiny_target("qwen3", **TARGET_KW)
     target.model.to("cuda")
     target.device = torch.device("cuda")
-    tree = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8)
-    dense = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8, tree_attention=False)
+    tree = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8, cuda_graphs=False)
+    dense = ModelRunner(target, num_slots=4, capacity=200, kv_bucket=8, cuda_graphs=False, tree_attention=False)
     assert tree.tree_attention and not dense.tree_attention
     rng = random.Random(0)
     walk = LockstepSlots((dense, tree))

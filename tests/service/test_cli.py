@@ -344,7 +344,7 @@ def test_worker_exit_text_names_the_signal_that_stopped_it():
 def test_the_engine_limits_are_flags_of_the_verifier_config_held_once(monkeypatch):
     """``VerifierWorkerConfig`` holds the engine's limits as its ``engine`` sub-object (no field of
     its own repeats one); the command line flattens it: ``--max-running`` etc. set the sub-object,
-    from the flag or ``DARTREE_<FIELD>``; ``cuda_graphs`` is no flag; the worker's defaults
+    from the flag or ``DARTREE_<FIELD>``; the worker's defaults
     (context 0 = the target's, compile unset = auto) are its defaults."""
     from dataclasses import fields
 
@@ -356,7 +356,7 @@ def test_the_engine_limits_are_flags_of_the_verifier_config_held_once(monkeypatc
     parser = _sub("serve")
     dests = {a.dest for a in parser._actions}
     assert {"max_running", "max_context", "prefill_chunk", "max_step_tokens", "kv_bucket", "overlap",
-            "compile", "prefix_cache"} <= dests and "cuda_graphs" not in dests and "engine" not in dests
+            "compile", "prefix_cache", "cuda_graphs"} <= dests and "engine" not in dests
     cfg = config_from_args(VerifierWorkerConfig, parser.parse_args(["--max-running", "3", "--overlap",
                                                                     "--no-prefix-cache", "--max-context", "512"]))
     assert cfg.engine == EngineConfig(max_context=512, max_running=3, kv_bucket=32, overlap=True, compile=None,

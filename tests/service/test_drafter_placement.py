@@ -189,7 +189,7 @@ def _exit_verifier(supervisor, code: int) -> list:
 
 def test_a_verifier_that_compiled_cold_is_started_again_once(tmp_path, monkeypatch):
     from services.serve import StartupError
-    from services.verifier.worker import RESTART_AFTER_COMPILE_EXIT
+    from services.verifier.process import RESTART_AFTER_COMPILE_EXIT
 
     _, supervisor, verifier, drafter_cfg = _plan(tmp_path, monkeypatch)
     assert verifier.restart_after_compile is None  # auto: the worker restarts when a supervisor runs it
@@ -220,7 +220,7 @@ def test_compiled_cold_reads_the_inductor_cache_misses(monkeypatch):
 
     from torch._dynamo.utils import counters
 
-    from services.verifier.worker import compiled_cold
+    from services.verifier.process import compiled_cold
 
     monkeypatch.setitem(counters, "inductor", Counter({"fxgraph_cache_hit": 4}))
     compiled, eager = (SimpleNamespace(runner=SimpleNamespace(compiled=c)) for c in (True, False))

@@ -51,6 +51,21 @@ def test_qwen3_4b_on_80_gib():
     assert p.planned() <= p.budget and p.derived == ("--max-running", "--max-context")
 
 
+def test_padded_steps_plan_their_gathers_and_the_eager_steps_past_the_grid():
+    """With CUDA graphs a slot adds one layer's K and V twice (the graph pool's gather and an eager
+    step's), and the eager steps past the grid get activations of their own besides the pool."""
+    from dataclasses import replace
+
+    plain, padded = needs("qwen3-4b"), replace(needs("qwen3-4b"), padded_steps=True)
+    assert plain.per_slot(4096)["padded-step K/V gathers"] == 0
+    assert padded.per_slot(4096)["padded-step K/V gathers"] == 2 * (4096 + 1025) * 2 * 8 * 128 * 2
+    step = padded.fixed(4096)["step activations (CUDA graph pool)"]
+    assert padded.fixed(4096)["eager steps past the graph grid"] == step == plain.fixed(4096)[
+        "step activations (CUDA graph pool)"] and plain.fixed(4096)["eager steps past the graph grid"] == 0
+    p, q = (plan_memory(n, free=70 * GIB, total=80 * GIB) for n in (plain, padded))
+    assert q.max_context < p.max_context and q.planned() <= q.budget
+
+
 def test_qwen3_4b_on_24_gib_takes_fewer_slots_rather_than_a_short_context():
     p = plan_memory(needs("qwen3-4b"), free=14 * GIB, total=24 * GIB)
     assert (p.max_running, p.max_context, p.slots) == (5, 8192, 6)
@@ -109,9 +124,11 @@ def test_the_verifier_plans_from_the_handshake_and_logs_one_block(caplog):
     with caplog.at_level(logging.INFO, logger="verifier"):
         p = plan_verifier_memory(config, target, drafter, graphed=True, transport=transport,
                                  probe=lambda dev: (70 * GIB - IPC, 80 * GIB))
-    assert (p.max_running, p.max_context) == (8, 35840)  # as test_qwen3_4b_on_80_gib
+    # as test_qwen3_4b_on_80_gib, less the padded steps' gathers and eager activations
+    assert (p.max_running, p.max_context) == (8, 34048)
     block = [r.getMessage() for r in caplog.records if "GPU memory plan" in r.getMessage()]
-    assert len(block) == 1 and "--max-running 8 (derived), --max-context 35840 (derived), 9 KV slots" in block[0]
+    assert len(block) == 1 and "--max-running 8 (derived), --max-context 34048 (derived), 9 KV slots" in block[0]
+    assert "padded-step K/V gathers" in block[0] and "eager steps past the graph grid" in block[0]
     p = plan_verifier_memory(config, target, None, graphed=False, probe=lambda dev: (70 * GIB, 80 * GIB))
     assert "drafter contexts" not in p.parts and "feature history" not in p.parts and p.slots == p.max_running
 
