@@ -28,7 +28,7 @@ one ``item()`` a call).
 
 Built with the system C++ compiler (``$CXX``, else ``g++``; ``-O3 -march=native``) against the
 installed torch's headers and libraries (``make setup`` runs ``python -m services.verifier.native``;
-~50 s on the 2-core CPU) into ``<state dir>/native/<key>/`` (``$DARTREE_CACHE_DIR``, else
+~15 s on the 2-core CPU) into ``<state dir>/native/<key>/`` (``$DARTREE_CACHE_DIR``, else
 ``~/.cache/dartree``), where ``key`` hashes the sources, torch's version, the compiler flags and the
 CPU's feature flags, so a torch upgrade, a changed source or another CPU builds again. A compiled
 runner that finds no library builds it (:func:`load` with ``build=True``); where that fails the step
