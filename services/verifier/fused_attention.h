@@ -24,7 +24,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__AVX512F__) || defined(__FMA__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace dartree_fused {
@@ -143,8 +144,10 @@ struct Views {
 };
 
 // Per-task buffers (reused across a thread's tasks).
+template <typename T>
 struct Scratch {
   std::vector<float> q, s, kv, acc, total;
+  std::vector<T> zero;  // dh zeros: the K of the columns past a block's end
 };
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -166,19 +169,66 @@ inline Vec lane_sums16(const Vec* a) {
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
+// q . k in 16 lanes straight from bfloat16 (AVX512_BF16's dot product of bfloat16 pairs: products
+// exact in float32, lane l accumulates d = 32c + 2l + 1, then 32c + 2l, chunks c ascending), where
+// the machine has it and dh is a multiple of 32: no conversion of K or q.
+template <typename T>
+constexpr bool raw_bf16_dot() {
+#if defined(__AVX512BF16__)
+  return std::is_same<T, c10::BFloat16>::value;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+inline Vec dot_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t dh) {
+  __m512 x = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dh; d += 32)
+    x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+  return x;
+}
+#else
+inline Vec dot_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t) { return Vec{}; }
+#endif
+
+// The 16 columns' lane vectors for query i (row r, head hq_i): from bfloat16 directly, or from the
+// float32 copies of q (b.q) and of the block's K (b.kv).
+template <typename T>
+void block_dots(const Views<T>& w, const T* const* kcols, const T* qraw, const float* q, bool raw, Scratch<T>& b,
+                Vec* acc) {
+  const int64_t dh = w.dh, nc = dh / kLanes;
+  if constexpr (raw_bf16_dot<T>()) {
+    if (raw) {
+      for (int64_t j = 0; j < kLanes; ++j) acc[j] = dot_bf16(qraw, kcols[j], dh);
+      return;
+    }
+  }
+  for (int64_t j = 0; j < kLanes; ++j) {
+    const float* k = b.kv.data() + j * dh;
+    Vec x = load(q) * load(k);
+    for (int64_t c = 1; c < nc; ++c) x = fmadd(load(q + c * kLanes), load(k + c * kLanes), x);
+    acc[j] = x;
+  }
+}
+
 // Scores of the nq queries against columns [0, len), s [nq, len16], -inf where masked or padded; 16
 // columns at a time (their K as float32 in b.kv [16, dh], zeros past len).
 template <typename T>
-void scores(const Views<T>& w, const Request& req, const T* kbase, int64_t r0, int64_t r1, int64_t len16,
-            Scratch& b) {
+void scores(const Views<T>& w, const Request& req, int64_t h, int64_t r0, int64_t r1, int64_t len16, Scratch<T>& b) {
   const int64_t g = w.hq / w.hkv, dh = w.dh, len = req.length, nc = dh / kLanes;
+  const T* kbase = w.k + req.slot * w.c_slot + h * w.c_head;
+  const bool raw = raw_bf16_dot<T>() && dh % 32 == 0;
+  b.zero.assign(dh, T(0.0f));
   std::fill(b.s.begin(), b.s.end(), kNegInf);
   Vec acc[kLanes];
+  const T* kcols[kLanes];
   for (int64_t j0 = 0; j0 < len; j0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, len - j0);
-    for (int64_t j = 0; j < kLanes; ++j)  // K read once per task
-      for (int64_t c = 0; c < nc; ++c)
-        store(b.kv.data() + j * dh + c * kLanes, j < n ? load16(kbase + (j0 + j) * w.c_col + c * kLanes) : Vec{});
+    for (int64_t j = 0; j < kLanes; ++j) kcols[j] = j < n ? kbase + (j0 + j) * w.c_col : b.zero.data();
+    if (!raw)  // K read once per task, as float32
+      for (int64_t j = 0; j < kLanes; ++j)
+        for (int64_t c = 0; c < nc; ++c) store(b.kv.data() + j * dh + c * kLanes, load16(kcols[j] + c * kLanes));
     for (int64_t r = r0; r < r1; ++r) {
       const float* brow = req.bias + r * req.bias_stride + j0;
       float bias[kLanes];
@@ -191,13 +241,8 @@ void scores(const Views<T>& w, const Request& req, const T* kbase, int64_t r0, i
       const Vec bv = load(bias);
       for (int64_t gi = 0; gi < g; ++gi) {
         const int64_t i = (r - r0) * g + gi;
-        const float* q = b.q.data() + i * dh;
-        for (int64_t j = 0; j < kLanes; ++j) {
-          const float* k = b.kv.data() + j * dh;
-          Vec x = load(q) * load(k);
-          for (int64_t c = 1; c < nc; ++c) x = fmadd(load(q + c * kLanes), load(k + c * kLanes), x);
-          acc[j] = x;
-        }
+        block_dots(w, kcols, w.q + (h * g + gi) * w.q_head + (req.row0 + r) * w.q_row, b.q.data() + i * dh, raw, b,
+                   acc);
         const Vec sv = fmadd(lane_sums16(acc), splat(w.scale), bv);
         store(b.s.data() + i * len16 + j0, bv == kNegInf ? splat(kNegInf) : sv);
       }
@@ -206,7 +251,8 @@ void scores(const Views<T>& w, const Request& req, const T* kbase, int64_t r0, i
 }
 
 // Scores to probabilities in place (masked: 0), and each query's sum of them by lanes (b.total).
-inline void probabilities(int64_t nq, int64_t len16, Scratch& b) {
+template <typename T>
+void probabilities(int64_t nq, int64_t len16, Scratch<T>& b) {
   for (int64_t i = 0; i < nq; ++i) {
     float* s = b.s.data() + i * len16;
     Vec m = splat(kNegInf);
@@ -226,7 +272,7 @@ inline void probabilities(int64_t nq, int64_t len16, Scratch& b) {
 
 // b.acc [nq, dh] += sum_j p_j v_j, j ascending, 16 columns at a time (V read once per task).
 template <typename T>
-void weighted_values(const Views<T>& w, const Request& req, const T* vbase, int64_t nq, int64_t len16, Scratch& b) {
+void weighted_values(const Views<T>& w, const Request& req, const T* vbase, int64_t nq, int64_t len16, Scratch<T>& b) {
   const int64_t dh = w.dh, nc = dh / kLanes;
   for (int64_t j0 = 0; j0 < req.length; j0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, req.length - j0);
@@ -256,7 +302,7 @@ void weighted_values(const Views<T>& w, const Request& req, const T* vbase, int6
 // One task: request `req`, KV head h, rows [r0, r1) of the request (query i = (r - r0) * g + gi is
 // head h * g + gi, row r).
 template <typename T>
-void attend_chunk(const Views<T>& w, const Request& req, int64_t h, int64_t r0, int64_t r1, Scratch& b) {
+void attend_chunk(const Views<T>& w, const Request& req, int64_t h, int64_t r0, int64_t r1, Scratch<T>& b) {
   const int64_t g = w.hq / w.hkv, dh = w.dh, nq = (r1 - r0) * g;
   const int64_t len16 = (req.length + kLanes - 1) / kLanes * kLanes;
   b.q.resize(nq * dh);
@@ -270,8 +316,8 @@ void attend_chunk(const Views<T>& w, const Request& req, int64_t h, int64_t r0, 
       float* dst = b.q.data() + ((r - r0) * g + gi) * dh;
       for (int64_t d = 0; d < dh; ++d) dst[d] = to_float(src[d]);
     }
-  scores(w, req, w.k + req.slot * w.c_slot + h * w.c_head, r0, r1, len16, b);
-  probabilities(nq, len16, b);
+  scores(w, req, h, r0, r1, len16, b);
+  probabilities<T>(nq, len16, b);
   weighted_values(w, req, w.v + req.slot * w.c_slot + h * w.c_head, nq, len16, b);
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t gi = 0; gi < g; ++gi) {
@@ -297,7 +343,7 @@ void attend_all(const Views<T>& w, const std::vector<Request>& reqs) {
         tasks.push_back({i, h, r, std::min(r + kRowChunk, reqs[i].rows)});
   }
   auto run = [&](int64_t begin, int64_t end) {
-    Scratch b;
+    Scratch<T> b;
     for (int64_t t = begin; t < end; ++t) attend_chunk(w, reqs[tasks[t].req], tasks[t].head, tasks[t].r0, tasks[t].r1, b);
   };
   const int64_t n = static_cast<int64_t>(tasks.size());
