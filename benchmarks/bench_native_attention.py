@@ -5,7 +5,8 @@
 itself (:func:`services.verifier.runner._slot_attention_eager`), on SmolLM2-135M's attention shape
 (9 query / 3 KV heads, head dim 64, bfloat16 cache): one request of ``R`` causal rows (1 = an ``ar``
 step, 9 = a 9-node tree verify) at the end of ``L`` KV columns. Prints the median microseconds per
-call (slot writes included, the per-step set-up not); the last stdout line is one JSON object.
+call and the best one (slot writes included, the per-step set-up not); the last stdout line is one
+JSON object.
 
     python -m benchmarks.bench_native_attention --threads 2
     python -m benchmarks.bench_native_attention --rows 1 9 --lengths 256 1024 --dtype float32
@@ -43,41 +44,34 @@ def _setup(rows: int, length: int, dtype: torch.dtype):
     return cache, p, parts, (q, k, v)
 
 
-def _time_us(fn, blocks: int, block_s: float) -> float:
-    """Median over ``blocks`` of the mean microseconds per call in a block of ~``block_s`` seconds."""
-    fn()
-    t = time.perf_counter()
-    fn()
-    n = max(3, int(block_s / max(time.perf_counter() - t, 1e-6)))
-    means = []
-    for _ in range(blocks):
-        t = time.perf_counter()
-        for _ in range(n):
+def _time_us(fns: dict, reps: int) -> dict:
+    """Per callable: ``(median, best)`` microseconds of one call over ``reps`` rounds, the callables
+    interleaved within each round (on a shared machine the best is the steadier figure)."""
+    times = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t = time.perf_counter()
             fn()
-        means.append((time.perf_counter() - t) / n * 1e6)
-    return statistics.median(means)
+            times[k].append((time.perf_counter() - t) * 1e6)
+    return {k: (statistics.median(v), min(v)) for k, v in times.items()}
 
 
-def _cell(rows: int, length: int, dtype: torch.dtype, blocks: int, block_s: float) -> dict:
+def _cell(rows: int, length: int, dtype: torch.dtype, reps: int) -> dict:
     cache, p, parts, (q, k, v) = _setup(rows, length, dtype)
     layer, scale = torch.tensor(0), DH ** -0.5
-    out = {}
+    fns = {"fused": lambda: torch.ops.dartree_native.slot_attention(q, k, v, layer, scale)}
+    if dtype != torch.float32:  # the ATen-call op and the Python body serve the grouped (bf16 / fp16) path only
+        fns["aten"] = lambda: torch.ops.dartree_native.slot_attention_aten(q, k, v, layer, scale)
+        fns["python"] = lambda: R._slot_attention_eager(0, q, k, v, None, scaling=scale)
     R._native_step(cache, parts)
+    R._ACTIVE.step = (cache, p, parts, "dense")
     try:
-        for name, op in (("fused", torch.ops.dartree_native.slot_attention),
-                         ("aten", torch.ops.dartree_native.slot_attention_aten)):
-            if name == "aten" and dtype == torch.float32:
-                continue  # the ATen-call op serves the grouped (bfloat16 / float16) path only
-            out[name] = _time_us(lambda: op(q, k, v, layer, scale), blocks, block_s)
+        return _time_us(fns, reps)
     finally:
+        R._ACTIVE.step = None
         torch.ops.dartree_native.clear_step()
-    if dtype != torch.float32:
-        R._ACTIVE.step = (cache, p, parts, "dense")
-        try:
-            out["python"] = _time_us(lambda: R._slot_attention_eager(0, q, k, v, None, scaling=scale), blocks, block_s)
-        finally:
-            R._ACTIVE.step = None
-    return out
 
 
 def main() -> None:
@@ -86,21 +80,21 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 9])
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--blocks", type=int, default=5, help="timing blocks per cell (median taken)")
-    ap.add_argument("--block-s", type=float, default=0.05, help="seconds per timing block")
+    ap.add_argument("--reps", type=int, default=200, help="timed calls per op and cell")
     a = ap.parse_args()
     if not native.load(build=True):
         raise SystemExit("dartree: the native slot attention is not available here")
     torch.set_num_threads(a.threads)
     result = dict(threads=a.threads, torch=torch.__version__, dtype=a.dtype, cells=[])
-    print(f"{a.dtype}, {a.threads} thread(s): us per layer call")
-    print(f"{'rows':>5} {'L':>6} {'fused':>8} {'aten':>8} {'python':>8}")
+    print(f"{a.dtype}, {a.threads} thread(s): us per layer call, median / best of {a.reps}")
+    print(f"{'rows':>5} {'L':>6} {'fused':>14} {'aten':>14} {'python':>14}")
     with torch.inference_mode():
         for rows in a.rows:
             for length in a.lengths:
-                us = _cell(rows, length, DTYPES[a.dtype], a.blocks, a.block_s)
-                result["cells"].append(dict(rows=rows, kv_length=length, **{f"{k}_us": round(t, 1) for k, t in us.items()}))
-                print(f"{rows:5d} {length:6d} " + " ".join(f"{us.get(k, float('nan')):8.1f}"
+                us = _cell(rows, length, DTYPES[a.dtype], a.reps)
+                result["cells"].append(dict(rows=rows, kv_length=length, **{f"{k}_us": [round(m, 1), round(b, 1)]
+                                                                            for k, (m, b) in us.items()}))
+                print(f"{rows:5d} {length:6d} " + " ".join(f"{'%.0f / %.0f' % us[k] if k in us else '-':>14}"
                                                           for k in ("fused", "aten", "python")), flush=True)
     print(json.dumps(result))
 

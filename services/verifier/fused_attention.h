@@ -270,6 +270,19 @@ void probabilities(int64_t nq, int64_t len16, Scratch<T>& b) {
   }
 }
 
+// a [NC * 16] += p_j v_j for the block's n columns, j ascending (columns with p_j = 0 skipped).
+template <int NC>
+inline void accumulate(const float* p, int64_t n, const float* v, int64_t dh, float* a) {
+  Vec x[NC];
+  for (int c = 0; c < NC; ++c) x[c] = load(a + c * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    if (p[j] == 0.0f) continue;
+    const Vec pj = splat(p[j]);
+    for (int c = 0; c < NC; ++c) x[c] = fmadd(pj, load(v + j * dh + c * kLanes), x[c]);
+  }
+  for (int c = 0; c < NC; ++c) store(a + c * kLanes, x[c]);
+}
+
 // b.acc [nq, dh] += sum_j p_j v_j, j ascending, 16 columns at a time (V read once per task).
 template <typename T>
 void weighted_values(const Views<T>& w, const Request& req, const T* vbase, int64_t nq, int64_t len16, Scratch<T>& b) {
@@ -289,11 +302,17 @@ void weighted_values(const Views<T>& w, const Request& req, const T* vbase, int6
             store(b.kv.data() + j * dh + c * kLanes, load16(vbase + (j0 + j) * w.c_col + c * kLanes));
         loaded = true;
       }
-      for (int64_t c = 0; c < nc; ++c) {  // the accumulator in a register across the block's columns
-        Vec x = load(a + c * kLanes);
-        for (int64_t j = 0; j < n; ++j)
-          if (p[j] != 0.0f) x = fmadd(splat(p[j]), load(b.kv.data() + j * dh + c * kLanes), x);
-        store(a + c * kLanes, x);
+      switch (nc) {  // the same arithmetic; the accumulators in registers for the usual head dims
+        case 2: accumulate<2>(p, n, b.kv.data(), dh, a); break;
+        case 4: accumulate<4>(p, n, b.kv.data(), dh, a); break;
+        case 8: accumulate<8>(p, n, b.kv.data(), dh, a); break;
+        default:
+          for (int64_t c = 0; c < nc; ++c) {
+            Vec x = load(a + c * kLanes);
+            for (int64_t j = 0; j < n; ++j)
+              if (p[j] != 0.0f) x = fmadd(splat(p[j]), load(b.kv.data() + j * dh + c * kLanes), x);
+            store(a + c * kLanes, x);
+          }
       }
     }
   }
