@@ -10,7 +10,9 @@
 // Order (every step an IEEE float32 multiply, add, or fmadd below: one fused multiply-add where the
 // machine has FMA, the same instruction everywhere; built with -ffp-contract=off so the compiler
 // fuses nothing else): q . k_j sums the products of each 16-wide chunk of d in 16 lanes (lane d mod 16,
-// chunks ascending, fmadd), then adds the lanes pairwise (l + (l + 8), then + 4, + 2, + 1); sum_j p_j in 16
+// chunks ascending, fmadd; for bfloat16 on a CPU with AVX512_BF16 and a head dim that is a multiple of
+// 32, the pair dots of dot_bf16 instead: exact products, lane l taking d = 32c + 2l and 32c + 2l + 1),
+// then adds the lanes pairwise (l + (l + 8), then + 4, + 2, + 1); sum_j p_j in 16
 // lanes by column (lane j mod 16, j ascending), added pairwise the same way; sum_j p_j v_j per d with j
 // ascending. exp is a fixed polynomial (Cephes' expf, within ~2 ulp of the true value). The lanes are
 // GCC vector types (explicit SIMD; AVX-512, AVX2 or SSE as the machine has), so no loop's result
