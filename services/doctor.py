@@ -134,7 +134,8 @@ def cache_lines(now: float | None = None) -> list[str]:
     path = native.library_path()
     out.append(f"native op       {path.parent}")
     out.append(f"  slot attention: {'built' if path.exists() else 'not built'} for torch {torch.__version__}"
-               f"{'' if native.ENABLED else ' (switched off: DARTREE_NATIVE_ATTENTION=0)'}")
+               f"{'' if native.ENABLED else ' (switched off: DARTREE_NATIVE_ATTENTION=0)'}"
+               f"{' (ATen calls: DARTREE_NATIVE_ATTENTION=aten)' if native.ENABLED and not native.FUSED else ''}")
     path = default_store_path()
     out.append(f"calibrations    {path}")
     calibrations = {k: e for k, e in read_entries(path).items() if isinstance(e, dict) and isinstance(e.get("state"), dict)}

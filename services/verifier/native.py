@@ -2,26 +2,38 @@
 
 Why: in a compiled q4 step on the 2-core CPU the Python body of the opaque slot-attention op
 (:func:`services.verifier.runner._slot_attention_eager` with :func:`services.verifier.attention.attend`)
-spent ~30 µs of interpreter time per layer beyond its ATen calls (``torch.profiler`` self time of
-``dartree::slot_attention``, 2026-12-05), ~1 ms of a ~10 ms step. ``native_attention.cpp`` makes the
-same ATen calls (slot writes, two bfloat16 ``bmm``, the float32 softmax with the additive mask, the
-1,024-column blocks and 32-row blocks) in the same order on the same views, so every row gets the
-same bits as the Python body (tests/engine/test_native_attention.py compares them); only the CPU
-bfloat16 / float16 path with the grouped attention (:func:`~services.verifier.attention.use_grouped`)
-has a native form, every other step keeps the Python body. The same library holds
-``dartree_native::int4_mm``, torch's int4 CPU kernel with its group size as an int, which compiled
-q4 linears call (:class:`services.q4_weights.Int4Linear`; the ``quantized::int4mm_packed_weight_cpu``
-overload inductor emits reads the group size from a tensor, one ``item()`` a call). In process the
-two took a compiled q4 one-row step from 10.70 to 10.13 ms a token
-(``benchmarks/results/2026-12-05-native-attention``).
+spent ~30 µs of interpreter time per layer beyond its ATen calls, and its ATen calls (two oneDNN
+bfloat16 ``bmm`` per request, ~15 µs each for 2-3 µs of arithmetic at one row, plus the softmax)
+~40 µs more (``torch.profiler``, 2026-12-05: attention 1.2 ms of a ~7.3 ms step).
 
-Built with the system C++ compiler (``$CXX``, else ``g++``) against the installed torch's headers
-and libraries (``make setup`` runs ``python -m services.verifier.native``; ~8 s on the 2-core CPU)
-into ``<state dir>/native/<key>/`` (``$DARTREE_CACHE_DIR``, else ``~/.cache/dartree``), where
-``key`` hashes the source, torch's version and the compiler flags, so a torch upgrade or a changed
-source builds again. A compiled runner that finds no library builds it (:func:`load` with
-``build=True``); where that fails the step runs the Python body, with the same results.
-``DARTREE_NATIVE_ATTENTION=0`` switches the native ops off.
+``dartree_native::slot_attention`` is a fused kernel (``fused_attention.h``): one call per layer writes
+every request's K/V rows into its slot and attends each request's rows (decode rows, tree verifies,
+prompt chunks) to its slot up to its KV length, with its tree / causal mask, without a GEMM: per
+(request, KV head) it loops over the slot's columns, ``q . k`` and ``sum p v`` accumulated in
+float32 in a fixed order, a two-pass softmax, bfloat16 / float16 / float32 caches, grouped query
+heads read from their KV head in place, tasks spread over torch's threads (``at::parallel_for``).
+Each row's output depends on nothing but its own query, mask row and slot, so it is bitwise the
+same alone or beside any rows or requests, and masked columns change nothing: speculative rows equal
+the rows plain decoding computes with it (tests/engine/test_fused_attention.py). It differs from the
+Python body's bits (that rounds scores and probabilities to bfloat16) by about one bfloat16 ulp.
+``dartree_native::slot_attention_aten`` keeps the Python body's ATen calls in C++ (the same bits as the
+Python body: tests/engine/test_native_attention.py), the reference of the fused kernel and the op
+compiled steps call with ``DARTREE_NATIVE_ATTENTION=aten`` or a head dim that is not a multiple of 16.
+Only the CPU bfloat16 / float16 path with the grouped attention
+(:func:`~services.verifier.attention.use_grouped`) calls the native ops; every other step keeps the
+Python body. The same library holds ``dartree_native::int4_mm``, torch's int4 CPU kernel with its
+group size as an int, which compiled q4 linears call (:class:`services.q4_weights.Int4Linear`; the
+``quantized::int4mm_packed_weight_cpu`` overload inductor emits reads the group size from a tensor,
+one ``item()`` a call).
+
+Built with the system C++ compiler (``$CXX``, else ``g++``; ``-O3 -march=native``) against the
+installed torch's headers and libraries (``make setup`` runs ``python -m services.verifier.native``;
+~15 s on the 2-core CPU) into ``<state dir>/native/<key>/`` (``$DARTREE_CACHE_DIR``, else
+``~/.cache/dartree``), where ``key`` hashes the sources, torch's version, the compiler flags and the
+CPU's feature flags, so a torch upgrade, a changed source or another CPU builds again. A compiled
+runner that finds no library builds it (:func:`load` with ``build=True``); where that fails the step
+runs the Python body. ``DARTREE_NATIVE_ATTENTION=0`` switches the native ops off; ``=aten`` keeps
+them but runs the ATen-call attention instead of the fused kernel.
 """
 
 from __future__ import annotations
@@ -41,7 +53,10 @@ from services.q4_weights import use_native_int4_mm
 log = logging.getLogger("verifier.native")
 
 SOURCE = Path(__file__).with_name("native_attention.cpp")
-ENABLED = os.environ.get("DARTREE_NATIVE_ATTENTION", "1") != "0"
+HEADERS = (Path(__file__).with_name("fused_attention.h"),)  # included by SOURCE: part of the cache key
+_SWITCH = os.environ.get("DARTREE_NATIVE_ATTENTION", "1").strip().lower()
+ENABLED = _SWITCH != "0"
+FUSED = _SWITCH != "aten"  # ``aten``: the compiled step calls slot_attention_aten (the Python body's ATen calls)
 _LOADED = False  # the library is loaded in this process
 _GAVE_UP = False  # its build or load failed in this process: not tried again
 
@@ -51,11 +66,24 @@ def _flags() -> list[str]:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = ["-O2", "-shared", "-fPIC", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    # -march=native: this CPU's vector units (the library is cached per machine); -ffp-contract=off: no
+    # multiply-adds fused behind the kernel's back (its fixed summation order, fused_attention.h);
+    # -fopenmp: at::parallel_for's OpenMP body is compiled into the caller
+    flags = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+             f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     flags += [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     for p in library_paths():
         flags += [f"-L{p}", f"-Wl,-rpath,{p}"]
     return flags + ["-lc10", "-ltorch_cpu", "-ltorch"]
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
 
 
 def library_path() -> Path:
@@ -63,7 +91,10 @@ def library_path() -> Path:
     from services.machine_cache import state_dir
 
     h = hashlib.sha256(SOURCE.read_bytes())
+    for header in HEADERS:
+        h.update(header.read_bytes())
     h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())  # -march=native: a copied state directory on another CPU builds again
     h.update(" ".join(_flags()).encode())
     return state_dir() / "native" / h.hexdigest()[:16] / "dartree_native.so"
 
@@ -136,9 +167,18 @@ def _register_fake() -> None:
     def _(query, key, value, layer, scaling):
         return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
 
+    @torch.library.register_fake("dartree_native::slot_attention_aten")
+    def _(query, key, value, layer, scaling):
+        return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
     @torch.library.register_fake("dartree_native::int4_mm")
     def _(x, packed, group_size, scale_zeros):
         return x.new_empty(x.shape[0], scale_zeros.shape[1])
+
+
+def fused_head_dim(head_dim: int) -> bool:
+    """Whether the fused kernel serves this head dim (a multiple of its 16 float32 lanes)."""
+    return head_dim % 16 == 0
 
 
 def available() -> bool:

@@ -1,8 +1,9 @@
-// The runner's slot attention (services/verifier/runner.py) for CPU bfloat16 / float16 steps as a C++
-// operator: the same ATen calls as the Python body (_slot_attention_eager with the grouped attention of
-// services/verifier/attention.py), in the same order on the same views, hence the same bits, without
-// the interpreter between them. Built by services/verifier/native.py (the system compiler, torch's
-// headers and libraries).
+// The runner's slot attention (services/verifier/runner.py) for CPU bfloat16 / float16 steps as C++
+// operators: slot_attention, the fused kernel of fused_attention.h (no GEMM, each row in float32 in a
+// fixed order), and slot_attention_aten, the same ATen calls as the Python body
+// (_slot_attention_eager with the grouped attention of services/verifier/attention.py), in the same
+// order on the same views, hence the same bits, without the interpreter between them. Built by
+// services/verifier/native.py (the system compiler, torch's headers and libraries).
 //
 // dartree_native::set_cache(Tensor[] keys, Tensor[] values): the slot KV cache, per layer
 //     [S, H_kv, C, Dh] (SlotKVCache.keys / values), for this thread's steps.
@@ -12,12 +13,17 @@
 // dartree_native::clear_step(): no active step (slot_attention then raises).
 // dartree_native::slot_attention(query [1, Hq, R, Dh], key [1, H_kv, R, Dh], value, layer (0-d int64),
 //     scaling) -> [1, R, Hq, Dh] contiguous: writes each request's K/V rows into its slot, then attends
-//     each request's rows to its slot up to its KV length.
+//     each request's rows to its slot up to its KV length with the fused kernel (fused_attention.h:
+//     no GEMM, float32 accumulation in a fixed order, each row computed alone).
+// dartree_native::slot_attention_aten(same arguments) -> the same, by the ATen calls of the Python body
+//     (bitwise the Python body's output; the reference of the fused kernel).
 // dartree_native::int4_mm(x [M, K], packed, group_size, scale_zeros) -> [M, N]: torch's int4 CPU kernel
 //     (aten::_weight_int4pack_mm_for_cpu) as one op of a compiled graph (services/q4_weights.py Int4Linear).
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
+
+#include "fused_attention.h"
 
 #include <stdexcept>
 #include <vector>
@@ -91,7 +97,7 @@ void clear_step() {
   state.biases.clear();
 }
 
-at::Tensor slot_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+at::Tensor slot_attention_aten(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           const at::Tensor& layer, double scaling) {
   if (!state.active) throw std::runtime_error("dartree_native::slot_attention outside a step");
   const int64_t l = layer.item<int64_t>();
@@ -116,6 +122,55 @@ at::Tensor slot_attention(const at::Tensor& query, const at::Tensor& key, const 
   return out.transpose(1, 2).contiguous();
 }
 
+// SlotKVCache.write_read's writes: each request's K/V rows [1, H_kv, rows, Dh] into columns start.. of its slot.
+void write_rows(const at::Tensor& cache, const at::Tensor& rows, int64_t a, int64_t b, int64_t slot, int64_t start) {
+  cache.select(0, slot).slice(1, start, start + (b - a)).copy_(rows.select(0, 0).slice(1, a, b));
+}
+
+template <typename T>
+void fused(const at::Tensor& query, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+           const std::vector<dartree_fused::Request>& reqs, double scaling) {
+  dartree_fused::Views<T> w{query.const_data_ptr<T>(), query.stride(1), query.stride(2),
+                            k.const_data_ptr<T>(), v.const_data_ptr<T>(), k.stride(0), k.stride(1), k.stride(2),
+                            out.mutable_data_ptr<T>(), query.size(1), k.size(1), query.size(3),
+                            static_cast<float>(scaling)};
+  dartree_fused::attend_all(w, reqs);
+}
+
+// The fused kernel (fused_attention.h) over the active step: the slot writes, then every request's rows.
+at::Tensor slot_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const at::Tensor& layer, double scaling) {
+  if (!state.active) throw std::runtime_error("dartree_native::slot_attention outside a step");
+  const int64_t l = layer.item<int64_t>();
+  if (l < 0 || l >= static_cast<int64_t>(state.keys.size())) throw std::out_of_range("slot_attention: layer");
+  const at::Tensor &k = state.keys[l], &v = state.values[l];
+  TORCH_CHECK(query.dim() == 4 && query.size(0) == 1 && key.dim() == 4 && query.size(3) == k.size(3) &&
+                  query.size(1) % k.size(1) == 0 && query.size(3) % dartree_fused::kLanes == 0 && query.scalar_type() == k.scalar_type() &&
+                  key.scalar_type() == k.scalar_type() && query.stride(3) == 1 && k.stride(3) == 1 &&
+                  v.strides() == k.strides(),
+              "dartree_native::slot_attention: query ", query.sizes(), " ", query.scalar_type(), " against a cache ",
+              k.sizes(), " ", k.scalar_type());
+  std::vector<dartree_fused::Request> reqs;
+  for (size_t i = 0; i < state.biases.size(); ++i) {
+    const int64_t* p = state.parts.data() + 5 * i;
+    const at::Tensor& bias = state.biases[i];
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.dim() == 2 && bias.stride(1) == 1 &&
+                    bias.size(0) >= p[1] - p[0] && bias.size(1) == p[4] && p[4] <= k.size(2) && p[1] <= query.size(2),
+                "dartree_native::slot_attention: request ", i, " bias ", bias.sizes(), " for its parts");
+    write_rows(k, key, p[0], p[1], p[2], p[3]);
+    write_rows(v, value, p[0], p[1], p[2], p[3]);
+    reqs.push_back({p[0], p[1] - p[0], p[2], p[3], p[4], bias.const_data_ptr<float>(), bias.stride(0)});
+  }
+  at::Tensor out = at::empty({1, query.size(2), query.size(1), query.size(3)}, query.options());
+  switch (query.scalar_type()) {
+    case at::kBFloat16: fused<c10::BFloat16>(query, k, v, out, reqs, scaling); break;
+    case at::kHalf: fused<c10::Half>(query, k, v, out, reqs, scaling); break;
+    case at::kFloat: fused<float>(query, k, v, out, reqs, scaling); break;
+    default: TORCH_CHECK(false, "dartree_native::slot_attention: no kernel for ", query.scalar_type());
+  }
+  return out;
+}
+
 // The int4 CPU kernel with its group size as an int: the call quantized::int4mm_packed_weight_cpu
 // makes after reading the group size from a tensor (one item() a call, 124 calls a q4 step).
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& packed, int64_t group_size,
@@ -131,6 +186,8 @@ TORCH_LIBRARY(dartree_native, m) {
   m.def("clear_step() -> ()", &clear_step);
   m.def("slot_attention(Tensor query, Tensor key, Tensor value, Tensor layer, float scaling) -> Tensor");
   m.impl("slot_attention", c10::DispatchKey::CPU, TORCH_FN(slot_attention));
+  m.def("slot_attention_aten(Tensor query, Tensor key, Tensor value, Tensor layer, float scaling) -> Tensor");
+  m.impl("slot_attention_aten", c10::DispatchKey::CPU, TORCH_FN(slot_attention_aten));
   m.def("int4_mm(Tensor x, Tensor packed, int group_size, Tensor scale_zeros) -> Tensor");
   m.impl("int4_mm", c10::DispatchKey::CPU, TORCH_FN(int4_mm));
 }

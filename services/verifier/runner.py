@@ -14,8 +14,9 @@ torch's CPU SDPA for few rows at long contexts, and row invariant: its module do
 ``DARTREE_GROUPED_ATTENTION=0`` switches it off), elsewhere ``F.scaled_dot_product_attention``.
 Attention work therefore scales with each request's own context (rounded up to ``kv_bucket``),
 never with the configured capacity. Compiled lean steps on the grouped path run the whole per-layer
-call as the C++ operator ``dartree_native::slot_attention`` (:mod:`services.verifier.native`: the same
-ATen calls on the same views, so the same bits, without the interpreter) when it is built. A
+call as the C++ operator ``dartree_native::slot_attention`` (:mod:`services.verifier.native`: a fused
+kernel, each row in float32 in a fixed order, within a bfloat16 ulp of the Python body and row
+invariant by construction) when it is built. A
 forward without step metadata (the HF reference paths of :class:`TargetModel`) falls through to
 transformers' SDPA.
 
@@ -163,10 +164,17 @@ def _compiled_lean_attention(layer: Tensor, query: Tensor, key: Tensor, value: T
 
 
 def _native_lean_attention(layer: Tensor, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
-    """The compiled lean step's slot attention as the C++ operator ``dartree_native::slot_attention``
-    (:mod:`services.verifier.native`: the same ATen calls as :func:`_compiled_lean_attention`'s body,
-    so the same bits, without the interpreter); ``[1, R, Hq, Dh]``."""
+    """The compiled lean step's slot attention as the fused C++ kernel ``dartree_native::slot_attention``
+    (:mod:`services.verifier.native`: one call per layer, no GEMM, each row accumulated in float32 in a
+    fixed order, so row and batch invariant by construction); ``[1, R, Hq, Dh]``."""
     return torch.ops.dartree_native.slot_attention(query, key, value, layer, scaling)
+
+
+def _native_aten_lean_attention(layer: Tensor, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
+    """The compiled lean step's slot attention as ``dartree_native::slot_attention_aten`` (the same ATen
+    calls as :func:`_compiled_lean_attention`'s body, so the same bits, without the interpreter;
+    ``DARTREE_NATIVE_ATTENTION=aten``); ``[1, R, Hq, Dh]``."""
+    return torch.ops.dartree_native.slot_attention_aten(query, key, value, layer, scaling)
 
 
 _NATIVE = threading.local()  # .cache: the SlotKVCache the native op of this thread holds (a reference)
@@ -333,8 +341,11 @@ class ModelRunner:
         # the native slot attention (services.verifier.native): compiled lean steps on the grouped path
         self.native = bool(self.compiled and lean and use_grouped(target.dtype, target.device) and native.load(build=True))
         if self.compiled and lean:
-            self.lean = LeanLlamaStep(target.model, _native_lean_attention if self.native else _compiled_lean_attention,
-                                      target._taps, target.target_layer_ids, compiled=True)
+            attention = _compiled_lean_attention
+            if self.native:  # the fused kernel where it serves the head dim, else the ATen-call op
+                fused = native.FUSED and native.fused_head_dim(self.cache.keys[0].shape[-1])
+                attention = _native_lean_attention if fused else _native_aten_lean_attention
+            self.lean = LeanLlamaStep(target.model, attention, target._taps, target.target_layer_ids, compiled=True)
             # no size/stride asserts in the generated code: dynamo's guards already check every input,
             # and the asserts cost ~1,100 calls a step (each of the 30 layer calls checks its weights)
             self._lean_call = torch.compile(_private_frame(self.lean.__call__), options={

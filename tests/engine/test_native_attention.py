@@ -1,11 +1,12 @@
-"""The native slot attention (``dartree_native::slot_attention``, :mod:`services.verifier.native`)
-against the Python body it replaces (:func:`services.verifier.runner._slot_attention_eager`).
+"""The ATen-call native slot attention (``dartree_native::slot_attention_aten``,
+:mod:`services.verifier.native`) against the Python body it replaces
+(:func:`services.verifier.runner._slot_attention_eager`); the fused kernel is
+tests/engine/test_fused_attention.py's.
 
 Same inputs, same cache: the outputs and the cache written must be bitwise equal, for steps of one
 ``ar`` row, several requests with tree masks, a prompt chunk of more than 32 rows (the row
-blocks) and a KV length past 1,024 columns (the column blocks). Then a compiled tiny q4-style runner
-(bfloat16) with the native op gives the tokens the Python op gives. Skipped where no C++ compiler
-can build the library.
+blocks) and a KV length past 1,024 columns (the column blocks). Skipped where no C++ compiler can
+build the library.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _python(cache, p, parts, layer, q, k, v):
 def _native(cache, parts, layer, q, k, v):
     R._native_step(cache, parts)
     try:
-        return torch.ops.dartree_native.slot_attention(q, k, v, torch.tensor(layer), DH ** -0.5)
+        return torch.ops.dartree_native.slot_attention_aten(q, k, v, torch.tensor(layer), DH ** -0.5)
     finally:
         torch.ops.dartree_native.clear_step()
 
@@ -108,8 +109,9 @@ def test_outside_a_step_the_native_op_refuses():
     q = torch.zeros(1, HQ, 1, DH, dtype=torch.bfloat16)
     kv = torch.zeros(1, HKV, 1, DH, dtype=torch.bfloat16)
     torch.ops.dartree_native.clear_step()
-    with pytest.raises(RuntimeError, match="outside a step"):
-        torch.ops.dartree_native.slot_attention(q, kv, kv, torch.tensor(0), 0.125)
+    for op in (torch.ops.dartree_native.slot_attention, torch.ops.dartree_native.slot_attention_aten):
+        with pytest.raises(RuntimeError, match="outside a step"):
+            op(q, kv, kv, torch.tensor(0), 0.125)
 
 
 def test_a_new_cache_is_handed_over_even_when_an_old_one_had_its_id():
