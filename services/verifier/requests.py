@@ -238,7 +238,8 @@ def commit_path(req: RequestState, rows: list[int], bonus: int, row_ids: list[in
 def commit_prefill(req: RequestState, logits: torch.Tensor, eos_token_ids, with_drafter: bool) -> tuple[list[int], str | None]:
     """The prompt is in: sample the first token from the prompt's last row (``logits [1, V]``),
     commit it, and hand the drafter outbox the prompt. Returns ``(emitted ids, finish_reason)``."""
-    first = int(req.sampler.sample(logits, torch.tensor([len(req.prompt_ids)]))[0])
+    n = len(req.prompt_ids)
+    first = int(req.sampler.sample(logits, torch.tensor([n]), host_positions=[n])[0])  # its one read
     req.start, req.root = len(req.prompt_ids), first
     req.drafts.after_prefill(req.prompt_ids, with_drafter)
     req.hist_ids = list(req.prompt_ids)

@@ -13,10 +13,13 @@ lists it already holds. The tokens, KV and histories are those of the host path
 (:func:`~services.verifier.requests.commit_round`: a per-request host walk and per-slot commit).
 
 Which rounds read what: every decode round takes this path when the engine's ``device_walk`` is on
-(the default); rounds with a grammar build their masks from host-side tree lists (no device read);
-penalty rounds build their per-path counts from the host-built tree mask (no device read). The
-uniforms of T > 0 rows are made from host lists before the copy. Prompt chunks are not rounds: the
-last one samples its first token on its own read.
+(the default; ``StepStats.device_rounds`` and the ``dartree_verifier_rounds_total{walk=...}`` metric
+count them), greedy and T > 0 alike (the uniforms of T > 0 rows are made from host lists). Rounds
+with a grammar build their masks from host-side tree lists (no device read). Rounds with
+``repetition_penalty`` / ``frequency_penalty`` / ``presence_penalty`` read once more: the penalties
+pick the columns they change with a ``nonzero`` (:func:`~services.tree.logit_processors.process_logits`).
+Logprobs, when asked, are read after the copy. Prompt chunks are not rounds: the last one samples
+its first token on its own read.
 """
 
 from __future__ import annotations
