@@ -103,6 +103,8 @@ DRAFTER_CONTEXTS = "dartree_drafter_contexts"
 STEP_REQUESTS = "dartree_step_requests"
 STEP_ROWS = "dartree_step_rows"
 GRAPH_EAGER_STEPS = "dartree_graph_eager_steps_total"
+ROUND_WALKS = "dartree_verifier_rounds_total"
+ROUND_READS = "dartree_verifier_round_reads_total"
 PREFILL_CHUNK_TOKENS = "dartree_prefill_chunk_tokens_total"
 DRAFTER_WAIT = "dartree_verifier_drafter_wait_seconds_total"
 DRAFTER_BUSY = "dartree_verifier_drafter_busy_seconds_total"
@@ -232,6 +234,10 @@ class VerifierMetrics:
         self.graph_eager_steps = Counter(GRAPH_EAGER_STEPS, "Padded steps run eagerly (uncaptured) because their "
                                          "bucket was past the CUDA graphs captured.", registry=r)
         self._graph_eager_seen = 0
+        self.round_walks = Counter(ROUND_WALKS, "Decode rounds by where their accept walk and KV commit ran (device: "
+                                   "batched per step; host: per request).", ["walk"], registry=r)
+        self.round_reads = Counter(ROUND_READS, "Device-to-host copies of committed rounds (one per step on the "
+                                   "device walk).", registry=r)
         self.prefill_chunk_tokens = Counter(PREFILL_CHUNK_TOKENS, "Prompt tokens prefilled inside batched steps.",
                                             registry=r)
         self.drafter_wait = Counter(DRAFTER_WAIT, "Seconds the verifier's steps waited for drafts.", registry=r)

@@ -92,7 +92,7 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def position_uniforms(seed: int, positions: Tensor) -> Tensor:
+def position_uniforms(seed: int, positions: Tensor | list[int]) -> Tensor:
     """Counter-based uniforms: entry i is a function of ``(seed, positions[i])`` alone.
 
     The ``t``-th output of a SplitMix64 stream keyed by the mixed seed, reduced to 24 bits (exact in
@@ -100,15 +100,20 @@ def position_uniforms(seed: int, positions: Tensor) -> Tensor:
 
     Args:
         seed: any int (taken modulo 2**64, so the API's signed 64-bit range maps one to one).
-        positions: ``[R]`` long absolute token positions (>= 0).
+        positions: ``[R]`` long absolute token positions (>= 0), or the same as a list of ints (then
+            no tensor value is read: the engine's device rounds pass host lists).
     Returns:
         ``[R]`` float32 on the CPU, values in ``[0, 1)`` in steps of 2**-24.
     """
-    assert positions.ndim == 1, "positions must be [R]"
+    if isinstance(positions, Tensor):
+        assert positions.ndim == 1, "positions must be [R]"
+        positions = positions.cpu().tolist()
     key = _mix64((seed + _GOLDEN64) & _MASK64)
-    uniq, inverse = torch.unique(positions.cpu(), return_inverse=True)
-    vals = [(_mix64((key + (int(t) + 1) * _GOLDEN64) & _MASK64) >> 40) * 2.0**-24 for t in uniq.tolist()]
-    return torch.tensor(vals, dtype=torch.float32)[inverse]
+    memo: dict[int, float] = {}
+    for t in positions:
+        if t not in memo:
+            memo[t] = (_mix64((key + (int(t) + 1) * _GOLDEN64) & _MASK64) >> 40) * 2.0**-24
+    return torch.tensor([memo[t] for t in positions], dtype=torch.float32)
 
 
 # the smallest positive normal float32: a temperature below it rounds to 0 (or a subnormal) in the

@@ -113,7 +113,7 @@ def _prune_settled(scs: list[Tensor], deps: list[Tensor], B: int, beta: float, d
 
 def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 64, W: int = 12, B: int = 64,
             beta: float = -0.2, variant: str = "pruned", pure_draft_prefix_len: int = 1,
-            max_depth: int | None = None) -> DraftTree:
+            max_depth: int | None = None, sync_free: bool | None = None) -> DraftTree:
     """Build a DARTree: depth-by-depth batched correction over shared top-K candidates.
 
     Per depth ``d`` (slot ``d - 1``): score every frontier node's K candidates in one scorer call,
@@ -125,6 +125,12 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
     computed on first use and no state is advanced after the last depth built (same tree: B = 1
     under a one-slot prefix calls no scorer at all).
 
+    Every shape in the depth loop is fixed by ``(K, W, B, D)`` (frontier ``P <= W`` rows, quota
+    children per depth), so the loop runs on the logits' device. With ``sync_free`` it reads no
+    device value at all: the early stop (a host read per depth) is left out, so every depth up to
+    ``min(D, B)`` is built (the same tree, Lemma 1), the final top-B prune runs on the device, and
+    the tree comes to the host in one copy.
+
     Args:
         base_logits: ``[D, V]`` drafter backbone logits (slot s predicts depth s + 1).
         scorer: correction head (:class:`TreeScorer`).
@@ -132,6 +138,8 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
         K, W, B, beta, variant: as in the paper (defaults 64, 12, 64, -0.2, "pruned").
         pure_draft_prefix_len: leading slots scored by base logits alone (Domino: 1).
         max_depth: optional cap on the depth (context-window limits); default ``D``.
+        sync_free: build without host reads (above); None = when the logits are not on the CPU (on
+            the CPU a read costs nothing and the early stop saves scorer calls).
     Returns:
         :class:`DraftTree` in BFS order (depth-major, descending path score within a depth).
     Raises:
@@ -147,6 +155,7 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
     # frontier states [P, S]; None = the root's, computed on first use: a tree that stops before any
     # corrected slot or any child's state is needed (B = 1 under the Domino prefix) runs no scorer
     states: Tensor | None = None
+    sync_free = dev.type != "cpu" if sync_free is None else sync_free
     frontier_scores = torch.zeros(1, device=dev)
     frontier_nodes = torch.tensor([-1], device=dev)
     toks, pars, deps, scs = [], [], [], []
@@ -172,16 +181,47 @@ def dartree(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 6
         created += order.numel()
         # the last depth built: no child state is needed (the fixed variant's next quota would be 0)
         if depth == depth_max or (variant == "fixed" and created >= B) or (
-                variant == "pruned" and created >= B and _prune_settled(scs, deps, B, beta, depth)):
+                variant == "pruned" and created >= B and not sync_free and _prune_settled(scs, deps, B, beta, depth)):
             break
         states = scorer.advance((scorer.root_state(root_token) if states is None else states)[pidx], child_tokens)
     if not toks:
         return DraftTree.empty()
+    prune = B if variant == "pruned" and created > B else None
+    if sync_free:
+        return _tree_in_one_copy(torch.cat(toks), torch.cat(pars), torch.cat(deps), torch.cat(scs), prune, beta)
     tree = DraftTree(torch.cat(toks).long().cpu(), torch.cat(pars).long().cpu(), torch.cat(deps).cpu(),
                      torch.cat(scs).float().cpu())
-    if variant == "pruned" and tree.num_nodes > B:
+    if prune is not None:
         tree = select_nodes(tree, top_b(tree.scores, tree.depths, B, beta))
     return tree
+
+
+def _tree_in_one_copy(toks: Tensor, pars: Tensor, deps: Tensor, scs: Tensor, prune: int | None,
+                      beta: float) -> DraftTree:
+    """The built nodes (``[N]`` each, on their device) as a :class:`DraftTree` on the host, cut to the
+    top-``prune`` (:func:`top_b`, None: all kept) on the device and read with ONE device-to-host copy
+    (float64 holds the ids and the float32 scores exactly).
+
+    Raises:
+        ValueError: the kept set is not prefix-closed (as :func:`select_nodes`).
+    """
+    closed = torch.ones((), dtype=torch.bool, device=toks.device)
+    if prune is not None:
+        keep = top_b(scs, deps, prune, beta)  # [B] ascending
+        remap = torch.full((toks.numel(),), -1, dtype=torch.long, device=toks.device)
+        remap[keep] = torch.arange(keep.numel(), device=toks.device)
+        old_par = pars[keep]
+        new_par = torch.where(old_par < 0, old_par, remap[old_par.clamp(min=0)])
+        closed = ~((old_par >= 0) & (new_par < 0)).any()
+        toks, pars, deps, scs = toks[keep], new_par, deps[keep], scs[keep]
+    n = toks.numel()
+    packed = torch.cat([torch.stack([toks.double(), pars.double(), deps.double(), scs.float().double()]).flatten(),
+                        closed.double()[None]])
+    host = packed.tolist()  # the build's one device-to-host copy
+    if not host[-1]:
+        raise ValueError("selected node set is not prefix-closed")
+    col = lambda i, dtype: torch.tensor(host[i * n:(i + 1) * n], dtype=dtype)  # noqa: E731
+    return DraftTree(col(0, torch.long), col(1, torch.long), col(2, torch.long), col(3, torch.float32))
 
 
 def dartree_reference(base_logits: Tensor, scorer: TreeScorer, root_token: int, K: int = 64, W: int = 12,

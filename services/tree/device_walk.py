@@ -47,7 +47,7 @@ class SegmentWalk:
 def unpack_walk(packed: Tensor) -> list[tuple[list[int], int]]:
     """Per segment ``(accepted_rows, bonus_token)`` from :meth:`SegmentWalk.packed` (moves it to the
     host once). ``accepted_rows`` are segment-local, root (0) first."""
-    rows = packed.cpu().tolist()
+    rows = packed.tolist()  # one device-to-host copy
     return [(r[2:3 + r[0]], r[1]) for r in rows]
 
 

@@ -93,7 +93,8 @@ def path_counts(output_counts: Tensor, input_ids: Tensor, tree_mask: Tensor) -> 
     assert tree_mask.shape == (r, r), "tree_mask must be [R, R]"
     dev = output_counts.device
     counts = output_counts.float()[None, :].expand(r, -1).clone()  # [R, V]
-    rows, cols = tree_mask[:, 1:].to(dev).nonzero(as_tuple=True)  # root column skipped: already counted
+    # root column skipped (already counted); the nonzero runs where the mask is (host-built: no device sync)
+    rows, cols = (t.to(dev) for t in tree_mask[:, 1:].nonzero(as_tuple=True))
     toks = input_ids.to(dev)[1:][cols]
     counts.index_put_((rows, toks), torch.ones(rows.numel(), dtype=counts.dtype, device=dev), accumulate=True)
     return counts

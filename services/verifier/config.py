@@ -56,6 +56,10 @@ class EngineConfig:
             conversation): it takes the free slot sharing the longest prefix with its prompt, or copies
             the leading columns another slot has committed, or waits for a request prefilling the same
             prompt. Same tokens as a cold prefill, speculation included. False: every prompt is prefilled.
+        device_walk: commit a step's decode rounds on the device: one batched accept walk, one KV
+            compaction of every accepted path, and one device-to-host copy of the committed tokens
+            per step (:mod:`services.verifier.step_commit`); False: each round walks on the host and
+            commits its own KV (the reference; same tokens). Not a command-line setting.
     """
 
     max_context: int | None = None
@@ -67,6 +71,7 @@ class EngineConfig:
     compile: bool | None = False
     cuda_graphs: bool | None = None
     prefix_cache: bool = True
+    device_walk: bool = field(default=True, metadata={"flag": False})
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_chunk", "max_step_tokens", "kv_bucket"):

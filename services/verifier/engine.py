@@ -36,6 +36,7 @@ from services.verifier.runner import ModelRunner
 from services.verifier.sampling import (Sampler, TokenLogprobs, compile_grammar, grammar_tokenizer,  # noqa: F401
                                         token_logprobs)
 from services.verifier.scheduler import Candidate, RoundInfo, StepPlan, make_plan
+from services.verifier.step_commit import DeviceRound, HostReads, commit_rounds
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class _Planned:
     drafted: bool = False              # the drafter was called (or its overlapped draft collected)
     skipped: bool = False              # the plan gave a drafting method a plain round
     predicted_tau: float | None = None
+    row_ids: list[int] = field(default_factory=list)      # buffers.input_ids, read before the forward
+    row_offsets: list[int] = field(default_factory=list)  # buffers.position_offsets, likewise
 
 
 class SpecEngine:
@@ -101,6 +104,7 @@ class SpecEngine:
         self.runner.cache.prefix.enabled = bool(config.prefix_cache)
         self._reqs: dict[str, RequestState] = {}
         self.last_step = StepStats()
+        self.round_reads = HostReads()  # device-to-host copies of committed rounds (one per step)
         self.drafts = DrafterLink(drafter, self.draft_depth)
         self._next_jobs: list[tuple[RequestState, DraftJob]] = []
 
@@ -299,21 +303,26 @@ class SpecEngine:
         if not items:  # every round failed its draft: an empty step
             self.last_step = StepStats()
             return results
+        reads = self.round_reads.count
         self._execute(items, results)
         prefix_cache.resolve_waits(self.runner.cache, self._reqs, self.drafter is not None)  # before an admission
-        self.last_step = self._stats(items, infos, submit_wait, time.perf_counter() - t_step)
+        self.last_step = self._stats(items, infos, submit_wait, time.perf_counter() - t_step,
+                                     self.round_reads.count - reads)
         self.policy.observe_step(self.last_step)
         return results
 
     def _stats(self, items: list[_Planned], infos: dict[str, RoundInfo], submit_wait: float,
-               wall: float) -> StepStats:
-        """The step's :class:`StepStats` (``submit_wait``: the drafter submission; ``wall``: the step)."""
+               wall: float, reads: int) -> StepStats:
+        """The step's :class:`StepStats` (``submit_wait``: the drafter submission; ``wall``: the step;
+        ``reads``: its device-to-host copies of committed rounds)."""
+        decoding = sum(1 for p in items if p.buffers is not None)
         draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in items)
         wait_s = submit_wait + sum(p.timings.get("draft_wait", 0.0) for p in items)
         return StepStats(len(items), sum(p.segment.num_rows for p in items),
                          sum(p.segment.num_rows for p in items if p.buffers is None),
                          items[0].timings["verify"], draft_s, wait_s,
-                         decoding=sum(1 for p in items if p.buffers is not None),
+                         decoding=decoding, device_rounds=decoding if self.config.device_walk else 0,
+                         round_reads=reads,
                          drafting=sum(1 for p in items if p.drafted),
                          draft_owed=sum(infos[p.rid].owed for p in items if p.drafted),
                          speculating=sum(1 for p in items if p.tree is not None and p.tree.num_nodes),
@@ -355,6 +364,7 @@ class SpecEngine:
                 p.buffers = b = derive_buffers(p.tree, p.req.root)
                 p.segment = Segment(b.input_ids, b.position_offsets, b.tree_mask, p.req.start, p.req.slot,
                                     b.parent_rows)
+                p.row_ids, p.row_offsets = b.input_ids.tolist(), b.position_offsets.tolist()  # host tensors
         return items
 
     @staticmethod
@@ -372,9 +382,10 @@ class SpecEngine:
         or failed request is freed), then the overlapped next drafts as one submission."""
         self._next_jobs = []
         out = self._forward(items)
+        committed = self._commit_on_device(items, out) if self.config.device_walk else {}
         for item, (logits, feats) in zip(items, out):
             try:
-                results[item.rid] = self._finish(item, logits, feats)
+                results[item.rid] = self._finish(item, logits, feats, committed.get(item.rid))
             except Exception as exc:
                 self.abort(item.rid)
                 results[item.rid] = exc
@@ -382,6 +393,22 @@ class SpecEngine:
             if isinstance(results[item.rid], RoundOutput) and results[item.rid].finish_reason is not None:
                 self._release(item.rid, keep=True)
         self.drafts.submit(self._next_jobs)
+
+    def _commit_on_device(self, items: list[_Planned], out: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+        """Every decode round of the step sampled, walked and committed on the device with one
+        device-to-host copy (:func:`services.verifier.step_commit.commit_rounds`): per request id,
+        its :class:`~services.verifier.requests.Committed` or the exception its round raised."""
+        flags = lambda p: (p.skipped, p.drafted, self.drafter is not None)  # noqa: E731
+        rounds = [(p, DeviceRound(p.req, p.buffers, p.row_ids, p.row_offsets, logits, feats, flags(p)))
+                  for p, (logits, feats) in zip(items, out) if p.buffers is not None]
+        if not rounds:
+            return {}
+        t0 = time.perf_counter()
+        done = commit_rounds([r for _, r in rounds], self.runner.cache, self.eos_token_ids, self.round_reads)
+        secs = (time.perf_counter() - t0) / len(rounds)  # the step's walk and compaction, shared evenly
+        for p, _ in rounds:
+            p.timings["_commit"] = secs
+        return {p.rid: c for (p, _), c in zip(rounds, done)}
 
     def _forward(self, plan: list[_Planned]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The step's one target forward: ``(logits [rows needing logits, V], features [R_i, F])`` per item."""
@@ -412,15 +439,20 @@ class SpecEngine:
             if knobs is not None:
                 self._next_jobs.append((req, self.drafts.job(rid, req, knobs)))
 
-    def _finish(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
-        """Per request after the forward: the first token of a finished prefill, or walk + commit + emit."""
+    def _finish(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor, c=None) -> RoundOutput | None:
+        """Per request after the forward: the first token of a finished prefill, or commit + emit (``c``:
+        the round committed on the device, a :class:`Committed` or the exception it raised; None: walk
+        and commit on the host now, :func:`commit_round`)."""
         req = item.req
         if item.buffers is None:
             return self._finish_chunk(item, logits, feats)
-        t2 = time.perf_counter()
+        if isinstance(c, BaseException):
+            raise c
+        t2 = time.perf_counter() - item.timings.pop("_commit", 0.0)
         timings = item.timings
-        c = commit_round(req, item.buffers, logits, feats, self.runner.cache, self.eos_token_ids, item.skipped,
-                         item.drafted, self.drafter is not None)
+        if c is None:
+            c = commit_round(req, item.buffers, logits, feats, self.runner.cache, self.eos_token_ids, item.skipped,
+                             item.drafted, self.drafter is not None)
         if req.sampler.processes:
             timings["sampling"] = c.sampling_seconds  # logit processors + grammar masks + sampling
         self.policy.observe_round(item.rid, c.path)

@@ -77,7 +77,9 @@ class StepStats:
         the drafter; speculating: those that verified >= 1 draft node; wall_seconds: the whole step
         (draft, forward, walk, commit); predicted_seconds: the policy's prediction of wall_seconds
         (None for the fixed policy); draft_owed: context tokens the drafting requests' drafters had
-        not seen before this step's drafts (their catch-up).
+        not seen before this step's drafts (their catch-up); device_rounds: decode rounds committed
+        on the device (:mod:`services.verifier.step_commit`; the others walked on the host);
+        round_reads: device-to-host copies of those rounds' outcome (1 when any ran).
     """
 
     requests: int = 0
@@ -92,6 +94,8 @@ class StepStats:
     wall_seconds: float = 0.0
     predicted_seconds: float | None = None
     draft_owed: int = 0
+    device_rounds: int = 0
+    round_reads: int = 0
 
 
 @dataclass
@@ -187,9 +191,11 @@ class Committed:
 
 def commit_round(req: RequestState, buffers, logits: torch.Tensor, feats: torch.Tensor, cache, eos_token_ids,
                  skipped: bool, drafted: bool, with_drafter: bool) -> Committed:
-    """One decode round after the forward: sample every verify row (``logits [R, V]``), walk the
-    tree, commit the accepted path's KV (``cache``) and tokens, and add the committed positions
-    (features ``feats [R, F]``) to the request's history and drafter outbox.
+    """One decode round after the forward on the host path: sample every verify row (``logits
+    [R, V]``), walk the tree on the host (:func:`~services.tree.walk`), commit the accepted path's
+    KV (``cache``, :meth:`~services.verifier.kv_cache.SlotKVCache.commit`) and tokens, and add the
+    committed positions (features ``feats [R, F]``) to the request's history and drafter outbox.
+    :func:`services.verifier.step_commit.commit_rounds` does the same for a whole step on the device.
 
     Args:
         buffers: the round's verify buffers; skipped: the plan gave a drafting method a plain round;
@@ -200,24 +206,40 @@ def commit_round(req: RequestState, buffers, logits: torch.Tensor, feats: torch.
     sampled = time.perf_counter() - t0
     res = walk(buffers, target_tokens.cpu())
     cache.commit(req.slot, req.start, res.accepted_rows)
-    rows = res.accepted_rows
-    accepted = buffers.input_ids[rows[1:]].tolist()
-    path = accepted + [res.bonus_token]
+    return commit_path(req, res.accepted_rows.tolist(), res.bonus_token, buffers.input_ids.tolist(), feats,
+                       eos_token_ids, (skipped, drafted, with_drafter), sampled)
+
+
+def commit_path(req: RequestState, rows: list[int], bonus: int, row_ids: list[int], feats: torch.Tensor,
+                eos_token_ids, flags: tuple[bool, bool, bool], sampled: float = 0.0) -> Committed:
+    """The host side of a round whose accepted path is known (its KV already committed): commit
+    the tokens (:func:`commit_tokens`) and add the committed positions to the request's history and
+    drafter outbox. Reads no tensor value.
+
+    Args:
+        rows: the accepted path's verify rows, root (0) first; bonus: the target's token after it;
+        row_ids: the verify rows' tokens (root first), as a list; feats: ``[R, F]`` the round's
+        features; flags: ``(skipped, drafted, with_drafter)`` as in :func:`commit_round`;
+        sampled: seconds the sampling took.
+    """
+    skipped, drafted, with_drafter = flags
+    new_ids = [row_ids[r] for r in rows]
+    path = new_ids[1:] + [bonus]
     ids, finish = commit_tokens(req, path, eos_token_ids)
     req.sampler.count(ids)
-    new_ids = buffers.input_ids[rows].tolist()
     resend = not drafted and req.method.drafts and with_drafter  # a plain round the drafter never heard of
-    req.drafts.after_round(new_ids, feats[rows.to(feats.device)], skipped, resend, with_drafter)
+    req.drafts.after_round(new_ids, feats[torch.tensor(rows, device=feats.device)], skipped, resend, with_drafter)
     req.hist_ids.extend(new_ids)
     req.start += len(new_ids)
-    req.root = res.bonus_token
-    return Committed(ids, finish, path, len(accepted), rows, sampled)
+    req.root = bonus
+    return Committed(ids, finish, path, len(rows) - 1, torch.tensor(rows, dtype=torch.long), sampled)
 
 
 def commit_prefill(req: RequestState, logits: torch.Tensor, eos_token_ids, with_drafter: bool) -> tuple[list[int], str | None]:
     """The prompt is in: sample the first token from the prompt's last row (``logits [1, V]``),
     commit it, and hand the drafter outbox the prompt. Returns ``(emitted ids, finish_reason)``."""
-    first = int(req.sampler.sample(logits, torch.tensor([len(req.prompt_ids)]))[0])
+    n = len(req.prompt_ids)
+    first = int(req.sampler.sample(logits, torch.tensor([n]), host_positions=[n])[0])  # its one read
     req.start, req.root = len(req.prompt_ids), first
     req.drafts.after_prefill(req.prompt_ids, with_drafter)
     req.hist_ids = list(req.prompt_ids)

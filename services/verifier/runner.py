@@ -192,16 +192,18 @@ def _native_step(cache: SlotKVCache, parts: list[tuple]) -> None:
     torch.ops.dartree_native.set_step([x for part in parts for x in part[:5]], [part[6] for part in parts])
 
 
-def _request_parts(p: PackedRows, groups: int, dtype: torch.dtype) -> list[tuple]:
+def _request_parts(p: PackedRows, groups: int, dtype: torch.dtype, host: PackedRows | None = None) -> list[tuple]:
     """Per segment of ``p`` (unpadded): ``(first row, end row, slot, start, KV length, mask [1, 1, R_i, L_i],
     bias [G*R_i, L_i] or None)`` (``slot``, ``start``: ints; the segment's K/V rows go to columns
     ``start ..`` of its slot), the arguments of its attention call, equal to those of the segment's
     solo step (a :func:`pack_segments` of it alone; contiguous masks, like a solo step's). ``bias``
     (:func:`~services.verifier.attention.additive_mask`, made once per step for every layer) is set
     where the call runs :func:`~services.verifier.attention.grouped_attention` instead of SDPA
-    (:func:`~services.verifier.attention.use_grouped`); ``groups``: query heads per KV head."""
-    bounds = p.cu_rows.tolist()
-    slots, starts = p.slots.tolist(), p.starts.tolist()
+    (:func:`~services.verifier.attention.use_grouped`); ``groups``: query heads per KV head; ``host``:
+    ``p`` before it moved to the device (its row bounds, slots and starts are read there: no device read)."""
+    h = p if host is None else host
+    bounds = h.cu_rows.tolist()
+    slots, starts = h.slots.tolist(), h.starts.tolist()
     parts = []
     for i, length in enumerate(p.segment_kv_lengths):
         a, b = bounds[i], bounds[i + 1]
@@ -430,9 +432,9 @@ class ModelRunner:
         self.cache.prepare(p.slots.tolist(), p.kv_length)
         dev = self.target.device
         tree_parts = segment_parts(segments, p, dev) if self.tree_attention else None  # host lists: no sync
-        p = _to(p, dev)
+        host, p = p, _to(p, dev)
         keep, no_logits = self._keep(p, logit_rows)
-        parts = tree_parts or _request_parts(p, self.query_groups, self.target.dtype)
+        parts = tree_parts or _request_parts(p, self.query_groups, self.target.dtype, host)
         ids, pos = p.input_ids[None], p.positions[None]
         if self.compiled and ids.shape[1] > 1:  # one graph for every row count > 1 (1 row: its own)
             for t, dim in ((ids, 1), (pos, 1), (keep, 0)):

@@ -121,16 +121,20 @@ class Sampler:
         """Whether logits go through processors or a grammar mask before sampling."""
         return self.opts is not None or self.grammar is not None
 
-    def sample(self, logits: torch.Tensor, positions: torch.Tensor, buffers=None) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, positions: torch.Tensor, buffers=None,
+               host_positions: list[int] | None = None) -> torch.Tensor:
         """One token per row of ``logits [R, V]``; row i predicts the token at absolute position
         ``positions[i]`` (``[R]`` long) and, at T > 0, draws it with that position's uniform.
 
         With logit processors on, each row's logits are processed as if its path had been emitted
         token by token (``buffers``: the round's verify buffers; None for the prompt's last row). A
         grammar masks each row first, at its own path's state (services/tree/grammar.py).
+        ``host_positions``: ``positions`` as a list (the uniforms are then made without reading a
+        tensor); the tokens are the same.
         """
         s = self.params
-        u = None if s.temperature == 0 else position_uniforms(self.seed, positions)
+        u = None if s.temperature == 0 else position_uniforms(
+            self.seed, positions if host_positions is None else host_positions)
         if self.grammar is not None:
             if buffers is None:
                 allowed, self.grammar_masked = self.grammar.current_mask(), 0

@@ -329,6 +329,9 @@ class VerifierWorker:
         m.drafter_wait.inc(st.draft_wait_seconds)
         m.drafter_busy.inc(st.draft_seconds)
         m.step_seconds.observe(st.forward_seconds)
+        m.round_walks.labels(walk="device").inc(st.device_rounds)
+        m.round_walks.labels(walk="host").inc(st.decoding - st.device_rounds)
+        m.round_reads.inc(st.round_reads)
         if st.decoding:
             m.observe_policy_step(st.speculating, st.predicted_seconds, st.wall_seconds)
 
