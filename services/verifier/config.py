@@ -9,7 +9,7 @@ the sub-object: each of its fields is a flag of its own (``--max-running``, not
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from services.memory_plan import DEFAULT_MAX_RUNNING
 from services.protocol import METHODS
