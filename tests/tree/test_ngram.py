@@ -143,3 +143,17 @@ def test_ngram_drafts_add_within_allowance_and_count_hits():
     assert store.join("r", [7, 7], 2, 7, DraftTree.empty(), max_depth=8).num_nodes == 1  # a fresh history
     with pytest.raises(ValueError, match="ngram_nodes"):
         NgramDrafts(max_nodes=0)
+
+
+def test_the_switch_is_on_or_off_and_refused_with_eagle3():
+    from services.drafter.build import ngram_options
+    from services.drafter.worker import DrafterWorkerConfig
+    from services.testing import tiny_eagle3, tiny_target
+
+    assert DrafterWorkerConfig().ngram_draft == "off"
+    with pytest.raises(ValueError, match="ngram_draft must be 'on' or 'off'"):
+        DrafterWorkerConfig(ngram_draft="yes")
+    target = tiny_target("llama", vocab_size=64, hidden_size=32, num_layers=3, target_layer_ids=[0, 1, 2])
+    assert ngram_options(object(), False) == {} and ngram_options(object(), True) == {"ngram_nodes": 4}
+    with pytest.raises(ValueError, match="--ngram-draft on needs"):
+        ngram_options(tiny_eagle3(target), True)
