@@ -136,7 +136,8 @@ class DrafterService:
     K/V at a time, refilled as the block forward reaches each layer (eager), or every layer's
     (compiled: the graph takes a list).
     Raises:
-        ValueError: ``block_rows`` outside ``[2, block_size]``, ``spare_rows < 0``, ``context_chunk < 1``.
+        ValueError: ``block_rows`` outside ``[2, block_size]``, ``spare_rows < 0``, ``context_chunk < 1``,
+            ``ngram_nodes < 0``.
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
