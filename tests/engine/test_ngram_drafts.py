@@ -99,3 +99,24 @@ def test_batched_requests_keep_separate_histories(llama):
     for rid, p in prompts.items():
         assert out[rid] == greedy_reference(llama.model, p, N), rid
     assert svc.ngram.proposed > 0 and svc.num_contexts() == 0
+
+
+@pytest.mark.slow
+def test_smollm2_repeating_a_sentence_accepts_the_chain():
+    """SmolLM2-135M-Instruct with the shipped drafter, asked to repeat a sentence: the chains raise
+    tau (benchmarks/bench_ngram.py measured 1.33 -> 3.33) and the tokens do not change."""
+    import torch
+
+    from benchmarks.bench_ngram import SUMMARY, run
+    from services.drafter.ngram_drafts import NgramDrafts
+    from services.generate import build_inprocess, encode
+
+    engine, tok, _ = build_inprocess(None, None, torch.float32)
+    svc = engine.drafter.service
+    ids = encode(tok, SUMMARY, chat=True)
+    svc.ngram = None
+    off = run(engine, ids, 48, "off")
+    svc.ngram = NgramDrafts()
+    on = run(engine, ids, 48, "on")
+    assert on["tokens"] == off["tokens"]
+    assert on["tau"] >= off["tau"] + 0.5 and svc.ngram.accepted > 0
