@@ -45,6 +45,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--budget", type=int, default=8)
+    p.add_argument("--prompts", nargs="+", choices=list(PROMPTS), default=list(PROMPTS))
     a = p.parse_args()
     from services.drafter.ngram_drafts import NgramDrafts
     from services.generate import build_inprocess, encode
@@ -53,8 +54,8 @@ def main() -> None:
     defaults = TreeKnobs(budget=a.budget).filled_from(default_tree_knobs("cpu"))
     engine, tok, note = build_inprocess(None, None, torch.float32, defaults)
     svc = engine.drafter.service
-    for name, prompt in PROMPTS.items():
-        ids = encode(tok, prompt, chat=True)
+    for name in a.prompts:
+        ids = encode(tok, PROMPTS[name], chat=True)
         seen = {}
         for on in (False, True):
             svc.ngram = NgramDrafts() if on else None
