@@ -66,6 +66,9 @@ def _add_generate(sub) -> None:
                    help="goodput (default): each round's tree budget (0 = plain decoding) is chosen to maximise "
                         "tokens/s from calibrated acceptance and a measured cost model, --budget is its maximum; "
                         "fixed: every round verifies the whole tree of --budget")
+    p.add_argument("--ngram-draft", choices=("on", "off"), default="off",
+                   help="on: each drafted tree also gets a chain continuing the longest repeated 3- or 2-gram "
+                        "of the prompt and output (no drafter forward; pays where text repeats); default: off")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_generate)
 

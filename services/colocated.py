@@ -47,6 +47,8 @@ def inproc_drafter(drafter_config, epoch: str):
     info = drafter_info(service, target_dir, epoch, drafter_config.device,
                         make_transport(drafter_config.device, False))
     metrics = DrafterMetrics(drafter=info.model)
+    if getattr(service, "ngram", None) is not None:
+        metrics.track_ngram(service.ngram.counts)
     start_metrics_server(drafter_config.drafter_metrics_port, drafter_config.transport.metrics_host, metrics.registry)
     threads = drafter_config.drafter_threads or None
     client = InprocDrafterClient(service, metrics, threads=threads)

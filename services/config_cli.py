@@ -108,7 +108,7 @@ def _to_auto_bool(s: str) -> bool | None:
 
 # Fields whose values come from a fixed set (argparse ``choices``: a typo is a one-line error at start).
 CHOICES = {"dtype": DTYPES, "weights": WEIGHT_CHOICES, "default_method": METHODS, "spec_policy": POLICIES,
-           "json_whitespace": ("flexible", "compact"),
+           "json_whitespace": ("flexible", "compact"), "ngram_draft": ("on", "off"),
            "start_method": START_METHODS, "drafter_placement": DRAFTER_PLACEMENTS,
            "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")}
 UPPER_CASE = frozenset({"log_level"})  # fields whose values are read case-insensitively (stored upper-case)

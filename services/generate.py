@@ -17,7 +17,7 @@ from services.spec import Method
 
 def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torch.dtype, defaults=None,
                     packed_gemm: bool = True, weights: str | None = None, compile: bool | None = False,
-                    compile_drafter: bool | None = None, spec_policy: str = "fixed"):
+                    compile_drafter: bool | None = None, spec_policy: str = "fixed", ngram_draft: bool = False):
     """Load target + drafter in one process: ``(engine, tokenizer, drafter_note)``; the engine is
     assembled by :func:`services.verifier.build.build_engine`, as the verifier's is.
 
@@ -33,7 +33,8 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     (None = ``compile``) can leave the drafter eager (``ar`` never calls it).
     ``weights``: the target's format (:mod:`services.weights`; None = dense ``dtype``); ``dtype`` is
     the activations' precision; the drafter runs in :func:`services.weights.drafter_dtype` of it
-    (float32 on a CPU without native bfloat16).
+    (float32 on a CPU without native bfloat16). ``ngram_draft``: n-gram chains join every drafted
+    tree (:func:`services.drafter.build.ngram_options`).
 
     The drafter borrows the target's embedding and lm_head modules (float32 copies when the target's
     are bfloat16 and the drafter float32). Without a trained drafter (``drafter_ref`` ``"none"``, or
@@ -45,7 +46,7 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
 
     from services.drafter.model import DFlashDrafter, DrafterConfig, load_drafter
     from services.models.layers import default_target_layer_ids
-    from services.drafter.build import build_drafter
+    from services.drafter.build import build_drafter, ngram_options
     from services.drafter.worker import check_drafter_dir
     from services.models.registry import DEFAULT_DRAFTER_DIR, resolve_target
     from services.spec import default_tree_knobs
@@ -76,7 +77,7 @@ def build_inprocess(target_ref: str | None, drafter_ref: str | None, dtype: torc
     defaults = defaults or default_tree_knobs("cpu")
     service = build_drafter(drafter, target.embed_tokens(), target.lm_head(), ddtype, description=note,
                             packed_gemm=packed_gemm, compile=bool(compile) and compile_drafter is not False,
-                            warm_up=False)  # warmed up below, after the target's packs
+                            warm_up=False, **ngram_options(drafter, ngram_draft))  # warmed up below, after the packs
     from services.verifier.config import EngineConfig
 
     engine = build_engine(target, InprocDrafterClient(service), EngineConfig(compile=None if compile is None
@@ -204,7 +205,8 @@ def _load(a, defaults):
                                         packed_gemm=getattr(a, "packed_gemm", True), weights=weights,
                                         compile=getattr(a, "compile", False),
                                         compile_drafter=Method(a.method).drafts,  # ar never calls the drafter
-                                        spec_policy=getattr(a, "spec_policy", "fixed"))
+                                        spec_policy=getattr(a, "spec_policy", "fixed"),
+                                        ngram_draft=getattr(a, "ngram_draft", "off") == "on")
     _check_served(a.method, engine.drafter.info()["methods"], note)  # its kind's methods, ar included
     return engine, tok, note
 
@@ -287,6 +289,7 @@ def _report(a, engine, note: str, ids: list[int], st: _Stream) -> None:
     decode = st.wall - st.ttft
     result = {"text": st.tok.decode(tokens, skip_special_tokens=True), "token_ids": tokens,
               "finish_reason": st.finish, "method": a.method, "spec_policy": policy,
+              "ngram_draft": getattr(a, "ngram_draft", "off"),
               "weights": engine.target.weights, "tau": round(tau, 3), "rounds": rounds, "prompt_tokens": len(ids),
               "completion_tokens": len(tokens), "ttft_s": round(st.ttft, 4), "wall_s": round(st.wall, 3),
               "tokens_per_s": round((len(tokens) - 1) / decode, 2) if decode > 0 and len(tokens) > 1 else None,

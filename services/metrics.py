@@ -16,7 +16,9 @@ owns a disjoint set and exports it from its own registry:
   ``dartree_requests_total{finish_reason}``, ``dartree_prompt_tokens_total``,
   ``dartree_generation_tokens_total``, ``dartree_discarded_tokens_total{reason}``,
   ``dartree_rejected_requests_total{reason}``;
-- drafter: ``dartree_drafter_*``; every process: ``dartree_ipc_errors_total{peer}``, ``dartree_info``.
+- drafter: ``dartree_drafter_*``, ``dartree_ngram_proposed_nodes_total`` /
+  ``dartree_ngram_accepted_nodes_total`` (n-gram drafting: nodes its chains added to trees, and those
+  of them on the path the target then emitted); every process: ``dartree_ipc_errors_total{peer}``, ``dartree_info``.
 
 Counting convention (docs/serving.md "Metrics"; held by ``tests/reliability/test_counters.py``):
 
@@ -131,6 +133,8 @@ POLICY_STEPS = "dartree_spec_policy_steps_total"
 BUDGET_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0, 128.0)
 TAU_ERROR_BUCKETS = (0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 DRAFTER_ERRORS = "dartree_drafter_errors_total"
+NGRAM_PROPOSED = "dartree_ngram_proposed_nodes_total"
+NGRAM_ACCEPTED = "dartree_ngram_accepted_nodes_total"
 
 ACCEPTANCE_BUCKETS = tuple(float(i) for i in range(1, 18)) + (24.0, 32.0, 65.0)
 ROUND_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -391,3 +395,24 @@ class DrafterMetrics:
                                  buckets=ROUND_BUCKETS, registry=r)
         self.ipc_errors = _ipc_errors(r)
         _info(r, role="drafter", **info)
+
+    def track_ngram(self, counts) -> None:
+        """Export the n-gram chains' counts: ``counts()`` returns ``(proposed, accepted)`` node totals
+        (:meth:`services.drafter.ngram_drafts.NgramDrafts.counts`), read at every scrape."""
+        self.registry.register(_NgramCollector(counts))
+
+
+class _NgramCollector:
+    """``dartree_ngram_*`` counters read from the drafter's running totals at scrape time."""
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        proposed, accepted = self.counts()
+        yield CounterMetricFamily(NGRAM_PROPOSED.removesuffix("_total"), "Draft nodes n-gram chains added to "
+                                  "trees (before the verifier's policy cut any).", value=proposed)
+        yield CounterMetricFamily(NGRAM_ACCEPTED.removesuffix("_total"), "n-gram draft nodes on the path the "
+                                  "target emitted.", value=accepted)

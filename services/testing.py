@@ -210,12 +210,13 @@ def tiny_eagle3(target, seed: int = 1, std: float = 0.2, draft_vocab_size: int |
     return d.to(target.dtype).eval()
 
 
-def tiny_service(target, drafter=None, **kw):
-    """A :class:`DrafterService` borrowing ``target``'s embedding and lm_head."""
+def tiny_service(target, drafter=None, options: dict | None = None, **kw):
+    """A :class:`DrafterService` borrowing ``target``'s embedding and lm_head (``options``: further
+    service settings, e.g. ``ngram_nodes``; ``kw``: :func:`tiny_drafter`'s, without ``drafter``)."""
     from services.drafter.build import build_drafter
 
     drafter = drafter if drafter is not None else tiny_drafter(target, **kw)
-    return build_drafter(drafter, target.embed_tokens(), target.lm_head())
+    return build_drafter(drafter, target.embed_tokens(), target.lm_head(), **(options or {}))
 
 
 def draft_job(request_id: str, committed_ids: list[int], features: Tensor, root_token: int, start: int, spec,

@@ -91,3 +91,13 @@ def test_cut_rounds_emitted_tokens_and_step_seconds():
     assert _value(r, m.ROUND_SECONDS + "_count", phase="prefill") == 1
     assert _value(r, m.STEP_SECONDS + "_count") == 1
 
+
+
+def test_drafter_exports_the_ngram_counts_at_scrape_time():
+    d = m.DrafterMetrics()
+    counts = [3, 1]
+    d.track_ngram(lambda: tuple(counts))
+    assert _value(d.registry, m.NGRAM_PROPOSED) == 3 and _value(d.registry, m.NGRAM_ACCEPTED) == 1
+    counts[:] = [7, 4]
+    assert _value(d.registry, m.NGRAM_PROPOSED) == 7 and _value(d.registry, m.NGRAM_ACCEPTED) == 4
+    assert b"# TYPE dartree_ngram_proposed_nodes_total counter" in generate_latest(d.registry)

@@ -78,8 +78,27 @@ def build_from_config(config):
     graphs = {} if config.cuda_graphs is None or isinstance(drafter, Eagle3Drafter) \
         else {"cuda_graphs": config.cuda_graphs}  # EAGLE-3: no block forward to capture
     service = build_drafter(drafter, embed.to(config.device), head.to(config.device), description=str(drafter_dir),
-                            packed_gemm=config.packed_gemm, compile=config.compile, **graphs)
+                            packed_gemm=config.packed_gemm, compile=config.compile, **graphs,
+                            **ngram_options(drafter, getattr(config, "ngram_draft", "off") == "on"))
     return service, target_dir
+
+
+def ngram_options(drafter, on: bool) -> dict:
+    """The drafter-service options of n-gram drafting (``--ngram-draft on``): ``{"ngram_nodes": 4}``
+    when ``on``, else none.
+
+    Raises:
+        ValueError: ``on`` with an EAGLE-3 drafter (its service builds trees of its own; one line).
+    """
+    from services.drafter.eagle3 import Eagle3Drafter
+    from services.drafter.ngram_drafts import DEFAULT_NGRAM_NODES
+
+    if not on:
+        return {}
+    if isinstance(drafter, Eagle3Drafter):
+        raise ValueError("--ngram-draft on needs a DFlash, Domino or DSpark drafter; this one is EAGLE-3 "
+                         "(pass --ngram-draft off)")
+    return {"ngram_nodes": DEFAULT_NGRAM_NODES}
 
 
 def check_drafter_fits(drafter_dir: Path, target_dir: Path) -> None:

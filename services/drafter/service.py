@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from services.drafter.model import DFlashDrafter
+from services.drafter.ngram_drafts import NgramDrafts
 from services.protocol import (DFLASH_METHODS, EAGLE3_METHODS, HEAD_METHODS, MARKOV_METHODS,  # noqa: F401 (re-exported)
                                METHODS, served_methods)
 from services.spec import Method
@@ -114,6 +115,10 @@ class DrafterService:
             bfloat16 copies of the int4 ``fc`` and k/v weights, dequantized
             (:meth:`DFlashDrafter.set_dense_context`; 4.6 MB more for the default drafter); None = the
             int4 kernel for every append. Keys / values equal the int4 path's up to rounding.
+        ngram_nodes: n-gram drafting (:mod:`services.drafter.ngram_drafts`): after building a
+            request's tree, merge in the continuation of its history's longest repeated 3- or
+            2-gram, at most this many new nodes on top of the tree's budget; 0 = off. Costs no
+            drafter forward; the verified output is unchanged (the target decides every token).
 
     Context storage: each request's drafter context (the K/V of its committed positions, every
     layer) lives in one buffer ``[L, 2, Hkv, cap, Dh]``; each layer's K or V is a ``[1, Hkv, T, Dh]``
@@ -131,14 +136,15 @@ class DrafterService:
     K/V at a time, refilled as the block forward reaches each layer (eager), or every layer's
     (compiled: the graph takes a list).
     Raises:
-        ValueError: ``block_rows`` outside ``[2, block_size]``, ``spare_rows < 0``, ``context_chunk < 1``.
+        ValueError: ``block_rows`` outside ``[2, block_size]``, ``spare_rows < 0``, ``context_chunk < 1``,
+            ``ngram_nodes < 0``.
     """
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.nn.Module, lm_head: torch.nn.Module,
                  description: str = "", packed_gemm: bool = True, compile: bool = False,
                  block_rows: int | None = None, spare_rows: int | None = 1, q4_linears: bool | None = None,
                  context_chunk: int = 256, catch_up_rows: int | None = CATCH_UP_DENSE_ROWS,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, ngram_nodes: int = 0):
         block_rows = drafter.config.block_size if block_rows is None else int(block_rows)
         if not 2 <= block_rows <= drafter.config.block_size:
             raise ValueError(f"block_rows must be in [2, {drafter.config.block_size}] (got {block_rows})")
@@ -147,6 +153,7 @@ class DrafterService:
         if context_chunk < 1:
             raise ValueError(f"context_chunk must be >= 1 (got {context_chunk})")
         self.context_chunk = int(context_chunk)
+        self.ngram = NgramDrafts(ngram_nodes) if ngram_nodes else None
         self.block_rows, self.spare_rows = block_rows, spare_rows
         own = getattr(drafter, "has_own_io", drafter.has_markov)
         if own:  # DSpark / speculators exports carry their own embedding and lm_head (copies of the target's)
@@ -274,6 +281,8 @@ class DrafterService:
         the last context."""
         self._ctx.pop(request_id, None)
         self._ctx_len.pop(request_id, None)
+        if self.ngram is not None:
+            self.ngram.release(request_id)
         if not self._ctx:
             self._batch_ctx = None
 
@@ -445,6 +454,9 @@ class DrafterService:
                     else DraftTree.empty()
                 if self.d2t is not None and tree.num_nodes:  # draft ids -> target ids
                     tree = dataclasses.replace(tree, draft_tokens=self._to_target_ids(tree.draft_tokens))
+                if self.ngram is not None:  # chain nodes may reach the job's depth cap, whatever the block's rows
+                    cap = self.cfg.num_draft_slots if j.max_depth is None else j.max_depth
+                    tree = self.ngram.join(j.request_id, j.committed_ids, j.start, j.root_token, tree, cap)
                 out[i] = (tree, {"draft": share, "tree_build": time.perf_counter() - t1})
             except Exception as exc:
                 out[i] = exc

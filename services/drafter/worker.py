@@ -81,6 +81,10 @@ class DrafterWorkerConfig:
             own threads keep spinning for a while after each step; see :func:`drafter_threads`).
             Inside the verifier (``--drafter-placement verifier``): 0 = the verifier's own threads,
             N = N threads while drafting.
+        ngram_draft: ``on``: every drafted tree also gets a chain of up to 4 nodes continuing the
+            request's longest repeated 3- or 2-gram of its prompt and output (free: no drafter
+            forward; pays where text repeats: summaries, code edits, quoting answers); ``off``: the
+            drafter's tree alone. A DFlash, Domino or DSpark drafter (not EAGLE-3).
     """
 
     target: str = "smollm2-135m-instruct"
@@ -97,6 +101,7 @@ class DrafterWorkerConfig:
     compile: bool = False
     drafter_threads: int = 0
     cuda_graphs: bool | None = None
+    ngram_draft: str = "off"
 
     def __post_init__(self) -> None:
         # the CLI's --compile is unset (None, "auto") by default: auto leaves the drafter eager
@@ -108,6 +113,8 @@ class DrafterWorkerConfig:
                              "leave it unset or pass --no-cuda-graphs")
         if self.drain_timeout_s < 0:
             raise ValueError("drain_timeout_s must be >= 0")
+        if self.ngram_draft not in ("on", "off"):
+            raise ValueError(f"ngram_draft must be 'on' or 'off' (got {self.ngram_draft!r})")
         if not 0 <= self.drafter_threads <= 1024:
             raise ValueError(f"drafter_threads must be in [0, 1024] (0 = auto; got {self.drafter_threads})")
 
@@ -353,6 +360,8 @@ def run_drafter_process(config: DrafterWorkerConfig, parent_pid: int | None = No
     transport = make_transport(config.device, link.cuda_ipc, link.ipc_slots, link.ipc_slot_bytes)
     info = drafter_info(service, target_dir, new_epoch(), config.device, transport)
     metrics = DrafterMetrics(drafter=info.model)
+    if getattr(service, "ngram", None) is not None:
+        metrics.track_ngram(service.ngram.counts)
     start_metrics_server(config.drafter_metrics_port, link.metrics_host, metrics.registry)
     stop = threading.Event()
     ctx = zmq.Context()
