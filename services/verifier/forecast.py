@@ -25,10 +25,14 @@ REGIME_REFRESH = 8
 
 
 class RequestWindow(Protocol):
-    """What the forecast reads of a request's state: its own recent ``(tree, budget)`` (``trees``), the
-    rounds since its last drafter call and its cached own curve (``(key, version, curve)`` or None)."""
+    """What the forecast reads of a request's state: its own recent ``(tree, budget)`` (``trees``), its
+    count of plain rounds when each was drafted (``stamps``, aligned with the newest trees), its plain
+    rounds so far (``plain``), the rounds since its last drafter call and its cached own curve
+    (``(key, version, curve)`` or None)."""
 
     trees: deque
+    stamps: deque
+    plain: int
     since_draft: int
     curve: tuple | None
 
@@ -44,19 +48,22 @@ def blend(own: list[float], prior: list[float] | None, weight: float) -> list[fl
     return [(weight * x + FORECAST_PRIOR_TREES * y) / (weight + FORECAST_PRIOR_TREES) for x, y in zip(a, b)]
 
 
-def mean_curve(cal: AcceptanceCalibrator, window, regime: str, optimism: float, cap: int) -> list[float]:
+def mean_curve(cal: AcceptanceCalibrator, window, regime: str, optimism: float, cap: int,
+               weights: list[float] | None = None) -> list[float]:
     """Mean sorted calibrated P (with ``optimism`` posterior standard deviations) of a window of
-    ``(tree, budget)``, position k over the trees drafted with a budget above k; non-increasing; up to
-    the largest tree's node count (at most ``cap``): every position beyond it would be 0."""
+    ``(tree, budget)``, position k over the trees drafted with a budget above k, each tree weighted by
+    ``weights`` (aligned with ``window``; None = equal); non-increasing; up to the largest tree's node
+    count (at most ``cap``): every position beyond it would be 0."""
     # positions past the largest tree are 0 in every curve: the curve stops there (the forecast
     # reads it up to its first 0); up to the cap (1,024 unless set) it cost ~0.5 ms a step at c = 1
     length = min(cap, max((t.num_nodes for t, _ in window), default=0))
     curves = cal.sorted_lists([t for t, _ in window], regime, optimism, length)  # T x length
     budgets = [b for t, b in window if t.num_nodes]
+    ws = [1.0] * len(budgets) if weights is None else [w for (t, _), w in zip(window, weights) if t.num_nodes]
     out, low = [], float("inf")
     for k in range(length):
-        vals = [c[k] for c, b in zip(curves, budgets) if k < b]
-        v = sum(vals) / len(vals) if vals else 0.0
+        vals = [(w * c[k], w) for c, b, w in zip(curves, budgets, ws) if k < b]
+        v = sum(x for x, _ in vals) / sum(w for _, w in vals) if vals else 0.0
         low = min(low, v)  # the k-th most likely node: never above the (k-1)-th
         out.append(low)
     return out
@@ -67,14 +74,14 @@ class Forecaster:
 
     Args:
         cal: the acceptance calibrator (its request factor scales a forecast).
-        curve_of: ``(window of (tree, budget), regime) -> mean curve`` (:func:`mean_curve` with the
-            policy's optimism and cap).
+        curve_of: ``(window of (tree, budget), regime[, weights]) -> mean curve`` (:func:`mean_curve`
+            with the policy's optimism and cap; ``weights`` only where the trees weigh differently).
         fresh_labels: new calibration labels after which a cached curve is recomputed (the policy's
             running count).
         window: trees kept per method / regime (``forecast_trees``).
     """
 
-    def __init__(self, cal: AcceptanceCalibrator, curve_of: Callable[[object, str], list[float]],
+    def __init__(self, cal: AcceptanceCalibrator, curve_of: Callable[..., list[float]],
                  fresh_labels: Callable[[], int], window: int = 64):
         self.cal, self._curve_of, self._fresh_labels, self.window = cal, curve_of, fresh_labels, window
         self.version = 0  # calibration updates so far (a cached curve is refreshed after fresh_labels() more)
@@ -124,7 +131,13 @@ class Forecaster:
             return None
         key = (id(st.trees[-1][0]), len(st.trees))
         if st.curve is None or st.curve[0] != key or self.version - st.curve[1] >= self._fresh_labels():
-            st.curve = (key, self.version, self._curve_of(st.trees, regime))
+            ages = _ages(st)
+            if any(ages):  # trees drafted before plain rounds weigh less: relative to the newest
+                newest = min(ages)
+                curve = self._curve_of(st.trees, regime, [FORECAST_RELAX ** (a - newest) for a in ages])
+            else:
+                curve = self._curve_of(st.trees, regime)
+            st.curve = (key, self.version, curve)
         return st.curve[2]
 
     def _regime_curve(self, regime: str) -> list[float] | None:
@@ -143,9 +156,20 @@ class Forecaster:
 
     @staticmethod
     def own_weight(st: RequestWindow) -> float:
-        """Weight of the request's own trees against :data:`FORECAST_PRIOR_TREES` of its regime's: one per
-        own tree, times :data:`FORECAST_RELAX` per round since its last drafter call. A request stops
-        drafting after a dip of its own window and then draws no new tree, so an own-only forecast
-        froze at the dip (2-core CPU, q4, goodput at ``B_max`` = 1: 1,131 of 3,295 rounds plain where
-        fixed B = 1 paid); relaxing towards the regime's longer window lets it draft again."""
-        return len(st.trees) * FORECAST_RELAX ** st.since_draft
+        """Weight of the request's own trees against :data:`FORECAST_PRIOR_TREES` of its regime's: each
+        own tree weighs :data:`FORECAST_RELAX` to the power of the plain rounds since it was drafted. A
+        request stops drafting after a dip of its own window and then draws no new tree, so an own-only
+        forecast froze at the dip (2-core CPU, q4, goodput at ``B_max`` = 1: 1,131 of 3,295 rounds plain
+        where fixed B = 1 paid); relaxing towards the regime's longer window lets it draft again. Aged
+        per tree, not per request: one draft after a long plain stretch used to give the whole stale
+        window its full weight back, and the request went plain again (goodput at ``B_max`` = 1 on the
+        recorded GSM8K trace: 164 of 381 rounds plain at a first-node acceptance of ~0.5 there)."""
+        return sum(FORECAST_RELAX ** a for a in _ages(st))
+
+
+def _ages(st: RequestWindow) -> list[float]:
+    """Plain rounds since each of the request's own trees was drafted (oldest first); a tree without a
+    stamp counts the rounds since the request's last drafter call."""
+    stamps = list(getattr(st, "stamps", ()))[-len(st.trees):]
+    missing = len(st.trees) - len(stamps)
+    return [float(st.since_draft)] * missing + [float(st.plain - s) for s in stamps]

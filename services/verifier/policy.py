@@ -1,19 +1,6 @@
 """Speculation policies: who drafts each step, with which budget, and which nodes are verified.
 
-A policy is called at four points of a step: the step plan (``scheduler.make_plan``, which the
-verifier worker makes) calls 1 and 2, the engine (``SpecEngine.step``) 3 and 4:
-
-1. :meth:`begin_step` with the step's decoding requests (before any drafting);
-2. :meth:`draft_knobs` per request: the fully resolved :class:`~services.spec.TreeKnobs` of its
-   drafter call, or ``None`` for a plain-decoding round (B = 0: no drafter call at all); with
-   overlap the engine also asks it for a request's next draft right after its commit. This is
-   the one place a request's knobs are resolved: its explicit ``speculative`` values, then the
-   ``--tree-schedule`` pick at the current running count (:class:`TreeSchedule`), then (goodput)
-   ``max_budget`` for the budget, then the verifier's defaults;
-3. :meth:`select` after drafting: how many nodes of each tree to verify (a prefix-closed top-b by
-   calibrated acceptance, so the cut tree stays a valid tree);
-4. :meth:`observe_round` / :meth:`observe_step` after the forward: the committed tokens (labels for
-   the calibrator) and the step's measured times (the cost model).
+The points of a step where a policy is called: :mod:`services.verifier.policy_base`.
 
 Two policies (``--spec-policy``):
 
@@ -25,8 +12,7 @@ Two policies (``--spec-policy``):
   :class:`StepCostModel` (forward ``a + b * rows``, a drafter call per drafting request, a
   per-request overhead). Before drafting it predicts each request's gain from the mean calibrated
   curve of its own recent trees, weighed against its method / regime's longer window and relaxed
-  towards it every plain round (a forecast read from the trees before a stop stays at their value
-  for as long as the policy does not draft, docs/configuration.md) and
+  towards it every plain round (:mod:`services.verifier.forecast`) and
   lets only requests whose draft pays for itself call the drafter (plus an exploration draft every
   ``explore_every`` rounds, backing off while they do not pay and capped at ``explore_fraction`` of
   the wall time, so a recovering drafter is noticed at a bounded cost); after drafting it adds nodes in
@@ -52,7 +38,8 @@ from services.tree import DraftTree
 from services.verifier.calibration import AcceptanceCalibrator, regime_of
 from services.verifier.cost_model import StepCostModel
 from services.verifier.forecast import Forecaster, mean_curve
-from services.verifier.pricing import best_prefix, could_pay, explore_budget, overheads, saving_per_token
+from services.verifier.pricing import best_prefix, could_pay, explore_budget, overheads
+from services.verifier.probe import ProbeGate
 from services.verifier.policy_base import (Drafted, FixedPolicy, Selection, SpecPolicy,  # noqa: F401 (re-exported)
                                            resolve_knobs, truncate_tree)
 from services.verifier.scheduler import RoundInfo  # noqa: F401 (the policy's input, re-exported)
@@ -68,6 +55,8 @@ class _ReqState:
     fresh: bool = True                       # no step seen yet (takes its regime's exploration interval)
     budget: int = 0                          # budget of its last drafter call (the most nodes select verifies)
     trees: deque = field(default_factory=lambda: deque(maxlen=8))  # its own recent (tree, budget): its forecast
+    stamps: deque = field(default_factory=lambda: deque(maxlen=8))  # `plain` when each of them was drafted
+    plain: int = 0                           # its plain rounds so far (its own trees' age)
     probed: bool = False                     # it has called the drafter (no probe due any more)
     emitted: int = 0                         # tokens its rounds committed
     curve: tuple | None = None               # (last tree, count, calibration version) -> its mean curve, cached
@@ -171,7 +160,7 @@ class GoodputPolicy:
         self._plan: dict[str, int] = {}  # this step's drafting budget of each forecast-drafting request
         self._sized: set[str] = set()    # ... of which explorations (explore_budget; never widened)
         self._regime_calls: dict[str, int] = {}  # drafter calls of each method / regime (the widening)
-        self.forecaster = Forecaster(self.cal, lambda window, regime: self._mean_curve(window, regime),
+        self.forecaster = Forecaster(self.cal, lambda *a: self._mean_curve(*a),
                                      self._fresh_labels, forecast_trees)
         self._regime_since: dict[str, int] = {}  # rounds since each method / regime last drafted
         self._regime_interval: dict[str, int] = {}  # the exploration interval of each method / regime
@@ -179,9 +168,7 @@ class GoodputPolicy:
         self._skip: set[str] = set()
         self._predicted: float | None = None
         self.store, self.save_every, self._unsaved, self.probe = None, save_every, 0, probe
-        self._savings: dict[str, deque] = {}  # regime -> seconds saved per token of its recent requests
-        self._lengths: dict[str, float] = {}  # regime -> mean tokens of its ended requests (moving)
-        self.probe_window = max(int(probe_window), 1)
+        self.probes = ProbeGate(self.cost, lambda: (self._cap(), self._top()), probe_window)
         if store is not None:
             self.attach_store(store)
 
@@ -238,13 +225,13 @@ class GoodputPolicy:
         """New calibration labels after which a cached forecast curve is recomputed: the running count."""
         return max(1, self._running)
 
-    def _could_pay(self, requests: int = 1, drafter: bool = True) -> bool:
-        """:func:`~services.verifier.pricing.could_pay` within the budget (at most 16 nodes)."""
-        return could_pay(self.cost, requests, min(self.max_budget or self.defaults.budget, 16), drafter)
+    def _top(self) -> int:
+        """The most nodes a drafter call drafts, as far as pricing goes: the budget, at most 16."""
+        return min(self.max_budget or self.defaults.budget, 16)
 
-    def _saving_per_token(self, curve: list[float]) -> float:
-        """:func:`~services.verifier.pricing.saving_per_token` on the policy's cost model."""
-        return saving_per_token(self.cost, curve)
+    def _could_pay(self, requests: int = 1, drafter: bool = True) -> bool:
+        """:func:`~services.verifier.pricing.could_pay` within :meth:`_top` nodes."""
+        return could_pay(self.cost, requests, self._top(), drafter)
 
     def explore_budget(self, curve: list[float]) -> int:
         """Budget of an exploration whose forecast is ``curve`` (:func:`~services.verifier.pricing.explore_budget`
@@ -252,30 +239,14 @@ class GoodputPolicy:
         return explore_budget(self.cost, curve, self._cap())
 
     def probe_pays(self, regime: str, st: _ReqState, owed: int, remaining: int | None, requests: int = 1) -> bool:
-        """Whether a probe draft of a request that has not drafted yet pays for itself: expected
-        seconds saved over its ``remaining`` tokens (None: its regime's mean request length minus what
-        it emitted) at the regime's mean saving per token, above ``draft_cost(owed)``. The mean is
-        over the regime's recent requests that drafted plus one pseudo-request at full acceptance of
-        a ``B_max`` chain (optimism: text like none seen yet is tried while the evidence is thin).
-        Before any request of the regime ended (no saving, no length known): the probe runs where a
-        fully accepted tree could pay at all (:meth:`_could_pay`). In a step of ``requests`` > 1 the probe
-        also needs a fully accepted tree to pay at that batch size (the savings are c = 1 prices)."""
-        if requests > 1 and not self._could_pay(requests):
-            return False
-        saved = self._savings.get(regime)
-        if remaining is None:
-            length = self._lengths.get(regime)
-            remaining = None if length is None else max(int(round(length)) - st.emitted, 0)
-        if not saved or remaining is None:
-            return self._could_pay()
-        best = self._saving_per_token([1.0] * self._cap())
-        per_token = (sum(saved) + best) / (len(saved) + 1)
-        return remaining * per_token > self.cost.draft_cost(max(owed, 1))
+        """Whether the probe of a request that has not drafted yet pays for its catch-up
+        (:meth:`~services.verifier.probe.ProbeGate.pays`)."""
+        return self.probes.pays(regime, st.emitted, owed, remaining, requests)
 
-    def _mean_curve(self, window, regime: str) -> list[float]:
+    def _mean_curve(self, window, regime: str, weights: list[float] | None = None) -> list[float]:
         """:func:`~services.verifier.forecast.mean_curve` of a window of ``(tree, budget)`` with the
         policy's ``optimism`` and cap."""
-        return mean_curve(self.cal, window, regime, self.optimism, self._cap())
+        return mean_curve(self.cal, window, regime, self.optimism, self._cap(), weights)
 
     # ----------------------------------------------------------- before drafting
     def _best_prefix(self, gain0: float, rows0: int, probs: list[float], fixed_s: float,
@@ -394,6 +365,7 @@ class GoodputPolicy:
         st = self._state(rid)
         if rid in self._skip:
             st.since_draft += 1
+            st.plain += 1
             self._regime_since[st.regime] = max(self._regime_since.get(st.regime, 0), st.since_draft)
             self.cal.relax(rid)
             return None
@@ -458,6 +430,7 @@ class GoodputPolicy:
             if d.drafted and tree.num_nodes:
                 self.remember(st.regime, tree, st.budget)
                 st.trees.append((tree, st.budget or self._cap()))
+                st.stamps.append(st.plain)
                 st.pending.append([tree, []])
             if tree.num_nodes == 0:
                 continue
@@ -533,13 +506,8 @@ class GoodputPolicy:
     def release(self, rid: str) -> None:
         """A request ended: label its pending trees with the tokens it had, forget its state."""
         st = self._req.get(rid)
-        if st is not None and st.emitted:  # what it says about its regime's requests (the probe's price)
-            old = self._lengths.get(st.regime)
-            self._lengths[st.regime] = st.emitted if old is None else 0.8 * old + 0.2 * st.emitted
-            if st.trees:
-                own = self.forecast(st.regime, rid)
-                window = self._savings.setdefault(st.regime, deque(maxlen=self.probe_window))
-                window.append(self._saving_per_token(own or []))
+        if st is not None:  # what it says about its regime's requests (the probe's price)
+            self.probes.record(st.regime, st.emitted, (self.forecast(st.regime, rid) or []) if st.trees else None)
         st = self._req.pop(rid, None)
         self._skip.discard(rid)
         if st is not None:

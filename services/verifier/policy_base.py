@@ -1,5 +1,21 @@
 """What every speculation policy shares (the step's types, knob resolution, the tree cut) and the
-fixed policy; the goodput policy and ``make_policy`` are in :mod:`services.verifier.policy`."""
+fixed policy; the goodput policy and ``make_policy`` are in :mod:`services.verifier.policy`.
+
+A policy is called at four points of a step: the step plan (``scheduler.make_plan``, which the
+verifier worker makes) calls 1 and 2, the engine (``SpecEngine.step``) 3 and 4:
+
+1. :meth:`SpecPolicy.begin_step` with the step's decoding requests (before any drafting);
+2. :meth:`SpecPolicy.draft_knobs` per request: the fully resolved :class:`~services.spec.TreeKnobs` of its
+   drafter call, or ``None`` for a plain-decoding round (B = 0: no drafter call at all); with
+   overlap the engine also asks it for a request's next draft right after its commit. This is
+   the one place a request's knobs are resolved: its explicit ``speculative`` values, then the
+   ``--tree-schedule`` pick at the current running count (:class:`TreeSchedule`), then (goodput)
+   ``max_budget`` for the budget, then the verifier's defaults;
+3. :meth:`SpecPolicy.select` after drafting: how many nodes of each tree to verify (a prefix-closed top-b by
+   calibrated acceptance, so the cut tree stays a valid tree);
+4. :meth:`SpecPolicy.observe_round` / :meth:`SpecPolicy.observe_step` after the forward: the committed tokens (labels for
+   the calibrator) and the step's measured times (the cost model).
+"""
 
 from __future__ import annotations
 

@@ -61,12 +61,19 @@ def could_pay(cost: StepCostModel, requests: int, top: int, drafter: bool = True
     return any((n + k) / (d + cost.forward_seconds(n + k) + o * n) > plain for k in range(1, top + 1))
 
 
-def saving_per_token(cost: StepCostModel, curve: list[float]) -> float:
-    """Seconds per emitted token a request saves over plain decoding at c = 1 when it drafts with the
-    forecast ``curve`` (steady drafter call, best number of nodes); 0 where drafting does not pay."""
-    o = cost.overhead_seconds  # a lone request: no t (overheads)
-    k, g, t = best_prefix(cost, 1.0, 1, list(curve), cost.draft_cost(1) + o)
-    return max(cost.forward_seconds(1) + o - t / g, 0.0) if k and g > 0 else 0.0
+def saving_per_token(cost: StepCostModel, curve: list[float], requests: int = 1) -> float:
+    """Seconds of the step's wall time saved per token a request emits when it drafts with the forecast
+    ``curve`` (steady drafter call, best number of nodes) in a step of ``requests`` decoding requests
+    (one row each), its rows priced at the batch's size: ``(G * T0 / n - T1) / g``, where ``T0`` is the
+    plain step, ``T1`` the step with its tree, ``g`` its expected tokens a round and ``G = n - 1 + g``
+    the step's. At c = 1: ``T0 - T1 / g``. 0 where drafting does not pay."""
+    n = max(requests, 1)
+    o, e = overheads(cost, n)
+    k, big_g, t = best_prefix(cost, float(n), n, list(curve), cost.draft_cost(1) + e + o * n)
+    g = big_g - (n - 1)
+    if not k or g <= 0:
+        return 0.0
+    return max((big_g * (cost.forward_seconds(n) + o * n) / n - t) / g, 0.0)
 
 
 def explore_budget(cost: StepCostModel, curve: list[float], cap: int) -> int:
