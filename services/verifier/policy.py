@@ -119,17 +119,12 @@ class GoodputPolicy:
         store: where the calibration learnt by an earlier start is loaded from (as the calibrator's
             starting counts) and this one's is saved to, every ``save_every`` labelled trees at a
             request's end (:class:`~services.verifier.calibration_store.CalibrationStore`; None = off).
-        probe: a request that has not drafted yet drafts once (a probe) in the first round where the
-            probe pays for itself: the expected saving over its remaining tokens (the mean saving per
-            token of the method / regime's recent requests, from their own trees, with one optimistic
-            pseudo-request at full acceptance so unseen text is still tried) exceeds the probe's
-            drafter call including its catch-up of the owed context (``draft_cost(owed)``, ~0.2-0.3 ms
-            per prompt token on the CPU). Probes are outside the exploration time budget, which the
-            calls of earlier requests may have spent. From its first tree on, a request's forecast is
-            mostly the mean of its own recent trees: in mixed traffic the regime's recent trees are
-            other requests' text (a GSM8K request after MT-Bench ones stayed plain through HTTP). In a
-            step of several requests a probe also needs a tree's rows to pay at that batch size. Until it
-            has drafted, a request drafts only through the probe, exploration or an explicit budget,
+        probe: a request that has not drafted yet drafts once (a probe, whole budget) in the first
+            round where the probe pays for its catch-up of the owed context
+            (:class:`~services.verifier.probe.ProbeGate`; ~0.2-0.3 ms per prompt token on the CPU),
+            outside the exploration time budget. From its first tree on, a request's forecast is
+            mostly its own recent trees (in mixed traffic the regime's are other requests' text). Until
+            it has drafted, a request drafts only through the probe, exploration or an explicit budget,
             so a request that never drafts pays no catch-up (the same work as ``ar``).
             ``probe=False``: no probe; the regime's forecast decides from the first round.
         probe_window: recent requests per method / regime whose saving per token prices a probe.
