@@ -219,8 +219,8 @@ class _Spec:
     method, budget, width, depth_bonus, candidates = "dartree-pruned", None, None, None, None
 
 
-def _policy_round(policy, slots: list[_Slot], pos: list[Position]) -> tuple[list[bool], list[DraftTree]]:
-    """One step's choice of a goodput policy: ``(drafted, verified trees)`` per slot."""
+def _policy_round(policy, slots: list[_Slot], pos: list[Position]) -> tuple[list[bool], list[DraftTree], int]:
+    """One step's choice of a goodput policy: ``(drafted, verified trees)`` per slot and the nodes drafted."""
     from services.verifier.policy import Drafted, RoundInfo
 
     infos = [RoundInfo(s.rid, _Spec.method, 0.0, True, owed=s.owed, remaining=s.left) for s in slots]
@@ -229,27 +229,30 @@ def _policy_round(policy, slots: list[_Slot], pos: list[Position]) -> tuple[list
     drafted = [k is not None for k in knobs]
     made = [p.tree(k.budget) if k is not None else DraftTree.empty() for p, k in zip(pos, knobs)]
     chosen = policy.select([Drafted(i, t, d) for i, t, d in zip(infos, made, drafted)])
-    return drafted, [chosen[s.rid].tree for s in slots]
+    return drafted, [chosen[s.rid].tree for s in slots], sum(t.num_nodes for t in made)
 
 
 def replay(traces: list[list[Position]], arm, cost: CostCurve, request_tokens: int = 128,
            prompt_tokens: int = 300) -> dict:
     """Replay ``arm`` (``"ar"``, an int B: fixed, or a goodput policy) with one trace per decoding slot
     until the first slot's trace ends. Returns ``tokens_per_s`` (modelled), ``steps``, ``drafts``
-    (drafter calls) and ``verified`` (draft nodes verified)."""
+    (drafter calls), ``verified`` (draft nodes verified) and ``drafted`` (draft nodes drafted: those
+    beyond ``verified`` were cut after their drafter call)."""
     from services.verifier.engine import StepStats
 
     policy = arm if not isinstance(arm, (int, str)) else None
     slots = [_Slot(t, k, prompt_tokens, request_tokens) for k, t in enumerate(traces)]
     tokens = seconds = 0.0
-    steps = drafts = verified = 0
+    steps = drafts = verified = made = 0
     while all(s.i < len(s.trace) for s in slots):
         pos = [s.trace[s.i] for s in slots]
         if policy is None:
             drafted = [arm != "ar"] * len(slots)
             trees = [p.tree(0 if arm == "ar" else int(arm)) for p in pos]
+            made += sum(t.num_nodes for t in trees)
         else:
-            drafted, trees = _policy_round(policy, slots, pos)
+            drafted, trees, nodes = _policy_round(policy, slots, pos)
+            made += nodes
         rows = sum(1 + t.num_nodes for t in trees)
         wait = sum(cost.draft(s.owed) for s, d in zip(slots, drafted) if d)
         owed = sum(s.owed for s, d in zip(slots, drafted) if d)
@@ -267,7 +270,7 @@ def replay(traces: list[list[Position]], arm, cost: CostCurve, request_tokens: i
             policy.observe_step(StepStats(len(slots), rows, 0, fwd, wait, wait, len(slots), sum(drafted),
                                           sum(1 for t in trees if t.num_nodes), wall, draft_owed=owed))
     return {"tokens_per_s": tokens / seconds if seconds else 0.0, "steps": steps, "drafts": drafts,
-            "verified": verified}
+            "verified": verified, "drafted": made}
 
 
 def record(a) -> dict:

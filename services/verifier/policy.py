@@ -1,19 +1,6 @@
 """Speculation policies: who drafts each step, with which budget, and which nodes are verified.
 
-A policy is called at four points of a step: the step plan (``scheduler.make_plan``, which the
-verifier worker makes) calls 1 and 2, the engine (``SpecEngine.step``) 3 and 4:
-
-1. :meth:`begin_step` with the step's decoding requests (before any drafting);
-2. :meth:`draft_knobs` per request: the fully resolved :class:`~services.spec.TreeKnobs` of its
-   drafter call, or ``None`` for a plain-decoding round (B = 0: no drafter call at all); with
-   overlap the engine also asks it for a request's next draft right after its commit. This is
-   the one place a request's knobs are resolved: its explicit ``speculative`` values, then the
-   ``--tree-schedule`` pick at the current running count (:class:`TreeSchedule`), then (goodput)
-   ``max_budget`` for the budget, then the verifier's defaults;
-3. :meth:`select` after drafting: how many nodes of each tree to verify (a prefix-closed top-b by
-   calibrated acceptance, so the cut tree stays a valid tree);
-4. :meth:`observe_round` / :meth:`observe_step` after the forward: the committed tokens (labels for
-   the calibrator) and the step's measured times (the cost model).
+The points of a step where a policy is called: :mod:`services.verifier.policy_base`.
 
 Two policies (``--spec-policy``):
 
@@ -25,8 +12,7 @@ Two policies (``--spec-policy``):
   :class:`StepCostModel` (forward ``a + b * rows``, a drafter call per drafting request, a
   per-request overhead). Before drafting it predicts each request's gain from the mean calibrated
   curve of its own recent trees, weighed against its method / regime's longer window and relaxed
-  towards it every plain round (a forecast read from the trees before a stop stays at their value
-  for as long as the policy does not draft, docs/configuration.md) and
+  towards it every plain round (:mod:`services.verifier.forecast`) and
   lets only requests whose draft pays for itself call the drafter (plus an exploration draft every
   ``explore_every`` rounds, backing off while they do not pay and capped at ``explore_fraction`` of
   the wall time, so a recovering drafter is noticed at a bounded cost); after drafting it adds nodes in
@@ -43,153 +29,22 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Protocol, runtime_checkable
 
 import torch
 
 from services.spec import DEFAULT_KNOBS, MAX_BUDGET, POLICIES, TreeKnobs, TreeSchedule
 from services.spec import parse_tree_schedule  # noqa: F401 (the policies' input, re-exported)
 from services.tree import DraftTree
-from services.tree.dartree import select_nodes
 from services.verifier.calibration import AcceptanceCalibrator, regime_of
 from services.verifier.cost_model import StepCostModel
+from services.verifier.forecast import Forecaster, mean_curve
+from services.verifier.pricing import best_prefix, could_pay, explore_budget, overheads
+from services.verifier.probe import ProbeGate
+from services.verifier.policy_base import (Drafted, FixedPolicy, Selection, SpecPolicy,  # noqa: F401 (re-exported)
+                                           resolve_knobs, truncate_tree)
 from services.verifier.scheduler import RoundInfo  # noqa: F401 (the policy's input, re-exported)
 
 log = logging.getLogger("verifier.policy")
-
-# an exploration drafts at most the nodes whose verify costs this many one-row steps
-# (GoodputPolicy.explore_budget): on the q4 CPU curve 1.22 at 4 rows, 1.63 at 5
-EXPLORE_STEP_COST = 1.25
-
-
-# the forecast of a request that has drafted weighs its own recent trees against this many trees' worth
-# of its method / regime's longer window, and its own trees' weight decays by FORECAST_RELAX a plain round
-FORECAST_PRIOR_TREES = 1.0
-FORECAST_RELAX = 0.9
-# trees (or labels per running request) after which the regime's cached forecast curve is recomputed
-REGIME_REFRESH = 8
-
-
-def _blend(own: list[float], prior: list[float] | None, weight: float) -> list[float]:
-    """``(weight * own + FORECAST_PRIOR_TREES * prior) / (weight + FORECAST_PRIOR_TREES)`` position by
-    position (a missing position is 0); ``own`` alone when there is no ``prior``. Both non-increasing,
-    so is the blend."""
-    if not prior:
-        return own
-    n = max(len(own), len(prior))
-    a, b = own + [0.0] * (n - len(own)), prior + [0.0] * (n - len(prior))
-    return [(weight * x + FORECAST_PRIOR_TREES * y) / (weight + FORECAST_PRIOR_TREES) for x, y in zip(a, b)]
-
-
-def resolve_knobs(spec, defaults: TreeKnobs, schedule: TreeSchedule | None = None, num_running: int = 1,
-                  max_budget: int | None = None) -> TreeKnobs:
-    """A request's fully resolved knobs. ``spec`` has ``budget, width, depth_bonus, candidates``
-    (``None`` = unset); each unset one comes from the schedule's pick at ``num_running`` (budget and
-    width), then ``max_budget`` (budget), then ``defaults`` (which must be resolved)."""
-    pick = schedule.pick(num_running) if schedule is not None else None
-    budget, width = pick if pick is not None else (None, None)
-    asked = TreeKnobs(spec.budget, spec.width, spec.depth_bonus, spec.candidates)
-    return asked.filled_from(TreeKnobs(budget if budget is not None else max_budget, width)).filled_from(defaults)
-
-
-def truncate_tree(tree: DraftTree, keep_order: torch.Tensor, b: int) -> DraftTree:
-    """The first ``b`` nodes of ``keep_order`` as a tree (their indices sorted, parents remapped).
-
-    Raises:
-        ValueError: the kept set is not prefix-closed (``select_nodes``).
-    """
-    if b >= tree.num_nodes:
-        return tree
-    if b <= 0:
-        return DraftTree.empty()
-    return select_nodes(tree, torch.sort(keep_order[:b]).values)
-
-
-@dataclass
-class Drafted:
-    """A request's tree after drafting (``tree`` is empty for a request that did not draft)."""
-
-    info: RoundInfo
-    tree: DraftTree
-    drafted: bool
-
-
-@dataclass
-class Selection:
-    """What :meth:`select` chose for one request: the tree to verify, its budget and predicted tau."""
-
-    tree: DraftTree
-    budget: int
-    predicted_tau: float | None = None
-
-
-@runtime_checkable
-class SpecPolicy(Protocol):
-    """What the engine calls on a policy, in step order (module docstring); ``name`` is one of
-    :data:`services.spec.POLICIES`."""
-
-    name: str
-
-    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0, num_running: int = 1) -> None: ...
-
-    def draft_knobs(self, rid: str, spec) -> TreeKnobs | None: ...
-
-    def select(self, items: list[Drafted]) -> dict[str, Selection]: ...
-
-    def observe_round(self, rid: str, committed: list[int]) -> None: ...
-
-    def observe_step(self, stats) -> None: ...
-
-    def predicted_step_seconds(self) -> float | None: ...
-
-    def release(self, rid: str) -> None: ...
-
-
-class FixedPolicy:
-    """Every drafting request drafts with its resolved knobs; nothing is cut.
-
-    Args:
-        schedule: ``--tree-schedule`` (None = off): budget / width by running count.
-        defaults: the verifier's default knobs, every one set (:func:`services.spec.default_tree_knobs`).
-    Raises:
-        ValueError: ``defaults`` with an unset knob.
-    """
-
-    name = "fixed"
-
-    def __init__(self, schedule: TreeSchedule | None = None, defaults: TreeKnobs = DEFAULT_KNOBS):
-        if not defaults.is_resolved():
-            raise ValueError(f"the default tree knobs must all be set (got {defaults})")
-        self.schedule, self.defaults = schedule, defaults
-        self._running = 1
-
-    def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0, num_running: int = 1) -> None:
-        """Remember the running count (the schedule's pick)."""
-        self._running = num_running
-
-    def draft_knobs(self, rid: str, spec) -> TreeKnobs | None:
-        """The request's resolved knobs (never ``None``: always draft)."""
-        return resolve_knobs(spec, self.defaults, self.schedule, self._running)
-
-    def select(self, items: list[Drafted]) -> dict[str, Selection]:
-        """Every tree whole."""
-        return {d.info.rid: Selection(d.tree, d.tree.num_nodes) for d in items}
-
-    def observe_round(self, rid: str, committed: list[int]) -> None:
-        """Nothing to learn."""
-
-    def observe_step(self, stats) -> None:
-        """Nothing to learn."""
-
-    def predicted_step_seconds(self) -> float | None:
-        """No prediction."""
-        return None
-
-    def release(self, rid: str) -> None:
-        """Nothing held."""
-
-    def flush(self) -> None:
-        """Nothing learnt to save."""
 
 
 @dataclass
@@ -200,6 +55,8 @@ class _ReqState:
     fresh: bool = True                       # no step seen yet (takes its regime's exploration interval)
     budget: int = 0                          # budget of its last drafter call (the most nodes select verifies)
     trees: deque = field(default_factory=lambda: deque(maxlen=8))  # its own recent (tree, budget): its forecast
+    stamps: deque = field(default_factory=lambda: deque(maxlen=8))  # `plain` when each of them was drafted
+    plain: int = 0                           # its plain rounds so far (its own trees' age)
     probed: bool = False                     # it has called the drafter (no probe due any more)
     emitted: int = 0                         # tokens its rounds committed
     curve: tuple | None = None               # (last tree, count, calibration version) -> its mean curve, cached
@@ -262,17 +119,12 @@ class GoodputPolicy:
         store: where the calibration learnt by an earlier start is loaded from (as the calibrator's
             starting counts) and this one's is saved to, every ``save_every`` labelled trees at a
             request's end (:class:`~services.verifier.calibration_store.CalibrationStore`; None = off).
-        probe: a request that has not drafted yet drafts once (a probe) in the first round where the
-            probe pays for itself: the expected saving over its remaining tokens (the mean saving per
-            token of the method / regime's recent requests, from their own trees, with one optimistic
-            pseudo-request at full acceptance so unseen text is still tried) exceeds the probe's
-            drafter call including its catch-up of the owed context (``draft_cost(owed)``, ~0.2-0.3 ms
-            per prompt token on the CPU). Probes are outside the exploration time budget, which the
-            calls of earlier requests may have spent. From its first tree on, a request's forecast is
-            mostly the mean of its own recent trees: in mixed traffic the regime's recent trees are
-            other requests' text (a GSM8K request after MT-Bench ones stayed plain through HTTP). In a
-            step of several requests a probe also needs a tree's rows to pay at that batch size. Until it
-            has drafted, a request drafts only through the probe, exploration or an explicit budget,
+        probe: a request that has not drafted yet drafts once (a probe, whole budget) in the first
+            round where the probe pays for its catch-up of the owed context
+            (:class:`~services.verifier.probe.ProbeGate`; ~0.2-0.3 ms per prompt token on the CPU),
+            outside the exploration time budget. From its first tree on, a request's forecast is
+            mostly its own recent trees (in mixed traffic the regime's are other requests' text). Until
+            it has drafted, a request drafts only through the probe, exploration or an explicit budget,
             so a request that never drafts pays no catch-up (the same work as ``ar``).
             ``probe=False``: no probe; the regime's forecast decides from the first round.
         probe_window: recent requests per method / regime whose saving per token prices a probe.
@@ -303,19 +155,15 @@ class GoodputPolicy:
         self._plan: dict[str, int] = {}  # this step's drafting budget of each forecast-drafting request
         self._sized: set[str] = set()    # ... of which explorations (explore_budget; never widened)
         self._regime_calls: dict[str, int] = {}  # drafter calls of each method / regime (the widening)
-        self._regime_trees: dict[str, deque] = {}  # recent trees of each method / regime (the forecast)
-        self._curve_cache: dict[str, tuple] = {}  # regime -> (calibration version, trees added, mean curve)
-        self._regime_added: dict[str, int] = {}   # regime -> trees added to its window so far
-        self._version = 0  # calibration updates so far (a cached curve is refreshed after _fresh_labels() more)
+        self.forecaster = Forecaster(self.cal, lambda *a: self._mean_curve(*a),
+                                     self._fresh_labels, forecast_trees)
         self._regime_since: dict[str, int] = {}  # rounds since each method / regime last drafted
         self._regime_interval: dict[str, int] = {}  # the exploration interval of each method / regime
         self._req: dict[str, _ReqState] = {}
         self._skip: set[str] = set()
         self._predicted: float | None = None
         self.store, self.save_every, self._unsaved, self.probe = None, save_every, 0, probe
-        self._savings: dict[str, deque] = {}  # regime -> seconds saved per token of its recent requests
-        self._lengths: dict[str, float] = {}  # regime -> mean tokens of its ended requests (moving)
-        self.probe_window = max(int(probe_window), 1)
+        self.probes = ProbeGate(self.cost, lambda: (self._cap(), self._top()), probe_window)
         if store is not None:
             self.attach_store(store)
 
@@ -348,188 +196,58 @@ class GoodputPolicy:
     def remember(self, regime: str, tree: DraftTree, budget: int | None = None) -> None:
         """Add a drafted (non-empty) tree to the forecast window of ``regime`` (a method / regime name);
         ``budget``: the budget it was drafted with (None = the cap)."""
-        if tree.num_nodes == 0:
-            return
-        window = self._regime_trees.get(regime)
-        if window is None:
-            window = self._regime_trees[regime] = deque(maxlen=self.forecast_trees)
-        window.append((tree, budget or self._cap()))
-        self._regime_added[regime] = self._regime_added.get(regime, 0) + 1
+        self.forecaster.remember(regime, tree, budget or self._cap())
 
     def forecast(self, regime: str, rid: str | None = None) -> list[float] | None:
-        """Expected P of the k-th most likely node of the next draft, k = 0 .. B_max - 1 (descending,
-        zeros left out): the mean over recent trees of their sorted calibrated P (with ``optimism``,
-        under the current calibration), times the request's factor; None before the regime's first
-        tree. A request that has drafted blends the mean of its own recent trees with its regime's
-        (:func:`_blend`, weights :meth:`_own_weight`): its own text first, relaxing towards the regime's
-        longer window while it decodes plainly. Position k averages only the trees drafted with a budget above k (a tree
-        drafted with budget 3 says nothing about a 5th node), so drafting small trees does not read as
-        "no 5th node" and the budget can grow again.
+        """The forecast of request ``rid`` (None: the regime's alone) before drafting:
+        :meth:`~services.verifier.forecast.Forecaster.forecast` with the request's own recent trees."""
+        return self.forecaster.forecast(regime, self._req.get(rid) if rid is not None else None, rid)
 
-        The mean, not the last tree: the policy stops drafting right after a low-confidence tree, so a
-        forecast read from the last tree is biased low and stays there while nothing is drafted
-        (docs/roofline.md, "What the goodput policy does here").
+    @property
+    def _version(self) -> int:
+        """Calibration updates so far (the forecaster's cached curves follow it)."""
+        return self.forecaster.version
 
-        A cached own curve is recomputed when its trees change, or once the calibration has taken as
-        many new labels as there are running requests (:meth:`_fresh_labels`): at c = 1 after every label,
-        as before; at c = 8 recomputing every request's curve after every label cost ~1 ms a step
-        (0.15 ms a request, 3 % of a q4 CPU step) for forecasts that moved by a few labels' worth."""
-        st = self._req.get(rid) if rid is not None else None
-        regime_curve = self._regime_curve(regime)
-        own = self._own_curve(st, regime) if st is not None else None
-        if own is None and regime_curve is None:
-            return None
-        curve = regime_curve if own is None else _blend(own, regime_curve, self._own_weight(st))
-        f = self.cal.request_factor(rid)
-        return [min(v * f, 1.0) for v in curve[:next((i for i, v in enumerate(curve) if v <= 0.0), len(curve))]]
-
-    def _own_curve(self, st: _ReqState, regime: str) -> list[float] | None:
-        """The mean curve of the request's own recent trees (cached, :meth:`forecast`); None before its first."""
-        if not st.trees:
-            return None
-        key = (id(st.trees[-1][0]), len(st.trees))
-        if st.curve is None or st.curve[0] != key or self._version - st.curve[1] >= self._fresh_labels():
-            st.curve = (key, self._version, self._mean_curve(st.trees, regime))
-        return st.curve[2]
-
-    def _regime_curve(self, regime: str) -> list[float] | None:
-        """The mean curve of the regime's recent trees; None before its first. Cached until its window
-        has taken an eighth of its length in new trees (at most :data:`REGIME_REFRESH`), or as many times
-        :meth:`_fresh_labels` new labels: a full window of 64 trees is a slow prior, and recomputing it
-        every step cost ~0.5 ms at c = 1; a short one (a cold start) is recomputed as often as before."""
-        window = self._regime_trees.get(regime)
-        if not window:
-            return None
-        cached, added = self._curve_cache.get(regime), self._regime_added.get(regime, 0)
-        every = min(max(len(window) // 8, 1), REGIME_REFRESH)
-        if cached is None or added - cached[1] >= every or self._version - cached[0] >= every * self._fresh_labels():
-            cached = self._curve_cache[regime] = (self._version, added, self._mean_curve(window, regime))
-        return cached[2]
-
-    def _own_weight(self, st: _ReqState) -> float:
-        """Weight of the request's own trees against :data:`FORECAST_PRIOR_TREES` of its regime's: one per
-        own tree, times :data:`FORECAST_RELAX` per round since its last drafter call. A request stops
-        drafting after a dip of its own window and then draws no new tree, so an own-only forecast
-        froze at the dip (2-core CPU, q4, goodput at ``B_max`` = 1: 1,131 of 3,295 rounds plain where
-        fixed B = 1 paid); relaxing towards the regime's longer window lets it draft again."""
-        return len(st.trees) * FORECAST_RELAX ** st.since_draft
+    @_version.setter
+    def _version(self, value: int) -> None:
+        self.forecaster.version = value
 
     def _overheads(self, requests: int) -> tuple[float, float]:
-        """``(o, t)`` the step of ``requests`` decoding requests is priced with: the cost model's fit
-        (:meth:`~services.verifier.cost_model.StepCostModel.overhead_coefficients`) when several
-        requests share the step and the fit exists; alone (the c = 1 prices of :meth:`_could_pay`,
-        :meth:`_saving_per_token`, :meth:`explore_budget`, :meth:`probe_pays` too), the per-request
-        moving average and no ``t`` (pricing
-        ``t`` there made a lone request draft less and run slower: 1.32x of ``ar`` against 1.37x, q4,
-        1 thread, GSM8K, in process; at 4 and 8 requests it is what keeps drafts from losing,
-        benchmarks/results/2026-12-04-goodput-overhead)."""
-        fit = self.cost.overhead_coefficients() if requests > 1 else None
-        return fit if fit is not None else (self.cost.overhead_seconds, 0.0)
+        """:func:`~services.verifier.pricing.overheads` on the policy's cost model."""
+        return overheads(self.cost, requests)
 
     def _fresh_labels(self) -> int:
         """New calibration labels after which a cached forecast curve is recomputed: the running count."""
         return max(1, self._running)
 
-    def _could_pay(self, requests: int = 1, drafter: bool = True) -> bool:
-        """Whether a steady drafter call could pay at all in a step of ``requests`` decoding requests
-        (one row each): one request's chain of k <= 16 nodes (a drafter block), every one accepted,
-        beats the plain step's tokens per second on the cost curve for some k within the budget, its
-        k rows priced at the batch's size (``forward(n + k) - forward(n)``: where batching already fills
-        the step, extra rows can cost a large part of a step). ``drafter=False``: the drafter call
-        free (whether the rows alone could pay, whatever the drafter comes to cost)."""
-        n, c = max(requests, 1), self.cost
-        o, e = self._overheads(n)
-        plain = n / (c.forward_seconds(n) + o * n)
-        d = c.draft_cost(1) + e if drafter else 0.0
-        top = min(self.max_budget or self.defaults.budget, 16)
-        return any((n + k) / (d + c.forward_seconds(n + k) + o * n) > plain for k in range(1, top + 1))
+    def _top(self) -> int:
+        """The most nodes a drafter call drafts, as far as pricing goes: the budget, at most 16."""
+        return min(self.max_budget or self.defaults.budget, 16)
 
-    def _saving_per_token(self, curve: list[float]) -> float:
-        """Seconds per emitted token a request saves over plain decoding at c = 1 when it drafts with
-        the forecast ``curve`` (steady drafter call, best number of nodes); 0 where drafting does not
-        pay."""
-        c, o = self.cost, self.cost.overhead_seconds  # a lone request: no t (_overheads)
-        k, g, t = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + o)
-        return max(c.forward_seconds(1) + o - t / g, 0.0) if k and g > 0 else 0.0
+    def _could_pay(self, requests: int = 1, drafter: bool = True) -> bool:
+        """:func:`~services.verifier.pricing.could_pay` within :meth:`_top` nodes."""
+        return could_pay(self.cost, requests, self._top(), drafter)
 
     def explore_budget(self, curve: list[float]) -> int:
-        """Budget of an exploration (a draft made regardless of the forecast by a request that has
-        drafted before) whose forecast is ``curve``: one node more than the forecast's best budget
-        at c = 1 (steady drafter call; at least 2), and no more nodes than a verify costing at most
-        :data:`EXPLORE_STEP_COST` one-row steps holds (on a q4 CPU the kernel's 4-row tile: 3; on a
-        flat, memory-bound curve the cap). An exploration asks whether the drafter is better than
-        its forecast, which its first nodes answer; drafting ``B_max`` there cost a full block and,
-        on a q4 CPU, up to a 9-row verify (~2.5 steps) in rounds the forecast expected not to pay.
-        Deeper nodes are learnt as before, by the widening calls. A request's first draft (its
-        probe) keeps the whole budget: its own forecast starts from that tree, and a small first
-        tree left GSM8K requests plain through HTTP (0.98x of ``ar`` vs 1.07x with whole probes,
-        benchmarks/results/2026-12-03-cpu-small-trees-http-lean). Always in ``[1, cap]``."""
-        c = self.cost
-        cap = self._cap()
-        k = self._best_prefix(1.0, 1, list(curve), c.draft_cost(1) + c.overhead_seconds)[0]
-        one = c.forward_seconds(1)
-        within = max((n for n in range(1, cap + 1) if c.forward_seconds(1 + n) <= EXPLORE_STEP_COST * one), default=1)
-        return min(max(k + 1, 2), within)  # within is in [1, cap]
+        """Budget of an exploration whose forecast is ``curve`` (:func:`~services.verifier.pricing.explore_budget`
+        up to the cap). A request's first draft (its probe) keeps the whole budget instead."""
+        return explore_budget(self.cost, curve, self._cap())
 
     def probe_pays(self, regime: str, st: _ReqState, owed: int, remaining: int | None, requests: int = 1) -> bool:
-        """Whether a probe draft of a request that has not drafted yet pays for itself: expected
-        seconds saved over its ``remaining`` tokens (None: its regime's mean request length minus what
-        it emitted) at the regime's mean saving per token, above ``draft_cost(owed)``. The mean is
-        over the regime's recent requests that drafted plus one pseudo-request at full acceptance of
-        a ``B_max`` chain (optimism: text like none seen yet is tried while the evidence is thin).
-        Before any request of the regime ended (no saving, no length known): the probe runs where a
-        fully accepted tree could pay at all (:meth:`_could_pay`). In a step of ``requests`` > 1 the probe
-        also needs a fully accepted tree to pay at that batch size (the savings are c = 1 prices)."""
-        if requests > 1 and not self._could_pay(requests):
-            return False
-        saved = self._savings.get(regime)
-        if remaining is None:
-            length = self._lengths.get(regime)
-            remaining = None if length is None else max(int(round(length)) - st.emitted, 0)
-        if not saved or remaining is None:
-            return self._could_pay()
-        best = self._saving_per_token([1.0] * self._cap())
-        per_token = (sum(saved) + best) / (len(saved) + 1)
-        return remaining * per_token > self.cost.draft_cost(max(owed, 1))
+        """Whether the probe of a request that has not drafted yet pays for its catch-up
+        (:meth:`~services.verifier.probe.ProbeGate.pays`)."""
+        return self.probes.pays(regime, st.emitted, owed, remaining, requests)
 
-    def _mean_curve(self, window, regime: str) -> list[float]:
-        """Mean sorted calibrated P (with ``optimism``) of a window of ``(tree, budget)``, position k
-        over the trees drafted with a budget above k; non-increasing; up to the largest tree's node
-        count (at most the cap): every position beyond it would be 0."""
-        # positions past the largest tree are 0 in every curve: the curve stops there (the forecast
-        # reads it up to its first 0); up to the cap (1,024 unless set) it cost ~0.5 ms a step at c = 1
-        length = min(self._cap(), max((t.num_nodes for t, _ in window), default=0))
-        curves = self.cal.sorted_lists([t for t, _ in window], regime, self.optimism, length)  # T x length
-        budgets = [b for t, b in window if t.num_nodes]
-        out, low = [], float("inf")
-        for k in range(length):
-            vals = [c[k] for c, b in zip(curves, budgets) if k < b]
-            v = sum(vals) / len(vals) if vals else 0.0
-            low = min(low, v)  # the k-th most likely node: never above the (k-1)-th
-            out.append(low)
-        return out
+    def _mean_curve(self, window, regime: str, weights: list[float] | None = None) -> list[float]:
+        """:func:`~services.verifier.forecast.mean_curve` of a window of ``(tree, budget)`` with the
+        policy's ``optimism`` and cap."""
+        return mean_curve(self.cal, window, regime, self.optimism, self._cap(), weights)
 
     # ----------------------------------------------------------- before drafting
     def _best_prefix(self, gain0: float, rows0: int, probs: list[float], fixed_s: float,
                      extra_rows: int = 0) -> tuple[int, float, float]:
-        """Best ``k`` of ``(gain0 + sum probs[:k]) / seconds(k)`` (``probs`` descending):
-        ``(k, gain, seconds)``, where ``seconds(k) = forward(rows0) + fixed_s`` plus the marginal
-        cost of ``k`` more rows in a step that also carries ``extra_rows`` prompt-chunk rows. The
-        prompt chunk's own time is left out: it emits no token this step, and counting it would
-        make any draft look cheap next to it (a 2 s prefill step "hides" a 50 ms drafter call).
-        Exact: every row costs the same whoever it belongs to, so the best set of k nodes is the k
-        most likely."""
-        c = self.cost
-        base = c.forward_seconds(rows0) + fixed_s
-        full0 = c.forward_seconds(rows0 + extra_rows)
-        best = (0, gain0, base)
-        g = gain0
-        for k, p in enumerate(probs, start=1):
-            g += p
-            t = base + c.forward_seconds(rows0 + extra_rows + k) - full0
-            if t > 0 and g / t > best[1] / best[2] + 1e-12:
-                best = (k, g, t)
-        return best
+        """:func:`~services.verifier.pricing.best_prefix` on the policy's cost model."""
+        return best_prefix(self.cost, gain0, rows0, probs, fixed_s, extra_rows)
 
     def begin_step(self, rounds: list[RoundInfo], extra_rows: int = 0, num_running: int = 1) -> None:
         """Decide which requests call the drafter this step, from each request's forecast (its last
@@ -642,6 +360,7 @@ class GoodputPolicy:
         st = self._state(rid)
         if rid in self._skip:
             st.since_draft += 1
+            st.plain += 1
             self._regime_since[st.regime] = max(self._regime_since.get(st.regime, 0), st.since_draft)
             self.cal.relax(rid)
             return None
@@ -706,6 +425,7 @@ class GoodputPolicy:
             if d.drafted and tree.num_nodes:
                 self.remember(st.regime, tree, st.budget)
                 st.trees.append((tree, st.budget or self._cap()))
+                st.stamps.append(st.plain)
                 st.pending.append([tree, []])
             if tree.num_nodes == 0:
                 continue
@@ -781,13 +501,8 @@ class GoodputPolicy:
     def release(self, rid: str) -> None:
         """A request ended: label its pending trees with the tokens it had, forget its state."""
         st = self._req.get(rid)
-        if st is not None and st.emitted:  # what it says about its regime's requests (the probe's price)
-            old = self._lengths.get(st.regime)
-            self._lengths[st.regime] = st.emitted if old is None else 0.8 * old + 0.2 * st.emitted
-            if st.trees:
-                own = self.forecast(st.regime, rid)
-                window = self._savings.setdefault(st.regime, deque(maxlen=self.probe_window))
-                window.append(self._saving_per_token(own or []))
+        if st is not None:  # what it says about its regime's requests (the probe's price)
+            self.probes.record(st.regime, st.emitted, (self.forecast(st.regime, rid) or []) if st.trees else None)
         st = self._req.pop(rid, None)
         self._skip.discard(rid)
         if st is not None:
