@@ -206,11 +206,18 @@ def concurrent_tps(client_factory, base: str, prompts: list[str], streams: int, 
     return sum(totals) / (time.perf_counter() - t0)
 
 
-def run_pass(client_factory, bases: dict[str, str], order: list[str], a) -> dict:
-    """Every workload once on each arm (``order`` per workload; ``bases``: arm -> server URL):
-    ``{arm: {metric: value}}``."""
+def long_prompt(words: int, salt: str = "") -> str:
+    """The long prompt of ``words`` words; ``salt`` (a pass number) starts it, so no server meets a
+    prompt it has cached from an earlier pass (both cache prompts: the TTFT would be a cache hit)."""
+    head = f"Summarize the following text (document {salt}).\n\n" if salt else "Summarize the following text.\n\n"
+    return head + " ".join((LONG_TEXT * (words // 40 + 1)).split()[:words])
+
+
+def run_pass(client_factory, bases: dict[str, str], order: list[str], a, salt: str = "") -> dict:
+    """Every workload once on each arm (``order`` per workload; ``bases``: arm -> server URL;
+    ``salt``: :func:`long_prompt`'s): ``{arm: {metric: value}}``."""
     out: dict[str, dict] = {name: {} for name in order}
-    long_prompt = "Summarize the following text.\n\n" + " ".join((LONG_TEXT * (a.long_words // 40 + 1)).split()[:a.long_words])
+    long_text = long_prompt(a.long_words, salt)
     for name in order:
         with client_factory() as client:
             recs = [chat(client, bases[name], [{"role": "user", "content": p}], a.max_tokens, ARM_BODY.get(name))
@@ -218,7 +225,7 @@ def run_pass(client_factory, bases: dict[str, str], order: list[str], a) -> dict
         out[name]["c1_mixed_tps"], out[name]["c1_gsm8k_tps"] = decode_tps(recs), decode_tps(recs[:GSM8K])
     for name in (n for n in order if n in (OURS, LLAMA)):
         with client_factory() as client:
-            first = [{"role": "user", "content": long_prompt}]
+            first = [{"role": "user", "content": long_text}]
             rec = chat(client, bases[name], first, a.max_tokens)
             nxt = first + [{"role": "assistant", "content": rec["text"]}, {"role": "user", "content": NEXT_TURN}]
             out[name]["long_ttft_s"] = rec["ttft_s"]
@@ -351,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
             with factory() as client:
                 chat(client, bases[name], [{"role": "user", "content": PROMPTS[0]}], 16, ARM_BODY.get(name))
         for p in range(a.passes):
-            passes.append(run_pass(factory, bases, pass_order(p, arms), a))
+            passes.append(run_pass(factory, bases, pass_order(p, arms), a, salt=str(p + 1)))
             print(f"pass {p}: " + json.dumps(passes[-1]), file=sys.stderr, flush=True)
     finally:
         for proc in procs:

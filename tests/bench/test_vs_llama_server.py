@@ -128,7 +128,7 @@ def test_passes_measure_every_workload_on_every_arm_and_report_ratios(two_server
     a = vs.parse_args(["--max-tokens", "8", "--concurrency", "2", "3", "--requests-per-stream", "2",
                        "--long-words", "50"])
     factory = lambda: httpx.Client(timeout=30)  # noqa: E731
-    passes = [vs.run_pass(factory, bases, vs.pass_order(p), a) for p in range(3)]
+    passes = [vs.run_pass(factory, bases, vs.pass_order(p), a, salt=str(p)) for p in range(3)]
     assert [vs.pass_order(p) for p in range(4)] == [
         [vs.OURS, vs.OURS_AR, vs.LLAMA], [vs.OURS_AR, vs.LLAMA, vs.OURS], [vs.LLAMA, vs.OURS, vs.OURS_AR],
         [vs.OURS, vs.OURS_AR, vs.LLAMA]]
@@ -142,9 +142,12 @@ def test_passes_measure_every_workload_on_every_arm_and_report_ratios(two_server
     assert all(b["temperature"] == 0 and b["ignore_eos"] and b["stream"] and b["max_tokens"] == 8 for b in ours_bodies)
     ar = [b for b in ours_bodies if b.get("speculative") == {"method": "ar"}]
     assert len(ar) == 3 * (len(vs.PROMPTS) + 4 + 6) and not any("speculative" in b for b in handlers[1].bodies)
+    longs = [b["messages"][0]["content"] for b in ours_bodies if len(b["messages"]) == 1 and "Summarize" in
+             b["messages"][0]["content"]]
+    assert len(longs) == 3 and len(set(longs)) == 3      # a new long prompt every pass: never a cache hit
     nxt = next(b for b in ours_bodies if len(b["messages"]) == 3)
     assert nxt["messages"][1]["role"] == "assistant" and nxt["messages"][1]["content"].startswith("t0 t1")
-    assert nxt["messages"][2]["content"] == vs.NEXT_TURN and len(nxt["messages"][0]["content"].split()) == 4 + 50
+    assert nxt["messages"][2]["content"] == vs.NEXT_TURN and len(nxt["messages"][0]["content"].split()) == 6 + 50
     rep = vs.summarize(passes)
     assert set(rep) == metrics
     for m in metrics:
