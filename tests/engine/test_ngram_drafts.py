@@ -17,6 +17,7 @@ from services.testing import greedy_reference, tiny_drafter, tiny_service
 from services.verifier.drafter_client import InprocDrafterClient
 from services.verifier.engine import SpecEngine
 from tests.engine.conftest import V  # fixtures: target, llama
+from tests.engine.test_seeded_sampling import _run as run_batched
 
 N = 48
 TREE = dict(budget=4, width=3, candidates=8)
@@ -85,17 +86,7 @@ def test_batched_requests_keep_separate_histories(llama):
     engine = SpecEngine(llama, InprocDrafterClient(svc), max_draft_depth=8)
     prompts = {"a": _prompt(4), "b": _prompt(11)}
     sp = SamplingParams(max_tokens=N, ignore_eos=True)
-    for rid, p in prompts.items():
-        engine.add_request(rid, p, sp, SpecParams("dartree-pruned", **TREE))
-    out = {rid: [] for rid in prompts}
-    live = list(prompts)
-    while live:
-        for rid, res in engine.step_batch(live).items():
-            assert not isinstance(res, BaseException), res
-            if res is not None:
-                out[rid] += res.token_ids
-                if res.finish_reason is not None:
-                    live.remove(rid)
+    out = run_batched(engine, {rid: (p, sp, SpecParams("dartree-pruned", **TREE)) for rid, p in prompts.items()})
     for rid, p in prompts.items():
         assert out[rid] == greedy_reference(llama.model, p, N), rid
     assert svc.ngram.proposed > 0 and svc.num_contexts() == 0
