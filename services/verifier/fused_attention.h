@@ -149,8 +149,7 @@ struct Views {
 template <typename T>
 struct Scratch {
   std::vector<float> q, s, kv, acc, total;
-  std::vector<T> zero;          // dh zeros: the K of the columns past a block's end
-  std::vector<int64_t> active;  // the queries a block concerns (index i), in ascending order
+  std::vector<T> zero;  // dh zeros: the K of the columns past a block's end
 };
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -195,84 +194,23 @@ inline Vec dot_bf16(const c10::BFloat16* q, const c10::BFloat16* k, int64_t dh) 
 inline Vec dot_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t) { return Vec{}; }
 #endif
 
-constexpr int kTile = 4;  // queries sharing each K / V load (each with its own accumulators)
-
-// The 16 columns' lane vectors of NT queries (acc[t * 16 + j]: query t, column j), each K chunk
-// loaded once for the NT queries: from bfloat16 directly (qraw[t]), or from the float32 copies of the
-// queries (qf[t]) and of the block's K (b.kv). Query t's lanes get exactly the operations of its
-// own dot product alone (chunks ascending), whichever queries share the tile.
-template <int NT, typename T>
-void tile_dots(const Views<T>& w, const T* const* kcols, const T* const* qraw, const float* const* qf, bool raw,
-               Scratch<T>& b, Vec* acc) {
+// The 16 columns' lane vectors for query i (row r, head hq_i): from bfloat16 directly, or from the
+// float32 copies of q (b.q) and of the block's K (b.kv).
+template <typename T>
+void block_dots(const Views<T>& w, const T* const* kcols, const T* qraw, const float* q, bool raw, Scratch<T>& b,
+                Vec* acc) {
   const int64_t dh = w.dh, nc = dh / kLanes;
-#if defined(__AVX512BF16__)
   if constexpr (raw_bf16_dot<T>()) {
     if (raw) {
-      for (int64_t j = 0; j < kLanes; ++j) {
-        __m512 x[NT];
-        for (int t = 0; t < NT; ++t) x[t] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dh; d += 32) {
-          const __m512bh k = (__m512bh)_mm512_loadu_si512(kcols[j] + d);
-          for (int t = 0; t < NT; ++t) x[t] = _mm512_dpbf16_ps(x[t], (__m512bh)_mm512_loadu_si512(qraw[t] + d), k);
-        }
-        for (int t = 0; t < NT; ++t) acc[t * kLanes + j] = x[t];
-      }
+      for (int64_t j = 0; j < kLanes; ++j) acc[j] = dot_bf16(qraw, kcols[j], dh);
       return;
     }
   }
-#endif
-  (void)kcols; (void)qraw; (void)raw;
   for (int64_t j = 0; j < kLanes; ++j) {
     const float* k = b.kv.data() + j * dh;
-    Vec x[NT];
-    Vec kc = load(k);
-    for (int t = 0; t < NT; ++t) x[t] = load(qf[t]) * kc;
-    for (int64_t c = 1; c < nc; ++c) {
-      kc = load(k + c * kLanes);
-      for (int t = 0; t < NT; ++t) x[t] = fmadd(load(qf[t] + c * kLanes), kc, x[t]);
-    }
-    for (int t = 0; t < NT; ++t) acc[t * kLanes + j] = x[t];
-  }
-}
-
-// tile_dots for a run-time tile of nt (1..kTile) queries.
-template <typename T>
-void tile_dots_n(int nt, const Views<T>& w, const T* const* kcols, const T* const* qraw, const float* const* qf,
-                 bool raw, Scratch<T>& b, Vec* acc) {
-  switch (nt) {
-    case 1: tile_dots<1>(w, kcols, qraw, qf, raw, b, acc); break;
-    case 2: tile_dots<2>(w, kcols, qraw, qf, raw, b, acc); break;
-    case 3: tile_dots<3>(w, kcols, qraw, qf, raw, b, acc); break;
-    default: tile_dots<kTile>(w, kcols, qraw, qf, raw, b, acc); break;
-  }
-}
-
-// One block's scores for the queries of b.active (their rows see a column of it), kTile at a time:
-// s[i, j0 + j] = scale * (q_i . k_j) + bias (-inf where the bias is).
-template <typename T>
-void block_scores(const Views<T>& w, const Request& req, int64_t h, int64_t r0, int64_t j0, int64_t n,
-                  int64_t len16, const T* const* kcols, bool raw, Scratch<T>& b) {
-  const int64_t g = w.hq / w.hkv, dh = w.dh, na = static_cast<int64_t>(b.active.size());
-  Vec acc[kTile * kLanes];
-  for (int64_t a0 = 0; a0 < na; a0 += kTile) {
-    const int nt = static_cast<int>(std::min<int64_t>(kTile, na - a0));
-    const T* qraw[kTile];
-    const float* qf[kTile];
-    for (int t = 0; t < nt; ++t) {
-      const int64_t i = b.active[a0 + t], r = r0 + i / g, gi = i % g;
-      qraw[t] = w.q + (h * g + gi) * w.q_head + (req.row0 + r) * w.q_row;
-      qf[t] = b.q.data() + i * dh;
-    }
-    tile_dots_n(nt, w, kcols, qraw, qf, raw, b, acc);
-    for (int t = 0; t < nt; ++t) {
-      const int64_t i = b.active[a0 + t], r = r0 + i / g;
-      const float* brow = req.bias + r * req.bias_stride + j0;
-      float bias[kLanes];
-      for (int64_t j = 0; j < kLanes; ++j) bias[j] = j < n ? brow[j] : kNegInf;
-      const Vec bv = load(bias);
-      const Vec sv = fmadd(lane_sums16(acc + t * kLanes), splat(w.scale), bv);
-      store(b.s.data() + i * len16 + j0, bv == kNegInf ? splat(kNegInf) : sv);
-    }
+    Vec x = load(q) * load(k);
+    for (int64_t c = 1; c < nc; ++c) x = fmadd(load(q + c * kLanes), load(k + c * kLanes), x);
+    acc[j] = x;
   }
 }
 
@@ -285,23 +223,32 @@ void scores(const Views<T>& w, const Request& req, int64_t h, int64_t r0, int64_
   const bool raw = raw_bf16_dot<T>() && dh % 32 == 0;
   b.zero.assign(dh, T(0.0f));
   std::fill(b.s.begin(), b.s.end(), kNegInf);
+  Vec acc[kLanes];
   const T* kcols[kLanes];
   for (int64_t j0 = 0; j0 < len; j0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, len - j0);
-    b.active.clear();
-    for (int64_t r = r0; r < r1; ++r) {  // the rows that see a column of the block
-      const float* brow = req.bias + r * req.bias_stride + j0;
-      bool any = false;
-      for (int64_t j = 0; j < n; ++j) any = any || brow[j] != kNegInf;
-      if (any)
-        for (int64_t gi = 0; gi < g; ++gi) b.active.push_back((r - r0) * g + gi);
-    }
-    if (b.active.empty()) continue;
     for (int64_t j = 0; j < kLanes; ++j) kcols[j] = j < n ? kbase + (j0 + j) * w.c_col : b.zero.data();
     if (!raw)  // K read once per task, as float32
       for (int64_t j = 0; j < kLanes; ++j)
         for (int64_t c = 0; c < nc; ++c) store(b.kv.data() + j * dh + c * kLanes, load16(kcols[j] + c * kLanes));
-    block_scores(w, req, h, r0, j0, n, len16, kcols, raw, b);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* brow = req.bias + r * req.bias_stride + j0;
+      float bias[kLanes];
+      bool any = false;
+      for (int64_t j = 0; j < kLanes; ++j) {
+        bias[j] = j < n ? brow[j] : kNegInf;
+        any = any || bias[j] != kNegInf;
+      }
+      if (!any) continue;
+      const Vec bv = load(bias);
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const int64_t i = (r - r0) * g + gi;
+        block_dots(w, kcols, w.q + (h * g + gi) * w.q_head + (req.row0 + r) * w.q_row, b.q.data() + i * dh, raw, b,
+                   acc);
+        const Vec sv = fmadd(lane_sums16(acc), splat(w.scale), bv);
+        store(b.s.data() + i * len16 + j0, bv == kNegInf ? splat(kNegInf) : sv);
+      }
+    }
   }
 }
 
@@ -325,64 +272,17 @@ void probabilities(int64_t nq, int64_t len16, Scratch<T>& b) {
   }
 }
 
-// a[t] [NC * 16] += p[t]_j v_j for the block's n columns and NT queries, j ascending (a query's
-// columns with p_j = 0 skipped), each V chunk loaded once for the NT queries: query t's accumulators
-// get exactly the operations they get alone.
-template <int NC, int NT>
-inline void accumulate(const float* const* p, int64_t n, const float* v, int64_t dh, float* const* a) {
-  Vec x[NT][NC];
-  for (int t = 0; t < NT; ++t)
-    for (int c = 0; c < NC; ++c) x[t][c] = load(a[t] + c * kLanes);
+// a [NC * 16] += p_j v_j for the block's n columns, j ascending (columns with p_j = 0 skipped).
+template <int NC>
+inline void accumulate(const float* p, int64_t n, const float* v, int64_t dh, float* a) {
+  Vec x[NC];
+  for (int c = 0; c < NC; ++c) x[c] = load(a + c * kLanes);
   for (int64_t j = 0; j < n; ++j) {
-    Vec vj[NC];
-    for (int c = 0; c < NC; ++c) vj[c] = load(v + j * dh + c * kLanes);
-    for (int t = 0; t < NT; ++t) {
-      if (p[t][j] == 0.0f) continue;
-      const Vec pj = splat(p[t][j]);
-      for (int c = 0; c < NC; ++c) x[t][c] = fmadd(pj, vj[c], x[t][c]);
-    }
+    if (p[j] == 0.0f) continue;
+    const Vec pj = splat(p[j]);
+    for (int c = 0; c < NC; ++c) x[c] = fmadd(pj, load(v + j * dh + c * kLanes), x[c]);
   }
-  for (int t = 0; t < NT; ++t)
-    for (int c = 0; c < NC; ++c) store(a[t] + c * kLanes, x[t][c]);
-}
-
-// accumulate for nt (1..NT) queries; NT * NC accumulators stay within 16 registers.
-template <int NC, int NT = (kTile * NC > 16 ? 16 / NC : kTile)>
-inline int accumulate_n(int64_t nt, const float* const* p, int64_t n, const float* v, int64_t dh, float* const* a) {
-  if (nt >= NT) { accumulate<NC, NT>(p, n, v, dh, a); return NT; }
-  if constexpr (NT > 1) return accumulate_n<NC, NT - 1>(nt, p, n, v, dh, a);
-  return 0;
-}
-
-// One block's p v for query i alone (a head dim without a register-tiled version).
-inline void accumulate_one(const float* p, int64_t n, const float* v, int64_t dh, float* a) {
-  for (int64_t c = 0; c < dh / kLanes; ++c) {
-    Vec x = load(a + c * kLanes);
-    for (int64_t j = 0; j < n; ++j)
-      if (p[j] != 0.0f) x = fmadd(splat(p[j]), load(v + j * dh + c * kLanes), x);
-    store(a + c * kLanes, x);
-  }
-}
-
-// One block's p v (its V as float32 in b.kv) for the queries of b.active, a tile at a time.
-template <typename T>
-void block_values(int64_t j0, int64_t n, int64_t dh, int64_t len16, Scratch<T>& b) {
-  const int64_t na = static_cast<int64_t>(b.active.size());
-  const float* p[kTile];
-  float* a[kTile];
-  for (int64_t a0 = 0; a0 < na;) {
-    const int64_t nt = std::min<int64_t>(kTile, na - a0);
-    for (int64_t t = 0; t < nt; ++t) {
-      p[t] = b.s.data() + b.active[a0 + t] * len16 + j0;
-      a[t] = b.acc.data() + b.active[a0 + t] * dh;
-    }
-    switch (dh / kLanes) {  // the same arithmetic; the accumulators in registers for the usual head dims
-      case 2: a0 += accumulate_n<2>(nt, p, n, b.kv.data(), dh, a); break;
-      case 4: a0 += accumulate_n<4>(nt, p, n, b.kv.data(), dh, a); break;
-      case 8: a0 += accumulate_n<8>(nt, p, n, b.kv.data(), dh, a); break;
-      default: accumulate_one(p[0], n, b.kv.data(), dh, a[0]); a0 += 1;
-    }
-  }
+  for (int c = 0; c < NC; ++c) store(a + c * kLanes, x[c]);
 }
 
 // b.acc [nq, dh] += sum_j p_j v_j, j ascending, 16 columns at a time (V read once per task).
@@ -391,18 +291,32 @@ void weighted_values(const Views<T>& w, const Request& req, const T* vbase, int6
   const int64_t dh = w.dh, nc = dh / kLanes;
   for (int64_t j0 = 0; j0 < req.length; j0 += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, req.length - j0);
-    b.active.clear();
+    bool loaded = false;
     for (int64_t i = 0; i < nq; ++i) {
       const float* p = b.s.data() + i * len16 + j0;
+      float* a = b.acc.data() + i * dh;
       bool any = false;
       for (int64_t j = 0; j < n; ++j) any = any || p[j] != 0.0f;
-      if (any) b.active.push_back(i);
+      if (!any) continue;
+      if (!loaded) {
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t c = 0; c < nc; ++c)
+            store(b.kv.data() + j * dh + c * kLanes, load16(vbase + (j0 + j) * w.c_col + c * kLanes));
+        loaded = true;
+      }
+      switch (nc) {  // the same arithmetic; the accumulators in registers for the usual head dims
+        case 2: accumulate<2>(p, n, b.kv.data(), dh, a); break;
+        case 4: accumulate<4>(p, n, b.kv.data(), dh, a); break;
+        case 8: accumulate<8>(p, n, b.kv.data(), dh, a); break;
+        default:
+          for (int64_t c = 0; c < nc; ++c) {
+            Vec x = load(a + c * kLanes);
+            for (int64_t j = 0; j < n; ++j)
+              if (p[j] != 0.0f) x = fmadd(splat(p[j]), load(b.kv.data() + j * dh + c * kLanes), x);
+            store(a + c * kLanes, x);
+          }
+      }
     }
-    if (b.active.empty()) continue;
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t c = 0; c < nc; ++c)
-        store(b.kv.data() + j * dh + c * kLanes, load16(vbase + (j0 + j) * w.c_col + c * kLanes));
-    block_values(j0, n, dh, len16, b);
   }
 }
 
