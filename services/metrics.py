@@ -107,6 +107,7 @@ STEP_ROWS = "dartree_step_rows"
 GRAPH_EAGER_STEPS = "dartree_graph_eager_steps_total"
 ROUND_WALKS = "dartree_verifier_rounds_total"
 ROUND_READS = "dartree_verifier_round_reads_total"
+COMPILED_STEP = "dartree_compiled_step"
 PREFILL_CHUNK_TOKENS = "dartree_prefill_chunk_tokens_total"
 DRAFTER_WAIT = "dartree_verifier_drafter_wait_seconds_total"
 DRAFTER_BUSY = "dartree_verifier_drafter_busy_seconds_total"
@@ -242,6 +243,8 @@ class VerifierMetrics:
                                    "batched per step; host: per request).", ["walk"], registry=r)
         self.round_reads = Counter(ROUND_READS, "Device-to-host copies of committed rounds (one per step on the "
                                    "device walk).", registry=r)
+        self.compiled_step = Gauge(COMPILED_STEP, "1 while the target's steps run compiled; 0 on the eager step "
+                                   "(e.g. until a compile built off the critical path is swapped in).", registry=r)
         self.prefill_chunk_tokens = Counter(PREFILL_CHUNK_TOKENS, "Prompt tokens prefilled inside batched steps.",
                                             registry=r)
         self.drafter_wait = Counter(DRAFTER_WAIT, "Seconds the verifier's steps waited for drafts.", registry=r)

@@ -119,7 +119,7 @@ def build_engine(target, drafter, config: EngineConfig = EngineConfig(), *, max_
                  defaults: TreeKnobs = DEFAULT_KNOBS, schedule: TreeSchedule | None = None,
                  max_budget: int | None = None, cost_sweep: bool = True,
                  cost_key: tuple[str, str, str] | None = None, packed_gemm: bool = True,
-                 calibration_store=None) -> SpecEngine:
+                 calibration_store=None, compile_off_path: bool = False) -> SpecEngine:
     """A :class:`SpecEngine` over a loaded ``target`` and a drafter client (None = plain decoding only).
 
     Args:
@@ -135,19 +135,27 @@ def build_engine(target, drafter, config: EngineConfig = EngineConfig(), *, max_
             goodput loads and saves its acceptance calibration (None: neither).
         packed_gemm: pack the target's float32 CPU GEMMs by :func:`pack_rule`, each row count on its
             first use (numerics unchanged).
+        compile_off_path: with ``compile`` on a CPU lean step (:func:`deferrable`), never compile on
+            the critical path (:mod:`services.verifier.compile_swap`): steps warm in inductor's disk
+            cache are loaded here (eager on a load failure, one log line); otherwise the runner
+            starts eager with ``deferred_rows`` set, for the caller to build them in the background.
     Raises:
         MemoryError: the KV cache does not fit; ValueError: unknown policy or bad knobs.
     """
     if config.compile is None:
         config = replace(config, compile=auto_compile(target))
-    runner = make_runner(target, config)
+    rows = (1, defaults.budget + 1 if drafter is not None else 2)  # the warm-up's row counts
+    defer = compile_off_path and bool(config.compile) and deferrable(target, config)
+    runner = make_runner(target, replace(config, compile=False) if defer else config)
     if packed_gemm:
         target.pack_for_steps(*pack_rule(defaults.budget, max_draft_depth, config.max_running, drafter is not None),
                               lazy=True)
     if runner.graphed:
         capture_graphs(runner, config, (max_budget or defaults.budget) + 1 if drafter is not None else 1)
+    elif defer:
+        _load_or_defer(runner, rows)
     elif config.compile:
-        _warm_up(runner, (1, defaults.budget + 1 if drafter is not None else 2))
+        _warm_up(runner, rows)
     if cost_key is None:
         cost_key = (getattr(target, "name", "model"), str(getattr(target, "weights", "float32")), str(target.device))
     spec_policy = build_policy(policy, runner, defaults, schedule, max_budget, cost_sweep, cost_key,
@@ -167,6 +175,36 @@ def capture_graphs(runner: ModelRunner, config: EngineConfig, segment_rows: int)
 
     release_freed_memory()
     return info
+
+
+def deferrable(target, config: EngineConfig) -> bool:
+    """Whether ``target``'s compiled steps can be built off the critical path and swapped in: a
+    lean step on CPU (:attr:`ModelRunner.can_swap_in_compiled`; not CUDA graphs, not padded steps)."""
+    from services.verifier.lean_step import LeanLlamaStep, lean_step_enabled
+
+    return (torch.device(target.device).type == "cpu" and not config.cuda_graphs and lean_step_enabled()
+            and LeanLlamaStep.supports(target.model))
+
+
+def _load_or_defer(runner: ModelRunner, rows: tuple[int, ...]) -> None:
+    """Swap the compiled steps of ``rows`` into the eager ``runner`` now when inductor's disk cache
+    holds them (:func:`~services.verifier.compile_swap.cache_is_warm`), else set ``runner.deferred_rows``;
+    a failed load leaves the runner eager (one log line) and defers."""
+    from services.verifier import compile_swap
+
+    key = compile_swap.steps_key(runner.target, rows)
+    if compile_swap.cache_is_warm(key):
+        try:
+            seconds = runner.use_compiled(rows)
+        except Exception as exc:  # noqa: BLE001 - the eager step serves; one line says why
+            compile_swap.forget_warm(key)
+            log.warning("the compiled steps did not load from the disk cache (%s); starting on the eager step",
+                        compile_swap.one_line(exc))
+        else:
+            log.info("compiled steps loaded from the disk cache in %.1f s", seconds)
+            return
+    runner.deferred_rows = rows
+    log.info("starting on the eager step; the compiled steps (rows %s) are built in the background", rows)
 
 
 def _warm_up(runner: ModelRunner, rows: tuple[int, ...]) -> None:
@@ -238,7 +276,8 @@ def build_verifier(config: VerifierWorkerConfig, drafter_client, drafter: PeerIn
                               schedule=parse_tree_schedule(config.tree_schedule),
                               max_budget=config.spec_max_budget or None, cost_sweep=config.cost_sweep,
                               cost_key=(target_dir.name, str(target.weights), config.device),
-                              packed_gemm=config.packed_gemm, calibration_store=store)
+                              packed_gemm=config.packed_gemm, calibration_store=store,
+                              compile_off_path=config.background_compile)
     cache = engine.runner.cache
     cache.prefix.max_bytes = config.prefix_cache_mib * 2**20
     log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; %s)", cache.num_slots, cache.capacity,

@@ -147,6 +147,10 @@ class VerifierWorkerConfig:
             supervisor starts it again: the restarted process loads the compiled steps from the disk
             cache in seconds and holds none of the compiler's in-memory state (~50 MB on SmolLM2-135M).
             None (auto): only under ``dartree serve``'s supervisor, which restarts it once.
+        background_compile: compile a CPU lean step off the critical path
+            (:mod:`services.verifier.compile_swap`): ready on the eager step (or on the compiled one
+            when inductor's disk cache holds it), the compile in a low-priority child process, the
+            compiled step swapped in when no request runs. False: compile during the start.
     """
 
     target: str = "smollm2-135m-instruct"
@@ -177,6 +181,7 @@ class VerifierWorkerConfig:
     log_level: str = "INFO"
     prefix_cache_mib: int = 256
     restart_after_compile: bool | None = None
+    background_compile: bool = True
     gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:

@@ -106,11 +106,15 @@ class LeanLlamaStep:
             :class:`_CompiledLayer` (one nested compile region: traced once, reused for every layer),
             ``attention`` called with each attention module's 0-d ``dartree_layer`` buffer
             (registered here) instead of the layer's int index.
+        share: a step over the same ``model`` whose layer table (its fused int4 packs, its norms)
+            this one uses instead of building its own: the compiled step that replaces an eager
+            one holds no second copy of the fused weights.
     Raises:
         ValueError: a model this class does not cover (:meth:`supports` is False).
     """
 
-    def __init__(self, model, attention, taps: dict, tap_layers, compiled: bool = False):
+    def __init__(self, model, attention, taps: dict, tap_layers, compiled: bool = False,
+                 share: "LeanLlamaStep | None" = None):
         if not self.supports(model):
             raise ValueError(f"the lean step covers llama models on CPU, not {model.config.model_type!r} "
                              f"on {next(model.parameters()).device}")
@@ -125,15 +129,15 @@ class LeanLlamaStep:
         self.head_dim = int(first.self_attn.head_dim)
         self.heads = int(cfg.num_attention_heads)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
-        fused = _fused_norm_matches(first.input_layernorm, dtype)
-        self.layers = []
-        for layer in inner.layers[: cfg.num_hidden_layers]:
+        fused = share.fused_norms if share is not None else _fused_norm_matches(first.input_layernorm, dtype)
+        self.layers = list(share.layers) if share is not None else []
+        for layer in inner.layers[: cfg.num_hidden_layers] if share is None else ():
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append((int(attn.layer_idx), float(attn.scaling), _Norm(layer.input_layernorm, fused),
                                 attn.q_proj, attn.k_proj, attn.v_proj, FusedInt4(), attn.o_proj,
                                 _Norm(layer.post_attention_layernorm, fused), mlp.gate_proj, mlp.up_proj,
                                 FusedInt4(), mlp.down_proj, mlp.act_fn))
-        self.norm = _Norm(inner.norm, _fused_norm_matches(inner.norm, dtype))
+        self.norm = share.norm if share is not None else _Norm(inner.norm, _fused_norm_matches(inner.norm, dtype))
         for (_, _, _, q_proj, k_proj, v_proj, qkv_fused, _, _, gate_proj, up_proj, gate_up_fused, _, _) in self.layers:
             # the fused packs now, not at the first step: a server that drops the weight-file pages
             # they supersede after start-up (services.runtime.drop_file_pages) finds them read already

@@ -235,6 +235,12 @@ class PrefixCache:
             if eviction:
                 self.stats.evictions += 1
 
+    def clear(self) -> None:
+        """Forget every cached prefix (not counted as evictions): their KV no longer matches what
+        the steps compute (the runner's step was swapped)."""
+        for slot in list(self._entries):
+            self.drop(slot)
+
     def victim(self, free_slots: list[int]) -> int:
         """The free slot to give to a request without a match: the lowest one caching nothing, else
         the least recently used.

@@ -108,6 +108,7 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
                  missed)
         raise SystemExit(RESTART_AFTER_COMPILE_EXIT)
     worker = _make_worker(config, engine, target, target_dir, epoch, drafter_client, drafter, inproc)
+    worker.step_swap = start_background_compile(config, engine, drafter)
     heartbeat = None if inproc else _start_heartbeat(config, ctx, drafter_client, worker)
     on_stop_signals(worker.begin_drain, stop.set, supervised=parent_pid is not None)
     try:
@@ -115,10 +116,32 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
     finally:
         if heartbeat is not None:
             heartbeat.close()
+        if worker.step_swap is not None:
+            worker.step_swap.close()
         if drafter_client is not None and not inproc:
             drafter_client.close()
         ctx.destroy(linger=0)
         log.info("verifier stopped")
+
+
+def start_background_compile(config: VerifierWorkerConfig, engine, drafter: PeerInfo | None):
+    """The :class:`~services.verifier.compile_swap.StepSwap` of an engine that started eager with its
+    compiled steps deferred (``engine.runner.deferred_rows``): their compile started in a child
+    process; None when nothing is deferred."""
+    import torch
+
+    from services.verifier import compile_swap
+    from services.verifier.build import pack_rule
+    from services.verifier.config import default_knobs
+
+    rows = engine.runner.deferred_rows
+    if rows is None:
+        return None
+    pack = pack_rule(default_knobs(config).budget, engine.max_draft_depth, config.engine.max_running, drafter is not None) \
+        if config.packed_gemm else None
+    job = compile_swap.CompileJob(config, drafter, rows, pack, torch.get_num_threads())
+    return compile_swap.StepSwap(engine.runner, compile_swap.BackgroundCompile(job),
+                                 compile_swap.steps_key(engine.runner.target, rows))
 
 
 def _open_drafter(config: VerifierWorkerConfig, build_inproc: Callable | None, ctx, epoch: str):
@@ -152,6 +175,7 @@ def _make_worker(config: VerifierWorkerConfig, engine, target, target_dir, epoch
     info = verifier_info(target_dir, engine, target, epoch, config, methods, drafter)
     metrics = VerifierMetrics(model=info.model, default_method=config.default_method, spec_policy=config.spec_policy,
                               tree_schedule=str(parse_tree_schedule(config.tree_schedule) or ""))
+    metrics.compiled_step.set(int(engine.runner.compiled))
     start_metrics_server(config.verifier_metrics_port, config.transport.metrics_host, metrics.registry)
     # the idle ping also re-handshakes a restarted drafter; a drafter in this process always answers
     ping = (lambda: True) if inproc else (lambda: drafter_client.ping(1.0)) if drafter_client else None

@@ -329,9 +329,11 @@ class ModelRunner:
             self.padded = PaddedSteps(self.cache, self.scratch_slot, kv_bucket, self._padded_forward, target.device,
                                       enabled=on_cuda)
         self.graphs = self.padded.graphs if self.padded is not None else None
-        self._set_up_step(target, lean=not self.graphed and lean_step_enabled() and LeanLlamaStep.supports(target.model))
+        self._lean_ok = not self.graphed and lean_step_enabled() and LeanLlamaStep.supports(target.model)
+        self.deferred_rows: tuple[int, ...] | None = None  # rows whose compiled steps build off the critical path
+        self._set_up_step(target, lean=self._lean_ok)
 
-    def _set_up_step(self, target, lean: bool) -> None:
+    def _set_up_step(self, target, lean: bool, share: LeanLlamaStep | None = None) -> None:
         """The step's callable: the lean step (a llama target off CUDA graphs), compiled or not, or
         the model compiled by layer regions; with the native slot attention where it builds."""
         self.lean = None  # unpadded steps of a llama target on CPU: services.verifier.lean_step
@@ -347,7 +349,8 @@ class ModelRunner:
             if self.native:  # the fused kernel where it serves the head dim, else the ATen-call op
                 fused = native.FUSED and native.fused_head_dim(self.cache.keys[0].shape[-1])
                 attention = _native_lean_attention if fused else _native_aten_lean_attention
-            self.lean = LeanLlamaStep(target.model, attention, target._taps, target.target_layer_ids, compiled=True)
+            self.lean = LeanLlamaStep(target.model, attention, target._taps, target.target_layer_ids, compiled=True,
+                                      share=share)
             # no size/stride asserts in the generated code: dynamo's guards already check every input,
             # and the asserts cost ~1,100 calls a step (each of the 30 layer calls checks its weights)
             self._lean_call = torch.compile(_private_frame(self.lean.__call__), options={
@@ -362,6 +365,34 @@ class ModelRunner:
             self._forward = torch.compile(_private_frame(target.model), options={"guard_filter_fn": _step_guards})
         elif lean:
             self.lean = LeanLlamaStep(target.model, _lean_attention, target._taps, target.target_layer_ids)
+
+    @property
+    def can_swap_in_compiled(self) -> bool:
+        """True for an eager lean step (a llama target on CPU) that :meth:`use_compiled` can replace."""
+        return not self.compiled and not self.graphed and self._lean_ok and self.lean is not None
+
+    def use_compiled(self, rows: tuple[int, ...]) -> float:
+        """Replace this runner's eager lean step by the compiled one (sharing its fused int4 packs)
+        and warm up its steps of ``rows`` rows: loaded from inductor's disk cache when a background
+        build wrote it, else compiled here. Call with no request in flight: the compiled step's bits
+        are not the eager step's (:mod:`services.verifier.lean_step`), so a request must run on one
+        step kind from its first row to its last, and the caller drops the slots' cached prefixes.
+
+        Returns the warm-up's seconds.
+        Raises:
+            RuntimeError: not :attr:`can_swap_in_compiled`, or no free KV slot for the warm-up;
+                anything the compile or load raises. On any error the runner is eager again, as before.
+        """
+        if not self.can_swap_in_compiled:
+            raise RuntimeError("only an eager lean step on CPU can be replaced by the compiled one")
+        eager = self.lean
+        self.compiled = True
+        try:
+            self._set_up_step(self.target, lean=True, share=eager)
+            return self.warm_up(rows)
+        except BaseException:
+            self.compiled, self.native, self.lean, self._lean_call = False, False, eager, None
+            raise
 
     @property
     def num_eager_steps(self) -> int:

@@ -83,6 +83,9 @@ class VerifierWorker:
             during a load (its memory is live) and not between back-to-back requests (a request
             arriving within ``release_idle_s`` cancels it).
         release_idle_s: idle seconds before ``release_memory`` runs.
+        step_swap: the compiled step being built off the critical path
+            (:class:`services.verifier.compile_swap.StepSwap`), swapped in by :meth:`run_once` when no
+            request runs; None: the engine's step stays as built.
 
     ``release_memory`` also runs after every step that prefilled prompt chunks: glibc would keep
     the pages of each chunk's freed temporaries (activations, feature slices) resident while the
@@ -95,8 +98,9 @@ class VerifierWorker:
     def __init__(self, engine, info: PeerInfo, config: VerifierWorkerConfig, metrics: VerifierMetrics | None = None,
                  send: Callable | None = None, drafter_ping: Callable[[], bool] | None = None,
                  release_memory: Callable[[], None] | None = None,
-                 release_idle_s: float = 1.0):
+                 release_idle_s: float = 1.0, step_swap=None):
         self.engine, self.info, self.config = engine, info, config
+        self.step_swap = step_swap
         self._release_memory = release_memory or trim_heap
         self._release_idle_s = release_idle_s
         self._release_at: float | None = None  # when the idle table's heap is handed back
@@ -151,6 +155,8 @@ class VerifierWorker:
         says so."""
         detail = "" if self.drafter_ok else \
             f"decoding without speculation: {self.drafter_detail or 'the drafter is not answering'}"
+        if self.step_swap is not None and self.step_swap.detail:
+            detail = f"{detail}; {self.step_swap.detail}" if detail else self.step_swap.detail
         if self.drafter_oom[0]:  # never silent: readiness says so until the server restarts
             oom = f"the drafter ran out of device memory {self.drafter_oom[0]} time(s) (last: {self.drafter_oom[1]})"
             detail = f"{detail}; {oom}" if detail else oom
@@ -186,6 +192,7 @@ class VerifierWorker:
     def run_once(self, idle_timeout: float = 0.05) -> None:
         """One loop iteration: recv -> schedule -> one batched step (every running request) -> send."""
         self._recv(block=not self._has_work(), timeout=idle_timeout)
+        self._swap_step()
         self._admit()
         order = self._schedule()
         if order:
@@ -261,7 +268,14 @@ class VerifierWorker:
         else:
             log.info("aborted %s (%s)", rid, abort.reason)
 
+    def _swap_step(self) -> None:
+        """Swap the compiled step in when it is ready and no request runs (``step_swap``)."""
+        if self.step_swap is not None and self.step_swap.tick(self.engine, len(self._running)):
+            self.metrics.compiled_step.set(1)
+
     def _admit(self) -> None:
+        if self.step_swap is not None and self.step_swap.holds_admissions(len(self._running)):
+            return  # the compiled step is ready: the running requests finish first (bounded)
         while self._waiting and len(self._running) < self.config.engine.max_running:
             entry = self._waiting.popleft()
             rid = entry.gen.request_id
