@@ -209,6 +209,25 @@ class BackgroundCompile:
 
 # ------------------------------------------------------------------------------ the swap
 
+def start_background_compile(config, engine, drafter) -> "StepSwap | None":
+    """The :class:`StepSwap` of a verifier whose engine started eager with its compiled steps
+    deferred (``engine.runner.deferred_rows``; ``config``: its :class:`VerifierWorkerConfig`,
+    ``drafter``: the drafter's handshake info or None), their compile started in a child process;
+    None when nothing is deferred."""
+    import torch
+
+    from services.verifier.build import pack_rule
+    from services.verifier.config import default_knobs
+
+    rows = engine.runner.deferred_rows
+    if rows is None:
+        return None
+    pack = pack_rule(default_knobs(config).budget, engine.max_draft_depth, config.engine.max_running,
+                     drafter is not None) if config.packed_gemm else None
+    job = CompileJob(config, drafter, rows, pack, torch.get_num_threads())
+    return StepSwap(engine.runner, BackgroundCompile(job), steps_key(engine.runner.target, rows))
+
+
 class StepSwap:
     """The verifier's side of a background compile: poll the child, then swap at a safe point.
 

@@ -108,6 +108,8 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
                  missed)
         raise SystemExit(RESTART_AFTER_COMPILE_EXIT)
     worker = _make_worker(config, engine, target, target_dir, epoch, drafter_client, drafter, inproc)
+    from services.verifier.compile_swap import start_background_compile
+
     worker.step_swap = start_background_compile(config, engine, drafter)
     heartbeat = None if inproc else _start_heartbeat(config, ctx, drafter_client, worker)
     on_stop_signals(worker.begin_drain, stop.set, supervised=parent_pid is not None)
@@ -122,26 +124,6 @@ def run_verifier_process(config: VerifierWorkerConfig, parent_pid: int | None = 
             drafter_client.close()
         ctx.destroy(linger=0)
         log.info("verifier stopped")
-
-
-def start_background_compile(config: VerifierWorkerConfig, engine, drafter: PeerInfo | None):
-    """The :class:`~services.verifier.compile_swap.StepSwap` of an engine that started eager with its
-    compiled steps deferred (``engine.runner.deferred_rows``): their compile started in a child
-    process; None when nothing is deferred."""
-    import torch
-
-    from services.verifier import compile_swap
-    from services.verifier.build import pack_rule
-    from services.verifier.config import default_knobs
-
-    rows = engine.runner.deferred_rows
-    if rows is None:
-        return None
-    pack = pack_rule(default_knobs(config).budget, engine.max_draft_depth, config.engine.max_running, drafter is not None) \
-        if config.packed_gemm else None
-    job = compile_swap.CompileJob(config, drafter, rows, pack, torch.get_num_threads())
-    return compile_swap.StepSwap(engine.runner, compile_swap.BackgroundCompile(job),
-                                 compile_swap.steps_key(engine.runner.target, rows))
 
 
 def _open_drafter(config: VerifierWorkerConfig, build_inproc: Callable | None, ctx, epoch: str):
