@@ -178,8 +178,9 @@ def capture_graphs(runner: ModelRunner, config: EngineConfig, segment_rows: int)
 
 
 def deferrable(target, config: EngineConfig) -> bool:
-    """Whether ``target``'s compiled steps can be built off the critical path and swapped in: a
-    lean step on CPU (:attr:`ModelRunner.can_swap_in_compiled`; not CUDA graphs, not padded steps)."""
+    """Whether ``target``'s compiled steps can be built off the critical path and swapped in: a lean
+    step on CPU (:attr:`~services.verifier.swap_in.CompiledSwapIn.can_swap_in_compiled`; not CUDA
+    graphs, not padded steps)."""
     from services.verifier.lean_step import LeanLlamaStep, lean_step_enabled
 
     return (torch.device(target.device).type == "cpu" and not config.cuda_graphs and lean_step_enabled()

@@ -6,8 +6,8 @@ does not wait for it:
 
 1. **Warm cache** (a previous build of the same steps loaded in a server: :func:`cache_is_warm`,
    keyed by :func:`steps_key`): the verifier loads the compiled step at start
-   (:meth:`ModelRunner.use_compiled`: dynamo traces the step, inductor reads its kernels from disk;
-   no code generation) and serves on it from the first request.
+   (:meth:`~services.verifier.swap_in.CompiledSwapIn.use_compiled`: dynamo traces the step,
+   inductor reads its kernels from disk; no code generation) and serves on it from the first request.
 2. **Cold cache**: the verifier is ready on the eager step. A child process
    (:class:`BackgroundCompile`, at the lowest CPU priority, ``os.nice(19)``) loads the same target
    and compiles the same steps, which writes inductor's disk cache. A process rather than a thread:
@@ -60,7 +60,8 @@ def steps_key(target, rows: tuple[int, ...]) -> str:
 
     parts = (machine_id(torch.__version__), getattr(target, "name", "model"), str(getattr(target, "weights", "")),
              f"kernels {kernels_version()}", str(target.dtype), f"taps {sorted(target.target_layer_ids)}",
-             f"rows {sorted(rows)}", f"native {native.ENABLED}", f"threads {torch.get_num_threads()}")
+             f"rows {sorted(rows)}", f"native {native.ENABLED}", f"fused {native.FUSED}",
+             f"threads {torch.get_num_threads()}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -81,6 +81,7 @@ from services.verifier import native
 from services.verifier.graph_grid import DEFAULT_MAX_GRAPHS, verify_grid
 from services.verifier.kv_cache import SlotKVCache
 from services.verifier.padded_step import PaddedSteps
+from services.verifier.swap_in import CompiledSwapIn
 from services.verifier.lean_step import LeanLlamaStep, lean_step_enabled
 from services.verifier.tree_attention import segment_parts, tree_attention_on, tree_verify_attention
 
@@ -255,8 +256,9 @@ def _private_frame(fn):
     return types.FunctionType(step.__code__.replace(), step.__globals__, "dartree_step", None, step.__closure__)
 
 
-class ModelRunner:
-    """Runs batched steps of a :class:`TargetModel` over a slot KV cache.
+class ModelRunner(CompiledSwapIn):
+    """Runs batched steps of a :class:`TargetModel` over a slot KV cache (an eager lean step on CPU
+    can swap in its compiled one later: :class:`~services.verifier.swap_in.CompiledSwapIn`).
 
     Guarantee (the module docstring's batch invariance): on unpadded steps (eager or compiled) a
     request's logits and features are those of the same request run alone: bitwise in q4, bitwise
@@ -365,34 +367,6 @@ class ModelRunner:
             self._forward = torch.compile(_private_frame(target.model), options={"guard_filter_fn": _step_guards})
         elif lean:
             self.lean = LeanLlamaStep(target.model, _lean_attention, target._taps, target.target_layer_ids)
-
-    @property
-    def can_swap_in_compiled(self) -> bool:
-        """True for an eager lean step (a llama target on CPU) that :meth:`use_compiled` can replace."""
-        return not self.compiled and not self.graphed and self._lean_ok and self.lean is not None
-
-    def use_compiled(self, rows: tuple[int, ...]) -> float:
-        """Replace this runner's eager lean step by the compiled one (sharing its fused int4 packs)
-        and warm up its steps of ``rows`` rows: loaded from inductor's disk cache when a background
-        build wrote it, else compiled here. Call with no request in flight: the compiled step's bits
-        are not the eager step's (:mod:`services.verifier.lean_step`), so a request must run on one
-        step kind from its first row to its last, and the caller drops the slots' cached prefixes.
-
-        Returns the warm-up's seconds.
-        Raises:
-            RuntimeError: not :attr:`can_swap_in_compiled`, or no free KV slot for the warm-up;
-                anything the compile or load raises. On any error the runner is eager again, as before.
-        """
-        if not self.can_swap_in_compiled:
-            raise RuntimeError("only an eager lean step on CPU can be replaced by the compiled one")
-        eager = self.lean
-        self.compiled = True
-        try:
-            self._set_up_step(self.target, lean=True, share=eager)
-            return self.warm_up(rows)
-        except BaseException:
-            self.compiled, self.native, self.lean, self._lean_call = False, False, eager, None
-            raise
 
     @property
     def num_eager_steps(self) -> int:
