@@ -189,18 +189,18 @@ def deferrable(target, config: EngineConfig) -> bool:
 
 def _load_or_defer(runner: ModelRunner, rows: tuple[int, ...]) -> None:
     """Swap the compiled steps of ``rows`` into the eager ``runner`` now when inductor's disk cache
-    holds them (:func:`~services.verifier.compile_swap.cache_is_warm`), else set ``runner.deferred_rows``;
+    holds them (:func:`~services.verifier.warm_steps.cache_is_warm`), else set ``runner.deferred_rows``;
     a failed load leaves the runner eager (one log line) and defers."""
-    from services.verifier import compile_swap
+    from services.verifier import warm_steps
 
-    key = compile_swap.steps_key(runner.target, rows)
-    if compile_swap.cache_is_warm(key):
+    key = warm_steps.steps_key(runner.target, rows)
+    if warm_steps.cache_is_warm(key):
         try:
             seconds = runner.use_compiled(rows)
         except Exception as exc:  # noqa: BLE001 - the eager step serves; one line says why
-            compile_swap.forget_warm(key)
+            warm_steps.forget_warm(key)
             log.warning("the compiled steps did not load from the disk cache (%s); starting on the eager step",
-                        compile_swap.one_line(exc))
+                        warm_steps.one_line(exc))
         else:
             log.info("compiled steps loaded from the disk cache in %.1f s", seconds)
             return

@@ -4,8 +4,8 @@ A q4 llama target on CPU serves faster on its compiled lean step (:mod:`services
 but compiling it on a cold inductor cache takes tens of seconds on a 2-core CPU. So ``dartree serve``
 does not wait for it:
 
-1. **Warm cache** (a previous build of the same steps loaded in a server: :func:`cache_is_warm`,
-   keyed by :func:`steps_key`): the verifier loads the compiled step at start
+1. **Warm cache** (a previous build of the same steps loaded in a server: :func:`~services.verifier.warm_steps.cache_is_warm`,
+   keyed by :func:`~services.verifier.warm_steps.steps_key`): the verifier loads the compiled step at start
    (:meth:`~services.verifier.swap_in.CompiledSwapIn.use_compiled`: dynamo traces the step,
    inductor reads its kernels from disk; no code generation) and serves on it from the first request.
 2. **Cold cache**: the verifier is ready on the eager step. A child process
@@ -23,73 +23,22 @@ does not wait for it:
    line (the child's own output goes to ``compile.log`` beside inductor's cache). Nothing about the
    failure is remembered: the next start tries again.
 
-A successful swap records the steps as warm (:func:`remember_warm`), so a restart takes path 1.
+A successful swap records the steps as warm (:func:`~services.verifier.warm_steps.remember_warm`), so a restart takes path 1.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+
+from services.verifier.warm_steps import forget_warm, one_line, remember_warm, steps_key
 
 log = logging.getLogger("verifier")
 
-WARM_FILE = "dartree_compiled_steps.json"  # in inductor's cache folder: wiping that folder forgets it too
 CHILD_LOG = "compile.log"
-
-
-def _warm_path() -> Path:
-    from services.machine_cache import inductor_cache_dir
-
-    return inductor_cache_dir() / WARM_FILE
-
-
-def steps_key(target, rows: tuple[int, ...]) -> str:
-    """What the compiled steps of ``target`` warmed up for ``rows`` depend on: the machine and torch
-    (:func:`services.machine_cache.machine_id`), the model folder, weight format and its kernels'
-    version, dtype, tapped layers, row counts and the switches that change the traced step."""
-    import torch
-
-    from services.machine_cache import machine_id
-    from services.verifier import native
-    from services.weight_formats import kernels_version
-
-    parts = (machine_id(torch.__version__), getattr(target, "name", "model"), str(getattr(target, "weights", "")),
-             f"kernels {kernels_version()}", str(target.dtype), f"taps {sorted(target.target_layer_ids)}",
-             f"rows {sorted(rows)}", f"native {native.ENABLED}", f"fused {native.FUSED}",
-             f"threads {torch.get_num_threads()}")
-    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
-
-
-def cache_is_warm(key: str) -> bool:
-    """True when steps of ``key`` were built and loaded before with this inductor cache folder."""
-    from services.machine_cache import read_entries
-
-    return key in read_entries(_warm_path())
-
-
-def remember_warm(key: str, seconds: float) -> None:
-    """Record that the steps of ``key`` load from the disk cache (``seconds``: that load)."""
-    from services.machine_cache import write_entry
-
-    write_entry(_warm_path(), key, {"load_seconds": round(seconds, 2)})
-
-
-def forget_warm(key: str) -> None:
-    """Drop ``key``'s record (its load failed: the next start builds it off the critical path again)."""
-    from services.machine_cache import drop_entry
-
-    drop_entry(_warm_path(), key)
-
-
-def one_line(exc: BaseException) -> str:
-    """``Type: first line of the message`` (at most 300 characters)."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
 # ------------------------------------------------------------------------------ the child process
@@ -234,7 +183,7 @@ class StepSwap:
 
     Args:
         runner: the engine's eager :class:`~services.verifier.runner.ModelRunner` (``deferred_rows`` set).
-        build: the started :class:`BackgroundCompile`; key: :func:`steps_key` of the steps.
+        build: the started :class:`BackgroundCompile`; key: :func:`~services.verifier.warm_steps.steps_key` of the steps.
         hold_s: once the compiled step is ready and requests run, new ones wait at most this long
             for the running ones to finish (then the swap waits for the next idle moment).
 

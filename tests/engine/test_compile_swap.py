@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 from services import protocol as p
 from services.testing import tiny_target
-from services.verifier import compile_swap
+from services.verifier import compile_swap, warm_steps
 from services.verifier.build import build_engine
 from services.verifier.config import EngineConfig, VerifierWorkerConfig
 from services.verifier.worker import VerifierWorker
@@ -87,7 +87,7 @@ def test_in_flight_requests_finish_on_eager_and_new_ones_run_compiled(inductor_d
     assert not runner.compiled and runner.deferred_rows == (1, 2)
     sent: list = []
     built = _Built()
-    swap = compile_swap.StepSwap(runner, built, compile_swap.steps_key(runner.target, runner.deferred_rows),
+    swap = compile_swap.StepSwap(runner, built, warm_steps.steps_key(runner.target, runner.deferred_rows),
                                  hold_s=600)
     worker = _worker(engine, swap, sent)
     kinds: dict[str, set[bool]] = {}  # request id -> step kinds (compiled?) it ran on
@@ -117,7 +117,7 @@ def test_in_flight_requests_finish_on_eager_and_new_ones_run_compiled(inductor_d
     assert kinds == {"alone": {False}, "inflight": {False}, "after": {True}}
     assert _tokens(sent, "inflight") == _tokens(sent, "alone") and len(_tokens(sent, "alone")) == 12
     assert len(_tokens(sent, "after")) == 12
-    assert compile_swap.cache_is_warm(swap.key)
+    assert warm_steps.cache_is_warm(swap.key)
     # a restart: the steps are warm on disk, so they load at start (no compile, nothing deferred)
     before = int(counters["inductor"]["fxgraph_cache_miss"])
     again = _engine(_target())
@@ -132,7 +132,7 @@ def test_a_failed_background_compile_leaves_the_eager_step_with_one_log_line(ind
     rows = engine.runner.deferred_rows
     job = compile_swap.CompileJob(VerifierWorkerConfig(), None, rows, None, 1)
     build = compile_swap.BackgroundCompile(job, entry=_explode)
-    swap = compile_swap.StepSwap(engine.runner, build, compile_swap.steps_key(engine.runner.target, rows))
+    swap = compile_swap.StepSwap(engine.runner, build, warm_steps.steps_key(engine.runner.target, rows))
     sent: list = []
     worker = _worker(engine, swap, sent)
     caplog.set_level(logging.INFO, logger="verifier")
@@ -147,7 +147,7 @@ def test_a_failed_background_compile_leaves_the_eager_step_with_one_log_line(ind
     worker.post(b"g", _generate("r", 5))
     _drain(worker)
     assert len(_tokens(sent, "r")) == 5 and not engine.runner.compiled
-    assert not compile_swap.cache_is_warm(swap.key)  # not remembered: the next start tries again
+    assert not warm_steps.cache_is_warm(swap.key)  # not remembered: the next start tries again
 
 
 def test_a_failed_load_at_the_swap_leaves_the_runner_eager(inductor_dir, caplog, monkeypatch):
@@ -157,8 +157,8 @@ def test_a_failed_load_at_the_swap_leaves_the_runner_eager(inductor_dir, caplog,
     runner = engine.runner
     sent: list = []
     built = _Built()
-    swap = compile_swap.StepSwap(runner, built, compile_swap.steps_key(runner.target, runner.deferred_rows))
-    compile_swap.remember_warm(swap.key, 1.0)
+    swap = compile_swap.StepSwap(runner, built, warm_steps.steps_key(runner.target, runner.deferred_rows))
+    warm_steps.remember_warm(swap.key, 1.0)
     worker = _worker(engine, swap, sent)
     worker.post(b"g", _generate("before", 8))
     _drain(worker)
@@ -173,7 +173,7 @@ def test_a_failed_load_at_the_swap_leaves_the_runner_eager(inductor_dir, caplog,
     lines = [r for r in caplog.records if r.name == "verifier" and r.levelno >= logging.WARNING]
     assert swap.state == "eager" and len(lines) == 1 and "injected load failure" in lines[0].getMessage()
     assert not runner.compiled and runner.lean is not None and not runner.lean.compiled
-    assert not compile_swap.cache_is_warm(swap.key)
+    assert not warm_steps.cache_is_warm(swap.key)
     worker.post(b"g", _generate("after", 8))
     _drain(worker)
     assert _tokens(sent, "after") == _tokens(sent, "before")
