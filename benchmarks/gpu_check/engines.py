@@ -65,7 +65,8 @@ def build_target(spec: dict, device: str, dtype: torch.dtype):
 
 def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, graphs: bool = False):
     """A :class:`SpecEngine` over a random target and a random DFlash + Domino drafter of ``spec``'s
-    shape; ``graphs``: its runner pads every step to a bucket and replays CUDA graphs."""
+    shape; ``graphs``: its runner pads every step to a bucket and replays CUDA graphs, and the
+    drafter's block forward replays its own (False: both eager)."""
     from services.drafter.model import DFlashDrafter, DrafterConfig
     from services.drafter.build import build_drafter
     from services.spec import default_tree_knobs
@@ -87,7 +88,8 @@ def build_engine(spec: dict, device: str, dtype: torch.dtype, max_context: int, 
     with torch.device(device):
         drafter = DFlashDrafter(dcfg).to(dtype).eval()
     service = build_drafter(drafter, target.embed_tokens(), target.lm_head(),
-                            description="random weights (gpu_check)", packed_gemm=False)
+                            description="random weights (gpu_check)", packed_gemm=False,
+                            cuda_graphs=graphs)  # the drafter block captured with the verify step, or neither
     engine = build_engine(target, InprocDrafterClient(service), EngineConfig(max_running=1, max_context=max_context,
                                                                          cuda_graphs=graphs),
                           max_draft_depth=dcfg.num_draft_slots, defaults=default_tree_knobs(device), packed_gemm=False)
