@@ -61,16 +61,6 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
-def _next_output(engine, rid: str):
-    """Plan and run steps of ``rid`` alone until it emits (its prefill chunks, then one round each)."""
-    while True:
-        out = engine.step_batch([rid], alone=True)[rid]
-        if isinstance(out, BaseException):
-            raise out
-        if out is not None:
-            return out
-
-
 def inprocess_run(engine, prompt_ids: list[int], args) -> dict:
     from services.params import SamplingParams, SpecParams
 
@@ -79,11 +69,11 @@ def inprocess_run(engine, prompt_ids: list[int], args) -> dict:
                        SpecParams(args.method))
     ids, rounds = [], 0
     t0 = time.perf_counter()
-    out = _next_output(engine, rid)  # prefill + first token
+    out = engine.next_output(rid)  # prefill + first token
     t1 = time.perf_counter()
     ids += out.token_ids
     while out.finish_reason is None:
-        out = _next_output(engine, rid)
+        out = engine.next_output(rid)
         ids += out.token_ids
         rounds += 1
     t2 = time.perf_counter()

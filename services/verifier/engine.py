@@ -496,10 +496,21 @@ class SpecEngine:
         """
         self.add_request(request_id, prompt_ids, sampling, spec)
         while True:
+            out = self.next_output(request_id)
+            yield out
+            if out.finish_reason is not None:
+                return
+
+    def next_output(self, request_id: str) -> RoundOutput:
+        """Run request ``request_id`` alone until it emits: its prefill (in chunks) and first token,
+        or one round; a request waiting for another's prefill starts from what is committed.
+
+        Raises:
+            KeyError: unknown request id; whatever its round raised (the request is then freed).
+        """
+        while True:
             out = self.step_batch([request_id], alone=True)[request_id]
             if isinstance(out, BaseException):
                 raise out
             if out is not None:
-                yield out
-                if out.finish_reason is not None:
-                    return
+                return out

@@ -132,12 +132,7 @@ def next_output(engine, request_id: str):
     Raises:
         KeyError: unknown request id; whatever its round raised (the engine then freed it).
     """
-    while True:
-        out = engine.step_batch([request_id], alone=True)[request_id]
-        if isinstance(out, BaseException):
-            raise out
-        if out is not None:
-            return out
+    return engine.next_output(request_id)
 
 
 class FakeDrafterService:
