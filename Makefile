@@ -10,7 +10,7 @@ STAMP := $(VENV)/.dartree-setup-stamp
 PROMPT ?= Write a haiku about speculative decoding.
 ARGS ?=
 
-.PHONY: setup lint test test-deps serve generate bench bench-tree bench-deps gpu-check gpu-bundle
+.PHONY: setup lint test test-deps serve generate bench bench-tree bench-deps bench-guidellm gpu-check gpu-bundle
 
 setup: $(STAMP)
 
@@ -71,6 +71,18 @@ $(LLAMA_TOOLS) &: | setup
 
 bench-deps: setup $(LLAMA_TOOLS)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} $(PIP) install -r requirements-bench.txt
+
+# Optional: guidellm, a third-party load client (`python -m benchmarks.vs_llama_server --guidellm`), in
+# its own virtualenv: it pins its own torch and transformers, which must not move .venv's. Not part of
+# bench-deps: PyPI's torch for Linux brings the CUDA wheels (~6 GiB, ~1.5 min with a warm cache).
+GUIDELLM_VENV := .venv-guidellm
+GUIDELLM_STAMP := $(GUIDELLM_VENV)/.dartree-guidellm-stamp
+bench-guidellm: $(GUIDELLM_STAMP)
+
+$(GUIDELLM_STAMP): requirements-guidellm.txt
+	@test -x $(GUIDELLM_VENV)/bin/python || $(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip --disable-pip-version-check -q install -r requirements-guidellm.txt
+	@touch $@
 
 # On a machine with a CUDA GPU: the gpu-marked tests, the served stack on a tiny model (8 streams
 # equal to ar), a round-time breakdown on random weights and the predicted speedup per budget

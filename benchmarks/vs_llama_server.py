@@ -20,6 +20,13 @@ a second ``llama-server`` with our DSpark drafter as its draft model (``--spec-t
 - ``c<N>_tps`` for each ``--concurrency`` level: N streams at once, ``--requests-per-stream`` prompts
   each; aggregate completion tokens / wall seconds.
 
+``--guidellm`` adds a second opinion from a third-party load client: after the passes, guidellm
+(:mod:`benchmarks.guidellm_peer`; ``make bench-guidellm`` installs it into ``.venv-guidellm``) runs
+against ``dartree`` and then ``llama-server`` with the same synthetic workload
+(``--guidellm-prompt-tokens`` tokens in, ``--max-tokens`` out, T = 0), one benchmark per
+``--guidellm-concurrency`` level of ``--guidellm-seconds`` each: output tokens/s and the median TTFT
+and ITL per server and level, with the ratios ours / ``llama-server``, under the JSON's ``guidellm``.
+
 ``llama-server`` and ``llama-batched-bench`` are built by ``make bench-deps`` into ``.venv/bin``
 (``--llama-server`` names another binary). Human-readable lines go to stderr; the last stdout line
 is one JSON object (``--out`` writes it too)::
@@ -33,21 +40,25 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from benchmarks import guidellm_peer as gl
 from benchmarks.bench_llama import PeerUnavailableError
 from benchmarks.bench_stats import write_result
 
 OURS, OURS_AR, LLAMA = "dartree", "dartree-ar", "llama-server"
 LLAMA_DSPARK = "llama-server-dspark"  # --dspark: llama-server with our DSpark drafter (c = 1 workloads only)
 ARMS = (OURS, OURS_AR, LLAMA)
+GUIDELLM_ARMS = (OURS, LLAMA)  # --guidellm: the two servers (the ar arm is our server asked for plain decoding)
 ARM_BODY = {OURS_AR: {"speculative": {"method": "ar"}}}  # what an arm adds to every request
 GSM8K = 3  # PROMPTS[:GSM8K] are the GSM8K-style ones
 PROMPTS = [
@@ -120,6 +131,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="more `dartree serve` flags (last)")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds each server may take to be ready")
     ap.add_argument("--dspark", action="store_true", help="add llama-server + our DSpark drafter (c = 1 only)")
+    ap.add_argument("--guidellm", action="store_true", help="also run guidellm against both servers "
+                    "(make bench-guidellm)")
+    ap.add_argument("--guidellm-seconds", type=float, default=30.0, help="guidellm: seconds per level")
+    ap.add_argument("--guidellm-concurrency", type=int, nargs="+", default=[1, 4], help="guidellm: stream counts")
+    ap.add_argument("--guidellm-prompt-tokens", type=int, default=256, help="guidellm: synthetic prompt tokens")
+    ap.add_argument("--guidellm-bin", default=None, help="guidellm (default: .venv-guidellm/bin/guidellm, PATH)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     for name in ("max_running", "threads", "passes", "max_tokens", "requests_per_stream", "long_words", "ctx_per_slot"):
@@ -129,7 +146,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--concurrency levels must be >= 1 (got {a.concurrency})")
     if a.ctx_per_slot < a.max_tokens + 64:
         ap.error(f"--ctx-per-slot {a.ctx_per_slot} leaves no room for a prompt and --max-tokens {a.max_tokens}")
+    _check_guidellm_args(ap, a)
     return a
+
+
+def _check_guidellm_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """``--guidellm-*`` values: positive, and a prompt that fits a slot (``ap.error``: one line)."""
+    if a.guidellm_seconds <= 0:
+        ap.error(f"--guidellm-seconds must be > 0 (got {a.guidellm_seconds})")
+    if any(c < 1 for c in a.guidellm_concurrency):
+        ap.error(f"--guidellm-concurrency levels must be >= 1 (got {a.guidellm_concurrency})")
+    if a.guidellm_prompt_tokens < 1:
+        ap.error(f"--guidellm-prompt-tokens must be >= 1 (got {a.guidellm_prompt_tokens})")
+    if a.guidellm and a.ctx_per_slot < a.guidellm_prompt_tokens + a.max_tokens + 64:
+        ap.error(f"--ctx-per-slot {a.ctx_per_slot} leaves no room for --guidellm-prompt-tokens "
+                 f"{a.guidellm_prompt_tokens} and --max-tokens {a.max_tokens}")
 
 
 def read_stream(lines: Iterable[str], t0: float, clock=time.perf_counter) -> dict:
@@ -300,9 +331,50 @@ def _stop(proc: subprocess.Popen | None) -> None:
         proc.kill()
 
 
-def report(a, argv: list[str] | None, servers: dict[str, str], gguf: Path, passes: list[dict]) -> dict:
+def guidellm_binary(a) -> Path | None:
+    """guidellm's executable under ``--guidellm`` (``--guidellm-bin``, ``.venv-guidellm``, PATH), else None.
+
+    Raises:
+        SystemExit: it is not installed (one line naming ``make bench-guidellm``).
+    """
+    if not a.guidellm:
+        return None
+    try:
+        return gl.find_guidellm(a.guidellm_bin)
+    except PeerUnavailableError as e:
+        raise SystemExit(f"vs_llama_server: {e}") from None
+
+
+def run_guidellm_arms(binary: Path, bases: dict[str, str], a, tokenizer: Path, stem: Path) -> dict:
+    """guidellm against each of :data:`GUIDELLM_ARMS` in turn (``bases``: arm -> URL; ``tokenizer``:
+    the served model's HF directory; reports and logs at ``{stem}-guidellm-{arm}.json`` / ``.log``):
+    the JSON's ``guidellm`` section (settings, command lines, levels per arm, ratios ours / llama);
+    prints :func:`benchmarks.guidellm_peer.table` to stderr.
+
+    Raises:
+        RuntimeError: a guidellm run failed (one line, naming its log).
+    """
+    levels, commands, version = {}, {}, None
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for name in GUIDELLM_ARMS:
+        out = Path(f"{stem}-guidellm-{name}.json")
+        argv = gl.guidellm_argv(binary, bases[name], tokenizer, a.guidellm_concurrency, a.guidellm_seconds,
+                                a.guidellm_prompt_tokens, a.max_tokens, out)
+        commands[name] = shlex.join(argv)
+        got = gl.run_guidellm(argv, out.with_suffix(".log"),
+                              timeout_s=len(a.guidellm_concurrency) * a.guidellm_seconds + 600)
+        levels[name], version = got["levels"], got["guidellm_version"]
+    print(gl.table(levels), file=sys.stderr, flush=True)
+    settings = {"seconds": a.guidellm_seconds, "concurrency": a.guidellm_concurrency,
+                "prompt_tokens": a.guidellm_prompt_tokens, "output_tokens": a.max_tokens, "tokenizer": str(tokenizer)}
+    return {"guidellm_version": version, "settings": settings, "commands": commands, "levels": levels,
+            "ratio_ours_to_llama": gl.ratios(levels, OURS, LLAMA)}
+
+
+def report(a, argv: list[str] | None, servers: dict[str, str], gguf: Path, passes: list[dict],
+           guidellm: dict | None = None) -> dict:
     """The JSON object of a run: its command, both servers' command lines, the machine, the settings,
-    every pass and :func:`summarize`'s table."""
+    every pass, :func:`summarize`'s table and (``--guidellm``) :func:`run_guidellm_arms`'s section."""
     return {"bench": "vs-llama-server", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "command": "python -m benchmarks.vs_llama_server " + " ".join(argv if argv is not None else sys.argv[1:]),
             "servers": servers, "gguf": str(gguf),
@@ -310,7 +382,8 @@ def report(a, argv: list[str] | None, servers: dict[str, str], gguf: Path, passe
                         "cpus": os.cpu_count()},
             "settings": {k: getattr(a, k) for k in ("max_running", "threads", "passes", "max_tokens", "concurrency",
                                                     "requests_per_stream", "long_words", "ctx_per_slot")},
-            "passes": passes, "summary": summarize(passes)}
+            "passes": passes, "summary": summarize(passes), **({"guidellm": guidellm} if guidellm else {})}
+
 
 def plan(a) -> tuple[dict[str, list[str]], dict[str, str], Path]:
     """``(argv per server, base URL per arm, GGUF)``: ours, ``llama-server`` and (``--dspark``) the
@@ -345,10 +418,11 @@ def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
     import httpx
 
+    gl_binary = guidellm_binary(a)  # before anything starts: a missing guidellm is one line
     cmds, bases, gguf = plan(a)
     arms = tuple(bases)
     procs: list[subprocess.Popen] = []
-    passes = []
+    passes, guidellm = [], None
     try:
         for name, cmd in cmds.items():
             ready = bases[name] + ("/health/ready" if name == OURS else "/health")
@@ -360,12 +434,17 @@ def main(argv: list[str] | None = None) -> dict:
         for p in range(a.passes):
             passes.append(run_pass(factory, bases, pass_order(p, arms), a, salt=str(p + 1)))
             print(f"pass {p}: " + json.dumps(passes[-1]), file=sys.stderr, flush=True)
+        if gl_binary is not None:
+            from services.models.registry import resolve_target
+
+            stem = Path(a.out).with_suffix("") if a.out else Path(tempfile.gettempdir()) / "vs-llama"
+            guidellm = run_guidellm_arms(gl_binary, bases, a, resolve_target(None), stem)
     finally:
         for proc in procs:
             _stop(proc)
     servers = {name: " ".join(cmd[1:] if name == OURS else cmd) for name, cmd in cmds.items()}
     servers[OURS_AR] = '(the same server) + {"speculative": {"method": "ar"}}'
-    res = report(a, argv, servers, gguf, passes)
+    res = report(a, argv, servers, gguf, passes, guidellm)
     return write_result(res, a.out)
 
 
