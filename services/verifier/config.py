@@ -59,7 +59,8 @@ class EngineConfig:
         device_walk: commit a step's decode rounds on the device: one batched accept walk, one KV
             compaction of every accepted path, and one device-to-host copy of the committed tokens
             per step (:mod:`services.verifier.step_commit`); False: each round walks on the host and
-            commits its own KV (the reference; same tokens). Not a command-line setting.
+            commits its own KV (the reference; same tokens); None: on unless the target runs on the
+            CPU, where the host walk is cheaper. Not a command-line setting.
     """
 
     max_context: int | None = None
@@ -71,7 +72,7 @@ class EngineConfig:
     compile: bool | None = False
     cuda_graphs: bool | None = None
     prefix_cache: bool = True
-    device_walk: bool = field(default=True, metadata={"flag": False})
+    device_walk: bool | None = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
         for name in ("max_running", "prefill_chunk", "max_step_tokens", "kv_bucket"):

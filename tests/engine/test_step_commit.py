@@ -160,3 +160,16 @@ def test_device_commit_equals_host_walk_and_commit(llama, service, seed):
         for i, (fk, fv) in enumerate(hf_compat.cache_layers(fresh)):
             torch.testing.assert_close(cache.keys[i][req.slot, :, :n], fk[0], atol=1e-5, rtol=0)
             torch.testing.assert_close(cache.values[i][req.slot, :, :n], fv[0], atol=1e-5, rtol=0)
+
+
+def test_the_walk_follows_the_device_unless_set(llama, service):
+    """``device_walk=None`` (the default): a CPU target's rounds walk and commit on the host (no
+    round read of the packed walk); True / False set it on any device."""
+    engine = SpecEngine(llama, InprocDrafterClient(service), EngineConfig(max_running=5, prefix_cache=False),
+                        max_draft_depth=5)
+    assert EngineConfig().device_walk is None and engine.device_walk is False
+    steps = []
+    _run(engine, _requests(0)[:2], on_step=lambda res: steps.append(engine.last_step))
+    assert sum(st.decoding for st in steps) > 0
+    assert all(st.device_rounds == 0 and st.round_reads == 0 for st in steps)
+    assert _engine(llama, service, device_walk=True).device_walk is True
