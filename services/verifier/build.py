@@ -16,6 +16,7 @@ helpers all build their engine here, so they run the same object built the same 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import replace
 
@@ -43,8 +44,10 @@ def make_runner(target, config: EngineConfig) -> ModelRunner:
 
 
 def time_forward(runner: ModelRunner, rows: int) -> float:
-    """Seconds of one target forward of ``rows`` causal rows in a free slot, leaving no state (the
-    goodput policy's start-up cost sweep): on CUDA between two CUDA events around the step
+    """Seconds of one target forward of ``rows`` causal rows in a free slot with logits for every
+    row, as a tree verify computes them, leaving no state (the goodput policy's start-up cost sweep;
+    the last row's logits alone made a 4-row q4 verify look 8 % cheaper on a 2-core CPU and a
+    9-row one 24 %): on CUDA between two CUDA events around the step
     (:func:`services.devices.cuda_event_seconds`), else the runner's own wall time.
 
     Raises:
@@ -58,7 +61,7 @@ def time_forward(runner: ModelRunner, rows: int) -> float:
     slot = cache.alloc()
     try:
         def step():
-            return runner.execute([causal_segment([0] * rows, 0, slot)], torch.tensor([rows - 1]))
+            return runner.execute([causal_segment([0] * rows, 0, slot)])
 
         if torch.device(runner.target.device).type == "cuda":
             return cuda_event_seconds(step, torch.cuda)[0]
@@ -81,7 +84,7 @@ def sweep_key(model: str, weights: str, device: str, runner: ModelRunner) -> str
     from services.verifier.cost_model import cache_key
     from services.weight_formats import kernels_version
 
-    fmt = f"{weights}{'+compiled' if runner.compiled else ''}|kernels {kernels_version()}"
+    fmt = f"{weights}{'+compiled' if runner.compiled else ''}|kernels {kernels_version()}|all-row logits"
     return cache_key(model, fmt, device, torch.get_num_threads())
 
 
@@ -108,10 +111,32 @@ def build_policy(name: str, runner: ModelRunner, defaults: TreeKnobs = DEFAULT_K
     key = sweep_key(model, dtype, device, runner)
     rows = sweep_rows(max_budget or defaults.budget)  # every row count a verify of the budget reaches
     with lazy_packing_paused():  # the sweep times row counts serving may never run: it packs none
-        return pol.goodput_with_sweep(lambda rows: time_forward(runner, rows), key, max_budget, cost_sweep,
-                                      dtype=dtype, threads=torch.get_num_threads(), rows=rows,
-                                      device=str(runner.target.device), schedule=schedule, defaults=defaults,
-                                      store=store)
+        policy = pol.goodput_with_sweep(lambda rows: time_forward(runner, rows), key, max_budget, cost_sweep,
+                                        dtype=dtype, threads=torch.get_num_threads(), rows=rows,
+                                        device=str(runner.target.device), schedule=schedule, defaults=defaults,
+                                        store=store)
+    if cost_sweep:
+        policy.cost.resweep = functools.partial(resweep, policy.cost, runner, cost_key, rows)
+    return policy
+
+
+def resweep(cost, runner: ModelRunner, cost_key: tuple[str, str, str], rows: tuple[int, ...]) -> str:
+    """Take the goodput policy's start-up sweep again on ``runner``'s current step (its own cache key:
+    :func:`sweep_key`) and :meth:`~services.verifier.cost_model.StepCostModel.reseed` ``cost`` with it:
+    a verifier that started on the eager step calls it when the compiled step is swapped in, whose
+    forwards cost less and grow differently with the row count. Returns the sweep's source line."""
+    from services.cpu_gemm import lazy_packing_paused
+    from services.verifier.cost_model import startup_sweep
+
+    model, dtype, device = cost_key
+    with lazy_packing_paused():
+        samples, source = startup_sweep(lambda r: time_forward(runner, r), sweep_key(model, dtype, device, runner),
+                                        dtype, rows=rows, threads=torch.get_num_threads(),
+                                        device=str(runner.target.device))
+    cost.reseed(samples)
+    log.info("step cost model of the %s step (%s): %s", "compiled" if runner.compiled else "eager", source,
+             ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in samples))
+    return source
 
 
 def build_engine(target, drafter, config: EngineConfig = EngineConfig(), *, max_draft_depth: int = 16,

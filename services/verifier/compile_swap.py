@@ -178,6 +178,20 @@ def start_background_compile(config, engine, drafter) -> "StepSwap | None":
     return StepSwap(engine.runner, BackgroundCompile(job), steps_key(engine.runner.target, rows))
 
 
+def _resweep_costs(engine) -> None:
+    """The goodput policy's forward costs timed again on the compiled step just swapped in (its
+    start-up sweep timed the eager one: ~1.3x slower a row on the 2-core CPU, and growing otherwise
+    with the row count); a failure keeps the eager sweep, which real steps then correct, with one line."""
+    cost = getattr(getattr(engine, "policy", None), "cost", None)
+    if getattr(cost, "resweep", None) is None:
+        return
+    try:
+        cost.resweep()
+    except Exception as exc:  # noqa: BLE001 - serving goes on; the steps' own timings refine the model
+        log.warning("step cost model: no sweep of the compiled step (%s); real steps correct the eager one's",
+                    one_line(exc))
+
+
 class StepSwap:
     """The verifier's side of a background compile: poll the child, then swap at a safe point.
 
@@ -253,6 +267,7 @@ class StepSwap:
         remember_warm(self.key, seconds)
         log.info("compiled step swapped in (loaded in %.1f s%s); new requests run on it",
                  seconds, f", {missed} graphs compiled here: the disk cache missed" if missed else "")
+        _resweep_costs(engine)
         return True
 
     def _fail(self, reason: str, where: str) -> None:

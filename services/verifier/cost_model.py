@@ -136,6 +136,10 @@ class StepCostModel:
     _table: dict = field(default_factory=dict)                   # rows -> moving average of seconds
     _hull: tuple | None = field(default=None, repr=False)        # (xs, ys, a, b) until the next sample
     _seed: dict = field(default_factory=dict)                    # rows -> seconds of the start-up sweep
+    # re-takes the start-up sweep on the runner's current step and :meth:`reseed`\ s this model with
+    # it (set where the sweep was taken; the verifier calls it when a compiled step replaces the
+    # eager one it started on); None: no sweep to retake
+    resweep: Callable[[], object] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.forget <= 1 or not 0 < self.ema <= 1:
@@ -299,6 +303,13 @@ class StepCostModel:
         return {"a": a, "b": b, "table": {str(k): v for k, v in sorted(self._points().items())},
                 "draft_seconds": self.draft_seconds, "overhead_seconds": self.request_overhead(),
                 "round_overhead_seconds": self.round_overhead()}
+
+    def reseed(self, samples: Iterable[tuple[int, float]]) -> None:
+        """Forget every forward sample (line, table, sweep), then :meth:`seed` with ``samples``: the
+        step being timed changed (a compiled step swapped in for the eager one). The draft and
+        overhead fits are kept."""
+        self._s, self.samples, self._table, self._seed, self._hull = [0.0] * 5, 0, {}, {}, None
+        self.seed(samples)
 
     def seed(self, samples: Iterable[tuple[int, float]]) -> None:
         """Add start-up samples ``(rows, seconds)``: they seed the line like real samples, and the

@@ -179,6 +179,38 @@ def test_a_failed_load_at_the_swap_leaves_the_runner_eager(inductor_dir, caplog,
     assert _tokens(sent, "after") == _tokens(sent, "before")
 
 
+def test_the_goodput_cost_model_is_swept_again_on_the_compiled_step(inductor_dir, caplog, monkeypatch):
+    """The goodput policy's start-up sweep timed the eager step; at the swap its forward model is
+    timed again on the compiled step (every row count again, under the compiled step's own cache
+    key, each forward with logits for all its rows) and replaces the eager samples."""
+    from services.verifier import build
+
+    engine = build_engine(_target(), None, EngineConfig(max_running=2, compile=True), policy="goodput",
+                          max_budget=3, compile_off_path=True)
+    runner, cost = engine.runner, engine.policy.cost
+    assert not runner.compiled and cost.resweep is not None
+    timed: list[tuple[bool, int, bool]] = []  # (compiled?, rows, every row's logits?)
+    execute = runner.execute
+
+    def recording_execute(segments, *args, **kwargs):
+        timed.append((runner.compiled, segments[0].num_rows, not args and kwargs.get("logit_rows") is None))
+        return execute(segments, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", recording_execute)
+    cost._table[1] = 123.0  # an eager sample the compiled sweep must replace
+    eager_key = build.sweep_key("m", "q4", "cpu", runner)
+    built = _Built()
+    swap = compile_swap.StepSwap(runner, built, warm_steps.steps_key(runner.target, runner.deferred_rows))
+    caplog.set_level(logging.INFO, logger="verifier")
+    built.done = True
+    assert swap.tick(engine, 0) and runner.compiled
+    swept = {rows for compiled, rows, all_rows in timed if compiled and all_rows}
+    assert swept >= {1, 2, 3, 4, 9}  # the warm-up runs 1 and 2 rows only
+    assert cost._table.get(1, 0.0) < 1.0 and set(cost._seed) >= {1, 2, 3, 4}
+    assert any("step cost model of the compiled step" in r.getMessage() for r in caplog.records)
+    assert build.sweep_key("m", "q4", "cpu", runner) != eager_key
+
+
 def test_admissions_are_held_at_most_hold_s():
     """Once the compiled step is ready, new requests wait for the running ones only ``hold_s``."""
     swap = compile_swap.StepSwap(runner=None, build=_Built(), key="k", hold_s=0.2)
