@@ -46,8 +46,8 @@ def make_runner(target, config: EngineConfig) -> ModelRunner:
 def time_forward(runner: ModelRunner, rows: int) -> float:
     """Seconds of one target forward of ``rows`` causal rows in a free slot with logits for every
     row, as a tree verify computes them, leaving no state (the goodput policy's start-up cost sweep;
-    the last row's logits alone made a 4-row q4 verify look 8 % cheaper on a 2-core CPU and a
-    9-row one 24 %): on CUDA between two CUDA events around the step
+    the last row's logits alone made a 4-row q4 verify look 6 % cheaper on a 2-core CPU and a
+    9-row one 19 %: ``benchmarks/results/2026-12-07-cpu-round-costs``): on CUDA between two CUDA events around the step
     (:func:`services.devices.cuda_event_seconds`), else the runner's own wall time.
 
     Raises:
