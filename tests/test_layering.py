@@ -173,7 +173,7 @@ def test_import_graph_resolves_relative_and_attribute_imports():
     graph = import_graph()
     assert "services.protocol" in graph["services.wire"]
     assert "services.spec" in graph["services.protocol"]
-    assert "services.tree" in graph["services.drafter.service"]
+    assert "services.tree" in graph["services.drafter.tree_builders"]
 
 
 def test_no_import_cycles_beyond_the_known_ones():

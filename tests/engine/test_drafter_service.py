@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.drafter.service import DFLASH_METHODS, HEAD_METHODS, METHODS, DominoScorer  # noqa: F401
+from services.drafter.service import DFLASH_METHODS, HEAD_METHODS, METHODS  # noqa: F401
+from services.drafter.tree_builders import DominoScorer
 from services.testing import block_logits_one, draft_one, tiny_drafter, tiny_service, tiny_target
 from services.params import SpecParams
 

@@ -81,7 +81,7 @@ def test_sync_free_build_reads_once_and_the_early_stop_build_per_depth():
 @pytest.mark.parametrize("method", ["dartree-pruned", "dartree-fixed"])
 def test_sync_free_tree_equals_on_the_tiny_drafter(monkeypatch, method):
     """Every tree the tiny Domino drafter builds for greedy requests, built both ways, is the same."""
-    import services.drafter.service as service_mod
+    import services.drafter.tree_builders as builders_mod
     from services.params import SamplingParams, SpecParams
     from services.testing import tiny_drafter, tiny_service, tiny_target
     from tests.engine.conftest import TARGET_KW
@@ -89,7 +89,7 @@ def test_sync_free_tree_equals_on_the_tiny_drafter(monkeypatch, method):
     from services.verifier.engine import SpecEngine
 
     built = []
-    real = service_mod.dartree
+    real = builders_mod.dartree
 
     def both(*a, **k):
         tree = real(*a, **k, sync_free=True)
@@ -97,7 +97,7 @@ def test_sync_free_tree_equals_on_the_tiny_drafter(monkeypatch, method):
         built.append(tree.num_nodes)
         return tree
 
-    monkeypatch.setattr(service_mod, "dartree", both)
+    monkeypatch.setattr(builders_mod, "dartree", both)
     llama = tiny_target("llama", **TARGET_KW)
     svc = tiny_service(llama, tiny_drafter(llama, seed=3, block_size=6))
     engine = SpecEngine(llama, InprocDrafterClient(svc), max_draft_depth=5)

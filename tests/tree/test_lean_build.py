@@ -142,7 +142,7 @@ def test_budget_three_advances_only_inner_depths() -> None:
 
 def _domino_scorer(seed: int):
     from services.drafter.model import DFlashDrafter, DrafterConfig
-    from services.drafter.service import DominoScorer
+    from services.drafter.tree_builders import DominoScorer
 
     c = DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, vocab_size=50, block_size=8, num_target_layers=2,
