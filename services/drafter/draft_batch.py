@@ -19,10 +19,10 @@ import time
 import torch
 from torch import Tensor
 
+from services.drafter.tree_builders import TREE_BUILDERS
 from services.protocol import METHODS, served_methods
 from services.spec import Method
 from services.tree import DraftTree
-from services.drafter.tree_builders import TREE_BUILDERS
 
 
 class DraftBatching:
@@ -131,16 +131,7 @@ class DraftBatching:
             context, a request twice in the batch.
         """
         out: list = [None] * len(jobs)
-        ok = []
-        for i, j in enumerate(jobs):
-            try:
-                self._check_job(j.committed_ids, j.features, j.method, j.spec)
-                if j.request_id in {jobs[k].request_id for k in ok}:
-                    raise ValueError(f"request {j.request_id!r} appears twice in one draft batch")
-                self.append_context(j.request_id, j.features, j.start)
-                ok.append(i)
-            except Exception as exc:
-                out[i] = exc
+        ok = self._admit(jobs, out)
         if not ok:
             return out
         t0 = time.perf_counter()
@@ -153,21 +144,40 @@ class DraftBatching:
             return out
         share = (time.perf_counter() - t0) / len(ok)
         for i, (hd, base) in zip(ok, rows):
-            j = jobs[i]
             t1 = time.perf_counter()
             try:
-                depth = base.shape[0] if j.max_depth is None else max(0, min(j.max_depth, base.shape[0]))
-                tree = self._build(j.method, j.spec, hd[:depth], base[:depth], j.root_token) if depth \
-                    else DraftTree.empty()
-                if self.d2t is not None and tree.num_nodes:  # draft ids -> target ids
-                    tree = dataclasses.replace(tree, draft_tokens=self._to_target_ids(tree.draft_tokens))
-                if self.ngram is not None:  # chain nodes may reach the job's depth cap, whatever the block's rows
-                    cap = self.cfg.num_draft_slots if j.max_depth is None else j.max_depth
-                    tree = self.ngram.join(j.request_id, j.committed_ids, j.start, j.root_token, tree, cap)
-                out[i] = (tree, {"draft": share, "tree_build": time.perf_counter() - t1})
+                out[i] = (self._job_tree(jobs[i], hd, base), {"draft": share, "tree_build": time.perf_counter() - t1})
             except Exception as exc:
                 out[i] = exc
         return out
+
+    def _admit(self, jobs: list, out: list) -> list[int]:
+        """Check each job and append its features to its request's context; returns the indices of
+        the jobs admitted, in order (a job that failed gets its exception in ``out``)."""
+        ok: list[int] = []
+        for i, j in enumerate(jobs):
+            try:
+                self._check_job(j.committed_ids, j.features, j.method, j.spec)
+                if j.request_id in {jobs[k].request_id for k in ok}:
+                    raise ValueError(f"request {j.request_id!r} appears twice in one draft batch")
+                self.append_context(j.request_id, j.features, j.start)
+                ok.append(i)
+            except Exception as exc:
+                out[i] = exc
+        return ok
+
+    def _job_tree(self, j, hd: Tensor, base: Tensor) -> DraftTree:
+        """Job ``j``'s tree from its block rows ``hd [D, H]`` / ``base [D, N]``: cut to its
+        ``max_depth``, built by its method, mapped to target ids, joined with its n-gram chain."""
+        depth = base.shape[0] if j.max_depth is None else max(0, min(j.max_depth, base.shape[0]))
+        tree = self._build(j.method, j.spec, hd[:depth], base[:depth], j.root_token) if depth \
+            else DraftTree.empty()
+        if self.d2t is not None and tree.num_nodes:  # draft ids -> target ids
+            tree = dataclasses.replace(tree, draft_tokens=self._to_target_ids(tree.draft_tokens))
+        if self.ngram is not None:  # chain nodes may reach the job's depth cap, whatever the block's rows
+            cap = self.cfg.num_draft_slots if j.max_depth is None else j.max_depth
+            tree = self.ngram.join(j.request_id, j.committed_ids, j.start, j.root_token, tree, cap)
+        return tree
 
     def _to_target_ids(self, draft_ids: Tensor) -> Tensor:
         """``[N]`` draft-vocabulary ids -> target ids (CPU, as every tree's tensors)."""
