@@ -2,7 +2,7 @@
 
 ``dartree_native::slot_attention`` (the fused kernel, :mod:`services.verifier.native`) against
 ``dartree_native::slot_attention_aten`` (the Python body's ATen calls from C++) and the Python body
-itself (:func:`services.verifier.runner._slot_attention_eager`), on SmolLM2-135M's attention shape
+itself (:func:`services.verifier.slot_attention.slot_attention_eager`), on SmolLM2-135M's attention shape
 (9 query / 3 KV heads, head dim 64, bfloat16 cache): one request of ``R`` causal rows (1 = an ``ar``
 step, 9 = a 9-node tree verify) at the end of ``L`` KV columns. Prints the median microseconds per
 call and the best one (slot writes included, the per-step set-up not); the last stdout line is one
@@ -23,7 +23,7 @@ import torch
 
 from services.tree.batch import causal_segment, pack_segments
 from services.verifier import native
-from services.verifier import runner as R
+from services.verifier import slot_attention as SA
 from services.verifier.kv_cache import SlotKVCache
 
 HQ, HKV, DH = 9, 3, 64
@@ -37,7 +37,7 @@ def _setup(rows: int, length: int, dtype: torch.dtype):
     for t in cache.keys + cache.values:
         t.copy_(torch.randn(t.shape, generator=g).to(dtype))
     p = pack_segments([causal_segment(list(range(rows)), length - rows, 0)], 64, length)
-    parts = R._request_parts(p, HQ // HKV, torch.bfloat16)  # an additive bias whatever the dtype
+    parts = SA.request_parts(p, HQ // HKV, torch.bfloat16)  # an additive bias whatever the dtype
     q = torch.randn(1, rows, HQ, DH, generator=g).to(dtype).transpose(1, 2)
     k = torch.randn(1, rows, HKV, DH, generator=g).to(dtype).transpose(1, 2)
     v = torch.randn(1, rows, HKV, DH, generator=g).to(dtype).transpose(1, 2)
@@ -64,13 +64,13 @@ def _cell(rows: int, length: int, dtype: torch.dtype, reps: int) -> dict:
     fns = {"fused": lambda: torch.ops.dartree_native.slot_attention(q, k, v, layer, scale)}
     if dtype != torch.float32:  # the ATen-call op and the Python body serve the grouped (bf16 / fp16) path only
         fns["aten"] = lambda: torch.ops.dartree_native.slot_attention_aten(q, k, v, layer, scale)
-        fns["python"] = lambda: R._slot_attention_eager(0, q, k, v, None, scaling=scale)
-    R._native_step(cache, parts)
-    R._ACTIVE.step = (cache, p, parts, "dense")
+        fns["python"] = lambda: SA.slot_attention_eager(0, q, k, v, None, scaling=scale)
+    SA.native_step(cache, parts)
+    SA.ACTIVE.step = (cache, p, parts, "dense")
     try:
         return _time_us(fns, reps)
     finally:
-        R._ACTIVE.step = None
+        SA.ACTIVE.step = None
         torch.ops.dartree_native.clear_step()
 
 

@@ -33,7 +33,7 @@ class Feature:
 FEATURES = (
     Feature("torch.cuda.graph", "services.cuda_graphs (captured verify steps)", "graphs"),
     Feature("torch.cuda.CUDAGraph", "services.cuda_graphs (captured verify steps)", "graphs"),
-    Feature("torch.library.custom_op", "services.verifier.runner (the slot attention op)"),
+    Feature("torch.library.custom_op", "services.verifier.slot_attention (the slot attention op)"),
     Feature("torch.compiler.nested_compile_region", "services.hf_compat / lean_step (compiled steps)"),
     Feature("torch.nn.attention.flex_attention.flex_attention", "a device-built tree mask (block mask)"),
     Feature("transformers.AttentionInterface", "services.hf_compat.register_slot_attention"),

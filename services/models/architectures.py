@@ -1,7 +1,7 @@
 """Which target architectures are served exactly, and why every other one is refused at start.
 
 The verifier runs a target through transformers' own decoder modules with one piece replaced: the
-attention call (:func:`services.verifier.runner._slot_attention`), which attends over the slot KV
+attention call (:func:`services.verifier.slot_attention.slot_attention`), which attends over the slot KV
 cache with a causal or tree mask over **every** earlier position, and keeps one key/value row per
 layer, KV head and position. A target is served exactly when that is the attention its own
 modules compute. That holds for the families in :data:`SERVED`, and fails for:

@@ -1,7 +1,7 @@
 """The slot attention as a C++ operator (``dartree_native::slot_attention``), built on this machine.
 
 Why: in a compiled q4 step on the 2-core CPU the Python body of the opaque slot-attention op
-(:func:`services.verifier.runner._slot_attention_eager` with :func:`services.verifier.attention.attend`)
+(:func:`services.verifier.slot_attention.slot_attention_eager` with :func:`services.verifier.attention.attend`)
 spent ~30 µs of interpreter time per layer beyond its ATen calls, and its ATen calls (two oneDNN
 bfloat16 ``bmm`` per request, ~15 µs each for 2-3 µs of arithmetic at one row, plus the softmax)
 ~40 µs more (``torch.profiler``, 2026-12-05: attention 1.2 ms of a ~7.3 ms step).

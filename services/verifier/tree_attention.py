@@ -3,7 +3,7 @@
 A verify segment's rows (root + draft nodes, or a prompt chunk, or one ``ar`` row) attend to every
 committed column of their slot (``[0, start)``, no mask) and, among their own ``R`` columns
 (``[start, start + R)``), to their ancestors-or-self (the tree mask). The dense reference
-(:func:`services.verifier.runner._slot_attention_eager`'s SDPA call) builds a ``[1, 1, R, L]`` bool
+(:func:`services.verifier.slot_attention.slot_attention_eager`'s SDPA call) builds a ``[1, 1, R, L]`` bool
 mask over the whole prefix on the host and hands it to SDPA, which rules out the flash kernels. This
 module splits the softmax in two and merges the halves by their log-sum-exp (flash-decoding's
 split-KV merge)::

@@ -137,7 +137,7 @@ def test_runner_takes_the_path_per_rule(monkeypatch, enabled):
         calls.append(query.shape[2])
         return real(query, *args)
 
-    monkeypatch.setattr("services.verifier.runner.attend", counted)
+    monkeypatch.setattr("services.verifier.slot_attention.attend", counted)
     monkeypatch.setattr(A, "GROUPED_ATTENTION", enabled)
     slots = [runner.cache.alloc() for _ in range(3)]
     for s, n in zip(slots[:2], (50, 70)):

@@ -18,6 +18,7 @@ import torch
 from services.tree.batch import causal_segment, pack_segments
 from services.verifier import native
 from services.verifier import runner as R
+from services.verifier import slot_attention as SA
 from services.verifier.kv_cache import SlotKVCache
 from tests.engine.test_native_attention import _tree_segment
 
@@ -34,14 +35,14 @@ def _step(segments, heads: tuple[int, int, int], dtype, capacity: int, seed: int
     for t in cache.keys + cache.values:
         t.copy_(torch.randn(t.shape, generator=g).to(dtype))
     p = pack_segments(segments, 64, capacity)
-    parts = R._request_parts(p, hq // hkv, torch.bfloat16)  # a bias is made for bf16 only: ask for one
+    parts = SA.request_parts(p, hq // hkv, torch.bfloat16)  # a bias is made for bf16 only: ask for one
     rows = p.input_ids.numel()
     qkv = [torch.randn(1, rows, h, dh, generator=g).to(dtype).transpose(1, 2) for h in (hq, hkv, hkv)]
     return cache, parts, qkv
 
 
 def _call(cache, parts, q, k, v, op="slot_attention"):
-    """One layer call of ``op`` over ``parts`` (tuples as :func:`R._request_parts` makes)."""
+    """One layer call of ``op`` over ``parts`` (tuples as :func:`SA.request_parts` makes)."""
     torch.ops.dartree_native.set_cache(cache.keys, cache.values)
     torch.ops.dartree_native.set_step([x for part in parts for x in part[:5]], [part[6] for part in parts])
     try:
@@ -157,7 +158,7 @@ def test_compiled_runners_pick_the_fused_kernel_unless_switched_to_aten(monkeypa
 
     target = _target("q4")
     runner = R.ModelRunner(target, num_slots=1, capacity=64, kv_bucket=16, compile=True)
-    assert runner.native and runner.lean.attention is R._native_lean_attention
+    assert runner.native and runner.lean.attention is SA.native_lean_attention
     monkeypatch.setattr(native, "FUSED", False)
     runner = R.ModelRunner(target, num_slots=1, capacity=64, kv_bucket=16, compile=True)
-    assert runner.native and runner.lean.attention is R._native_aten_lean_attention
+    assert runner.native and runner.lean.attention is SA.native_aten_lean_attention

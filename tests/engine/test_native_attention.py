@@ -1,6 +1,6 @@
 """The ATen-call native slot attention (``dartree_native::slot_attention_aten``,
 :mod:`services.verifier.native`) against the Python body it replaces
-(:func:`services.verifier.runner._slot_attention_eager`); the fused kernel is
+(:func:`services.verifier.slot_attention.slot_attention_eager`); the fused kernel is
 tests/engine/test_fused_attention.py's.
 
 Same inputs, same cache: the outputs and the cache written must be bitwise equal, for steps of one
@@ -18,7 +18,7 @@ import torch
 
 from services.tree.batch import Segment, causal_segment, pack_segments
 from services.verifier import native
-from services.verifier import runner as R
+from services.verifier import slot_attention as SA
 from services.verifier.kv_cache import SlotKVCache
 
 HQ, HKV, DH, LAYERS = 9, 3, 64, 2
@@ -49,7 +49,7 @@ def _step(segments, capacity: int, seed: int):
     for t in cache.keys + cache.values:
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
     p = pack_segments(segments, 64, capacity)
-    parts = R._request_parts(p, G, torch.bfloat16)
+    parts = SA.request_parts(p, G, torch.bfloat16)
     rows = p.input_ids.numel()
     q = torch.randn(1, rows, HQ, DH, generator=g).bfloat16().transpose(1, 2)  # strided, as the step's
     k = torch.randn(1, rows, HKV, DH, generator=g).bfloat16().transpose(1, 2)
@@ -58,15 +58,15 @@ def _step(segments, capacity: int, seed: int):
 
 
 def _python(cache, p, parts, layer, q, k, v):
-    R._ACTIVE.step = (cache, p, parts, False)
+    SA.ACTIVE.step = (cache, p, parts, False)
     try:
-        return R._slot_attention_eager(layer, q, k, v, None, scaling=DH ** -0.5)[0].contiguous()
+        return SA.slot_attention_eager(layer, q, k, v, None, scaling=DH ** -0.5)[0].contiguous()
     finally:
-        R._ACTIVE.step = None
+        SA.ACTIVE.step = None
 
 
 def _native(cache, parts, layer, q, k, v):
-    R._native_step(cache, parts)
+    SA.native_step(cache, parts)
     try:
         return torch.ops.dartree_native.slot_attention_aten(q, k, v, torch.tensor(layer), DH ** -0.5)
     finally:
