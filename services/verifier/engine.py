@@ -8,23 +8,21 @@ worker makes the plan (``scheduler.make_plan`` over :meth:`SpecEngine.candidates
 :meth:`SpecEngine.step` runs exactly it. Clock rules: docs/algorithms.md §6.
 
 The concerns around the step live beside this file: a request's state and its commit rule
-(``requests.py``), the drafter's outbox and link (``drafts.py``), per-path sampling and logprobs
-(``sampling.py``), prefix placement (``prefix_cache.py``), the plan (``scheduler.py``), the
-policy (``policy.py``).
+(``requests.py``), each request's part of a step and the bookkeeping around the forward
+(``step_items.py``), the device commit (``step_commit.py``), the drafter's outbox and link
+(``drafts.py``), per-path sampling and logprobs (``sampling.py``), prefix placement
+(``prefix_cache.py``), the plan (``scheduler.py``), the policy (``policy.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from services.params import SamplingParams, SpecParams
 from services.spec import MAX_BUDGET
-from services.tree import DraftTree, derive_buffers
-from services.tree.batch import Segment, causal_segment
 from services.tree.grammar import GrammarState
 from services.verifier import prefix_cache
 from services.verifier.config import EngineConfig
@@ -36,27 +34,11 @@ from services.verifier.runner import ModelRunner
 from services.verifier.sampling import (Sampler, TokenLogprobs, compile_grammar, grammar_tokenizer,  # noqa: F401
                                         token_logprobs)
 from services.verifier.scheduler import Candidate, RoundInfo, StepPlan, make_plan
-from services.verifier.step_commit import DeviceRound, HostReads, commit_rounds
+from services.verifier.step_commit import HostReads
+from services.verifier.step_items import (StepItem, commit_on_device, lay_out_round, logit_rows, prompt_chunks,
+                                          step_stats)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Planned:
-    """One request's part of a step (engine-internal)."""
-
-    rid: str
-    req: RequestState
-    segment: Segment
-    buffers: object = None             # VerifyBuffers of a decode round; None for a prompt chunk
-    tree: DraftTree | None = None
-    timings: dict = field(default_factory=dict)
-    final_chunk: bool = False
-    drafted: bool = False              # the drafter was called (or its overlapped draft collected)
-    skipped: bool = False              # the plan gave a drafting method a plain round
-    predicted_tau: float | None = None
-    row_ids: list[int] = field(default_factory=list)      # buffers.input_ids, read before the forward
-    row_offsets: list[int] = field(default_factory=list)  # buffers.position_offsets, likewise
 
 
 class SpecEngine:
@@ -299,34 +281,18 @@ class SpecEngine:
         self._submit_drafts(plan, reqs)
         submit_wait = time.perf_counter() - t_sub  # an in-process drafter drafts right here
         items = self._decode_rounds(plan, reqs, infos, results)
-        items += self._prompt_chunks(plan, reqs)
+        items += prompt_chunks(plan, reqs)
         if not items:  # every round failed its draft: an empty step
             self.last_step = StepStats()
             return results
         reads = self.round_reads.count
         self._execute(items, results)
         prefix_cache.resolve_waits(self.runner.cache, self._reqs, self.drafter is not None)  # before an admission
-        self.last_step = self._stats(items, infos, submit_wait, time.perf_counter() - t_step,
-                                     self.round_reads.count - reads)
+        self.last_step = step_stats(items, infos, submit_wait, time.perf_counter() - t_step,
+                                    self.round_reads.count - reads, self.device_walk,
+                                    self.policy.predicted_step_seconds())
         self.policy.observe_step(self.last_step)
         return results
-
-    def _stats(self, items: list[_Planned], infos: dict[str, RoundInfo], submit_wait: float,
-               wall: float, reads: int) -> StepStats:
-        """The step's :class:`StepStats` (``submit_wait``: the drafter submission; ``wall``: the step;
-        ``reads``: its device-to-host copies of committed rounds)."""
-        decoding = sum(1 for p in items if p.buffers is not None)
-        draft_s = sum(p.timings.get("draft", 0.0) + p.timings.get("tree_build", 0.0) for p in items)
-        wait_s = submit_wait + sum(p.timings.get("draft_wait", 0.0) for p in items)
-        return StepStats(len(items), sum(p.segment.num_rows for p in items),
-                         sum(p.segment.num_rows for p in items if p.buffers is None),
-                         items[0].timings["verify"], draft_s, wait_s,
-                         decoding=decoding, device_rounds=decoding if self.device_walk else 0,
-                         round_reads=reads,
-                         drafting=sum(1 for p in items if p.drafted),
-                         draft_owed=sum(infos[p.rid].owed for p in items if p.drafted),
-                         speculating=sum(1 for p in items if p.tree is not None and p.tree.num_nodes),
-                         wall_seconds=wall, predicted_seconds=self.policy.predicted_step_seconds())
 
     def _submit_drafts(self, plan: StepPlan, reqs: dict[str, RequestState]) -> None:
         """Every decode round's draft that is not already in flight, with the plan's knobs, as ONE
@@ -343,10 +309,10 @@ class SpecEngine:
         self.drafts.submit(jobs)
 
     def _decode_rounds(self, plan: StepPlan, reqs: dict[str, RequestState], infos: dict[str, RoundInfo],
-                       results: dict) -> list[_Planned]:
+                       results: dict) -> list[StepItem]:
         """The plan's decode rounds with their trees collected, cut by the policy and laid out as
         verify segments. A round whose draft failed is freed and its error put in ``results``."""
-        items: list[_Planned] = []
+        items: list[StepItem] = []
         for e in plan.decodes:
             try:
                 tree, timings, drafted, skipped = self.drafts.collect(reqs[e.rid], self._reqs)
@@ -354,27 +320,12 @@ class SpecEngine:
                 self.abort(e.rid)
                 results[e.rid] = exc
                 continue
-            items.append(_Planned(e.rid, reqs[e.rid], None, tree=tree, timings=timings, drafted=drafted,
+            items.append(StepItem(e.rid, reqs[e.rid], None, tree=tree, timings=timings, drafted=drafted,
                                   skipped=skipped))
         if items:  # the policy cuts each tree to its budget (prefix-closed), then the rows are laid out
             chosen = self.policy.select([Drafted(infos[p.rid], p.tree, p.drafted) for p in items])
             for p in items:
-                sel = chosen[p.rid]
-                p.tree, p.predicted_tau = sel.tree, sel.predicted_tau
-                p.buffers = b = derive_buffers(p.tree, p.req.root)
-                p.segment = Segment(b.input_ids, b.position_offsets, b.tree_mask, p.req.start, p.req.slot,
-                                    b.parent_rows)
-                p.row_ids, p.row_offsets = b.input_ids.tolist(), b.position_offsets.tolist()  # host tensors
-        return items
-
-    @staticmethod
-    def _prompt_chunks(plan: StepPlan, reqs: dict[str, RequestState]) -> list[_Planned]:
-        """The plan's prompt chunks as causal segments."""
-        items = []
-        for e in plan.chunks:
-            req, (first, n) = reqs[e.rid], e.chunk
-            items.append(_Planned(e.rid, req, causal_segment(req.prompt_ids[first:first + n], first, e.slot),
-                                  final_chunk=first + n == len(req.prompt_ids)))
+                lay_out_round(p, chosen[p.rid].tree, chosen[p.rid].predicted_tau)
         return items
 
     @property
@@ -387,12 +338,13 @@ class SpecEngine:
             return self.config.device_walk
         return torch.device(self.target.device).type != "cpu"
 
-    def _execute(self, items: list[_Planned], results: dict) -> None:
+    def _execute(self, items: list[StepItem], results: dict) -> None:
         """The step's one forward, then walk / commit / emit per request into ``results`` (a finished
         or failed request is freed), then the overlapped next drafts as one submission."""
         self._next_jobs = []
         out = self._forward(items)
-        committed = self._commit_on_device(items, out) if self.device_walk else {}
+        committed = commit_on_device(items, out, self.runner.cache, self.eos_token_ids, self.round_reads,
+                                     self.drafter is not None) if self.device_walk else {}
         for item, (logits, feats) in zip(items, out):
             try:
                 results[item.rid] = self._finish(item, logits, feats, committed.get(item.rid))
@@ -404,33 +356,9 @@ class SpecEngine:
                 self._release(item.rid, keep=True)
         self.drafts.submit(self._next_jobs)
 
-    def _commit_on_device(self, items: list[_Planned], out: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
-        """Every decode round of the step sampled, walked and committed on the device with one
-        device-to-host copy (:func:`services.verifier.step_commit.commit_rounds`): per request id,
-        its :class:`~services.verifier.requests.Committed` or the exception its round raised."""
-        flags = lambda p: (p.skipped, p.drafted, self.drafter is not None)  # noqa: E731
-        rounds = [(p, DeviceRound(p.req, p.buffers, p.row_ids, p.row_offsets, logits, feats, flags(p)))
-                  for p, (logits, feats) in zip(items, out) if p.buffers is not None]
-        if not rounds:
-            return {}
-        t0 = time.perf_counter()
-        done = commit_rounds([r for _, r in rounds], self.runner.cache, self.eos_token_ids, self.round_reads)
-        secs = (time.perf_counter() - t0) / len(rounds)  # the step's walk and compaction, shared evenly
-        for p, _ in rounds:
-            p.timings["_commit"] = secs
-        return {p.rid: c for (p, _), c in zip(rounds, done)}
-
-    def _forward(self, plan: list[_Planned]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _forward(self, plan: list[StepItem]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The step's one target forward: ``(logits [rows needing logits, V], features [R_i, F])`` per item."""
-        sizes = [p.segment.num_rows for p in plan]
-        cu = [0]
-        for n in sizes:
-            cu.append(cu[-1] + n)
-        keep, spans = [], []
-        for p, a, b in zip(plan, cu[:-1], cu[1:]):
-            rows = list(range(a, b)) if p.buffers is not None else ([b - 1] if p.final_chunk else [])
-            spans.append((len(keep), len(keep) + len(rows)))
-            keep.extend(rows)
+        keep, spans, cu = logit_rows(plan)
         try:
             step = self.runner.execute([p.segment for p in plan], torch.tensor(keep, dtype=torch.long))
         except BaseException:
@@ -449,7 +377,7 @@ class SpecEngine:
             if knobs is not None:
                 self._next_jobs.append((req, self.drafts.job(rid, req, knobs)))
 
-    def _finish(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor, c=None) -> RoundOutput | None:
+    def _finish(self, item: StepItem, logits: torch.Tensor, feats: torch.Tensor, c=None) -> RoundOutput | None:
         """Per request after the forward: the first token of a finished prefill, or commit + emit (``c``:
         the round committed on the device, a :class:`Committed` or the exception it raised; None: walk
         and commit on the host now, :func:`commit_round`)."""
@@ -477,7 +405,7 @@ class SpecEngine:
                            predicted_tau=item.predicted_tau, grammar_masked=req.sampler.grammar_masked,
                            stop_token_id=req.stop_token_id)
 
-    def _finish_chunk(self, item: _Planned, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
+    def _finish_chunk(self, item: StepItem, logits: torch.Tensor, feats: torch.Tensor) -> RoundOutput | None:
         """A prompt chunk is in the slot; after the last one, sample and emit the first token."""
         req = item.req
         n = item.segment.num_rows
