@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +38,28 @@ INSTALL_HINT = ("pip install -r requirements-bench.txt (or `make bench-deps`; bu
 
 class PeerUnavailableError(RuntimeError):
     """The llama.cpp peer cannot run here; the message is one line saying why and how to fix it."""
+
+
+def find_executable(name: str, explicit: str | None, flag: str, beside: Path, hint: str) -> Path:
+    """A peer's executable: ``explicit`` (the value of ``flag``), else ``beside / name``, else
+    ``name`` on PATH.
+
+    Raises:
+        PeerUnavailableError: ``explicit`` is not an executable file, or none was found (one line
+            ending with ``hint``, how to install it).
+    """
+    if explicit:
+        p = Path(explicit).expanduser()
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+        raise PeerUnavailableError(f"{flag} {explicit!r} is not an executable file")
+    own = beside / name
+    if own.is_file() and os.access(own, os.X_OK):
+        return own
+    found = shutil.which(name)
+    if found:
+        return Path(found)
+    raise PeerUnavailableError(f"{name} not found in {beside} nor on PATH: {hint}")
 
 
 def default_gguf() -> Path:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.bench_llama import PeerUnavailableError
+from benchmarks.bench_llama import find_executable
 
 GUIDELLM_HINT = "make bench-guidellm (installs guidellm into .venv-guidellm)"
 VENV = Path(__file__).resolve().parents[1] / ".venv-guidellm"
@@ -36,19 +35,8 @@ def find_guidellm(path: str | None = None, venv: Path | None = None) -> Path:
     Raises:
         PeerUnavailableError: no such executable (one line naming the make target).
     """
-    if path:
-        p = Path(path).expanduser()
-        if p.is_file() and os.access(p, os.X_OK):
-            return p
-        raise PeerUnavailableError(f"--guidellm-bin {path!r} is not an executable file")
     venv = VENV if venv is None else venv
-    own = venv / "bin" / "guidellm"
-    if own.is_file() and os.access(own, os.X_OK):
-        return own
-    found = shutil.which("guidellm")
-    if found:
-        return Path(found)
-    raise PeerUnavailableError(f"guidellm not found in {venv} nor on PATH: {GUIDELLM_HINT}")
+    return find_executable("guidellm", path, "--guidellm-bin", venv / "bin", GUIDELLM_HINT)
 
 
 def guidellm_argv(binary: Path, target: str, tokenizer: Path, streams: list[int], seconds: float,

@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -52,7 +51,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from benchmarks import guidellm_peer as gl
-from benchmarks.bench_llama import PeerUnavailableError
+from benchmarks.bench_llama import PeerUnavailableError, find_executable
 from benchmarks.bench_stats import write_result
 
 OURS, OURS_AR, LLAMA = "dartree", "dartree-ar", "llama-server"
@@ -87,18 +86,7 @@ def find_llama_server(path: str | None = None) -> Path:
     Raises:
         PeerUnavailableError: no such executable (one line, with how to build it).
     """
-    if path:
-        p = Path(path).expanduser()
-        if p.is_file() and os.access(p, os.X_OK):
-            return p
-        raise PeerUnavailableError(f"--llama-server {path!r} is not an executable file")
-    beside = Path(sys.executable).parent / "llama-server"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("llama-server")
-    if found:
-        return Path(found)
-    raise PeerUnavailableError(f"llama-server not found beside {sys.executable} nor on PATH: {INSTALL_HINT}")
+    return find_executable("llama-server", path, "--llama-server", Path(sys.executable).parent, INSTALL_HINT)
 
 
 def llama_server_argv(binary: Path, gguf: Path, threads: int, slots: int, ctx_per_slot: int, port: int) -> list[str]:

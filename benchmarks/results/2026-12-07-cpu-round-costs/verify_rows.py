@@ -13,25 +13,19 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from compiled_engine import compiled_engine  # noqa: E402
 
-from services.generate import build_inprocess  # noqa: E402
 from services.tree.batch import causal_segment  # noqa: E402
-from services.verifier.build import build_engine  # noqa: E402
-from services.verifier.engine import EngineConfig  # noqa: E402
-from services.weights import compute_dtype  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--reps", type=int, default=15)
 ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 9])
 ap.add_argument("--out", default=None)
 a = ap.parse_args()
-torch.set_num_threads(2)
-engine0, _, _ = build_inprocess(None, None, compute_dtype("q4"), weights="q4")
-engine = build_engine(engine0.target, engine0.drafter, EngineConfig(max_running=1, compile=True),
-                      max_draft_depth=engine0.max_draft_depth, policy="fixed", defaults=engine0.policy.defaults,
-                      cost_key=("smollm2-135m-instruct", "q4", "cpu"))
+engine, _ = compiled_engine()
 runner = engine.runner
 slot = runner.cache.alloc()
 

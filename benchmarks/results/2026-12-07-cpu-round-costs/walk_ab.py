@@ -14,24 +14,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from compiled_engine import compiled_engine  # noqa: E402
 
 from benchmarks.bench_goodput import _prompts, run_level  # noqa: E402
-from services.generate import build_inprocess  # noqa: E402
-from services.verifier.build import build_engine  # noqa: E402
-from services.verifier.engine import EngineConfig  # noqa: E402
-from services.weights import compute_dtype  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--reps", type=int, default=3)
 ap.add_argument("--out", default=None)
 a = ap.parse_args()
-torch.set_num_threads(2)
-engine0, tok, _ = build_inprocess(None, None, compute_dtype("q4"), weights="q4")
-engine = build_engine(engine0.target, engine0.drafter, EngineConfig(max_running=1, compile=True),
-                      max_draft_depth=engine0.max_draft_depth, policy="fixed", defaults=engine0.policy.defaults,
-                      cost_key=("smollm2-135m-instruct", "q4", "cpu"))
+engine, tok = compiled_engine()
 prompts = _prompts(tok, "gsm8k", 3)
 run_level(engine, prompts[:1], 1, "ar", None, 8)
 cfg, rows, outs = engine.config, [], {}
