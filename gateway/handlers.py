@@ -321,11 +321,14 @@ class Gateway:
         sent_first: set[int] = set()                  # choices whose first event was sent
         carried: dict[int, list[TokenOut]] = {}      # per choice: tokens of deltas without text
         pending = first if isinstance(first, asyncio.Task) else None
-        events = _with_keepalive(deltas, self.config.sse_keepalive_s, self._cut_waiter, pending)
+        loop = asyncio.get_running_loop()
+        wrote = loop.time()  # when the client last got bytes (the keep-alive clock)
+        events = _with_keepalive(deltas, self.config.sse_keepalive_s, self._cut_waiter, lambda: wrote, pending)
         try:
             d: Delta | None = _KEEPALIVE if pending is not None else first
             while d is not None:
                 if d is _KEEPALIVE:
+                    wrote = loop.time()
                     yield b": keep-alive\n\n"
                 else:
                     num_tokens += len(d.tokens)
@@ -335,7 +338,7 @@ class Gateway:
                     text = (prep.prompt_text if prep.echo and first_event else "") + d.text
                     if text or d.finish_reason or first_event:
                         toks = carried.pop(d.index)
-                        sent = len(toks)
+                        sent, wrote = len(toks), loop.time()
                         yield _event(self._chunk(prep, text, d, toks, first_event, num_sent + sent))
                         self.metrics.generation_tokens.inc(sent)  # the event was written to the client
                         sent_first.add(d.index)
@@ -543,18 +546,23 @@ async def _race_disconnect(request: Request, awaitable, cut: Callable[[], asynci
 
 
 async def _with_keepalive(it: AsyncIterator, interval: float, cut: Callable[[], asyncio.Future],
-                          pending: asyncio.Task | None = None) -> AsyncIterator:
-    """Items of ``it``; ``_KEEPALIVE`` every ``interval`` seconds of silence (``it`` keeps running).
+                          quiet_since: Callable[[], float], pending: asyncio.Task | None = None) -> AsyncIterator:
+    """Items of ``it``; ``_KEEPALIVE`` whenever ``interval`` seconds have passed since the client last
+    got bytes (``it`` keeps running).
 
+    ``quiet_since()``: the event loop time (seconds) of the last bytes written to the client. Items
+    that write nothing (rounds whose tokens complete no character yet) do not hold keep-alives back,
+    so a stream is never silent for longer than ``interval`` however its rounds arrive.
     ``pending``: a task already running ``it.__anext__()`` (its result comes first).
     Raises :class:`_ServerShutdown` (after cancelling ``it``'s pending step) once ``cut()`` completes.
     """
+    loop = asyncio.get_running_loop()
     task = pending or asyncio.ensure_future(it.__anext__())
     cutter = cut()
     try:
         while True:
-            done, _ = await asyncio.wait({task, cutter}, timeout=interval or None,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            timeout = max(0.0, quiet_since() + interval - loop.time()) if interval else None
+            done, _ = await asyncio.wait({task, cutter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if cutter in done:
                 log.info("stream cut %s", cutter.result())
                 raise _ServerShutdown(cutter.result())

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from gateway.text import TextModel
+from gateway.text import CompletionText, TextModel
 
 from .conftest import GatewayHarness
 from .fakes import Script
@@ -279,6 +279,36 @@ def test_a_queued_stream_gets_headers_and_keepalives_before_its_first_token(byte
     assert len(comments) >= 3  # the stream start plus one every 0.3 s of silence
     events = sse_events(call.text())
     assert "".join(c.get("text", c.get("delta", {}).get("content", "")) for e in events for c in e["choices"])
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_stream_whose_rounds_carry_no_text_still_gets_keepalives(bytelevel_dir, n):
+    """Rounds keep coming but their tokens complete no character (a lone UTF-8 continuation byte, as a
+    small model repeats one token): no event has text to carry, so keep-alive comments must still go
+    out every ``sse_keepalive_s`` of silence towards the client, or a client read timeout shorter than
+    the generation (plain decoding on a loaded machine) ends a healthy stream."""
+    h = GatewayHarness(bytelevel_dir, sse_keepalive_s=0.3)
+    textless = h.text.encode("😀", add_special_tokens=False)[-1]
+    probe = CompletionText(h.text, [])
+    assert [probe.feed([textless]).text for _ in range(8)] == [""] * 8  # the premise: no text until the end
+    h.script = lambda gen: Script([textless] * 40, round_sizes=[1], delay_s=0.05)  # 2 s of rounds, no text
+
+    async def go():
+        call = AsgiCall(h.app, "/v1/completions", {"prompt": "x", "max_tokens": 40, "n": n, "stream": True})
+        await call.run()
+        return call
+
+    call = run(go())
+    assert call.status == 200
+    events = sse_events(call.text())
+    assert sorted("".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == i)
+                  for i in range(n)) == ["\ufffd" * 40] * n  # the held bytes come out at the end
+    times = [t for t, body in call.chunks() if body]
+    first_data, last_data = _first(call, lambda b: b.startswith(b"data: {")), times[-1]
+    assert last_data - first_data > 1.5  # the rounds took their 2 s
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert max(gaps) < 1.0, gaps  # never silent much beyond the 0.3 s keep-alive interval
+    assert sum(1 for t, body in call.chunks() if body.startswith(b":") and first_data < t < last_data) >= 3
 
 
 @pytest.mark.parametrize("status", [429, 503, 400])
