@@ -36,7 +36,8 @@ class GatewayConfig:
         ping_interval_s, ping_timeout_s: verifier liveness probing: a verifier that answered no ping for
             ``ping_timeout_s`` makes readiness false and fails the requests in flight (fail-fast).
         retry_after_s: ``Retry-After`` sent with 429.
-        sse_keepalive_s: idle SSE streams get a comment line this often. A stream's status line and
+        sse_keepalive_s: an SSE stream that sent the client nothing for this long (seconds) gets a
+            comment line, whether or not rounds arrive meanwhile. A stream's status line and
             headers go out at its first round or at most 0.5 s after admission (then with a comment
             line), so a queued stream is not silent; a refusal that comes later is an error event.
         json_whitespace: the JSON layout a structured-output or forced-tool-call grammar allows:
