@@ -312,7 +312,8 @@ class Gateway:
 
     async def _sse(self, prep: Prepared, first: Delta | asyncio.Task,
                    deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
-        """SSE events: one per round with text (or a finish), an optional usage event, then [DONE].
+        """SSE events: one per round with text (or a finish), an optional usage event, then [DONE];
+        a keep-alive comment whenever the client got no bytes for ``sse_keepalive_s``.
 
         ``first``: the first delta, or the task still waiting for it (the response started before the
         first round, see :data:`STREAM_START_GRACE_S`): a keep-alive comment is sent at once then.
@@ -332,7 +333,7 @@ class Gateway:
                     yield b": keep-alive\n\n"
                 else:
                     num_tokens += len(d.tokens)
-                    # tokens of a delta without text (none expected) ride with the choice's next event
+                    # tokens of a delta without text (they complete no character yet) ride with the next event
                     carried.setdefault(d.index, []).extend(d.tokens)
                     first_event = d.index not in sent_first
                     text = (prep.prompt_text if prep.echo and first_event else "") + d.text
