@@ -553,7 +553,8 @@ async def _with_keepalive(it: AsyncIterator, interval: float, cut: Callable[[], 
 
     ``quiet_since()``: the event loop time (seconds) of the last bytes written to the client. Items
     that write nothing (rounds whose tokens complete no character yet) do not hold keep-alives back,
-    so a stream is never silent for longer than ``interval`` however its rounds arrive.
+    nor does a backlog of them, so a stream is never silent for longer than ``interval`` (plus the
+    event loop's latency) however its rounds arrive.
     ``pending``: a task already running ``it.__anext__()`` (its result comes first).
     Raises :class:`_ServerShutdown` (after cancelling ``it``'s pending step) once ``cut()`` completes.
     """
@@ -562,8 +563,11 @@ async def _with_keepalive(it: AsyncIterator, interval: float, cut: Callable[[], 
     cutter = cut()
     try:
         while True:
-            timeout = max(0.0, quiet_since() + interval - loop.time()) if interval else None
-            done, _ = await asyncio.wait({task, cutter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            left = quiet_since() + interval - loop.time() if interval else None
+            if left is not None and left <= 0 and not cutter.done():
+                yield _KEEPALIVE  # before items already waiting too: they may write nothing
+                continue
+            done, _ = await asyncio.wait({task, cutter}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
             if cutter in done:
                 log.info("stream cut %s", cutter.result())
                 raise _ServerShutdown(cutter.result())

@@ -307,9 +307,9 @@ def test_a_stream_whose_rounds_carry_no_text_still_gets_keepalives(bytelevel_dir
     first_data, last_data = _first(call, lambda b: b.startswith(b"data: {")), times[-1]
     assert last_data - first_data > 2.5  # the rounds took their 3 s
     gaps = [b - a for a, b in zip(times, times[1:])]
-    # never silent much beyond the 0.2 s keep-alive interval (slack for a busy machine); without the
-    # keep-alives the one gap is the whole 3 s
-    assert max(gaps) < 1.5, gaps
+    # never silent for long: without the keep-alives the one gap is the whole stretch (relative, so a
+    # busy machine that slows the rounds and the keep-alive timer alike does not fail it)
+    assert max(gaps) < 0.4 * (last_data - first_data), gaps
     assert sum(1 for t, body in call.chunks() if body.startswith(b":") and first_data < t < last_data) >= 5
 
 
