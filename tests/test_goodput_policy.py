@@ -21,8 +21,8 @@ from services.verifier.cost_model import (SWEEP_ROWS, StepCostModel, cache_key, 
                                            plausible, rule_curve, save_cached, startup_sweep,
                                            sweep_rejection)
 from services.verifier.engine import StepStats
-from services.verifier.policy import (Drafted, FixedPolicy, GoodputPolicy, RoundInfo, goodput_with_sweep, make_policy,
-                                      truncate_tree)
+from services.verifier.policy import Drafted, FixedPolicy, GoodputPolicy, RoundInfo, truncate_tree
+from services.verifier.policy_build import goodput_with_sweep, make_policy
 
 
 # --------------------------------------------------------------------------------------- cost model

@@ -45,7 +45,8 @@ def test_served_methods_per_kind():
 
 def test_policy_names_are_the_policies():
     pytest.importorskip("torch")
-    from services.verifier.policy import SpecPolicy, make_policy
+    from services.verifier.policy_base import SpecPolicy
+    from services.verifier.policy_build import make_policy
 
     policies = [make_policy(name) for name in POLICIES]
     assert {p.name for p in policies} == set(POLICIES)

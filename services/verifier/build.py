@@ -101,7 +101,7 @@ def build_policy(name: str, runner: ModelRunner, defaults: TreeKnobs = DEFAULT_K
         ValueError: unknown policy name, or a bad ``max_budget`` / ``defaults``.
     """
     from services.cpu_gemm import lazy_packing_paused
-    from services.verifier import policy as pol
+    from services.verifier import policy_build as pol
 
     if name != "goodput":
         return pol.make_policy(name, schedule=schedule, defaults=defaults)

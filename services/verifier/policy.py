@@ -22,45 +22,34 @@ Two policies (``--spec-policy``):
 
 Lossless by construction: a policy only changes which draft nodes are verified, never how the
 target's tokens are chosen (greedy argmax / one target sample per row, then the walk).
+
+This module holds :class:`GoodputPolicy`'s decision before drafting (who drafts, with which budget);
+its parts live beside it: the per-request state and exploration intervals
+(:mod:`services.verifier.policy_state`), the cut after drafting (:mod:`services.verifier.policy_select`),
+the learning from rounds, steps and ended requests (:mod:`services.verifier.policy_observe`); building
+a policy by name and with its cost sweep is :mod:`services.verifier.policy_build`.
 """
 
 from __future__ import annotations
 
-import logging
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
-from services.spec import DEFAULT_KNOBS, MAX_BUDGET, POLICIES, TreeKnobs, TreeSchedule
+from services.spec import DEFAULT_KNOBS, MAX_BUDGET, TreeKnobs, TreeSchedule
 from services.spec import parse_tree_schedule  # noqa: F401 (the policies' input, re-exported)
 from services.tree import DraftTree
-from services.verifier.calibration import AcceptanceCalibrator, regime_of
+from services.verifier.calibration import AcceptanceCalibrator
 from services.verifier.cost_model import StepCostModel
 from services.verifier.forecast import Forecaster, mean_curve
-from services.verifier.pricing import best_prefix, could_pay, explore_budget, overheads
-from services.verifier.probe import ProbeGate
 from services.verifier.policy_base import (Drafted, FixedPolicy, Selection, SpecPolicy,  # noqa: F401 (re-exported)
                                            resolve_knobs, truncate_tree)
+from services.verifier.policy_observe import PolicyObservation
+from services.verifier.policy_select import DraftSelection
+from services.verifier.policy_state import ExplorationBook, ReqState
+from services.verifier.pricing import best_prefix, could_pay, explore_budget, overheads
+from services.verifier.probe import ProbeGate
 from services.verifier.scheduler import RoundInfo  # noqa: F401 (the policy's input, re-exported)
-
-log = logging.getLogger("verifier.policy")
-
-
-@dataclass
-class _ReqState:
-    since_draft: int = 0                     # rounds since the last drafter call
-    interval: int = 0                        # exploration interval (doubles while drafts do not pay)
-    regime: str = "greedy"
-    fresh: bool = True                       # no step seen yet (takes its regime's exploration interval)
-    budget: int = 0                          # budget of its last drafter call (the most nodes select verifies)
-    trees: deque = field(default_factory=lambda: deque(maxlen=8))  # its own recent (tree, budget): its forecast
-    stamps: deque = field(default_factory=lambda: deque(maxlen=8))  # `plain` when each of them was drafted
-    plain: int = 0                           # its plain rounds so far (its own trees' age)
-    probed: bool = False                     # it has called the drafter (no probe due any more)
-    emitted: int = 0                         # tokens its rounds committed
-    curve: tuple | None = None               # (last tree, count, calibration version) -> its mean curve, cached
-    pending: deque = field(default_factory=deque)  # [tree, continuation] waiting for labels
 
 
 def _check_goodput_args(defaults: TreeKnobs, max_budget: int | None, explore_every: int, forecast_trees: int,
@@ -80,7 +69,7 @@ def _check_goodput_args(defaults: TreeKnobs, max_budget: int | None, explore_eve
         raise ValueError(f"explore_fraction must be in [0, 1] (got {explore_fraction})")
 
 
-class GoodputPolicy:
+class GoodputPolicy(ExplorationBook, DraftSelection, PolicyObservation):
     """Per step, choose each request's budget (0 = plain decoding) to maximise tokens / second.
 
     Args:
@@ -159,7 +148,7 @@ class GoodputPolicy:
                                      self._fresh_labels, forecast_trees)
         self._regime_since: dict[str, int] = {}  # rounds since each method / regime last drafted
         self._regime_interval: dict[str, int] = {}  # the exploration interval of each method / regime
-        self._req: dict[str, _ReqState] = {}
+        self._req: dict[str, ReqState] = {}
         self._skip: set[str] = set()
         self._predicted: float | None = None
         self.store, self.save_every, self._unsaved, self.probe = None, save_every, 0, probe
@@ -167,23 +156,7 @@ class GoodputPolicy:
         if store is not None:
             self.attach_store(store)
 
-    def attach_store(self, store) -> bool:
-        """Load the calibration ``store`` holds (an earlier start's, as the starting counts) and save
-        this one's there from now on. Returns whether a saved calibration was loaded."""
-        state = store.load()
-        loaded = state is not None and self.cal.load_state(state)
-        self.store = store
-        log.info("acceptance calibration: %s (%s)", "loaded from an earlier start" if loaded else "cold start",
-                 store.key)
-        return loaded
-
     # ----------------------------------------------------------------- helpers
-    def _state(self, rid: str) -> _ReqState:
-        st = self._req.get(rid)
-        if st is None:
-            st = self._req[rid] = _ReqState(interval=self.explore_every)
-        return st
-
     def _sorted_p(self, tree: DraftTree, regime: str, rid: str, optimism: float = 0.0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.cal.p_accept(tree, regime, rid, optimism)
@@ -233,7 +206,7 @@ class GoodputPolicy:
         up to the cap). A request's first draft (its probe) keeps the whole budget instead."""
         return explore_budget(self.cost, curve, self._cap())
 
-    def probe_pays(self, regime: str, st: _ReqState, owed: int, remaining: int | None, requests: int = 1) -> bool:
+    def probe_pays(self, regime: str, st: ReqState, owed: int, remaining: int | None, requests: int = 1) -> bool:
         """Whether the probe of a request that has not drafted yet pays for its catch-up
         (:meth:`~services.verifier.probe.ProbeGate.pays`)."""
         return self.probes.pays(regime, st.emitted, owed, remaining, requests)
@@ -277,16 +250,6 @@ class GoodputPolicy:
         pool = sorted((x for x in pool if x[1] in drafting), key=lambda x: -x[0])[:best_k]
         self._plan = {rid: max(sum(1 for _, r in pool if r == rid), 1) for rid in drafting} | sized
         self._sized = set(sized)
-
-    def _enter(self, r: RoundInfo) -> _ReqState:
-        """The request's state, its regime set; a new request takes its regime's exploration state."""
-        st = self._state(r.rid)
-        st.regime = f"{r.method}:{regime_of(r.temperature)}"  # one calibration table per method and regime
-        if st.fresh:
-            st.fresh = False
-            st.interval = self._regime_interval.get(st.regime, self.explore_every)
-            st.since_draft = self._regime_since.get(st.regime, 0)
-        return st
 
     def _triage(self, rounds: list[RoundInfo], e: float) -> tuple[float, list, set[str], dict[str, int]]:
         """Each round's way into the step (:meth:`begin_step`): ``(forced_s, curves, held, sized)``:
@@ -374,192 +337,3 @@ class GoodputPolicy:
             knobs = replace(knobs, budget=min(knobs.budget, plan + int(bool(widen))))
         st.budget = knobs.budget
         return knobs
-
-    # ------------------------------------------------------------ after drafting
-    def select(self, items: list[Drafted]) -> dict[str, Selection]:
-        """Cut each drafted tree to the budgets that maximise the step's expected tokens / second.
-
-        All candidate nodes of the step, in descending calibrated P (each request's own nodes in
-        its prefix-closed order), are tried as prefixes k = 0, 1, ...; the k with the most expected
-        tokens per predicted second wins (drafter calls already made count in the seconds at their
-        steady price: sunk, but they set the bar; a catch-up's seconds would lower it). Explicit
-        budgets keep the whole tree.
-        """
-        c = self.cost
-        gain0, rows0, cands, orders, probs, explicit = self._select_candidates(items)
-        o, e = self._overheads(len(items))
-        # drafter calls made count at the steady price: a catch-up's seconds in the bar made a probe's
-        # nodes look cheap (its 300-token catch-up is ~4 steps; at c = 4 it verified rows that cost more)
-        fixed_s = sum(c.draft_cost(min(d.info.owed, 1)) + e for d in items if d.drafted) + o * len(items)
-        k, _, seconds = self._best_prefix(gain0, rows0, [p for p, _, _ in cands], fixed_s)
-        chosen = {rid: (probs[rid].numel() if rid in explicit else 0) for rid in orders}
-        for _, _, rid in cands[:k]:
-            chosen[rid] += 1
-        self._back_off(items, chosen, probs, rows0 + k, gain0 + sum(p for p, _, _ in cands[:k]), seconds, e)
-        self._predicted = seconds
-        out = {}
-        for d in items:
-            rid = d.info.rid
-            if rid not in orders:
-                out[rid] = Selection(DraftTree.empty(), 0, 1.0)
-                continue
-            b = chosen[rid]
-            tau = 1.0 + float(probs[rid][:b].sum())
-            out[rid] = Selection(truncate_tree(d.tree, orders[rid], b), b, tau)
-        return out
-
-    def _select_candidates(self, items: list[Drafted]) -> tuple:
-        """``(gain0, rows0, cands, orders, probs, explicit)`` of :meth:`select`: the gain and rows of
-        the step before any cut node (a row and a token per request, explicit budgets' whole trees),
-        the cut candidates ``(P, index, rid)`` in descending P (a request's own nodes in its order),
-        each tree's node order and sorted P, the requests with an explicit budget. Remembers each
-        drafted tree for the forecast and the labels."""
-        gain0, rows0 = float(len(items)), len(items)
-        cands: list[tuple[float, int, str]] = []
-        orders: dict[str, torch.Tensor] = {}
-        probs: dict[str, torch.Tensor] = {}
-        explicit: set[str] = set()
-        for d in items:
-            rid, tree = d.info.rid, d.tree
-            st = self._state(rid)
-            if d.drafted and tree.num_nodes:
-                self.remember(st.regime, tree, st.budget)
-                st.trees.append((tree, st.budget or self._cap()))
-                st.stamps.append(st.plain)
-                st.pending.append([tree, []])
-            if tree.num_nodes == 0:
-                continue
-            p_sorted, order = self._sorted_p(tree, st.regime, rid)
-            orders[rid], probs[rid] = order, p_sorted
-            if d.info.explicit_budget:
-                explicit.add(rid)
-                gain0 += float(p_sorted.sum())
-                rows0 += tree.num_nodes
-                continue
-            for i, p in enumerate(p_sorted[:min(self._cap(), st.budget or self._cap())].tolist()):
-                cands.append((p, i, rid))
-        cands.sort(key=lambda x: (-x[0], x[1]))  # a request's own nodes stay in its order (P sorted, ties by i)
-        return gain0, rows0, cands, orders, probs, explicit
-
-    def _back_off(self, items: list[Drafted], chosen: dict[str, int], probs: dict, rows: int, total_gain: float,
-                  seconds: float, e: float) -> None:
-        """Exploration back-off: a draft that did not pay for its drafter call doubles its request's
-        interval (and its regime's), one that paid resets it."""
-        c = self.cost
-        for d in items:
-            rid = d.info.rid
-            if d.drafted and not d.info.explicit_budget:
-                st = self._state(rid)
-                b = chosen.get(rid, 0)
-                g = float(probs[rid][:b].sum()) if b else 0.0
-                t = c.draft_cost(min(d.info.owed, 1)) + e + c.forward_seconds(rows) - c.forward_seconds(rows - b)
-                paid = b > 0 and (t <= 0 or g / t >= (total_gain - g) / max(seconds - t, 1e-9))
-                st.interval = self.explore_every if paid else min(2 * st.interval, self.explore_max)
-                self._regime_interval[st.regime] = st.interval
-
-    # ------------------------------------------------------------------ learning
-    def observe_round(self, rid: str, committed: list[int]) -> None:
-        """The tokens a round committed after its root (accepted drafts + bonus): label the
-        request's pending trees once the tokens reach their depth."""
-        st = self._req.get(rid)
-        if st is None:
-            return
-        st.emitted += len(committed)
-        while st.pending:
-            for entry in st.pending:
-                entry[1].extend(committed)
-            committed = []
-            tree, cont = st.pending[0]
-            if len(cont) < tree.max_depth:
-                return
-            st.pending.popleft()
-            self.cal.observe(tree, cont, st.regime, rid)
-            self._version += 1
-            self._unsaved += 1
-
-    def observe_step(self, stats) -> None:
-        """A step's measured forward (rows, seconds), drafter seconds and wall time (``StepStats``)."""
-        if not stats.requests:
-            return
-        self._wall += getattr(stats, "wall_seconds", 0.0) or stats.forward_seconds + stats.draft_wait_seconds
-        drafting = getattr(stats, "drafting", 0)
-        if self._unforecast and drafting:  # the exploration budget's spending
-            self._explore_s += stats.draft_wait_seconds * min(self._unforecast, drafting) / drafting
-        self._unforecast = 0
-        self.cost.observe_forward(stats.rows, stats.forward_seconds)
-        if drafting:
-            self.cost.observe_draft(stats.draft_wait_seconds / drafting, drafting, getattr(stats, "draft_owed", None))
-        wall = getattr(stats, "wall_seconds", 0.0)
-        if wall > 0:
-            rest = wall - stats.forward_seconds - stats.draft_wait_seconds
-            self.cost.observe_overhead(max(rest, 0.0) / stats.requests, stats.requests, drafting)
-
-    def predicted_step_seconds(self) -> float | None:
-        """The last :meth:`select`'s predicted seconds of the step (None before any)."""
-        return self._predicted
-
-    def release(self, rid: str) -> None:
-        """A request ended: label its pending trees with the tokens it had, forget its state."""
-        st = self._req.get(rid)
-        if st is not None:  # what it says about its regime's requests (the probe's price)
-            self.probes.record(st.regime, st.emitted, (self.forecast(st.regime, rid) or []) if st.trees else None)
-        st = self._req.pop(rid, None)
-        self._skip.discard(rid)
-        if st is not None:
-            for tree, cont in st.pending:
-                if cont:
-                    self.cal.observe(tree, cont, st.regime, None)
-                    self._version += 1
-                    self._unsaved += 1
-        self.cal.release(rid)
-        if self._unsaved >= self.save_every:
-            self.flush()
-
-    def flush(self) -> None:
-        """Save the calibration to the store now (when one is attached and something new was learnt)."""
-        if self.store is not None and self._unsaved:
-            self.store.save(self.cal.state())
-            self._unsaved = 0
-
-
-def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sweep: bool = True,
-                       dtype: str = "default", threads: int = 1, rows: tuple[int, ...] | None = None,
-                       device: str = "cpu", **kw) -> GoodputPolicy:
-    """A :class:`GoodputPolicy` whose cost model starts from a timed sweep (``time_forward(rows)`` ->
-    seconds, at ``threads`` intra-op threads, on ``device``), taken from the per-machine cache under
-    ``key`` when one is there. ``rows``: the row counts swept (None:
-    :func:`~services.verifier.cost_model.sweep_rows` of ``max_budget``, else
-    :data:`~services.verifier.cost_model.SWEEP_ROWS`).
-
-    :func:`~services.verifier.cost_model.startup_sweep`: a cached sweep is used while plausible and
-    still valid (two row counts re-timed); a fresh one is cached only when no other process had the
-    cores, every row count's fastest time was reproduced and its curve is plausible, else retaken
-    once and then replaced by the rule-based curve of ``dtype`` (not cached). One log line says which.
-    """
-    from services.verifier.cost_model import SWEEP_ROWS, startup_sweep, sweep_rows
-
-    policy = GoodputPolicy(max_budget=max_budget, **kw)
-    if not sweep:
-        return policy
-    rows = rows or (sweep_rows(max_budget) if max_budget else SWEEP_ROWS)
-    samples, source = startup_sweep(time_forward, key, dtype, rows=rows, threads=threads, device=device)
-    policy.cost.seed(samples)
-    a, b = policy.cost.coefficients()
-    (log.warning if "rule" in source else log.info)(
-        "step cost model (%s): forward = %.2f ms + %.3f ms/row (%s)", source, a * 1e3, b * 1e3,
-        ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in samples))
-    return policy
-
-
-def make_policy(name: str, **kw):
-    """``"fixed"`` -> :class:`FixedPolicy` (``schedule`` and ``defaults`` passed on);
-    ``"goodput"`` -> :class:`GoodputPolicy` (every kwarg passed on).
-
-    Raises:
-        ValueError: unknown policy name.
-    """
-    if name == "fixed":
-        return FixedPolicy(**{k: v for k, v in kw.items() if k in ("schedule", "defaults")})
-    if name == "goodput":
-        return GoodputPolicy(**kw)
-    raise ValueError(f"unknown spec policy {name!r} (choose from {', '.join(POLICIES)})")

@@ -1,5 +1,6 @@
 """What every speculation policy shares (the step's types, knob resolution, the tree cut) and the
-fixed policy; the goodput policy and ``make_policy`` are in :mod:`services.verifier.policy`.
+fixed policy; the goodput policy is in :mod:`services.verifier.policy`, ``make_policy`` in
+:mod:`services.verifier.policy_build`.
 
 A policy is called at four points of a step: the step plan (``scheduler.make_plan``, which the
 verifier worker makes) calls 1 and 2, the engine (``SpecEngine.step``) 3 and 4:
