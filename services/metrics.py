@@ -122,6 +122,10 @@ PREFIX_WAITS = "dartree_prefix_cache_prefill_waits_total"
 PREFIX_EVICTIONS = "dartree_prefix_cache_evictions_total"
 PREFIX_CACHED = "dartree_prefix_cache_cached_tokens"
 PREFIX_BYTES = "dartree_prefix_cache_bytes"
+PREFIX_RAM_BYTES = "dartree_prefix_cache_ram_bytes"
+PREFIX_RAM_SAVED = "dartree_prefix_cache_ram_saved_total"
+PREFIX_RAM_HITS = "dartree_prefix_cache_ram_hit_tokens_total"
+PREFIX_RAM_EVICTIONS = "dartree_prefix_cache_ram_evictions_total"
 STEP_REQUEST_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0)
 STEP_ROW_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
 DRAFTER_CALLS = "dartree_drafter_calls_total"
@@ -267,6 +271,16 @@ class VerifierMetrics:
         self.prefix_bytes = Gauge(PREFIX_BYTES, "Bytes cached prefixes hold beyond the reserved KV slots (target "
                                   "feature rows and token ids), bounded by --prefix-cache-mib.", registry=r)
         self._prefix_seen = (0, 0, 0, 0, 0)
+        self.prefix_ram_bytes = Gauge(PREFIX_RAM_BYTES, "Bytes of the host-RAM store of prefixes evicted from their "
+                                      "KV slot (K, V, feature rows, token ids), bounded by --prefix-cache-ram-mib.",
+                                      registry=r)
+        self.prefix_ram_saved = Counter(PREFIX_RAM_SAVED, "Cached prefixes saved to host RAM when their KV slot "
+                                        "was taken.", registry=r)
+        self.prefix_ram_hits = Counter(PREFIX_RAM_HITS, "Of the hit tokens, those restored from host RAM into "
+                                       "a KV slot.", registry=r)
+        self.prefix_ram_evictions = Counter(PREFIX_RAM_EVICTIONS, "Host-RAM prefixes dropped to stay within "
+                                            "--prefix-cache-ram-mib.", registry=r)
+        self._prefix_ram_seen = (0, 0, 0)
         self.policy_budget = Histogram(POLICY_BUDGET, "Draft nodes verified per decode round, as the speculation "
                                        "policy chose them (0 = plain decoding).", ["method"], buckets=BUDGET_BUCKETS,
                                        registry=r)
@@ -305,6 +319,17 @@ class VerifierMetrics:
                 counter.inc(value - before)
         self._prefix_seen = tuple(max(a, b) for a, b in zip(now, self._prefix_seen))
         self.prefix_cached.set(cached)
+
+    def observe_prefix_ram(self, saved: int, hit_tokens: int, evictions: int, nbytes: int) -> None:
+        """The host-RAM prefix store's running totals (:class:`services.verifier.prefix_store.StoreStats`):
+        the counters advance by what changed since the last call; ``nbytes`` sets the gauge."""
+        now = (saved, hit_tokens, evictions)
+        for counter, value, before in zip((self.prefix_ram_saved, self.prefix_ram_hits, self.prefix_ram_evictions),
+                                          now, self._prefix_ram_seen):
+            if value > before:
+                counter.inc(value - before)
+        self._prefix_ram_seen = tuple(max(a, b) for a, b in zip(now, self._prefix_ram_seen))
+        self.prefix_ram_bytes.set(nbytes)
 
     def observe_policy_round(self, method: str, num_draft_tokens: int, predicted_tau: float | None,
                              realised_tau: int) -> None:

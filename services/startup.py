@@ -116,11 +116,14 @@ def kv_committed_bytes(cache) -> int:
 def prefix_cache_part(prefix) -> str:
     """``"X MB of <= Y MB"``: what a :class:`~services.verifier.prefix_cache.PrefixCache` holds beyond
     the reserved KV slots (feature rows and token ids of cached prefixes) and its bound; ``"off"``
-    when disabled, ``"no bound"`` without one."""
+    when disabled, ``"no bound"`` without one; then, when its host-RAM store is on,
+    ``" + X MB of <= Y MB in RAM"`` (:class:`~services.verifier.prefix_store.PrefixStore`)."""
     if not prefix.enabled:
         return "off"
     bound = "no bound" if prefix.max_bytes is None else f"<= {mb(prefix.max_bytes)}"
-    return f"{mb(prefix.nbytes())} of {bound}"
+    ram = prefix.ram
+    stored = f" + {mb(ram.nbytes())} of <= {mb(ram.max_bytes)} in RAM" if ram.max_bytes else ""
+    return f"{mb(prefix.nbytes())} of {bound}{stored}"
 
 
 # ---------------------------------------------------------------------------------- footprint

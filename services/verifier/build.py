@@ -306,6 +306,7 @@ def build_verifier(config: VerifierWorkerConfig, drafter_client, drafter: PeerIn
                               compile_off_path=config.background_compile)
     cache = engine.runner.cache
     cache.prefix.max_bytes = config.prefix_cache_mib * 2**20
+    cache.prefix.ram.max_bytes = config.prefix_cache_ram_mib * 2**20
     log.info("KV cache: %d slots x %d positions, %.2f GiB reserved (%s, %s; %s)", cache.num_slots, cache.capacity,
              cache.nbytes() / 2**30, target.weights, config.device,
              "allocated on the device" if config.device.startswith("cuda") else "pages committed as used")

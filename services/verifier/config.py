@@ -143,6 +143,12 @@ class VerifierWorkerConfig:
             slots: one target feature row per cached position (SmolLM2-135M with the default
             drafter: 11.25 KiB a position in float32) plus its token id; past it the least recently
             used prefixes are evicted (a running request's KV never is). 0 keeps no prefix.
+        prefix_cache_ram_mib: memory bound, in MiB, on the host-RAM store of prefixes evicted from
+            their KV slot (llama-server's ``--cache-ram``): a cached prefix of at least 256 positions
+            whose slot another request takes is saved there (every layer's K and V, its feature
+            rows, its token ids; SmolLM2-135M: ~57 KiB a position in float32) and copied back into
+            a slot for a later prompt that shares it; past the bound the least recently used entries
+            are dropped. Host memory on every device. 0 = off.
         restart_after_compile: when a start compiled the target's steps from a cold cache (the
             warm-up wrote inductor's disk cache), end the process right after the warm-up so that the
             supervisor starts it again: the restarted process loads the compiled steps from the disk
@@ -181,6 +187,7 @@ class VerifierWorkerConfig:
     verifier_metrics_port: int = 8001
     log_level: str = "INFO"
     prefix_cache_mib: int = 256
+    prefix_cache_ram_mib: int = 1024
     restart_after_compile: bool | None = None
     background_compile: bool = True
     gpu_memory_utilization: float = 0.9
@@ -197,6 +204,8 @@ class VerifierWorkerConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.prefix_cache_mib < 0:
             raise ValueError(f"prefix_cache_mib must be >= 0 (got {self.prefix_cache_mib})")
+        if self.prefix_cache_ram_mib < 0:
+            raise ValueError(f"prefix_cache_ram_mib must be >= 0 (got {self.prefix_cache_ram_mib})")
         check_dtype(self.dtype)
         check_device(self.device)
         if self.weights not in WEIGHT_CHOICES:

@@ -15,7 +15,9 @@ keeps its KV as a cached prefix; :meth:`SlotKVCache.alloc_prefix` hands a new re
 with the longest common prefix and starts its length there, :meth:`SlotKVCache.alloc` (no prompt)
 takes a slot caching nothing before evicting the least recently used prefix. A request may also
 start from another slot's committed columns: :meth:`SlotKVCache.copy_prefix` copies them into its
-own slot (:meth:`SlotKVCache.take` carries out a :meth:`PrefixCache.plan`).
+own slot (:meth:`SlotKVCache.take` carries out a :meth:`PrefixCache.plan`). A prefix evicted from
+its slot may be saved to host RAM first (:meth:`SlotKVCache.evict`,
+:mod:`services.verifier.prefix_store`) and copied back later (:meth:`SlotKVCache.restore_prefix`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 
 from services.verifier.prefix_cache import Placement, PrefixCache
+from services.verifier.prefix_store import StoredPrefix
 
 
 class KVCacheTooLarge(MemoryError, ValueError):
@@ -100,10 +103,21 @@ class SlotKVCache:
         if not self._free:
             raise RuntimeError(f"all {self.num_slots} KV slots are in use")
         slot = self.prefix.victim(self._free)
-        self.prefix.drop(slot, eviction=True)
+        self.evict(slot)
         self._free.remove(slot)
         self._lengths[slot] = 0
         return slot
+
+    def evict(self, slot: int) -> None:
+        """Drop ``slot``'s cached prefix as an eviction (no-op without one), first saving it to the
+        host-RAM store when the store wants it (:meth:`PrefixStore.save
+        <services.verifier.prefix_store.PrefixStore.save>`: every layer's K and V of its columns, its
+        feature rows, its token ids)."""
+        entry = self.prefix.entry(slot)
+        if entry is not None and self.prefix.ram.wants(len(entry.tokens)):
+            self.prefix.ram.save(entry.tokens, [(k[slot], v[slot]) for k, v in zip(self.keys, self.values)],
+                                 entry.features)
+        self.prefix.drop(slot, eviction=True)
 
     def alloc_prefix(self, prompt: list[int], need_features: bool = False) -> tuple[int, int, Tensor | None]:
         """Take the free slot :meth:`PrefixCache.plan` picks for ``prompt`` with the free slots'
@@ -132,30 +146,65 @@ class SlotKVCache:
 
     def take(self, placement: Placement) -> tuple[int, Tensor | None]:
         """Carry out a :meth:`PrefixCache.plan`: take ``placement.slot`` out of the free list (its
-        cached prefix dropped; counted as an eviction unless reused in place) with its length at
-        the reused positions, then copy ``placement.copied`` leading columns from
-        ``placement.source`` into it (:meth:`copy_prefix`). Counts the hit.
+        cached prefix dropped; an eviction, saved to host RAM when long enough (:meth:`evict`), unless
+        reused in place) with its length at the reused positions, then copy ``placement.copied``
+        leading columns from ``placement.source`` (:meth:`copy_prefix`) or from the host-RAM entry
+        ``placement.stored`` (:meth:`restore_prefix`) into it. Counts the hit.
 
         Returns:
             ``(prefilled, features)``: positions ``[0, prefilled)`` of the slot now hold the
-            prompt's KV; ``features [prefilled, F]`` their cached target features when the reused or
-            copied prefix was a cached one with features (None otherwise: a copy from a running
+            prompt's KV; ``features [prefilled, F]`` their cached target features when the reused,
+            copied or restored prefix was a cached one with features (None otherwise: a copy from a running
             slot leaves the features to its owner's caller).
         Raises:
-            ValueError: the slot is not free, or the copy is not allowed (:meth:`copy_prefix`).
+            ValueError: the slot is not free, the stored entry is gone, or the copy is not allowed
+                (:meth:`copy_prefix`).
         """
         slot, reused = placement.slot, placement.reused
         if slot not in self._free:
             raise ValueError(f"slot {slot} is not free")
         entry = self.prefix.entry(slot) if reused else None
         feats = entry.features[:reused] if entry is not None and entry.features is not None else None
-        self.prefix.drop(slot, eviction=reused == 0)
+        stored = self.prefix.ram.entry(placement.stored) if placement.stored >= 0 else None  # before a save drops it
+        if placement.stored >= 0 and stored is None:
+            raise ValueError(f"no stored prefix {placement.stored}")
+        if reused == 0:
+            self.evict(slot)
+        self.prefix.drop(slot)
         self._free.remove(slot)
         self._lengths[slot] = reused
         self.prefix.count_hit(reused)
-        if placement.copied:
+        if stored is not None:
+            feats = self.restore_prefix(stored, slot, placement.copied)
+            self.prefix.ram.count_hit(placement.stored, placement.copied)
+        elif placement.copied:
             feats = self.copy_prefix(placement.source, slot, placement.copied)
         return self._lengths[slot], feats
+
+    @torch.inference_mode()
+    def restore_prefix(self, stored: StoredPrefix, dst: int, n: int) -> Tensor | None:
+        """Copy a host-RAM entry's columns ``[0, n)`` (every layer's K and V) into the taken, empty
+        slot ``dst`` and set its length to ``n``: the layout :meth:`copy_prefix` writes. Counts a
+        copied hit.
+
+        Returns:
+            ``features [n, F]`` of the entry on the device it was saved from (None: saved without).
+        Raises:
+            ValueError: ``dst`` is free or holds positions, or ``n`` is not in ``[1, len(stored.tokens)]``.
+        """
+        if dst in self._free or self._lengths[dst] != 0:
+            raise ValueError(f"cannot restore into slot {dst}: it must be taken and empty")
+        if not 0 < n <= len(stored.tokens):
+            raise ValueError(f"the stored prefix holds {len(stored.tokens)} positions; cannot restore {n}")
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            k[dst, :, :n].copy_(stored.keys[i, :, :n])
+            v[dst, :, :n].copy_(stored.values[i, :, :n])
+        self._lengths[dst] = n
+        self._clean[dst] = max(self._clean[dst], n)
+        self.prefix.count_hit(n, copied=True)
+        if stored.features is None:
+            return None
+        return stored.features[:n].to(stored.feature_device)
 
     @torch.inference_mode()
     def copy_prefix(self, src: int, dst: int, n: int) -> Tensor | None:
@@ -195,7 +244,7 @@ class SlotKVCache:
         """
         if slot not in self._free:
             raise ValueError(f"slot {slot} is not free")
-        self.prefix.drop(slot, eviction=True)
+        self.evict(slot)
         self._free.remove(slot)
 
     def free(self, slot: int, tokens: list[int] | None = None, features: Tensor | None = None) -> None:

@@ -69,7 +69,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-ID_BYTES = 8  # bytes counted per cached token id (one list slot; small ids are shared int objects)
+from services.verifier.prefix_store import ID_BYTES, PrefixStore, common_prefix
 
 
 @dataclass
@@ -117,28 +117,16 @@ class Placement:
         reused: positions ``[0, reused)`` of ``slot``'s cached prefix it reuses in place.
         source: the slot whose leading columns it copies into ``slot`` (-1: no copy; ``reused`` is
             0 whenever a copy is planned).
-        copied: positions ``[0, copied)`` to copy from ``source``.
+        copied: positions ``[0, copied)`` to copy from ``source``, or from ``stored``.
+        stored: the key of the host-RAM entry (:class:`~services.verifier.prefix_store.PrefixStore`)
+            whose leading columns it restores into ``slot`` (-1: none; ``source`` is then -1).
     """
 
     slot: int
     reused: int = 0
     source: int = -1
     copied: int = 0
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]: bisect on slice equality (C speed)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    stored: int = -1
 
 
 class PrefixCache:
@@ -163,6 +151,7 @@ class PrefixCache:
         self._bytes = 0
         self.max_bytes = max_bytes
         self.stats = PrefixStats()
+        self.ram = PrefixStore()  # evicted prefixes in host memory (off until its bound is set)
 
     @property
     def max_bytes(self) -> int | None:
@@ -240,6 +229,7 @@ class PrefixCache:
         the steps compute (the runner's step was swapped)."""
         for slot in list(self._entries):
             self.drop(slot)
+        self.ram.clear()
 
     def victim(self, free_slots: list[int]) -> int:
         """The free slot to give to a request without a match: the lowest one caching nothing, else
@@ -339,9 +329,11 @@ class PrefixCache:
         (slot -> the ids of a running request's *committed* positions: the only columns of a slot
         that never change while its owner runs). A copy goes into the in-place choice when that
         reuses nothing and is not the source, else into :meth:`victim` of the other free slots;
-        when the source is the only free slot, it is taken in place. Counts the lookup (the hit is
-        counted when the placement is carried out: :meth:`count_hit`); disabled: always a
-        :meth:`victim` slot reusing nothing.
+        when the source is the only free slot, it is taken in place. An entry of the host-RAM store
+        (:attr:`ram`) sharing at least ``min_copy`` positions more than any slot is restored instead,
+        into the in-place choice when that reuses nothing, else into :meth:`victim` of the others.
+        Counts the lookup (the hit is counted when the placement is carried out: :meth:`count_hit`);
+        disabled: always a :meth:`victim` slot reusing nothing.
 
         Raises:
             ValueError: ``free_slots`` is empty.
@@ -351,6 +343,10 @@ class PrefixCache:
         if not self.enabled:
             return Placement(slot)
         src, n = self.longest(prompt, {**self.copy_sources(free_slots, need_features), **(running or {})})
+        key, stored = self.ram.longest(prompt, need_features)
+        if stored >= max(reused, n) + self.min_copy:
+            rest = [s for s in free_slots if s != slot]
+            return Placement(slot if reused == 0 or not rest else self.victim(rest), 0, -1, stored, key)
         others = [s for s in free_slots if s != src]
         if n < reused + self.min_copy or not others:
             return Placement(slot, reused)
@@ -386,7 +382,7 @@ def place(cache, reqs: dict, rid: str, req, need: bool) -> None:
     req.slot = plan.slot
     req.prefilled, feats = cache.take(plan)
     req.cached = req.prefilled
-    if need and plan.copied and feats is None:
+    if need and plan.copied and plan.source >= 0 and feats is None:
         feats = committed_feats(reqs, plan.source, plan.copied)
     if req.prefilled and feats is not None:
         req.drafts.chunk_feats.append(feats)

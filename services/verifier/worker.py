@@ -411,7 +411,10 @@ class VerifierWorker:
         prefix = getattr(self.engine, "prefix_cache_stats", None)
         if prefix is not None:
             self.metrics.observe_prefix_cache(*prefix())
-            self.metrics.prefix_bytes.set(self.engine.runner.cache.prefix.nbytes())
+            pc = self.engine.runner.cache.prefix
+            self.metrics.prefix_bytes.set(pc.nbytes())
+            self.metrics.observe_prefix_ram(pc.ram.stats.saved, pc.ram.stats.hit_tokens, pc.ram.stats.evictions,
+                                            pc.ram.nbytes())
             self.metrics.observe_graph_eager_steps(self.engine.runner.num_eager_steps)
         budget, width = self.tree_knobs() or (0, 0)
         self.metrics.scheduled_budget.set(budget)
