@@ -146,7 +146,7 @@ class VerifierWorkerConfig:
         prefix_cache_ram_mib: memory bound, in MiB, on the host-RAM store of prefixes evicted from
             their KV slot (llama-server's ``--cache-ram``): a cached prefix of at least 256 positions
             whose slot another request takes is saved there (every layer's K and V, its feature
-            rows, its token ids; SmolLM2-135M: ~57 KiB a position in float32) and copied back into
+            rows, its token ids; SmolLM2-135M: ~56 KiB a position in float32) and copied back into
             a slot for a later prompt that shares it; past the bound the least recently used entries
             are dropped. Host memory on every device. 0 = off.
         restart_after_compile: when a start compiled the target's steps from a cold cache (the

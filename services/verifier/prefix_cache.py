@@ -60,6 +60,12 @@ and its token id (counted as :data:`ID_BYTES`). That is :meth:`PrefixCache.nbyte
 (``--prefix-cache-mib``) bounds it: storing a prefix that takes the total past the bound evicts the
 least recently used prefixes (the new one last) until it fits. Only free slots cache prefixes, so a
 running request's KV is never evicted (a copy only writes into the slot its own request took).
+
+**Host RAM.** A prefix evicted from its slot (the slot given to another request) may be saved first
+to :attr:`PrefixCache.ram`, a :class:`~services.verifier.prefix_store.PrefixStore` bounded by
+``--prefix-cache-ram-mib`` (llama-server's ``--cache-ram``): its KV columns, feature rows and token
+ids in host memory. :meth:`PrefixCache.plan` copies an entry back into a slot when it shares at
+least ``min_copy`` positions more with the prompt than any slot does.
 """
 
 from __future__ import annotations

@@ -64,9 +64,7 @@ def test_an_evicted_prefix_is_restored_from_ram(llama, service, method, temperat
     assert prefilled == len(turn) - len(conv)  # only the new turn's tokens
     assert pc.stats.hit_tokens - hits == pc.stats.copied_tokens - copied == len(conv)
     assert (pc.ram.stats.hits, pc.ram.stats.hit_tokens) == (1, len(conv))
-    engine.abort("b") if "b" in engine._reqs else None
-    got = _trace(_ram_engine(llama, service), "cold", turn, sampling, spec)
-    assert tokens["b"] == got[0] == _cold(llama, service, turn, sampling, spec)
+    assert tokens["b"] == _cold(llama, service, turn, sampling, spec)
 
 
 def test_a_restored_prefix_hands_the_drafter_a_cold_prefills_rounds(llama, service):
