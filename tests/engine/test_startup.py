@@ -206,7 +206,7 @@ def test_the_supervisor_resolves_the_default_configuration_without_torch(tiny, t
 def test_the_verifier_is_built_from_its_config_as_it_is(tiny, with_drafter):
     """``build_verifier``: the engine gets the config's ``engine`` sub-object (``compile`` auto
     resolved against the target: eager for a float32 target; on CPU the config's limits), the prefix
-    cache its memory bound, and the goodput policy its calibration store at construction, keyed by
+    cache its memory bounds (slots and host RAM), and the goodput policy its calibration store at construction, keyed by
     the drafter's handshake (no drafter: no store)."""
     from dataclasses import replace
 
@@ -216,7 +216,7 @@ def test_the_verifier_is_built_from_its_config_as_it_is(tiny, with_drafter):
 
     target_dir, _ = tiny
     config = VerifierWorkerConfig(target=str(target_dir), weights="float32", cost_sweep=False, prefix_cache_mib=3,
-                                  engine=EngineConfig(max_context=0, max_running=2, compile=None))
+                                  prefix_cache_ram_mib=5, engine=EngineConfig(max_context=0, max_running=2, compile=None))
     drafter = PeerInfo(role="drafter", epoch="e", block_size=8, target_layer_ids=(1, 2), model="/x/tiny-drafter",
                        methods=("ar", "dartree-pruned")) if with_drafter else None
     engine, target, got_dir = build_verifier(config, None, drafter)
@@ -224,6 +224,7 @@ def test_the_verifier_is_built_from_its_config_as_it_is(tiny, with_drafter):
     assert got_dir == target_dir and engine.config == replace(config.engine, compile=False, max_context=None)
     assert engine.max_context == target.max_context and engine.runner.cache.num_slots == 2
     assert engine.runner.cache.prefix.max_bytes == 3 * 2**20
+    assert engine.runner.cache.prefix.ram.max_bytes == 5 * 2**20
     assert engine.policy.name == "goodput"
     if with_drafter:
         assert engine.policy.store is not None and drafter_tag(drafter) in engine.policy.store.key
