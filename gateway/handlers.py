@@ -16,18 +16,20 @@ import contextvars
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from gateway.config import GatewayConfig
 from gateway.engine_client import EngineClient, EngineError
 from gateway.logprobs import TokenOut, chat_logprobs, completion_logprobs
 from gateway.requests import Prepared, RequestBuilder, choice_requests, model_name, read_body
 from gateway.schemas import ApiError
+from gateway.streaming import (KEEPALIVE, SSE_DONE, STREAM_START_GRACE_S, Delta, Disconnected, ServerShutdown,
+                               SSEResponse, race_disconnect, shutdown_error, sse_event, whole_answers,
+                               with_keepalive)
 from gateway.text import CompletionText, TextModel
 from services.metrics import GatewayMetrics
 from services.protocol import RoundChunk
@@ -38,22 +40,6 @@ CUT_AT_DRAIN_TIMEOUT = "at the end of the drain timeout"
 CUT_BY_STOP = "because the server was told to stop now (a second stop signal)"
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _JSON = msgspec.json.Encoder()
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-@dataclass
-class Delta:
-    """One round's contribution to the response: text and the tokens whose text it carries."""
-
-    text: str
-    tokens: list[TokenOut] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None  # the stop string matched, or the stop token id (not EOS)
-    index: int = 0  # the choice it belongs to (``n`` > 1)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t.token_id for t in self.tokens]
 
 
 class Gateway:
@@ -157,11 +143,11 @@ class Gateway:
         choices = choice_requests(prep)
         deltas = self._deltas(prep) if len(choices) == 1 else self._merged(choices)
         if prep.tools is not None and prep.stream:
-            deltas = _whole_answers(deltas)
+            deltas = whole_answers(deltas)
         try:
             if prep.stream:
                 grace = min(STREAM_START_GRACE_S, self.config.sse_keepalive_s or STREAM_START_GRACE_S)
-                first = await _race_disconnect(request, deltas.__anext__(), self._cut_waiter, timeout=grace)
+                first = await race_disconnect(request, deltas.__anext__(), self._cut_waiter, timeout=grace)
 
                 async def close_deltas() -> None:
                     if isinstance(first, asyncio.Task) and not first.done():  # the response never started
@@ -170,14 +156,14 @@ class Gateway:
                     await deltas.aclose()
 
                 headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-                response = _SSEResponse(self._sse(prep, first, deltas), on_close=(close_deltas, lease.release),
+                response = SSEResponse(self._sse(prep, first, deltas), on_close=(close_deltas, lease.release),
                                         media_type="text/event-stream", headers=headers)
                 lease = None  # handed to the response
                 return response
-            body, num_tokens = await _race_disconnect(request, self._collect(prep, deltas), self._cut_waiter)
+            body, num_tokens = await race_disconnect(request, self._collect(prep, deltas), self._cut_waiter)
             self.metrics.generation_tokens.inc(num_tokens)  # handed to the client
             return Response(body, media_type="application/json")
-        except _Disconnected:
+        except Disconnected:
             return Response(status_code=499)
         except EngineError as err:
             headers = {"Retry-After": str(self.config.retry_after_s)} if err.status == 429 else None
@@ -324,11 +310,11 @@ class Gateway:
         pending = first if isinstance(first, asyncio.Task) else None
         loop = asyncio.get_running_loop()
         wrote = loop.time()  # when the client last got bytes (the keep-alive clock)
-        events = _with_keepalive(deltas, self.config.sse_keepalive_s, self._cut_waiter, lambda: wrote, pending)
+        events = with_keepalive(deltas, self.config.sse_keepalive_s, self._cut_waiter, lambda: wrote, pending)
         try:
-            d: Delta | None = _KEEPALIVE if pending is not None else first
+            d: Delta | None = KEEPALIVE if pending is not None else first
             while d is not None:
-                if d is _KEEPALIVE:
+                if d is KEEPALIVE:
                     wrote = loop.time()
                     yield b": keep-alive\n\n"
                 else:
@@ -340,7 +326,7 @@ class Gateway:
                     if text or d.finish_reason or first_event:
                         toks = carried.pop(d.index)
                         sent, wrote = len(toks), loop.time()
-                        yield _event(self._chunk(prep, text, d, toks, first_event, num_sent + sent))
+                        yield sse_event(self._chunk(prep, text, d, toks, first_event, num_sent + sent))
                         self.metrics.generation_tokens.inc(sent)  # the event was written to the client
                         sent_first.add(d.index)
                         num_sent += sent
@@ -350,17 +336,17 @@ class Gateway:
                             break
                 d = await anext(events, None)
             if prep.include_usage:
-                yield _event({"id": prep.response_id, "object": _chunk_object(prep), "created": prep.created,
+                yield sse_event({"id": prep.response_id, "object": _chunk_object(prep), "created": prep.created,
                               "model": prep.model, "choices": [],
                               "usage": _usage(len(prep.gen.prompt_ids), num_tokens)})
         except EngineError as err:
-            yield _event({"error": {"message": err.message, "type": ApiError.TYPES.get(err.status, "error"),
+            yield sse_event({"error": {"message": err.message, "type": ApiError.TYPES.get(err.status, "error"),
                                     "param": err.param, "code": err.code or str(err.status)}})
-        except _ServerShutdown as cut:
-            yield _event(_shutdown_error(str(cut)).body())
+        except ServerShutdown as cut:
+            yield sse_event(shutdown_error(str(cut)).body())
         except Exception:  # a bug must still end the stream properly, without a traceback to the client
             log.exception("stream failed")
-            yield _event(ApiError(500, "internal server error", None, "internal_error").body())
+            yield sse_event(ApiError(500, "internal server error", None, "internal_error").body())
         finally:
             await events.aclose()
             await deltas.aclose()
@@ -408,40 +394,6 @@ def _message(prep: Prepared, text: str, finish: str | None) -> tuple[dict, str |
     return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
 
 
-async def _whole_answers(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-    """Each choice's deltas as one delta, yielded when the choice finishes (text, tokens, finish)."""
-    held: dict[int, Delta] = {}
-    try:
-        async for d in deltas:
-            h = held.setdefault(d.index, Delta("", index=d.index))
-            h.text += d.text
-            h.tokens.extend(d.tokens)
-            if d.finish_reason:
-                h.finish_reason, h.stop_reason = d.finish_reason, d.stop_reason
-                yield held.pop(d.index)
-    finally:
-        await deltas.aclose()
-
-
-class _Disconnected(Exception):
-    """The client went away before the response started."""
-
-
-class _ServerShutdown(Exception):
-    """The request was cut while in flight (:meth:`Gateway.cut_in_flight`); the message is the reason."""
-
-
-def _shutdown_error(reason: str) -> ApiError:
-    return ApiError(503, f"the server is shutting down: the request was cut {reason}", None, "server_shutdown")
-
-
-_KEEPALIVE = Delta("")
-# A stream's status line and headers go out when its first round arrives or this long after it was
-# admitted, whichever is first (a queued request is not silent). An engine refusal within it keeps
-# its HTTP status (429, 400, 503); a later one is an SSE error event in the OpenAI shape, then [DONE].
-STREAM_START_GRACE_S = 0.5
-
-
 def _logprob_rows(chunk: RoundChunk) -> list[tuple[float, list[tuple[int, float]]]]:
     """``(logprob, [(top id, top logprob)])`` per token of a round that was asked for logprobs."""
     lp = chunk.logprobs
@@ -475,28 +427,8 @@ class _Lease:
             self._gateway = None
 
 
-class _SSEResponse(StreamingResponse):
-    """A streaming response that always runs its cleanup, even if the body never started."""
-
-    def __init__(self, content, on_close, **kwargs):
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            close_deltas, release = self._on_close
-            await close_deltas()
-            release()
-
-
 def _chunk_object(prep: Prepared) -> str:
     return "chat.completion.chunk" if prep.kind == "chat" else "text_completion"
-
-
-def _event(obj: dict) -> bytes:
-    return b"data: " + _JSON.encode(obj) + b"\n\n"
 
 
 def _usage(prompt: int, completion: int) -> dict:
@@ -513,75 +445,3 @@ def log_rejection(err: ApiError) -> None:
 def _reject_reason(status: int) -> str:
     return {400: "invalid", 404: "unknown_model", 408: "body_timeout", 413: "too_large", 415: "content_type",
             429: "overloaded", 503: "unavailable"}.get(status, str(status))
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _race_disconnect(request: Request, awaitable, cut: Callable[[], asyncio.Future],
-                           timeout: float | None = None):
-    """Await ``awaitable``; if the client disconnects first, cancel it and raise :class:`_Disconnected`;
-    if ``cut()`` completes first (drain timeout), cancel it and raise a 503 ``server_shutdown`` :class:`ApiError`.
-    With ``timeout`` (seconds): if none of these happened by then, return the still running task."""
-    task = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    cutter = cut()
-    try:
-        done, _ = await asyncio.wait({task, watcher, cutter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        cutter.cancel()
-    if not done:
-        return task
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        if cutter.done() and not cutter.cancelled():
-            log.info("request cut %s", cutter.result())
-            raise _shutdown_error(cutter.result())
-        log.info("client disconnected before the response started")
-        raise _Disconnected
-    return task.result()
-
-
-async def _with_keepalive(it: AsyncIterator, interval: float, cut: Callable[[], asyncio.Future],
-                          quiet_since: Callable[[], float], pending: asyncio.Task | None = None) -> AsyncIterator:
-    """Items of ``it``; ``_KEEPALIVE`` whenever ``interval`` seconds have passed since the client last
-    got bytes (``it`` keeps running).
-
-    ``quiet_since()``: the event loop time (seconds) of the last bytes written to the client. Items
-    that write nothing (rounds whose tokens complete no character yet) do not hold keep-alives back,
-    nor does a backlog of them, so a stream is never silent for longer than ``interval`` (plus the
-    event loop's latency) however its rounds arrive.
-    ``pending``: a task already running ``it.__anext__()`` (its result comes first).
-    Raises :class:`_ServerShutdown` (after cancelling ``it``'s pending step) once ``cut()`` completes.
-    """
-    loop = asyncio.get_running_loop()
-    task = pending or asyncio.ensure_future(it.__anext__())
-    cutter = cut()
-    try:
-        while True:
-            left = quiet_since() + interval - loop.time() if interval else None
-            if left is not None and left <= 0 and not cutter.done():
-                yield _KEEPALIVE  # before items already waiting too: they may write nothing
-                continue
-            done, _ = await asyncio.wait({task, cutter}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if cutter in done:
-                log.info("stream cut %s", cutter.result())
-                raise _ServerShutdown(cutter.result())
-            if not done:
-                yield _KEEPALIVE
-                continue
-            try:
-                item = task.result()
-            except StopAsyncIteration:
-                return
-            yield item
-            task = asyncio.ensure_future(it.__anext__())
-    finally:
-        cutter.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
