@@ -126,17 +126,13 @@ def resweep(cost, runner: ModelRunner, cost_key: tuple[str, str, str], rows: tup
     a verifier that started on the eager step calls it when the compiled step is swapped in, whose
     forwards cost less and grow differently with the row count. Returns the sweep's source line."""
     from services.cpu_gemm import lazy_packing_paused
-    from services.verifier.cost_model import startup_sweep
+    from services.verifier.policy_build import sweep_into
 
     model, dtype, device = cost_key
     with lazy_packing_paused():
-        samples, source = startup_sweep(lambda r: time_forward(runner, r), sweep_key(model, dtype, device, runner),
-                                        dtype, rows=rows, threads=torch.get_num_threads(),
-                                        device=str(runner.target.device))
-    cost.reseed(samples)
-    log.info("step cost model of the %s step (%s): %s", "compiled" if runner.compiled else "eager", source,
-             ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in samples))
-    return source
+        return sweep_into(cost, lambda r: time_forward(runner, r), sweep_key(model, dtype, device, runner), dtype,
+                          rows, torch.get_num_threads(), str(runner.target.device),
+                          step="compiled" if runner.compiled else "eager", replace=True)
 
 
 def build_engine(target, drafter, config: EngineConfig = EngineConfig(), *, max_draft_depth: int = 16,

@@ -30,19 +30,32 @@ def goodput_with_sweep(time_forward, key: str, max_budget: int | None = None, sw
     cores, every row count's fastest time was reproduced and its curve is plausible, else retaken
     once and then replaced by the rule-based curve of ``dtype`` (not cached). One log line says which.
     """
-    from services.verifier.cost_model import SWEEP_ROWS, startup_sweep, sweep_rows
+    from services.verifier.cost_model import SWEEP_ROWS, sweep_rows
 
     policy = GoodputPolicy(max_budget=max_budget, **kw)
     if not sweep:
         return policy
     rows = rows or (sweep_rows(max_budget) if max_budget else SWEEP_ROWS)
-    samples, source = startup_sweep(time_forward, key, dtype, rows=rows, threads=threads, device=device)
-    policy.cost.seed(samples)
-    a, b = policy.cost.coefficients()
-    (log.warning if "rule" in source else log.info)(
-        "step cost model (%s): forward = %.2f ms + %.3f ms/row (%s)", source, a * 1e3, b * 1e3,
-        ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in samples))
+    sweep_into(policy.cost, time_forward, key, dtype, rows, threads, device)
     return policy
+
+
+def sweep_into(cost, time_forward, key: str, dtype: str, rows: tuple[int, ...], threads: int, device: str,
+               step: str = "", replace: bool = False) -> str:
+    """Take :func:`~services.verifier.cost_model.startup_sweep` (``time_forward(rows)`` -> seconds,
+    cached under ``key``) and seed ``cost`` (a :class:`~services.verifier.cost_model.StepCostModel`)
+    with it, or with ``replace`` :meth:`~services.verifier.cost_model.StepCostModel.reseed` it (its
+    earlier forward samples forgotten). One log line (a warning for the rule-based curve) names the
+    source, ``step`` (e.g. ``"compiled"``) when given, the fitted line and the samples. Returns the source."""
+    from services.verifier.cost_model import startup_sweep
+
+    samples, source = startup_sweep(time_forward, key, dtype, rows=rows, threads=threads, device=device)
+    (cost.reseed if replace else cost.seed)(samples)
+    a, b = cost.coefficients()
+    (log.warning if "rule" in source else log.info)(
+        "step cost model%s (%s): forward = %.2f ms + %.3f ms/row (%s)", f" of the {step} step" if step else "",
+        source, a * 1e3, b * 1e3, ", ".join(f"{r} rows {s * 1e3:.1f} ms" for r, s in samples))
+    return source
 
 
 def make_policy(name: str, **kw):
