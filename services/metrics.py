@@ -194,6 +194,15 @@ def _ipc_errors(registry: CollectorRegistry) -> Counter:
                    registry=registry)
 
 
+def _advance(counters: tuple, now: tuple[int, ...], seen: tuple[int, ...]) -> tuple[int, ...]:
+    """Advance each Prometheus counter by how far its running total in ``now`` passed the one in
+    ``seen`` (the totals of the last call); returns the new ``seen`` (never lower than before)."""
+    for counter, value, before in zip(counters, now, seen):
+        if value > before:
+            counter.inc(value - before)
+    return tuple(max(a, b) for a, b in zip(now, seen))
+
+
 class VerifierMetrics:
     """Prometheus adapter of the verifier: rounds, acceptance, phases, queue and request gauges."""
 
@@ -311,24 +320,16 @@ class VerifierMetrics:
         ``copied``: hit tokens copied from another slot, ``waits``: requests that waited for another's
         prefill): the counters advance by what changed since the last call; ``cached`` positions
         set the gauge."""
-        now = (queried, hits, evictions, copied, waits)
         counters = (self.prefix_queried, self.prefix_hits, self.prefix_evictions, self.prefix_copied,
                     self.prefix_waits)
-        for counter, value, before in zip(counters, now, self._prefix_seen):
-            if value > before:
-                counter.inc(value - before)
-        self._prefix_seen = tuple(max(a, b) for a, b in zip(now, self._prefix_seen))
+        self._prefix_seen = _advance(counters, (queried, hits, evictions, copied, waits), self._prefix_seen)
         self.prefix_cached.set(cached)
 
     def observe_prefix_ram(self, saved: int, hit_tokens: int, evictions: int, nbytes: int) -> None:
         """The host-RAM prefix store's running totals (:class:`services.verifier.prefix_store.StoreStats`):
         the counters advance by what changed since the last call; ``nbytes`` sets the gauge."""
-        now = (saved, hit_tokens, evictions)
-        for counter, value, before in zip((self.prefix_ram_saved, self.prefix_ram_hits, self.prefix_ram_evictions),
-                                          now, self._prefix_ram_seen):
-            if value > before:
-                counter.inc(value - before)
-        self._prefix_ram_seen = tuple(max(a, b) for a, b in zip(now, self._prefix_ram_seen))
+        counters = (self.prefix_ram_saved, self.prefix_ram_hits, self.prefix_ram_evictions)
+        self._prefix_ram_seen = _advance(counters, (saved, hit_tokens, evictions), self._prefix_ram_seen)
         self.prefix_ram_bytes.set(nbytes)
 
     def observe_policy_round(self, method: str, num_draft_tokens: int, predicted_tau: float | None,
