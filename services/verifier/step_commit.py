@@ -13,7 +13,7 @@ lists it already holds. The tokens, KV and histories are those of the host path
 (:func:`~services.verifier.requests.commit_round`: a per-request host walk and per-slot commit).
 
 Which rounds read what: every decode round takes this path when the engine's ``device_walk`` is on
-(the default; ``StepStats.device_rounds`` and the ``dartree_verifier_rounds_total{walk=...}`` metric
+(the default off the CPU: :attr:`~services.verifier.engine.SpecEngine.device_walk`; ``StepStats.device_rounds`` and the ``dartree_verifier_rounds_total{walk=...}`` metric
 count them), greedy and T > 0 alike (the uniforms of T > 0 rows are made from host lists). Rounds
 with a grammar build their masks from host-side tree lists (no device read). Rounds with
 ``repetition_penalty`` / ``frequency_penalty`` / ``presence_penalty`` read once more: the penalties
