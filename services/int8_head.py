@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from services import int_dot
 from services.gguf_blocks import read_gguf_output_rows
 from services.pack_cache import pack_key, pack_path, read_pack, write_pack
 from services.weight_formats import get as get_format
@@ -42,7 +43,12 @@ class Int8RowLinear(nn.Linear):
     Q8_0-quantised activations: 98.0 %; the differences at near-ties;
     ``benchmarks/results/2026-12-05-int8-lm-head``).
 
-    Cost by rows: the kernel reads the weight once per 4 rows, so up to 4 rows a call costs about
+    Where :func:`services.int_dot.enabled` (the native library with AVX-512 VNNI), the rows are
+    multiplied by ``dartree_native::q8_mm`` instead: the activations quantized to int8 per block of
+    32 and integer dot products, ~2.4x faster than torch's kernel at one row with the weight not in
+    cache (``benchmarks/results/2026-12-07-int-dot``); the int8 rows are the same.
+
+    Cost by rows (torch's kernel): the kernel reads the weight once per 4 rows, so up to 4 rows a call costs about
     one (``ar``, a small tree's verify) and 9 rows ~1.2x the dense kernel (a compiled 9-row verify
     ~1–2 ms more). Each output element comes from its row of the input alone (tested up to 130
     rows), so a tree verify and batched rows keep speculation lossless.
@@ -55,7 +61,8 @@ class Int8RowLinear(nn.Linear):
     ``F.linear`` on the bfloat16 weight.
     """
 
-    q8_weight: Tensor | None  # [N, K] int8 (non-persistent buffer: not in the state dict)
+    q8_weight: Tensor | None  # [N, K] int8 (non-persistent buffer: not in the state dict), torch's kernel
+    q8_packed: Tensor | None  # [N/16, K/4, 16, 4] uint8, the integer-dot kernel's pack (services.int_dot)
     q8_scale: Tensor | None  # [N] bfloat16
     _q8_version: int
 
@@ -67,8 +74,12 @@ class Int8RowLinear(nn.Linear):
             raise ValueError(f"int8 rows must be int8 {list(self.weight.shape)} with bfloat16 [{self.weight.shape[0]}] "
                              f"scales, got {q.dtype} {list(q.shape)} / {scale.dtype} {list(scale.shape)}")
         # owned, aligned copies: a tensor read from a safetensors file can sit at any offset of its
-        # mapping (24 bytes past a 64-byte boundary here), which a compiled step's kernels crashed on
-        for name, t in (("q8_weight", q.clone(memory_format=torch.contiguous_format)),
+        # mapping (24 bytes past a 64-byte boundary here), which a compiled step's kernels crashed on.
+        # The integer-dot kernel (services.int_dot) where it runs: its pack instead of the int8 rows.
+        tiles = q.shape[0] % int_dot.LANES == 0 and q.shape[1] % int_dot.BLOCK == 0
+        packed = int_dot.pack_q8(q) if tiles and int_dot.enabled() else None
+        for name, t in (("q8_weight", None if packed is not None else q.clone(memory_format=torch.contiguous_format)),
+                        ("q8_packed", packed),
                         ("q8_scale", scale.clone(memory_format=torch.contiguous_format))):
             self.__dict__.pop(name, None)
             self.register_buffer(name, t, persistent=False)
@@ -98,22 +109,35 @@ class Int8RowLinear(nn.Linear):
                 .clamp(-127, 127).to(torch.int8)
         return self.set_int8(q, scale)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def int8_rows(self) -> tuple[Tensor, Tensor] | None:
+        """``(q [N, K] int8, scale [N] bfloat16)`` this module multiplies by, or None before :meth:`set_int8`."""
+        packed = self._buffers.get("q8_packed")
+        if packed is not None:
+            t, j = packed.shape[0], packed.shape[1]
+            q = (packed.to(torch.int16) - 128).to(torch.int8).permute(0, 2, 1, 3).reshape(t * int_dot.LANES, j * 4)
+            return q, self.q8_scale
         q = self._buffers.get("q8_weight")
+        return None if q is None else (q, self.q8_scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        packed = self._buffers.get("q8_packed")
+        q = self._buffers.get("q8_weight") if packed is None else packed
         if q is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.bias is None \
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)) \
                 and (torch.compiler.is_compiling() or self._q8_version == self.weight._version):
             x2 = x.reshape(-1, self.in_features)
             if not x2.is_contiguous():
                 x2 = x2.contiguous()
-            y = torch.ops.aten._weight_int8pack_mm(x2, q, self.q8_scale)
+            y = torch.ops.aten._weight_int8pack_mm(x2, q, self.q8_scale) if packed is None \
+                else torch.ops.dartree_native.q8_mm(x2, packed, self.q8_scale)
             return y.reshape(*x.shape[:-1], self.out_features)
         return F.linear(x, self.weight, self.bias)
 
     def nbytes(self) -> int:
         """Bytes of the int8 copy and its scales (0 when not built)."""
-        q = self._buffers.get("q8_weight")
-        return 0 if q is None else q.numel() + self.q8_scale.numel() * self.q8_scale.element_size()
+        rows = self._buffers.get("q8_packed")
+        rows = self._buffers.get("q8_weight") if rows is None else rows
+        return 0 if rows is None else rows.numel() + self.q8_scale.numel() * self.q8_scale.element_size()
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", int8 rows (weight-only, one scale per output row)"
@@ -152,5 +176,6 @@ def use_int8_lm_head(model: nn.Module, gguf_path: str | Path | None = None, cach
     source = None if gguf_path is None else read_gguf_output_rows(gguf_path, tuple(head.weight.shape))
     nbytes = head.requantize(source)
     if path is not None:
-        write_pack(path, key, {"q8_weight": head.q8_weight, "q8_scale": head.q8_scale})
+        q, scale = head.int8_rows()
+        write_pack(path, key, {"q8_weight": q.contiguous(), "q8_scale": scale})
     return nbytes

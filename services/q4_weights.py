@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from services import int_dot
 from services.gguf_blocks import Q4_GROUP, Q4Blocks, gguf_source, one_gguf_reader, quantize_q4_1, read_gguf_linears
 from services.pack_cache import pack_key, pack_path, read_pack, write_pack
 from services.weight_formats import get as get_format
@@ -94,50 +95,83 @@ def prepare(model: nn.Module, target_dir: str | Path, device: str) -> None:
 # ------------------------------------------------------------------------------------ the module
 
 class Int4Linear(nn.Module):
-    """A linear layer whose weight stays 4-bit (Q4_1 blocks), multiplied by torch's int4 CPU kernel.
+    """A linear layer whose weight stays 4-bit (Q4_1 blocks), multiplied by an int4 CPU kernel.
+
+    Two kernels, chosen once when the module is built (``kernel``; None = :func:`services.int_dot.enabled`):
+
+    - ``"int_dot"``: ``dartree_native::q4_mm`` (:mod:`services.int_dot`): the exact Q4_1 blocks
+      (``qw``, ``dm`` buffers) against activations quantized to int8 per block of 32, integer dot
+      products (AVX-512 VNNI);
+    - ``"torch"``: torch's int4 CPU kernel on its own pack (``packed``, ``scale_zeros`` buffers; see
+      the module doc for its numerics).
 
     Args:
         blocks: the ``[N, K]`` weight's :class:`Q4Blocks` (``N % 16 == 0``, ``K % 32 == 0``: the
-            kernel's packing constraints).
-        bias: ``[N]`` or None. dtype: activation dtype (bfloat16; the kernel's float32 path is a
-            slow reference loop, kept only for tests).
+            kernels' packing constraints).
+        bias: ``[N]`` or None. dtype: activation dtype (bfloat16; torch's kernel's float32 path is a
+            slow reference loop, kept only for tests). kernel: ``"int_dot"``, ``"torch"`` or None.
     ``forward``: ``[..., K] -> [..., N]`` in ``dtype``.
     Raises:
-        ValueError: shapes the kernel cannot pack; RuntimeError: this torch lacks the kernel.
+        ValueError: shapes the kernels cannot pack, or an unknown kernel; RuntimeError: this torch
+            lacks the int4 kernel, or ``"int_dot"`` asked where it is not available.
     """
 
-    def __init__(self, blocks: Q4Blocks, bias: Tensor | None = None, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, blocks: Q4Blocks, bias: Tensor | None = None, dtype: torch.dtype = torch.bfloat16,
+                 kernel: str | None = None):
         super().__init__()
         if not int4_kernel_available():
             raise RuntimeError("this torch build has no int4 CPU kernel (aten::_weight_int4pack_mm_for_cpu)")
         n, k = blocks.q.shape
         if n % 16 or k % Q4_GROUP:
             raise ValueError(f"a q4 linear needs out_features % 16 == 0 and in_features % 32 == 0, got [{n}, {k}]")
-        self.in_features, self.out_features = k, n
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.contiguous(), 2))
-        sz = torch.stack([blocks.d.T, (blocks.m + 8 * blocks.d).T], dim=-1)  # [K/32, N, 2]
-        self.register_buffer("scale_zeros", sz.to(dtype).contiguous())
-        self.register_buffer("group_size", torch.tensor(Q4_GROUP), persistent=False)
+        kernel = _choose_kernel(kernel)
+        self.in_features, self.out_features, self.kernel, self.act_dtype = k, n, kernel, dtype
+        if kernel == "int_dot":
+            qw, dm = int_dot.pack_q4(blocks.q, blocks.d, blocks.m)
+            self.register_buffer("qw", qw)
+            self.register_buffer("dm", dm)
+        else:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(blocks.q.contiguous(), 2))
+            sz = torch.stack([blocks.d.T, (blocks.m + 8 * blocks.d).T], dim=-1)  # [K/32, N, 2]
+            self.register_buffer("scale_zeros", sz.to(dtype).contiguous())
+            self.register_buffer("group_size", torch.tensor(Q4_GROUP), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     @classmethod
     def from_packed(cls, packed: Tensor, scale_zeros: Tensor, bias: Tensor | None = None) -> "Int4Linear":
-        """The module from what :meth:`__init__` made of the blocks before (:func:`apply_q4`'s cache):
-        ``packed`` (torch's int4 CPU pack of the ``[N, K]`` weight) and ``scale_zeros [K / 32, N, 2]``
+        """The ``"torch"`` module from what :meth:`__init__` made of the blocks before (:func:`apply_q4`'s
+        cache): ``packed`` (torch's int4 CPU pack of the ``[N, K]`` weight) and ``scale_zeros [K / 32, N, 2]``
         in the activation dtype; ``bias [N]`` or None."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.in_features, self.out_features = int(scale_zeros.shape[0]) * Q4_GROUP, int(scale_zeros.shape[1])
+        self.kernel, self.act_dtype = "torch", scale_zeros.dtype
         self.register_buffer("packed", packed)
         self.register_buffer("scale_zeros", scale_zeros)
         self.register_buffer("group_size", torch.tensor(Q4_GROUP), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(scale_zeros.dtype), requires_grad=False)
         return self
 
+    @classmethod
+    def from_int_dot(cls, qw: Tensor, dm: Tensor, bias: Tensor | None = None,
+                     dtype: torch.dtype = torch.bfloat16) -> "Int4Linear":
+        """The ``"int_dot"`` module from :func:`services.int_dot.pack_q4`'s ``qw [N/16, K/8, 16, 4]`` and
+        ``dm [N/16, K/32, 2, 16]`` (:func:`apply_q4`'s cache, :class:`services.int4_fused.FusedInt4`)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = int(qw.shape[1]) * 8, int(qw.shape[0]) * 16
+        self.kernel, self.act_dtype = "int_dot", dtype
+        self.register_buffer("qw", qw)
+        self.register_buffer("dm", dm)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        return self
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(self.scale_zeros.dtype)
-        if torch.compiler.is_compiling() and _NATIVE_INT4_MM:
+        x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
+        if self.kernel == "int_dot":  # eager and compiled alike: one arithmetic for the module's life
+            y = torch.ops.dartree_native.q4_mm(x2, self.qw, self.dm)
+        elif torch.compiler.is_compiling() and _NATIVE_INT4_MM:
             # the same kernel as one op of the graph with the group size an int (the native library,
             # :func:`use_native_int4_mm`: no item() of the group size tensor per call)
             y = torch.ops.dartree_native.int4_mm(x2, self.packed, Q4_GROUP, self.scale_zeros)
@@ -155,16 +189,32 @@ class Int4Linear(nn.Module):
 
     @torch.inference_mode()
     def dequantized(self) -> Tensor:
-        """``[N, K]`` float32: the weights this module actually multiplies by (identity through the kernel)."""
+        """``[N, K]`` float32: the weights this module multiplies by (``"int_dot"``: the exact Q4_1
+        values; ``"torch"``: its kernel's bfloat16 block constants, read through the kernel)."""
+        if self.kernel == "int_dot":
+            q, d, m = int_dot.unpack_q4(self.qw, self.dm)
+            return d.repeat_interleave(Q4_GROUP, 1) * q + m.repeat_interleave(Q4_GROUP, 1)
         eye = torch.eye(self.in_features, dtype=self.scale_zeros.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, Q4_GROUP, self.scale_zeros).T.float()
 
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + \
-            self.scale_zeros.numel() * self.scale_zeros.element_size()
+        bufs = (self.qw, self.dm) if self.kernel == "int_dot" else (self.packed, self.scale_zeros)
+        return sum(b.numel() * b.element_size() for b in bufs)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, q4_1 blocks of {Q4_GROUP}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, q4_1 blocks of {Q4_GROUP}, "
+                f"kernel={self.kernel}")
+
+
+def _choose_kernel(kernel: str | None) -> str:
+    """``kernel`` checked, or the default (:func:`services.int_dot.enabled`)."""
+    if kernel is None:
+        return "int_dot" if int_dot.enabled() else "torch"
+    if kernel not in ("int_dot", "torch"):
+        raise ValueError(f"unknown q4 kernel {kernel!r} (int_dot, torch)")
+    if kernel == "int_dot" and int_dot.isa() is None:
+        raise RuntimeError("the int_dot q4 kernel needs the native library (make setup)")
+    return kernel
 
 
 def quantize_linears_q4(module: nn.Module, dtype: torch.dtype = torch.bfloat16,
@@ -262,8 +312,8 @@ def apply_q4(model: nn.Module, gguf_path: str | Path, cache: bool = False) -> di
 
 def q4_pack_key(gguf_path: str | Path, config, dtype: torch.dtype) -> str:
     """What the packed q4 linears depend on (:func:`services.pack_cache.pack_key` with the ``q4``
-    format's kernels version)."""
-    return pack_key(gguf_path, config, dtype, get_format("q4").kernels_version)
+    format's kernels version and the kernel new modules use: each kernel has its own pack)."""
+    return pack_key(gguf_path, config, dtype, get_format("q4").kernels_version) + f"|kernel {_choose_kernel(None)}"
 
 
 def q4_pack_path(model_name: str, key: str) -> Path:
@@ -281,15 +331,14 @@ def _apply_cached_q4(model: nn.Module, path: Path, key: str) -> dict | None:
     names = sorted({k.rsplit(".", 1)[0] for k in tensors})
     mods = {}
     for name in names:
-        packed, sz = tensors.get(f"{name}.packed"), tensors.get(f"{name}.scale_zeros")
         try:
             lin = model.get_submodule(name)
         except AttributeError:
             return None
-        if packed is None or sz is None or not isinstance(lin, nn.Linear) or sz.ndim != 3 \
-                or (int(sz.shape[1]), int(sz.shape[0]) * Q4_GROUP) != tuple(lin.weight.shape):
+        new = _cached_module(tensors, name, lin)
+        if new is None:
             return None
-        mods[name] = (lin, Int4Linear.from_packed(packed, sz, lin.bias))
+        mods[name] = (lin, new)
     nbytes = dense = 0
     for name, (lin, new) in mods.items():
         parent_name, attr = name.rsplit(".", 1)
@@ -300,12 +349,33 @@ def _apply_cached_q4(model: nn.Module, path: Path, key: str) -> dict | None:
             "max_rel_err": float(meta.get("max_rel_err", "nan")), "cached": True}
 
 
+def _cached_module(tensors: dict, name: str, lin: nn.Module) -> Int4Linear | None:
+    """The :class:`Int4Linear` a packs file holds for the linear ``lin`` named ``name`` (either
+    kernel's pack), or None when it holds none or one that does not fit ``lin``."""
+    if not isinstance(lin, nn.Linear):
+        return None
+    dtype = lin.weight.dtype
+    qw, dm = tensors.get(f"{name}.qw"), tensors.get(f"{name}.dm")
+    if qw is not None and dm is not None:
+        if qw.ndim != 4 or (int(qw.shape[0]) * 16, int(qw.shape[1]) * 8) != tuple(lin.weight.shape) \
+                or int_dot.isa() is None:
+            return None
+        return Int4Linear.from_int_dot(qw, dm, lin.bias, dtype)
+    packed, sz = tensors.get(f"{name}.packed"), tensors.get(f"{name}.scale_zeros")
+    if packed is None or sz is None or sz.ndim != 3 \
+            or (int(sz.shape[1]), int(sz.shape[0]) * Q4_GROUP) != tuple(lin.weight.shape):
+        return None
+    return Int4Linear.from_packed(packed, sz, lin.bias)
+
+
 def _save_q4_packs(model: nn.Module, path: Path, key: str, stats: dict) -> None:
     """Write the model's :class:`Int4Linear` packs to ``path`` (atomically; an unwritable state
     directory only logs)."""
     tensors = {}
     for name, m in model.named_modules():
-        if isinstance(m, Int4Linear):
+        if isinstance(m, Int4Linear) and m.kernel == "int_dot":
+            tensors[f"{name}.qw"], tensors[f"{name}.dm"] = m.qw, m.dm
+        elif isinstance(m, Int4Linear):
             tensors[f"{name}.packed"] = m.packed
             tensors[f"{name}.scale_zeros"] = m.scale_zeros
     write_pack(path, key, tensors, skipped=str(stats["skipped"]), max_rel_err=repr(stats["max_rel_err"]))

@@ -24,7 +24,8 @@ Only the CPU bfloat16 / float16 path with the grouped attention
 Python body. The same library holds ``dartree_native::int4_mm``, torch's int4 CPU kernel with its
 group size as an int, which compiled q4 linears call (:class:`services.q4_weights.Int4Linear`; the
 ``quantized::int4mm_packed_weight_cpu`` overload inductor emits reads the group size from a tensor,
-one ``item()`` a call).
+one ``item()`` a call), and the integer-dot q4 linears and int8 lm_head (``dartree_native::q4_mm``,
+``dartree_native::q8_mm``; ``int_dot.h``, :mod:`services.int_dot`).
 
 Built with the system C++ compiler (``$CXX``, else ``g++``; ``-O3 -march=native``) against the
 installed torch's headers and libraries (``make setup`` runs ``python -m services.verifier.native``;
@@ -53,7 +54,7 @@ from services.q4_weights import use_native_int4_mm
 log = logging.getLogger("verifier.native")
 
 SOURCE = Path(__file__).with_name("native_attention.cpp")
-HEADERS = (Path(__file__).with_name("fused_attention.h"),)  # included by SOURCE: part of the cache key
+HEADERS = (Path(__file__).with_name("fused_attention.h"), Path(__file__).with_name("int_dot.h"))  # included by SOURCE: part of the cache key
 _SWITCH = os.environ.get("DARTREE_NATIVE_ATTENTION", "1").strip().lower()
 ENABLED = _SWITCH != "0"
 FUSED = _SWITCH != "aten"  # ``aten``: the compiled step calls slot_attention_aten (the Python body's ATen calls)
@@ -86,8 +87,9 @@ def _cpu_flags() -> str:
         return ""
 
 
-def library_path() -> Path:
-    """Where this machine's build of the current source for the installed torch lives (it may not exist)."""
+def library_path(root: Path | None = None) -> Path:
+    """Where this machine's build of the current source for the installed torch lives (it may not
+    exist), under ``root`` (default: the state directory)."""
     from services.machine_cache import state_dir
 
     h = hashlib.sha256(SOURCE.read_bytes())
@@ -96,7 +98,20 @@ def library_path() -> Path:
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())  # -march=native: a copied state directory on another CPU builds again
     h.update(" ".join(_flags()).encode())
-    return state_dir() / "native" / h.hexdigest()[:16] / "dartree_native.so"
+    return (root or state_dir()) / "native" / h.hexdigest()[:16] / "dartree_native.so"
+
+
+def _built_path() -> Path:
+    """The state directory's build, else the same build (same key) in the default state directory,
+    where ``make setup`` puts it (a state directory moved with ``$DARTREE_CACHE_DIR``, as the test
+    suite does, still finds it), else the state directory's path (not built)."""
+    path = library_path()
+    if not path.exists():
+        env = os.environ.get("DARTREE_CACHE")
+        default = library_path(Path(env) if env else Path.home() / ".cache" / "dartree")
+        if default.exists():
+            return default
+    return path
 
 
 def build_library(compiler: str | None = None) -> Path:
@@ -137,7 +152,7 @@ def load(build: bool = False) -> bool:
         return True
     if _GAVE_UP:
         return False
-    path = library_path()
+    path = _built_path()
     if not path.exists():
         if not build:
             log.info("native slot attention not built for this torch (run `make setup` or `python -m "
@@ -174,6 +189,14 @@ def _register_fake() -> None:
     @torch.library.register_fake("dartree_native::int4_mm")
     def _(x, packed, group_size, scale_zeros):
         return x.new_empty(x.shape[0], scale_zeros.shape[1])
+
+    @torch.library.register_fake("dartree_native::q4_mm")
+    def _(x, qw, dm):
+        return x.new_empty(x.shape[0], qw.shape[0] * 16)
+
+    @torch.library.register_fake("dartree_native::q8_mm")
+    def _(x, qw, scale):
+        return x.new_empty(x.shape[0], qw.shape[0] * 16)
 
 
 def fused_head_dim(head_dim: int) -> bool:

@@ -19,11 +19,15 @@
 //     (bitwise the Python body's output; the reference of the fused kernel).
 // dartree_native::int4_mm(x [M, K], packed, group_size, scale_zeros) -> [M, N]: torch's int4 CPU kernel
 //     (aten::_weight_int4pack_mm_for_cpu) as one op of a compiled graph (services/q4_weights.py Int4Linear).
+// dartree_native::q4_mm(x [M, K], qw, dm) -> [M, N], dartree_native::q8_mm(x [M, K], qw, scale) -> [M, N]:
+//     the integer-dot q4 linears and int8 lm_head (int_dot.h, services/int_dot.py);
+//     dartree_native::int_dot_isa() -> str: "avx512_vnni" or "scalar".
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
 #include "fused_attention.h"
+#include "int_dot.h"
 
 #include <stdexcept>
 #include <vector>
@@ -190,4 +194,9 @@ TORCH_LIBRARY(dartree_native, m) {
   m.impl("slot_attention_aten", c10::DispatchKey::CPU, TORCH_FN(slot_attention_aten));
   m.def("int4_mm(Tensor x, Tensor packed, int group_size, Tensor scale_zeros) -> Tensor");
   m.impl("int4_mm", c10::DispatchKey::CPU, TORCH_FN(int4_mm));
+  m.def("q4_mm(Tensor x, Tensor qw, Tensor dm) -> Tensor");
+  m.impl("q4_mm", c10::DispatchKey::CPU, TORCH_FN(int_dot::q4_mm));
+  m.def("q8_mm(Tensor x, Tensor qw, Tensor scale) -> Tensor");
+  m.impl("q8_mm", c10::DispatchKey::CPU, TORCH_FN(int_dot::q8_mm));
+  m.def("int_dot_isa() -> str", &int_dot::isa);
 }

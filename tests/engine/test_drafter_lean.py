@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from services import int_dot
 import torch.nn.functional as F
 
 from services.drafter.layers import FusedInt4, RMSNorm, apply_rope, rms_norm, rope_cos_sin
@@ -206,7 +208,9 @@ def test_fused_int4_follows_the_linears() -> None:
     x = torch.randn(3, 64).bfloat16()
     assert torch.equal(first(x), torch.cat([attn.q_proj(x), attn.k_proj(x)], -1))
     quantize_linears_q4(m.layers, torch.bfloat16)  # no nn.Linear left: nothing replaced
-    attn.k_proj = type(attn.k_proj).from_packed(attn.v_proj.packed, attn.v_proj.scale_zeros)
+    v = attn.v_proj
+    attn.k_proj = type(v).from_int_dot(v.qw, v.dm) if v.kernel == "int_dot" else type(v).from_packed(v.packed,
+                                                                                                  v.scale_zeros)
     second = fused.get(attn.q_proj, attn.k_proj)
     assert second is not first and torch.equal(second(x), torch.cat([attn.q_proj(x), attn.v_proj(x)], -1))
 
@@ -237,7 +241,8 @@ def test_fused_int4_built_eagerly_is_what_a_compiled_graph_calls() -> None:
         torch._dynamo.reset()
         with torch.inference_mode():
             out = torch.compile(f, backend=backend, fullgraph=True)(x)
-        return out, sum(1 for gm in graphs for n in gm.graph.nodes if n.op == "call_function" and "int4" in str(n.target))
+        return out, sum(1 for gm in graphs for n in gm.graph.nodes
+                        if n.op == "call_function" and ("int4" in str(n.target) or "q4_mm" in str(n.target)))
 
     out, n = calls(FusedInt4())
     assert n == 2 and torch.equal(out, want)
@@ -249,13 +254,20 @@ def test_fused_int4_built_eagerly_is_what_a_compiled_graph_calls() -> None:
 
 @needs_int4
 def test_fused_int4_only_at_whole_pack_blocks() -> None:
-    """The int4 pack interleaves rows in blocks of 64: a part of 32 rows fuses only as the last one."""
+    """torch's int4 pack interleaves rows in blocks of 64: a part of 32 rows fuses only as the last
+    one. The integer-dot pack's tiles are 16 rows: any order fuses; two kernels never fuse."""
     g = torch.Generator().manual_seed(6)
-    a, b = (Int4Linear(quantize_q4_1(0.1 * torch.randn(n, 64, generator=g))) for n in (32, 64))
+    a, b = (Int4Linear(quantize_q4_1(0.1 * torch.randn(n, 64, generator=g)), kernel="torch") for n in (32, 64))
     assert FusedInt4().get(a, b) is None
     fused = FusedInt4().get(b, a)
     x = torch.randn(5, 64, generator=g).bfloat16()
     assert fused is not None and torch.equal(fused(x), torch.cat([b(x), a(x)], -1))
+    if int_dot.isa() is None:
+        return
+    c, d = (Int4Linear(quantize_q4_1(0.1 * torch.randn(n, 64, generator=g)), kernel="int_dot") for n in (32, 64))
+    fused = FusedInt4().get(c, d)
+    assert fused is not None and torch.equal(fused(x), torch.cat([c(x), d(x)], -1))
+    assert FusedInt4().get(a, d) is None
 
 
 def test_gru_cell_zero_state_equals_zeros() -> None:

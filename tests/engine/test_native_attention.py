@@ -131,7 +131,7 @@ def test_native_int4_mm_is_torchs_int4_kernel():
     from services.weights import Int4Linear, quantize_q4_1
 
     torch.manual_seed(0)
-    lin = Int4Linear(quantize_q4_1(torch.randn(64, 96)))
+    lin = Int4Linear(quantize_q4_1(torch.randn(64, 96)), kernel="torch")
     for m in (1, 2, 5, 9, 33):
         x = torch.randn(m, 96).bfloat16()
         want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.packed, 32, lin.scale_zeros)

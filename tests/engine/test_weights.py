@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 import torch
 
+
 from services.protocol import DFLASH_METHODS as METHODS  # the methods a DFlash + Domino drafter serves
 from services.testing import REPO, tiny_gguf_target_dir, tiny_service
 from services.verifier.drafter_client import InprocDrafterClient
 from services.params import SamplingParams, SpecParams
 from services.verifier.engine import EngineConfig, SpecEngine
 from services.verifier.target import TargetModel
-from services import timing
+from services import int_dot, timing
 from services import weight_choice as WC
 from services import gguf_blocks as GB
 from services import q4_weights as Q4
@@ -85,7 +86,8 @@ def test_q4_lm_head_is_int8_rows_of_the_tied_weight(q4_target):
         assert head.weight is q4_target.embed_tokens().weight  # tied: no second dense copy
     assert "q8_weight" not in q4_target.model.state_dict() and "lm_head.q8_weight" not in q4_target.model.state_dict()
     w = head.weight.detach().float()
-    q, scale = head.q8_weight, head.q8_scale.float()
+    q, scale = head.int8_rows()
+    scale = scale.float()
     assert q.dtype == torch.int8 and q.shape == w.shape and scale.shape == (w.shape[0],)
     assert int(q.abs().max()) == 127  # each row's largest magnitude maps to +-127
     assert torch.allclose(scale, w.abs().amax(1) / 127, rtol=2 ** -7, atol=0)  # (from the exact values: below)
@@ -94,7 +96,11 @@ def test_q4_lm_head_is_int8_rows_of_the_tied_weight(q4_target):
     x = torch.randn(5, head.in_features).to(torch.bfloat16)
     with torch.inference_mode():
         ref = x.float() @ (q.float() * scale[:, None]).T
-        assert torch.allclose(head(x).float(), ref, rtol=2 ** -6, atol=1e-3)
+        if head.q8_packed is not None:  # the integer-dot kernel: its reference's bits, 8-bit activations
+            assert torch.equal(head(x), int_dot.q8_reference(x, head.q8_packed, head.q8_scale))
+            assert float((head(x).float() - ref).norm()) <= 0.02 * float(ref.norm())
+        else:
+            assert torch.allclose(head(x).float(), ref, rtol=2 ** -6, atol=1e-3)
 
 
 @needs_int8
@@ -108,7 +114,7 @@ def test_int8_lm_head_is_quantised_from_the_ggufs_exact_values(gguf_dir, q4_targ
     head = q4_target.lm_head()
     scale = (f32.abs().amax(1) / 127).to(torch.bfloat16)
     assert torch.equal(head.q8_scale, scale)
-    assert torch.equal(head.q8_weight, torch.round(f32 / scale.float()[:, None]).clamp(-127, 127).to(torch.int8))
+    assert torch.equal(head.int8_rows()[0], torch.round(f32 / scale.float()[:, None]).clamp(-127, 127).to(torch.int8))
     assert W.read_gguf_output_rows(W.gguf_source(gguf_dir), (f32.shape[0], f32.shape[1] + 32)) is None  # wrong shape
 
 
@@ -171,22 +177,32 @@ def test_gguf_linears_equal_the_hf_weights_made_from_them(gguf_dir):
         assert torch.equal(b.dequantize(), ref.get_submodule(name).weight), name
 
 
-def test_int4_linear_serves_the_blocks_up_to_bf16_constants(gguf_dir):
+@pytest.mark.parametrize("kernel", ["torch", "int_dot"])
+def test_int4_linear_serves_the_blocks_up_to_bf16_constants(gguf_dir, kernel):
+    """torch's kernel serves the blocks with bfloat16 block constants; the integer-dot kernel serves
+    them exactly against 8-bit activations (services.int_dot). Either way each row ignores the others."""
     from transformers import AutoModelForCausalLM
 
+    if kernel == "int_dot" and int_dot.isa() is None:
+        pytest.skip("the native library is not built here")
     ref = AutoModelForCausalLM.from_pretrained(gguf_dir)
     blocks, _ = W.read_gguf_linears(gguf_dir / "model.gguf", ref.config)
     b = blocks["model.layers.1.mlp.down_proj"]
-    lin = W.Int4Linear(b, None, torch.bfloat16)
+    lin = W.Int4Linear(b, None, torch.bfloat16, kernel=kernel)
     exact = b.dequantize()
     served = lin.dequantized()
     span = exact.abs().amax(1, keepdim=True)
     err = ((served - exact).abs() / span).max().item()
-    assert 0 < err <= 2 ** -6  # bf16 rounding of d and m + 8d, nothing more
     x = torch.randn(5, lin.in_features, dtype=torch.bfloat16)
     y = lin(x)
     assert y.shape == (5, lin.out_features) and y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.float(), x.float() @ served.T, atol=3e-2, rtol=3e-2)
+    if kernel == "torch":
+        assert 0 < err <= 2 ** -6  # bf16 rounding of d and m + 8d, nothing more
+        torch.testing.assert_close(y.float(), x.float() @ served.T, atol=3e-2, rtol=3e-2)
+    else:
+        assert err == 0 and torch.equal(y, int_dot.q4_reference(x, lin.qw, lin.dm))
+        want = x.float() @ exact.T
+        assert float((y.float() - want).norm()) <= 0.02 * float(want.norm())  # 8-bit activations
     rows = torch.cat([lin(x[i:i + 1]) for i in range(5)])  # each row's result ignores the others
     assert torch.equal(y, rows)
     with pytest.raises(ValueError, match="out_features % 16"):
@@ -212,8 +228,9 @@ def test_q4_packs_are_cached_per_key_and_reused(gguf_dir, monkeypatch, tmp_path)
     second = W.load_causal_lm(gguf_dir, "q4")
     assert len(read) == 1                                      # the restart did not read the GGUF
     mods = [(a, b) for a, b in zip(first.modules(), second.modules()) if isinstance(a, W.Int4Linear)]
-    assert len(mods) == 2 * 7 and all(isinstance(b, W.Int4Linear) and torch.equal(a.packed, b.packed)
-                                      and torch.equal(a.scale_zeros, b.scale_zeros) for a, b in mods)
+    assert len(mods) == 2 * 7 and all(isinstance(b, W.Int4Linear) and b.kernel == a.kernel
+                                      and all(torch.equal(x, y) for x, y in zip(a.buffers(), b.buffers()))
+                                      for a, b in mods)
     ids = torch.tensor([[1, 5, 9, 3, 7]])
     with torch.inference_mode():
         assert torch.equal(first(input_ids=ids).logits, second(input_ids=ids).logits)
@@ -236,9 +253,10 @@ def test_int8_lm_head_is_cached_per_key_and_reused(gguf_dir, monkeypatch, tmp_pa
     assert len(made) == 1 and len(list((tmp_path / "state" / "q4").glob("*.safetensors"))) == 2
     second = W.load_causal_lm(gguf_dir, "q4").lm_head
     assert len(made) == 1 and isinstance(second, W.Int8RowLinear)
-    assert torch.equal(first.q8_weight, second.q8_weight) and torch.equal(first.q8_scale, second.q8_scale)
+    assert all(torch.equal(a, b) for a, b in zip(first.int8_rows(), second.int8_rows()))
     # owned, 64-byte aligned memory, not a view into the file's mapping (a compiled step crashed on that)
-    assert second.q8_weight.data_ptr() % 64 == 0 and second.q8_scale.data_ptr() % 64 == 0
+    rows = second.q8_weight if second.q8_packed is None else second.q8_packed
+    assert rows.data_ptr() % 64 == 0 and second.q8_scale.data_ptr() % 64 == 0
     x = torch.randn(3, first.in_features).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(first(x), second(x))
