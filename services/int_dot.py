@@ -1,6 +1,6 @@
 """Integer-dot CPU linears for the ``q4`` format: the packs, the switch and the torch reference.
 
-The native library (:mod:`services.verifier.native`, kernels in ``services/verifier/int_dot.h``) holds
+The native library (:mod:`services.native_lib`, kernels in ``services/verifier/int_dot.h``) holds
 ``dartree_native::q4_mm`` (the Q4_1 int4 linears) and ``dartree_native::q8_mm`` (the int8 lm_head
 rows). Both quantize each activation row to int8 per block of 32 (llama.cpp's Q8_1 for its Q4_1 dot
 products) and multiply with integer dot products (AVX-512 VNNI ``vpdpbusd``), where torch's weight-only
@@ -29,6 +29,8 @@ import os
 import torch
 from torch import Tensor
 
+from services import native_lib
+
 BLOCK = 32  # activation and Q4_1 block
 LANES = 16  # output columns per kernel tile
 
@@ -43,9 +45,7 @@ def enabled() -> bool:
 def isa() -> str | None:
     """The instructions of this machine's library build (``"avx512_vnni"`` or ``"scalar"``), or None
     when the native library is not loaded and cannot be (not built, switched off, failed)."""
-    from services.verifier import native
-
-    if not native.load():
+    if not native_lib.load():
         return None
     return torch.ops.dartree_native.int_dot_isa()
 

@@ -30,20 +30,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from services import int_dot
+from services import int_dot, native_lib
 from services.gguf_blocks import Q4_GROUP, Q4Blocks, gguf_source, one_gguf_reader, quantize_q4_1, read_gguf_linears
 from services.pack_cache import pack_key, pack_path, read_pack, write_pack
 from services.weight_formats import get as get_format
 
 log = logging.getLogger("services.weights")
-_NATIVE_INT4_MM = False  # dartree_native::int4_mm is registered in this process (use_native_int4_mm)
-
-
-def use_native_int4_mm(on: bool = True) -> None:
-    """Route compiled :class:`Int4Linear` calls through ``dartree_native::int4_mm`` (the native
-    library's loader calls this once it registered the op; ``on=False``: torch's own overload)."""
-    global _NATIVE_INT4_MM
-    _NATIVE_INT4_MM = bool(on)
 
 
 def int4_kernel_available() -> bool:
@@ -97,7 +89,8 @@ def prepare(model: nn.Module, target_dir: str | Path, device: str) -> None:
 class Int4Linear(nn.Module):
     """A linear layer whose weight stays 4-bit (Q4_1 blocks), multiplied by an int4 CPU kernel.
 
-    Two kernels, chosen once when the module is built (``kernel``; None = :func:`services.int_dot.enabled`):
+    Two kernels, chosen once when the module is built (``kernel``; None = the integer-dot kernel for
+    bfloat16 activations where :func:`services.int_dot.enabled`, else torch's):
 
     - ``"int_dot"``: ``dartree_native::q4_mm`` (:mod:`services.int_dot`): the exact Q4_1 blocks
       (``qw``, ``dm`` buffers) against activations quantized to int8 per block of 32, integer dot
@@ -124,7 +117,7 @@ class Int4Linear(nn.Module):
         n, k = blocks.q.shape
         if n % 16 or k % Q4_GROUP:
             raise ValueError(f"a q4 linear needs out_features % 16 == 0 and in_features % 32 == 0, got [{n}, {k}]")
-        kernel = _choose_kernel(kernel)
+        kernel = _choose_kernel(kernel, dtype)
         self.in_features, self.out_features, self.kernel, self.act_dtype = k, n, kernel, dtype
         if kernel == "int_dot":
             qw, dm = int_dot.pack_q4(blocks.q, blocks.d, blocks.m)
@@ -171,9 +164,9 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
         if self.kernel == "int_dot":  # eager and compiled alike: one arithmetic for the module's life
             y = torch.ops.dartree_native.q4_mm(x2, self.qw, self.dm)
-        elif torch.compiler.is_compiling() and _NATIVE_INT4_MM:
+        elif torch.compiler.is_compiling() and native_lib.available():
             # the same kernel as one op of the graph with the group size an int (the native library,
-            # :func:`use_native_int4_mm`: no item() of the group size tensor per call)
+            # :func:`services.native_lib.available`: no item() of the group size tensor per call)
             y = torch.ops.dartree_native.int4_mm(x2, self.packed, Q4_GROUP, self.scale_zeros)
         elif torch.compiler.is_compiling():
             # the same kernel through the overload inductor itself emits for it, with the group size
@@ -206,10 +199,12 @@ class Int4Linear(nn.Module):
                 f"kernel={self.kernel}")
 
 
-def _choose_kernel(kernel: str | None) -> str:
-    """``kernel`` checked, or the default (:func:`services.int_dot.enabled`)."""
+def _choose_kernel(kernel: str | None, dtype: torch.dtype = torch.bfloat16) -> str:
+    """``kernel`` checked, or the default for activations in ``dtype``: the integer-dot kernel for
+    bfloat16 where :func:`services.int_dot.enabled`, else torch's (float32 q4 modules are exact
+    references: torch's kernel's float32 path)."""
     if kernel is None:
-        return "int_dot" if int_dot.enabled() else "torch"
+        return "int_dot" if dtype == torch.bfloat16 and int_dot.enabled() else "torch"
     if kernel not in ("int_dot", "torch"):
         raise ValueError(f"unknown q4 kernel {kernel!r} (int_dot, torch)")
     if kernel == "int_dot" and int_dot.isa() is None:
@@ -313,7 +308,8 @@ def apply_q4(model: nn.Module, gguf_path: str | Path, cache: bool = False) -> di
 def q4_pack_key(gguf_path: str | Path, config, dtype: torch.dtype) -> str:
     """What the packed q4 linears depend on (:func:`services.pack_cache.pack_key` with the ``q4``
     format's kernels version and the kernel new modules use: each kernel has its own pack)."""
-    return pack_key(gguf_path, config, dtype, get_format("q4").kernels_version) + f"|kernel {_choose_kernel(None)}"
+    return pack_key(gguf_path, config, dtype, get_format("q4").kernels_version) + \
+        f"|kernel {_choose_kernel(None, dtype)}"
 
 
 def q4_pack_path(model_name: str, key: str) -> Path:

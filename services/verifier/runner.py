@@ -54,7 +54,7 @@ from torch import Tensor
 from services import hf_compat
 from services.tree.batch import PackedRows, Segment, causal_segment, pack_segments
 from services.verifier.attention import use_grouped
-from services.verifier import native
+from services import native_lib as native
 from services.verifier.graph_grid import DEFAULT_MAX_GRAPHS, verify_grid
 from services.verifier.kv_cache import SlotKVCache
 from services.verifier.padded_step import PaddedSteps
@@ -196,7 +196,7 @@ class ModelRunner(CompiledSwapIn):
             from services.machine_cache import use_inductor_cache
 
             use_inductor_cache()
-        # the native slot attention (services.verifier.native): compiled lean steps on the grouped path
+        # the native slot attention (services.native_lib): compiled lean steps on the grouped path
         self.native = bool(self.compiled and lean and use_grouped(target.dtype, target.device) and native.load(build=True))
         if self.compiled and lean:
             attention = compiled_lean_attention

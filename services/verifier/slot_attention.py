@@ -13,7 +13,7 @@ tree attention, :func:`services.verifier.tree_attention.tree_verify_attention`; 
 (``cuda_graphs``) one padded call over the bucket's layout. Compiled steps see it as the opaque
 custom op ``dartree::slot_attention`` (the slot writes stay out of the compiler's graph), and
 compiled lean steps on the grouped path as the C++ operator ``dartree_native::slot_attention``
-(:mod:`services.verifier.native`: a fused kernel, each row in float32 in a fixed order, within a
+(:mod:`services.native_lib`: a fused kernel, each row in float32 in a fixed order, within a
 bfloat16 ulp of the Python body and row invariant by construction) when it is built. A forward
 without step metadata (the HF reference paths of :class:`~services.verifier.target.TargetModel`)
 falls through to transformers' SDPA.
@@ -112,7 +112,7 @@ def compiled_lean_attention(layer: Tensor, query: Tensor, key: Tensor, value: Te
 
 def native_lean_attention(layer: Tensor, query: Tensor, key: Tensor, value: Tensor, scaling: float) -> Tensor:
     """The compiled lean step's slot attention as the fused C++ kernel ``dartree_native::slot_attention``
-    (:mod:`services.verifier.native`: one call per layer, no GEMM, each row accumulated in float32 in a
+    (:mod:`services.native_lib`: one call per layer, no GEMM, each row accumulated in float32 in a
     fixed order, so row and batch invariant by construction); ``[1, R, Hq, Dh]``."""
     return torch.ops.dartree_native.slot_attention(query, key, value, layer, scaling)
 

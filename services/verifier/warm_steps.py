@@ -26,7 +26,7 @@ def steps_key(target, rows: tuple[int, ...]) -> str:
     import torch
 
     from services.machine_cache import machine_id
-    from services.verifier import native
+    from services import native_lib as native
     from services.weight_formats import kernels_version
 
     parts = (machine_id(torch.__version__), getattr(target, "name", "model"), str(getattr(target, "weights", "")),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from services.tree.batch import causal_segment, pack_segments
-from services.verifier import native
+from services import native_lib as native
 from services.verifier import runner as R
 from services.verifier import slot_attention as SA
 from services.verifier.kv_cache import SlotKVCache

@@ -11,7 +11,7 @@ from services import int_dot
 from services.gguf_blocks import quantize_q4_1
 from services.q4_weights import Int4Linear
 
-from services.verifier import native
+from services import native_lib as native
 
 pytestmark = pytest.mark.skipif(not native.load(build=True), reason="the native library cannot be built here")
 

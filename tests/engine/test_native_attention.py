@@ -1,5 +1,5 @@
 """The ATen-call native slot attention (``dartree_native::slot_attention_aten``,
-:mod:`services.verifier.native`) against the Python body it replaces
+:mod:`services.native_lib`) against the Python body it replaces
 (:func:`services.verifier.slot_attention.slot_attention_eager`); the fused kernel is
 tests/engine/test_fused_attention.py's.
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from services.tree.batch import Segment, causal_segment, pack_segments
-from services.verifier import native
+from services import native_lib as native
 from services.verifier import slot_attention as SA
 from services.verifier.kv_cache import SlotKVCache
 

@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.bench_step import PROMPT, engine_stats
 from services.generate import build_inprocess, encode
-from services.verifier import native
+from services import native_lib as native
 from services.params import SamplingParams, SpecParams
 from services.weights import compute_dtype
 

@@ -28,7 +28,7 @@ one ``item()`` a call), and the integer-dot q4 linears and int8 lm_head (``dartr
 ``dartree_native::q8_mm``; ``int_dot.h``, :mod:`services.int_dot`).
 
 Built with the system C++ compiler (``$CXX``, else ``g++``; ``-O3 -march=native``) against the
-installed torch's headers and libraries (``make setup`` runs ``python -m services.verifier.native``;
+installed torch's headers and libraries (``make setup`` runs ``python -m services.native_lib``;
 ~15 s on the 2-core CPU) into ``<state dir>/native/<key>/`` (``$DARTREE_CACHE_DIR``, else
 ``~/.cache/dartree``), where ``key`` hashes the sources, torch's version, the compiler flags and the
 CPU's feature flags, so a torch upgrade, a changed source or another CPU builds again. A compiled
@@ -49,12 +49,11 @@ from pathlib import Path
 
 import torch
 
-from services.q4_weights import use_native_int4_mm
 
 log = logging.getLogger("verifier.native")
 
-SOURCE = Path(__file__).with_name("native_attention.cpp")
-HEADERS = (Path(__file__).with_name("fused_attention.h"), Path(__file__).with_name("int_dot.h"))  # included by SOURCE: part of the cache key
+SOURCE = Path(__file__).parent / "verifier" / "native_attention.cpp"
+HEADERS = (SOURCE.with_name("fused_attention.h"), SOURCE.with_name("int_dot.h"))  # included by SOURCE: part of the cache key
 _SWITCH = os.environ.get("DARTREE_NATIVE_ATTENTION", "1").strip().lower()
 ENABLED = _SWITCH != "0"
 FUSED = _SWITCH != "aten"  # ``aten``: the compiled step calls slot_attention_aten (the Python body's ATen calls)
@@ -156,7 +155,7 @@ def load(build: bool = False) -> bool:
     if not path.exists():
         if not build:
             log.info("native slot attention not built for this torch (run `make setup` or `python -m "
-                     "services.verifier.native`); the attention runs its Python body")
+                     "services.native_lib`); the attention runs its Python body")
             return False
         try:
             path = build_library()
@@ -173,7 +172,6 @@ def load(build: bool = False) -> bool:
         return False
     _register_fake()
     _LOADED = True
-    use_native_int4_mm()  # the compiled q4 linears call dartree_native::int4_mm from now on
     return True
 
 
@@ -210,7 +208,7 @@ def available() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m services.verifier.native``: build the library for this machine; one line, exit 0.
+    """``python -m services.native_lib``: build the library for this machine; one line, exit 0.
     A failed build is reported and exits 0 too (the server then runs the Python body); ``--strict``
     exits 1 instead."""
     argv = sys.argv[1:] if argv is None else argv
