@@ -126,7 +126,6 @@ def _eval_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: 0 = torch's)")
 
 
-
 def main(argv: list[str] | None = None) -> None:
     """``dartree train-drafter`` ARGV: train and export; bad input exits 2 with one error line."""
     ap = argparse.ArgumentParser(prog="dartree train-drafter", description=__doc__.splitlines()[0])
@@ -136,7 +135,6 @@ def main(argv: list[str] | None = None) -> None:
         run(a)
     except (ValueError, RuntimeError, OSError) as exc:  # bad input: one line, not a traceback
         ap.exit(2, f"train-drafter: error: {error_line(exc)}\n")
-
 
 
 def run(a) -> None:

@@ -72,7 +72,6 @@ def read_init_config(path: Path) -> dict:
     return raw
 
 
-
 def preflight(a) -> dict | None:
     """Every check of the flags, paths and files that needs no model, before anything is loaded or
     written; fills in the default ``--out`` (``<work-dir>/export``).

@@ -16,7 +16,6 @@ def shard_paths(feat_dir: Path) -> list[Path]:
     return [p for p in sorted(feat_dir.glob("*.pt")) if p.stem != HELDOUT_SHARD]
 
 
-
 class DataStream:
     """Deterministic, resumable order of training rows: epochs of shuffled shards, rows shuffled per shard.
 

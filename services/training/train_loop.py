@@ -47,7 +47,6 @@ class Schedule:
         return self.lambda_start + (self.lambda_end - self.lambda_start) * min(1.0, s / max(1, self.steps))
 
 
-
 class TrainLoop:
     """One run's optimisation state and its loop: step, RNG, clocks, skipped rows, loss EMAs, and the
     ``<work-dir>/ckpt.pt`` + ``--out`` export written every ``--save-every-min`` and at the end.
