@@ -3,7 +3,7 @@
 One code path (:meth:`Gateway._deltas`) turns the engine's rounds into response deltas; the
 streaming response writes each delta as one SSE event, the non-streaming one concatenates them, so
 both carry the same text, token ids, logprobs, usage and finish reason. A delta carries the tokens
-(ids, logprobs) whose text it carries (:meth:`gateway.text.CompletionText.take_tokens`). A chat
+(ids, logprobs) whose text it carries (:meth:`gateway.detokenize.CompletionText.take_tokens`). A chat
 request whose tools may be called streams each choice's answer as one event at its end: only the
 whole answer tells a tool call (``tool_calls``, finish reason ``tool_calls``) from text
 (:mod:`gateway.tools`).
@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.config import GatewayConfig
+from gateway.detokenize import CompletionText
 from gateway.engine_client import EngineClient, EngineError
 from gateway.logprobs import TokenOut, chat_logprobs, completion_logprobs
 from gateway.requests import Prepared, RequestBuilder, choice_requests, model_name, read_body
@@ -30,7 +31,7 @@ from gateway.schemas import ApiError
 from gateway.streaming import (KEEPALIVE, SSE_DONE, STREAM_START_GRACE_S, Delta, Disconnected, ServerShutdown,
                                SSEResponse, race_disconnect, shutdown_error, sse_event, whole_answers,
                                with_keepalive)
-from gateway.text import CompletionText, TextModel
+from gateway.text import TextModel
 from services.metrics import GatewayMetrics
 from services.protocol import RoundChunk
 

@@ -2,7 +2,7 @@
 
 The values are the target's raw logprobs (``log_softmax`` of its logits before temperature, top-p
 and top-k, like vLLM's default), one entry per emitted token; which tokens an entry list covers
-(a stream chunk's or the whole response's) is decided by :class:`gateway.text.CompletionText`.
+(a stream chunk's or the whole response's) is decided by :class:`gateway.detokenize.CompletionText`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ engine's own drafter client and ``draft_depth`` with the drafter context fed fro
 target forward over ``prompt + ref`` instead of per-round tree verifies, so the τ equals the live
 engine's up to float near-ties (tests/bench/test_replay.py). Used by ``dartree bench --tau-replay``
 (benchmarks/bench_run.replay_turn) and by the training's held-out estimate
-(services/training/train.py); it measures no time.
+(services/training/train_loop.py ``evaluate``); it measures no time.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from services.drafter.eagle3 import Eagle3Config, Eagle3Drafter
 from services.drafter.model import save_drafter
-from services.training.train import DataStream, Schedule
+from services.training.train_data import DataStream
+from services.training.train_loop import Schedule
 
 
 class Eagle3Trainer:
