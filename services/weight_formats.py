@@ -133,8 +133,9 @@ register(WeightFormat(
     "bfloat16", act_dtype="bfloat16", bytes_per_param=2.0, kernels_version=2, rank=20,  # 2: oneDNN-packed linears
     reason="native bf16 GEMMs read half float32's bytes", needs_native_bf16=True))
 register(WeightFormat(
-    # 5: the lm_head through torch's weight-only int8 kernel (services.int8_head)
-    "q4", act_dtype="bfloat16", bytes_per_param=0.6, kernels_version=5, rank=10,
+    # 5: the lm_head through torch's weight-only int8 kernel (services.int8_head); 6: the integer-dot
+    # kernels (services.int_dot) where the CPU has AVX-512 VNNI
+    "q4", act_dtype="bfloat16", bytes_per_param=0.6, kernels_version=6, rank=10,
     reason="4-bit weights read the fewest bytes per step", compile_default=True, packs_dir="q4",
     device_check="services.q4_weights:device_unavailable", target_check="services.q4_weights:target_unavailable",
     prepare="services.q4_weights:prepare"))

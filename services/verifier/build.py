@@ -80,11 +80,14 @@ def sweep_key(model: str, weights: str, device: str, runner: ModelRunner) -> str
     """The cost-sweep cache key of ``runner``'s steps (:func:`services.verifier.cost_model.cache_key`
     at torch's current thread count): compiled steps cost what eager ones do not, so they get a key
     of their own (``<weights>+compiled``), and a change of the formats' kernels
-    (:func:`services.weight_formats.kernels_version`) sweeps again."""
+    (:func:`services.weight_formats.kernels_version`, or the integer-dot kernels switched on or off:
+    :func:`services.int_dot.enabled`) sweeps again."""
+    from services import int_dot
     from services.verifier.cost_model import cache_key
     from services.weight_formats import kernels_version
 
-    fmt = f"{weights}{'+compiled' if runner.compiled else ''}|kernels {kernels_version()}|all-row logits"
+    kernels = f"kernels {kernels_version()}{'+int_dot' if int_dot.enabled() else ''}"
+    fmt = f"{weights}{'+compiled' if runner.compiled else ''}|{kernels}|all-row logits"
     return cache_key(model, fmt, device, torch.get_num_threads())
 
 

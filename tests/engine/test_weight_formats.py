@@ -21,7 +21,7 @@ def test_the_registry_holds_the_served_formats_in_auto_rule_order():
 
     assert WEIGHT_FORMATS == WF.names() and WEIGHT_CHOICES == ("auto", *WF.names())
     assert [f.name for f in WF.by_rank(["float32", "bfloat16", "q4"])] == ["q4", "bfloat16", "float32"]
-    assert WF.kernels_version() == 5  # the newest format's: the cached choices and sweeps keep their keys
+    assert WF.kernels_version() == 6  # the newest format's: the cached choices and sweeps keep their keys
     assert [WF.get(n).act_dtype for n in WF.names()] == ["float32", "bfloat16", "bfloat16"]
     assert [n for n in WF.names() if WF.get(n).compile_default] == ["q4"]
     with pytest.raises(ValueError, match=r"^weights 'q8' is not supported \(choose from float32, bfloat16, q4\)"):
