@@ -118,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--llama-server", default=None, help="the binary (default: .venv/bin/llama-server, PATH)")
     ap.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="more `dartree serve` flags (last)")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds each server may take to be ready")
+    ap.add_argument("--compiled-timeout", type=float, default=900.0,
+                    help="seconds our server may take, once ready, to serve its compiled step")
     ap.add_argument("--dspark", action="store_true", help="add llama-server + our DSpark drafter (c = 1 only)")
     ap.add_argument("--guidellm", action="store_true", help="also run guidellm against both servers "
                     "(make bench-guidellm)")
@@ -309,6 +311,36 @@ def _start(argv: list[str], ready_url: str, log_path: str, timeout_s: float) -> 
         time.sleep(0.5)
 
 
+def verifier_metrics_url(argv: list[str]) -> str:
+    """The verifier's ``/metrics`` URL of our server's ``argv`` (its ``--verifier-metrics-port``)."""
+    return f"http://127.0.0.1:{argv[argv.index('--verifier-metrics-port') + 1]}/metrics"
+
+
+def wait_compiled(url: str, timeout_s: float, get=None, clock=time.monotonic, sleep=time.sleep) -> float:
+    """Wait until the verifier at ``url`` (its ``/metrics``) serves its compiled step
+    (``dartree_compiled_step 1``): a first start serves on the eager step while the compiled one is
+    built in the background, and the benchmark measures the steady state. Returns seconds waited.
+
+    Raises:
+        RuntimeError: not compiled within ``timeout_s`` (one line).
+    """
+    import httpx
+
+    get = get or (lambda u: httpx.get(u, timeout=2).text)
+    t0 = clock()
+    while True:
+        try:
+            if any(line.split()[-1] in ("1", "1.0") for line in get(url).splitlines()
+                   if line.startswith("dartree_compiled_step")):
+                return clock() - t0
+        except (httpx.HTTPError, IndexError):
+            pass
+        if clock() - t0 > timeout_s:
+            raise RuntimeError(f"our server still runs its eager step after {timeout_s:.0f} s (the compiled "
+                               "step builds in the background); raise --compiled-timeout")
+        sleep(1.0)
+
+
 def _stop(proc: subprocess.Popen | None) -> None:
     if proc is None:
         return
@@ -415,6 +447,9 @@ def main(argv: list[str] | None = None) -> dict:
         for name, cmd in cmds.items():
             ready = bases[name] + ("/health/ready" if name == OURS else "/health")
             procs.append(_start(cmd, ready, f"/tmp/vs-llama-{name}.log", a.ready_timeout))
+            if name == OURS:  # the steady state: the compiled step, once it is swapped in
+                waited = wait_compiled(verifier_metrics_url(cmd), a.compiled_timeout)
+                print(f"our compiled step serves ({waited:.0f} s after ready)", file=sys.stderr, flush=True)
         factory = lambda: httpx.Client(timeout=600)  # noqa: E731
         for name in arms:  # warm-up: first-use packing, the drafter's first call, slot set-up
             with factory() as client:

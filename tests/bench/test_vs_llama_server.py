@@ -220,3 +220,19 @@ def test_dspark_conversion_runs_llamas_converter_once(tmp_path):
         ld.dspark_gguf(target, src, drafter=tmp_path / "other-drafter")
     argv = ld.dspark_argv(["llama-server", "-m", "t.gguf"], out, 2)
     assert argv[argv.index("--spec-type") + 1] == "draft-dspark" and argv[argv.index("-md") + 1] == str(out)
+
+
+def test_the_benchmark_waits_for_our_compiled_step():
+    """Our server is measured on its compiled step: the wait reads the verifier's gauge until it is 1,
+    and a server that stays eager is one line, not a measurement of the eager step."""
+    argv = vs.dartree_argv(8000, (8101, 8102), 4, [])
+    url = vs.verifier_metrics_url(argv)
+    assert url == "http://127.0.0.1:8101/metrics"
+    pages = iter(["", "# HELP x\ndartree_compiled_step 0.0\n", "dartree_compiled_step 1.0\n"])
+    now = [0.0]
+    waited = vs.wait_compiled(url, 60, get=lambda u: next(pages), clock=lambda: now[0],
+                              sleep=lambda s: now.__setitem__(0, now[0] + s))
+    assert waited == 2.0
+    with pytest.raises(RuntimeError, match="still runs its eager step after 3 s"):
+        vs.wait_compiled(url, 3, get=lambda u: "dartree_compiled_step 0.0\n", clock=lambda: now[0],
+                         sleep=lambda s: now.__setitem__(0, now[0] + s))
