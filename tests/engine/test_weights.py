@@ -284,6 +284,8 @@ def test_q4_target_replaces_every_linear(q4_target):
     q4 = [n for n, m in mods.items() if isinstance(m, W.Int4Linear)]
     assert len(q4) == 14 and q4_target.weights == "q4" and q4_target.dtype == torch.bfloat16
     assert not any(isinstance(m, torch.nn.Linear) for n, m in mods.items() if ".layers." in n)
+    # the integer-dot kernels wherever they run (the spine tests below then exercise them)
+    assert {mods[n].kernel for n in q4} == {"int_dot" if int_dot.enabled() else "torch"}
 
 
 @pytest.mark.parametrize("fmt", ["q4", "bfloat16"])
