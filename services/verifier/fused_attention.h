@@ -12,9 +12,11 @@
 // fuses nothing else): q . k_j sums the products of each 16-wide chunk of d in 16 lanes (lane d mod 16,
 // chunks ascending, fmadd; for bfloat16 on a CPU with AVX512_BF16 and a head dim that is a multiple of
 // 32, the pair dots of dot_bf16 instead: exact products, lane l taking d = 32c + 2l and 32c + 2l + 1),
-// then adds the lanes pairwise (l + (l + 8), then + 4, + 2, + 1); sum_j p_j in 16
-// lanes by column (lane j mod 16, j ascending), added pairwise the same way; sum_j p_j v_j per d with j
-// ascending. exp is a fixed polynomial (Cephes' expf, within ~2 ulp of the true value). The lanes are
+// then adds the lanes pairwise (l + (l + 8), then + 4, + 2, + 1); sum_j p_j one column after another
+// (j ascending, in one float32); sum_j p_j v_j per d with j ascending. Neither sum over columns depends on
+// a column's position, only on the order of the columns the row sees: a tree verify whose row sees
+// columns with masked siblings between them gives the bits of the same path laid out contiguously (as
+// the commit compacts it, and as plain decoding computes it); a sum in lanes by column index did not. exp is a fixed polynomial (Cephes' expf, within ~2 ulp of the true value). The lanes are
 // GCC vector types (explicit SIMD; AVX-512, AVX2 or SSE as the machine has), so no loop's result
 // depends on whether or how the compiler vectorised it. A row's output depends only on its own query,
 // its own mask row and its slot's K/V: it is bitwise the same alone or beside any other rows or
@@ -252,7 +254,7 @@ void scores(const Views<T>& w, const Request& req, int64_t h, int64_t r0, int64_
   }
 }
 
-// Scores to probabilities in place (masked: 0), and each query's sum of them by lanes (b.total).
+// Scores to probabilities in place (masked: 0); their sum per query is taken in weighted_values (b.total).
 template <typename T>
 void probabilities(int64_t nq, int64_t len16, Scratch<T>& b) {
   for (int64_t i = 0; i < nq; ++i) {
@@ -261,31 +263,33 @@ void probabilities(int64_t nq, int64_t len16, Scratch<T>& b) {
     for (int64_t j = 0; j < len16; j += kLanes) m = m > load(s + j) ? m : load(s + j);
     float mx = kNegInf;
     for (int l = 0; l < kLanes; ++l) mx = std::max(mx, m[l]);
-    Vec lanes{};
     for (int64_t j = 0; j < len16; j += kLanes) {
       const Vec x = load(s + j);
-      const Vec p = x == kNegInf ? Vec{} : exp_nonpositive(x - mx);
-      store(s + j, p);
-      lanes = lanes + p;
+      store(s + j, x == kNegInf ? Vec{} : exp_nonpositive(x - mx));
     }
-    b.total[i] = lane_sum(lanes);
+    b.total[i] = 0.0f;
   }
 }
 
-// a [NC * 16] += p_j v_j for the block's n columns, j ascending (columns with p_j = 0 skipped).
+// a [NC * 16] += p_j v_j and *total += p_j for the block's n columns, j ascending (columns with p_j = 0
+// skipped). The scalar sum's one add a column runs beside the vector multiply-adds' chains.
 template <int NC>
-inline void accumulate(const float* p, int64_t n, const float* v, int64_t dh, float* a) {
+inline void accumulate(const float* p, int64_t n, const float* v, int64_t dh, float* a, float* total) {
   Vec x[NC];
+  float t = *total;
   for (int c = 0; c < NC; ++c) x[c] = load(a + c * kLanes);
   for (int64_t j = 0; j < n; ++j) {
     if (p[j] == 0.0f) continue;
     const Vec pj = splat(p[j]);
+    t = t + p[j];
     for (int c = 0; c < NC; ++c) x[c] = fmadd(pj, load(v + j * dh + c * kLanes), x[c]);
   }
   for (int c = 0; c < NC; ++c) store(a + c * kLanes, x[c]);
+  *total = t;
 }
 
-// b.acc [nq, dh] += sum_j p_j v_j, j ascending, 16 columns at a time (V read once per task).
+// b.acc [nq, dh] += sum_j p_j v_j and b.total [nq] += sum_j p_j, j ascending, 16 columns at a time (V
+// read once per task).
 template <typename T>
 void weighted_values(const Views<T>& w, const Request& req, const T* vbase, int64_t nq, int64_t len16, Scratch<T>& b) {
   const int64_t dh = w.dh, nc = dh / kLanes;
@@ -304,11 +308,14 @@ void weighted_values(const Views<T>& w, const Request& req, const T* vbase, int6
             store(b.kv.data() + j * dh + c * kLanes, load16(vbase + (j0 + j) * w.c_col + c * kLanes));
         loaded = true;
       }
+      float* total = b.total.data() + i;
       switch (nc) {  // the same arithmetic; the accumulators in registers for the usual head dims
-        case 2: accumulate<2>(p, n, b.kv.data(), dh, a); break;
-        case 4: accumulate<4>(p, n, b.kv.data(), dh, a); break;
-        case 8: accumulate<8>(p, n, b.kv.data(), dh, a); break;
+        case 2: accumulate<2>(p, n, b.kv.data(), dh, a, total); break;
+        case 4: accumulate<4>(p, n, b.kv.data(), dh, a, total); break;
+        case 8: accumulate<8>(p, n, b.kv.data(), dh, a, total); break;
         default:
+          for (int64_t j = 0; j < n; ++j)
+            if (p[j] != 0.0f) *total = *total + p[j];
           for (int64_t c = 0; c < nc; ++c) {
             Vec x = load(a + c * kLanes);
             for (int64_t j = 0; j < n; ++j)

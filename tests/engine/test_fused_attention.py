@@ -130,6 +130,27 @@ def test_each_row_is_bitwise_the_same_alone_beside_others_on_any_threads_and_wit
             assert torch.equal(_row_alone(cache, parts, q, k, v, i, r), full[0, a + r]), (i, r)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_masked_columns_between_seen_ones_change_nothing(dtype):
+    """A tree verify's row sees its path with masked siblings between its columns; the commit then
+    compacts the path and plain decoding computes it contiguous. The row's output is bitwise the same
+    with any masked gap before it, at any column (the sum of the probabilities once took the columns in
+    16 lanes by their index, so a gap shifted the later columns to other lanes and changed the bits)."""
+    length = 150
+    cache, parts, (q, k, v) = _step([causal_segment([5], length - 1, 0)], (9, 3, 64), dtype, 512, 7)
+    want = _call(cache, parts, q, k, v)
+    a, b, slot, start, width, _, bias = parts[0]  # width: the KV length the step attends (bucketed)
+    for at, gap in ((1, 1), (37, 2), (100, 3), (140, 16), (148, 5)):
+        other = 1  # the same columns in another slot, with `gap` masked columns inserted at column `at`
+        for t in cache.keys + cache.values:
+            t[other, :, :at] = t[slot, :, :at]
+            t[other, :, at:at + gap] = torch.randn(t[other, :, at:at + gap].shape).to(dtype)
+            t[other, :, at + gap:width + gap] = t[slot, :, at:width]
+        wide = torch.cat([bias[:, :at], bias.new_full((bias.shape[0], gap), float("-inf")), bias[:, at:]], 1)
+        got = _call(cache, [(a, b, other, start + gap, width + gap, None, wide)], q, k, v)
+        assert torch.equal(got, want), (at, gap)
+
+
 def test_the_fused_op_writes_the_step_rows_like_the_reference():
     rng = random.Random(5)
     segments = [causal_segment([5], 40, 0), _tree_segment(rng, 9, 100, 1)]
