@@ -90,7 +90,7 @@ def pack_q8(q: Tensor) -> Tensor:
     n, k = q.shape
     if q.dtype != torch.int8 or n % LANES or k % BLOCK:
         raise ValueError(f"int8 pack needs int8 q [N, K] with N % 16 == 0 and K % 32 == 0; got {q.dtype} {list(q.shape)}")
-    u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(n // LANES, LANES, k // 4, 4)
+    u = (q.view(torch.uint8) ^ 128).reshape(n // LANES, LANES, k // 4, 4)  # q + 128 as a byte: the sign bit flipped
     return u.permute(0, 2, 1, 3).contiguous()
 
 
