@@ -113,9 +113,7 @@ class Int8RowLinear(nn.Linear):
         """``(q [N, K] int8, scale [N] bfloat16)`` this module multiplies by, or None before :meth:`set_int8`."""
         packed = self._buffers.get("q8_packed")
         if packed is not None:
-            t, j = packed.shape[0], packed.shape[1]
-            q = (packed.to(torch.int16) - 128).to(torch.int8).permute(0, 2, 1, 3).reshape(t * int_dot.LANES, j * 4)
-            return q, self.q8_scale
+            return int_dot.unpack_q8(packed), self.q8_scale
         q = self._buffers.get("q8_weight")
         return None if q is None else (q, self.q8_scale)
 

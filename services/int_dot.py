@@ -94,6 +94,12 @@ def pack_q8(q: Tensor) -> Tensor:
     return u.permute(0, 2, 1, 3).contiguous()
 
 
+def unpack_q8(qw: Tensor) -> Tensor:
+    """The int8 rows ``q [N, K]`` back from :func:`pack_q8`'s layout."""
+    t, j = qw.shape[0], qw.shape[1]
+    return (qw ^ 128).view(torch.int8).permute(0, 2, 1, 3).reshape(t * LANES, j * 4)
+
+
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The kernels' activation quantization of ``x [M, K]``: ``xq [M, K]`` int32 (in -127..127),
     ``dx``, ``dxs`` ``[M, K/32]`` float32 and ``sxq [M, K/32]`` int32 (see the module doc)."""
@@ -112,11 +118,9 @@ def q4_reference(x: Tensor, qw: Tensor, dm: Tensor) -> Tensor:
     packed Q4_1 weight -> ``[M, N]`` in ``x``'s dtype. Slow (a loop over blocks); tests only."""
     q, d, m = unpack_q4(qw, dm)
     xq, dx, dxs, _ = quantize_rows(x)
-    n, k = q.shape
-    isum = torch.einsum("mgb,ngb->mgn", xq.reshape(-1, k // BLOCK, BLOCK).double(),
-                        q.reshape(n, -1, BLOCK).double()).to(torch.int32)  # exact: |sum| < 2^24
-    acc = torch.zeros(x.shape[0], n)
-    for g in range(k // BLOCK):
+    isum = _block_sums(xq, q)
+    acc = torch.zeros(x.shape[0], q.shape[0])
+    for g in range(q.shape[1] // BLOCK):
         t1 = (isum[:, g].float() * d[:, g]) * dx[:, g, None]
         acc = (acc + t1) + m[:, g] * dxs[:, g, None]
     return acc.to(x.dtype)
@@ -125,13 +129,18 @@ def q4_reference(x: Tensor, qw: Tensor, dm: Tensor) -> Tensor:
 def q8_reference(x: Tensor, qw: Tensor, scale: Tensor) -> Tensor:
     """``dartree_native::q8_mm`` in torch, the same bits: ``x [M, K]`` times the packed int8 rows with
     their bfloat16 ``scale [N]`` -> ``[M, N]`` in ``x``'s dtype. Slow; tests only."""
-    t, j = qw.shape[0], qw.shape[1]
-    q = (qw.to(torch.int32) - 128).permute(0, 2, 1, 3).reshape(t * LANES, j * 4)
+    q = unpack_q8(qw)
     xq, dx, _, _ = quantize_rows(x)
-    n, k = q.shape
-    isum = torch.einsum("mgb,ngb->mgn", xq.reshape(-1, k // BLOCK, BLOCK).double(),
-                        q.reshape(n, -1, BLOCK).double()).to(torch.int32)
-    acc = torch.zeros(x.shape[0], n)
-    for g in range(k // BLOCK):
+    isum = _block_sums(xq, q)
+    acc = torch.zeros(x.shape[0], q.shape[0])
+    for g in range(q.shape[1] // BLOCK):
         acc = acc + isum[:, g].float() * dx[:, g, None]
     return (acc * scale.float()).to(x.dtype)
+
+
+def _block_sums(xq: Tensor, q: Tensor) -> Tensor:
+    """``[M, K / 32, N]`` int32: ``sum`` over each block of 32 of ``xq [M, K] * q [N, K]``, exactly
+    (float64 products and sums of integers far below 2^53)."""
+    n, k = q.shape
+    return torch.einsum("mgb,ngb->mgn", xq.reshape(-1, k // BLOCK, BLOCK).double(),
+                        q.reshape(n, -1, BLOCK).double()).to(torch.int32)

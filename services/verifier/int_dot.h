@@ -218,40 +218,16 @@ inline void rows_in_blocks(int64_t M, Tile&& tile) {
   }
 }
 
-template <typename T>
-void q4_run(const QuantRows& q, const uint8_t* qw, const c10::Half* dm, T* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t G = K / kBlock, tiles = N / kLanes;
-  const int8_t* xq = q.xq;
-  const float* dx = q.dx;
-  const float* dxs = q.dxs;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+// Every 16-column tile of y [M, N] (the tiles spread over torch's threads), its rows in blocks of up to
+// 4: tile(R, t, r, out) puts rows r .. r + R - 1 of tile t in out[0 .. R - 1] (float32), stored in T.
+template <typename T, typename Tile>
+void for_tiles(T* y, int64_t M, int64_t N, Tile&& tile) {
+  at::parallel_for(0, N / kLanes, 1, [&](int64_t t0, int64_t t1) {
     float out[4][kLanes];
     for (int64_t t = t0; t < t1; ++t) {
       rows_in_blocks(M, [&](auto R, int64_t r) {
-        q4_tile<decltype(R)::value>(qw + t * (K / 8) * 64, dm + t * G * 32, xq + r * K, dx + r * G, dxs + r * G,
-                                    K, G, out);
+        tile(R, t, r, out);
         for (int i = 0; i < decltype(R)::value; ++i) store_lanes(y + (r + i) * N + t * kLanes, out[i]);
-      });
-    }
-  });
-}
-
-template <typename T>
-void q8_run(const QuantRows& q, const uint8_t* qw, const c10::BFloat16* scale, T* y, int64_t M, int64_t N,
-            int64_t K) {
-  const int64_t G = K / kBlock, tiles = N / kLanes;
-  const int8_t* xq = q.xq;
-  const float* dx = q.dx;
-  const int32_t* sxq = q.sxq;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    float out[4][kLanes];
-    for (int64_t t = t0; t < t1; ++t) {
-      rows_in_blocks(M, [&](auto R, int64_t r) {
-        q8_tile<decltype(R)::value>(qw + t * (K / 4) * 64, xq + r * K, dx + r * G, sxq + r * G, K, G, out);
-        for (int i = 0; i < decltype(R)::value; ++i) {
-          for (int64_t l = 0; l < kLanes; ++l) out[i][l] = out[i][l] * static_cast<float>(scale[t * kLanes + l]);
-          store_lanes(y + (r + i) * N + t * kLanes, out[i]);
-        }
       });
     }
   });
@@ -264,23 +240,34 @@ inline void check_rows(const at::Tensor& x, int64_t K, const char* op) {
               ": x must be bfloat16 or float32, got ", x.scalar_type());
 }
 
+// y [M, N] in x's dtype: x [M, K] checked and quantized (quantize_rows), then run(rows, y's data) per dtype.
+template <typename Run>
+at::Tensor multiply(const at::Tensor& x, int64_t N, int64_t K, const char* op, Run&& run) {
+  check_rows(x, K, op);
+  const int64_t M = x.size(0);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (x.scalar_type() == at::kBFloat16)
+    run(quantize_rows(xc.const_data_ptr<c10::BFloat16>(), M, K), y.data_ptr<c10::BFloat16>());
+  else run(quantize_rows(xc.const_data_ptr<float>(), M, K), y.data_ptr<float>());
+  return y;
+}
+
 // y [M, N] in x's dtype = x [M, K] times the Q4_1 weight packed as qw uint8 [N/16, K/8, 16, 4], dm fp16
 // [N/16, K/32, 2, 16].
 inline at::Tensor q4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& dm) {
   TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.is_contiguous() && dm.dim() == 4 &&
                   dm.scalar_type() == at::kHalf && dm.is_contiguous(),
               "dartree_native::q4_mm: qw must be contiguous uint8 [N/16, K/8, 16, 4] and dm fp16 [N/16, K/32, 2, 16]");
-  const int64_t N = qw.size(0) * kLanes, K = qw.size(1) * 8;
-  check_rows(x, K, "dartree_native::q4_mm");
-  const int64_t M = x.size(0);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t N = qw.size(0) * kLanes, K = qw.size(1) * 8, G = K / kBlock;
   const uint8_t* w = qw.const_data_ptr<uint8_t>();
   const c10::Half* s = dm.const_data_ptr<c10::Half>();
-  if (x.scalar_type() == at::kBFloat16)
-    q4_run(quantize_rows(xc.const_data_ptr<c10::BFloat16>(), M, K), w, s, y.data_ptr<c10::BFloat16>(), M, N, K);
-  else q4_run(quantize_rows(xc.const_data_ptr<float>(), M, K), w, s, y.data_ptr<float>(), M, N, K);
-  return y;
+  return multiply(x, N, K, "dartree_native::q4_mm", [&](const QuantRows& q, auto* y) {
+    for_tiles(y, x.size(0), N, [&](auto R, int64_t t, int64_t r, float (*out)[kLanes]) {
+      q4_tile<decltype(R)::value>(w + t * (K / 8) * 64, s + t * G * 32, q.xq + r * K, q.dx + r * G, q.dxs + r * G,
+                                  K, G, out);
+    });
+  });
 }
 
 // y [M, N] in x's dtype = x [M, K] times the int8 rows packed as qw uint8 [N/16, K/4, 16, 4] (q + 128) with
@@ -289,18 +276,17 @@ inline at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Ten
   TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.is_contiguous() && scale.dim() == 1 &&
                   scale.scalar_type() == at::kBFloat16 && scale.size(0) == qw.size(0) * kLanes,
               "dartree_native::q8_mm: qw must be contiguous uint8 [N/16, K/4, 16, 4] and scale bfloat16 [N]");
-  const int64_t N = qw.size(0) * kLanes, K = qw.size(1) * 4;
-  check_rows(x, K, "dartree_native::q8_mm");
-  const int64_t M = x.size(0);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty({M, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t N = qw.size(0) * kLanes, K = qw.size(1) * 4, G = K / kBlock;
   const uint8_t* w = qw.const_data_ptr<uint8_t>();
   const at::Tensor sc = scale.contiguous();
   const c10::BFloat16* s = sc.const_data_ptr<c10::BFloat16>();
-  if (x.scalar_type() == at::kBFloat16)
-    q8_run(quantize_rows(xc.const_data_ptr<c10::BFloat16>(), M, K), w, s, y.data_ptr<c10::BFloat16>(), M, N, K);
-  else q8_run(quantize_rows(xc.const_data_ptr<float>(), M, K), w, s, y.data_ptr<float>(), M, N, K);
-  return y;
+  return multiply(x, N, K, "dartree_native::q8_mm", [&](const QuantRows& q, auto* y) {
+    for_tiles(y, x.size(0), N, [&](auto R, int64_t t, int64_t r, float (*out)[kLanes]) {
+      q8_tile<decltype(R)::value>(w + t * (K / 4) * 64, q.xq + r * K, q.dx + r * G, q.sxq + r * G, K, G, out);
+      for (int i = 0; i < decltype(R)::value; ++i)
+        for (int64_t l = 0; l < kLanes; ++l) out[i][l] = out[i][l] * static_cast<float>(s[t * kLanes + l]);
+    });
+  });
 }
 
 // Which instructions the kernels run: "avx512_vnni" or "scalar".
