@@ -134,6 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(a, name)})")
     if any(c < 1 for c in a.concurrency):
         ap.error(f"--concurrency levels must be >= 1 (got {a.concurrency})")
+    for name in ("ready_timeout", "compiled_timeout"):
+        if getattr(a, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0 seconds (got {getattr(a, name)})")
     if a.ctx_per_slot < a.max_tokens + 64:
         ap.error(f"--ctx-per-slot {a.ctx_per_slot} leaves no room for a prompt and --max-tokens {a.max_tokens}")
     _check_guidellm_args(ap, a)

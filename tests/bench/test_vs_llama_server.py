@@ -27,7 +27,8 @@ def test_arguments_default_and_refuse_bad_values(capsys):
     assert vs.parse_args(["--max-running", "4", "--serve-args", "--spec-policy", "fixed"]).serve_args == \
         ["--spec-policy", "fixed"]
     for bad in (["--max-running", "0"], ["--passes", "0"], ["--concurrency", "4", "0"], ["--threads", "-1"],
-                ["--ctx-per-slot", "100", "--max-tokens", "128"]):
+                ["--ctx-per-slot", "100", "--max-tokens", "128"], ["--compiled-timeout", "0"],
+                ["--ready-timeout", "-5"]):
         with pytest.raises(SystemExit):
             vs.parse_args(bad)
         err = capsys.readouterr().err
